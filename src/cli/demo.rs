@@ -1,0 +1,136 @@
+//! `trajlog demo`: the main job on an embedded default.
+
+use super::human_bytes;
+use std::path::PathBuf;
+use std::time::Instant;
+use trajlog::sim::{simulate, SimConfig};
+use trajlog::{Durability, Options, Relation, Store};
+
+pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Result<i32> {
+    let dir = match dir {
+        Some(d) => d,
+        None => std::env::temp_dir().join(format!(
+            "trajlog-demo-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis())
+        )),
+    };
+    if dir.exists() && std::fs::read_dir(&dir).map(|mut d| d.next().is_some()).unwrap_or(false) {
+        eprintln!("trajlog demo: {} is not empty; give --dir a new or empty directory", dir.display());
+        return Ok(2);
+    }
+    if sessions == 0 || steps == 0 {
+        eprintln!("trajlog demo: --sessions and --steps must be at least 1");
+        return Ok(2);
+    }
+    let cfg = SimConfig { sessions, steps, ..SimConfig::default() };
+    println!("trajlog demo: {sessions} simulated agent rollouts × {steps} calls (growing prompts, some with a retokenization break)");
+    println!("store: {}", dir.display());
+    let batch = simulate(&cfg);
+    let calls: usize = batch.iter().map(|s| s.calls.len()).sum();
+    let prompt_tokens: usize = batch.iter().flat_map(|s| &s.calls).map(|c| c.prompt_token_ids.len()).sum();
+    let completion_tokens: usize = batch.iter().flat_map(|s| &s.calls).map(|c| c.completion_token_ids.len()).sum();
+    // Logical size of the token payload: ids as u32 and logprobs as f32, every prompt in full.
+    let logical = 4 * (prompt_tokens + 2 * completion_tokens) as u64;
+    let json_bytes: u64 =
+        batch.iter().flat_map(|s| &s.calls).map(|c| trajlog::trace_json::export_call(c).len() as u64).sum();
+
+    let store = Store::open(&dir, Options { durability: Durability::Group, ..Options::default() })?;
+    // Interleave sessions turn by turn, as concurrent rollouts arrive.
+    let started = Instant::now();
+    let mut last = None;
+    for step in 0..steps {
+        for s in &batch {
+            if let Some(call) = s.calls.get(step) {
+                last = Some(store.append(call.clone())?);
+            }
+        }
+    }
+    if let Some(r) = last {
+        r.wait()?;
+    }
+    store.flush()?;
+    let ingest_s = started.elapsed().as_secs_f64();
+    for s in &batch {
+        store.seal_session(&s.session_id)?;
+    }
+    store.flush()?;
+
+    let snap = store.snapshot();
+    let on_disk: u64 = snap.segments().iter().map(|s| s.data_bytes).sum();
+    let read_started = Instant::now();
+    let mut exact = 0usize;
+    let mut mismatches = Vec::new();
+    let mut breaks_found = Vec::new();
+    for s in &batch {
+        let got = snap.session(&s.session_id, None, None)?;
+        for (i, (want, view)) in s.calls.iter().zip(&got).enumerate() {
+            let same = view.trace_id() == want.trace_id
+                && view.prompt()? == want.prompt_token_ids
+                && view.completion_token_ids() == want.completion_token_ids.as_slice()
+                && view.logprobs().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+                    == want.logprobs.as_ref().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            if same {
+                exact += 1;
+            } else {
+                mismatches.push(want.trace_id.clone());
+            }
+            if view.relation() == Relation::TitoBreak {
+                breaks_found.push((s.session_id.clone(), i, view.divergence_position().unwrap_or(0)));
+            }
+        }
+        if got.len() != s.calls.len() {
+            mismatches.push(format!("{}: {} calls read, {} appended", s.session_id, got.len(), s.calls.len()));
+        }
+    }
+    let read_s = read_started.elapsed().as_secs_f64();
+    let injected: Vec<(String, usize, usize)> =
+        batch.iter().filter_map(|s| s.injected_break.map(|(i, p)| (s.session_id.clone(), i, p))).collect();
+
+    let mb = |b: u64| b as f64 / 1e6;
+    println!();
+    println!(
+        "captured   {} sessions, {calls} calls, {:.2} M tokens ({:.2} M prompt, {:.2} M completion)",
+        batch.len(),
+        (prompt_tokens + completion_tokens) as f64 / 1e6,
+        prompt_tokens as f64 / 1e6,
+        completion_tokens as f64 / 1e6
+    );
+    println!(
+        "ingest     {:.3} s: {:.0} calls/s, {:.0} MB/s of token payload (durability=group, acknowledged after fsync)",
+        ingest_s,
+        calls as f64 / ingest_s,
+        mb(logical) / ingest_s
+    );
+    println!("logical    {} of token payload (u32 ids + f32 logprobs, every prompt in full)", human_bytes(logical));
+    println!("           {} as rLLM-style JSON text (one JSON blob per call)", human_bytes(json_bytes));
+    println!(
+        "on disk    {} in {} segment(s): {:.2}× the logical payload, {:.3}× the JSON (prefix-delta stores only new tokens)",
+        human_bytes(on_disk),
+        snap.segments().len(),
+        on_disk as f64 / logical as f64,
+        on_disk as f64 / json_bytes as f64
+    );
+    println!(
+        "read back  {exact}/{calls} calls exact (prompts, completions, logprobs bit-for-bit) in {:.3} s ({:.0} MB/s of token payload)",
+        read_s,
+        mb(logical) / read_s
+    );
+    println!("TI/TO      {} breaks found, {} injected", breaks_found.len(), injected.len());
+    for (session, call, pos) in breaks_found.iter().take(5) {
+        let expected = injected.iter().any(|(s, c, p)| s == session && c == call && p == pos);
+        println!(
+            "           {session} call {call}: prompt diverges inside the previous completion at token {pos}{}",
+            if expected { " (as injected)" } else { " (NOT injected!)" }
+        );
+    }
+    println!();
+    println!("look closer:  trajlog ls --store {0}\n              trajlog show --store {0} {1}\n              trajlog export --store {0} --session {1} | head -c 600\n              trajlog verify --store {0}", dir.display(), injected.first().map_or("task-0:0", |b| b.0.as_str()));
+    store.close()?;
+    let ok = mismatches.is_empty() && exact == calls && breaks_found.len() == injected.len();
+    if !ok {
+        eprintln!("trajlog demo: read-back check FAILED: {mismatches:?}");
+        return Ok(1);
+    }
+    Ok(0)
+}

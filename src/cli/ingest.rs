@@ -1,0 +1,72 @@
+//! `trajlog ingest`: JSON lines on stdin → store; an ack line per durable record.
+
+use std::io::{BufRead, Write};
+use std::path::Path;
+use trajlog::{Options, Store};
+
+pub fn run(dir: &Path, durability: &str) -> trajlog::Result<i32> {
+    let options = Options { durability: durability.parse()?, ..Options::default() };
+    let store = Store::open(dir, options)?;
+    // A reader thread feeds lines so that the main loop can batch whatever has
+    // arrived and ack it with one durability wait, without waiting for more input.
+    let (tx, rx) = crossbeam_channel::bounded::<(usize, std::io::Result<String>)>(4096);
+    std::thread::spawn(move || {
+        for (i, line) in std::io::stdin().lock().lines().enumerate() {
+            if tx.send((i + 1, line)).is_err() {
+                break;
+            }
+        }
+    });
+    let stdout = std::io::stdout();
+    let mut failed_lines = 0u64;
+    let mut acked = 0u64;
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 4096 {
+            match rx.try_recv() {
+                Ok(item) => batch.push(item),
+                Err(_) => break,
+            }
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let mut pending = Vec::with_capacity(batch.len());
+        let mut last = None;
+        for (line_no, line) in batch {
+            let line = match line {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("trajlog ingest: line {line_no}: cannot read stdin: {e}");
+                    failed_lines += 1;
+                    continue;
+                }
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            match trajlog::trace_json::parse_trace(&line, now) {
+                Ok(call) => {
+                    let id = call.trace_id.clone();
+                    last = Some(store.append(call)?);
+                    pending.push(id);
+                }
+                Err(e) => {
+                    eprintln!("trajlog ingest: line {line_no}: {e} (line skipped)");
+                    failed_lines += 1;
+                }
+            }
+        }
+        if let Some(receipt) = last {
+            // Records become durable in append order: the last one covers the batch.
+            receipt.wait()?;
+        }
+        let mut out = stdout.lock();
+        for id in pending {
+            let _ = writeln!(out, "{{\"ack\":{}}}", serde_json::to_string(&id).unwrap_or_default());
+            acked += 1;
+        }
+        let _ = out.flush();
+    }
+    store.close()?;
+    eprintln!("trajlog ingest: {acked} traces stored, {failed_lines} lines refused");
+    Ok(if failed_lines > 0 { 1 } else { 0 })
+}

@@ -1,0 +1,112 @@
+//! Read-side subcommands: `export`, `ls`, `show`, `verify`. They open the store
+//! read-only, so they work beside a running writer.
+
+use std::io::Write;
+use std::path::Path;
+use trajlog::{Snapshot, Store};
+
+fn open(dir: &Path) -> trajlog::Result<Snapshot> {
+    Ok(Store::open_read_only(dir)?.snapshot())
+}
+
+pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
+    let snap = open(dir)?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let sessions: Vec<String> = match session {
+        Some(s) => vec![s.to_owned()],
+        None => snap.sessions().into_iter().map(|s| s.session_id).collect(),
+    };
+    for id in sessions {
+        for call in snap.session(&id, None, None)? {
+            // Exporting everything: a call is printed under its own session only
+            // (not again under each of its extra session uids).
+            if session.is_none() && call.session_id() != id {
+                continue;
+            }
+            let line = trajlog::trace_json::export_call(&call.to_call()?);
+            if writeln!(out, "{line}").is_err() {
+                return Ok(0); // closed pipe (e.g. `| head`)
+            }
+        }
+    }
+    let _ = out.flush();
+    Ok(0)
+}
+
+pub fn ls(dir: &Path) -> trajlog::Result<i32> {
+    let snap = open(dir)?;
+    let sessions = snap.sessions();
+    println!("{:<40} {:>6} {:>18} {:>18} {:>7} {:>8}", "SESSION", "CALLS", "FIRST", "LAST", "SEALED", "REWARD");
+    for s in &sessions {
+        let reward = s.reward.map_or("-".to_owned(), |r| format!("{r}"));
+        println!(
+            "{:<40} {:>6} {:>18.3} {:>18.3} {:>7} {:>8}",
+            s.session_id,
+            s.calls,
+            s.first_timestamp,
+            s.last_timestamp,
+            if s.sealed { "yes" } else { "no" },
+            reward
+        );
+    }
+    let bytes: u64 = snap.segments().iter().map(|s| s.data_bytes).sum();
+    println!(
+        "{} sessions, {} calls, {} segments, {}",
+        sessions.len(),
+        snap.call_count(),
+        snap.segments().len(),
+        super::human_bytes(bytes)
+    );
+    Ok(0)
+}
+
+pub fn show(dir: &Path, session: &str) -> trajlog::Result<i32> {
+    let snap = open(dir)?;
+    let Some(info) = snap.session_info(session) else {
+        eprintln!("trajlog show: no session {session:?} in {}", dir.display());
+        return Ok(1);
+    };
+    println!("session {}: {} calls, sealed: {}, reward: {:?}", info.session_id, info.calls, info.sealed, info.reward);
+    println!("{:>4} {:<28} {:>9} {:>9} {:>9} {:>10}  RELATION", "#", "TRACE", "PROMPT", "STORED", "COMPL", "MIN LOGP");
+    for (i, call) in snap.session(session, None, None)?.iter().enumerate() {
+        let min_lp = call
+            .logprobs()
+            .and_then(|l| l.iter().copied().reduce(f32::min))
+            .map_or("-".to_owned(), |v| format!("{v:.3}"));
+        let relation = match call.divergence_position() {
+            Some(pos) => {
+                let prompt = call.prompt()?;
+                let around = &prompt[pos.saturating_sub(2)..(pos + 3).min(prompt.len())];
+                format!("{} at {pos} (ids around it: {around:?})", call.relation().name())
+            }
+            None => call.relation().name().to_owned(),
+        };
+        println!(
+            "{:>4} {:<28} {:>9} {:>9} {:>9} {:>10}  {}",
+            i,
+            call.trace_id(),
+            call.prompt_len(),
+            call.prompt_suffix().len(),
+            call.completion_token_ids().len(),
+            min_lp,
+            relation
+        );
+    }
+    Ok(0)
+}
+
+pub fn verify(dir: &Path) -> trajlog::Result<i32> {
+    let report = trajlog::verify::verify_dir(dir)?;
+    for p in &report.problems {
+        println!("CORRUPT {} at offset {}: {}", p.path.display(), p.offset, p.what);
+    }
+    println!(
+        "verified {} segments, {} records, {}: {}",
+        report.segments,
+        report.records,
+        super::human_bytes(report.bytes),
+        if report.problems.is_empty() { "ok".to_owned() } else { format!("{} problems", report.problems.len()) }
+    );
+    Ok(if report.problems.is_empty() { 0 } else { 1 })
+}

@@ -1,0 +1,97 @@
+//! Subcommands of the `trajlog` binary: thin adapters over the library.
+
+mod demo;
+mod ingest;
+mod inspect;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "trajlog", version, about = "Exact, append-only trace store for RL training of LLM agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Simulate a batch of multi-turn agent rollouts, capture them, read them back exactly, report.
+    Demo {
+        /// Store directory (must be empty or absent); default: a new temporary directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Number of sessions (rollouts) to simulate.
+        #[arg(long, default_value_t = 64)]
+        sessions: usize,
+        /// Calls (turns) per session.
+        #[arg(long, default_value_t = 8)]
+        steps: usize,
+    },
+    /// Read JSON traces (one per line) from stdin; print {"ack":"<trace_id>"} once each is durable.
+    Ingest {
+        #[arg(long)]
+        store: PathBuf,
+        /// buffered | group | sync
+        #[arg(long, default_value = "group")]
+        durability: String,
+    },
+    /// Print calls as JSON lines in the rLLM gateway trace shape, oldest first per session.
+    Export {
+        #[arg(long)]
+        store: PathBuf,
+        /// Only this session.
+        #[arg(long)]
+        session: Option<String>,
+    },
+    /// List sessions with call counts and time range.
+    Ls {
+        #[arg(long)]
+        store: PathBuf,
+    },
+    /// Show one session call by call: tokens, and how each prompt relates to its parent.
+    Show {
+        #[arg(long)]
+        store: PathBuf,
+        session: String,
+    },
+    /// Full CRC scan of every segment; exits non-zero on any corruption.
+    Verify {
+        #[arg(long)]
+        store: PathBuf,
+    },
+}
+
+/// Run the CLI; returns the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo { dir, sessions, steps } => demo::run(dir, sessions, steps),
+        Command::Ingest { store, durability } => ingest::run(&store, &durability),
+        Command::Export { store, session } => inspect::export(&store, session.as_deref()),
+        Command::Ls { store } => inspect::ls(&store),
+        Command::Show { store, session } => inspect::show(&store, &session),
+        Command::Verify { store } => inspect::verify(&store),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("trajlog: error: {e}");
+            2
+        }
+    }
+}
+
+/// Human-readable byte count.
+pub(crate) fn human_bytes(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.2} GB", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2} MB", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1} kB", n / 1e3)
+    } else {
+        format!("{n} B")
+    }
+}

@@ -1,0 +1,207 @@
+//! Prefix-delta encoding (format-spec/record.md §4): choosing a call's parent
+//! and classifying how its prompt relates to the parent's context.
+//!
+//! The writer remembers, per session, the contexts (`prompt ++ completion`) of
+//! the last [`DELTA_LOOKBACK_CALLS`](crate::limits::DELTA_LOOKBACK_CALLS) calls.
+//! A new call's parent is the remembered call whose context shares the longest
+//! prefix with the new prompt (ties go to the most recent). Memory is bounded by
+//! a byte budget; the least recently used sessions are forgotten first (a
+//! forgotten session's next call is re-loaded from disk by the writer).
+
+use crate::format::record::{Delta, Loc, Relation};
+use crate::limits::DELTA_LOOKBACK_CALLS;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+/// Length of the longest common prefix of `a` and `b`.
+pub fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
+    // Compare in chunks first: the common case is a long shared prefix.
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + 16 <= n && a[i..i + 16] == b[i..i + 16] {
+        i += 16;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Classify a prompt against a parent context of `context_len` tokens whose
+/// prompt part is `parent_prompt_len` long, given `shared` common tokens.
+pub fn classify(shared: usize, parent_prompt_len: usize, context_len: usize) -> Relation {
+    if shared == context_len {
+        Relation::Extends
+    } else if shared >= parent_prompt_len {
+        Relation::TitoBreak
+    } else {
+        Relation::DivergesEarlier
+    }
+}
+
+/// One remembered call.
+#[derive(Debug, Clone)]
+pub struct Context {
+    pub loc: Loc,
+    pub prompt_len: usize,
+    /// `prompt ++ completion`.
+    pub tokens: Arc<Vec<u32>>,
+}
+
+impl Context {
+    fn bytes(&self) -> u64 {
+        self.tokens.len() as u64 * 4 + 64
+    }
+}
+
+#[derive(Debug, Default)]
+struct SessionContexts {
+    tick: u64,
+    recent: VecDeque<Context>,
+}
+
+/// Per-session recent contexts under a byte budget.
+#[derive(Debug)]
+pub struct DeltaCache {
+    budget_bytes: u64,
+    bytes: u64,
+    tick: u64,
+    sessions: HashMap<Arc<str>, SessionContexts>,
+    lru: BTreeMap<u64, Arc<str>>,
+}
+
+impl DeltaCache {
+    pub fn new(budget_bytes: u64) -> Self {
+        Self { budget_bytes, bytes: 0, tick: 0, sessions: HashMap::new(), lru: BTreeMap::new() }
+    }
+
+    pub fn knows(&self, session: &str) -> bool {
+        self.sessions.contains_key(session)
+    }
+
+    fn touch(&mut self, session: &Arc<str>) {
+        self.tick += 1;
+        let tick = self.tick;
+        let entry = self.sessions.entry(session.clone()).or_default();
+        if entry.tick != 0 {
+            self.lru.remove(&entry.tick);
+        }
+        entry.tick = tick;
+        self.lru.insert(tick, session.clone());
+    }
+
+    /// Choose the parent of a new call of `session` with `prompt`.
+    pub fn choose(&self, session: &str, prompt: &[u32]) -> Delta {
+        let Some(entry) = self.sessions.get(session) else { return Delta::ROOT };
+        let mut best: Option<(&Context, usize)> = None;
+        for ctx in entry.recent.iter().rev() {
+            let shared = common_prefix_len(prompt, &ctx.tokens);
+            if best.is_none_or(|(_, b)| shared > b) {
+                best = Some((ctx, shared));
+            }
+        }
+        match best {
+            None => Delta::ROOT,
+            Some((ctx, shared)) => Delta {
+                parent: Some(ctx.loc),
+                prefix_len: shared as u32,
+                relation: classify(shared, ctx.prompt_len, ctx.tokens.len()),
+            },
+        }
+    }
+
+    /// Remember a call's context (newest last).
+    pub fn remember(&mut self, session: &Arc<str>, ctx: Context) {
+        self.touch(session);
+        self.bytes += ctx.bytes();
+        let mut freed = 0;
+        if let Some(entry) = self.sessions.get_mut(session) {
+            entry.recent.push_back(ctx);
+            while entry.recent.len() > DELTA_LOOKBACK_CALLS {
+                if let Some(old) = entry.recent.pop_front() {
+                    freed += old.bytes();
+                }
+            }
+        }
+        self.bytes -= freed;
+        self.evict(session);
+    }
+
+    /// Forget a session (sealed or deleted).
+    pub fn forget(&mut self, session: &str) {
+        if let Some(entry) = self.sessions.remove(session) {
+            self.lru.remove(&entry.tick);
+            self.bytes -= entry.recent.iter().map(Context::bytes).sum::<u64>();
+        }
+    }
+
+    fn evict(&mut self, keep: &str) {
+        while self.bytes > self.budget_bytes {
+            let Some((_, victim)) = self.lru.iter().next().map(|(t, s)| (*t, s.clone())) else { break };
+            if &*victim == keep {
+                // Only the current session is left: trim its oldest contexts.
+                let Some(entry) = self.sessions.get_mut(keep) else { break };
+                if entry.recent.len() <= 1 {
+                    break;
+                }
+                if let Some(old) = entry.recent.pop_front() {
+                    self.bytes -= old.bytes();
+                }
+                continue;
+            }
+            self.forget(&victim);
+        }
+    }
+
+    /// Bytes currently remembered.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(offset: u64, prompt: &[u32], completion: &[u32]) -> Context {
+        let mut t = prompt.to_vec();
+        t.extend_from_slice(completion);
+        Context { loc: Loc { segment: 1, offset }, prompt_len: prompt.len(), tokens: Arc::new(t) }
+    }
+
+    #[test]
+    fn classifies_extends_break_and_divergence() {
+        let s: Arc<str> = Arc::from("s");
+        let mut cache = DeltaCache::new(1 << 20);
+        cache.remember(&s, ctx(64, &[1, 2, 3], &[4, 5]));
+        let d = cache.choose("s", &[1, 2, 3, 4, 5, 6]);
+        assert_eq!((d.prefix_len, d.relation), (5, Relation::Extends));
+        let d = cache.choose("s", &[1, 2, 3, 4, 9, 6]);
+        assert_eq!((d.prefix_len, d.relation), (4, Relation::TitoBreak));
+        let d = cache.choose("s", &[1, 7]);
+        assert_eq!((d.prefix_len, d.relation), (1, Relation::DivergesEarlier));
+        assert_eq!(cache.choose("other", &[1]), Delta::ROOT);
+    }
+
+    #[test]
+    fn picks_the_longest_shared_prefix_among_interleaved_conversations() {
+        let s: Arc<str> = Arc::from("s");
+        let mut cache = DeltaCache::new(1 << 20);
+        cache.remember(&s, ctx(64, &[1, 1, 1], &[2]));
+        cache.remember(&s, ctx(128, &[9, 9], &[8]));
+        let d = cache.choose("s", &[1, 1, 1, 2, 3]);
+        assert_eq!(d.parent, Some(Loc { segment: 1, offset: 64 }));
+        assert_eq!(d.relation, Relation::Extends);
+    }
+
+    #[test]
+    fn budget_evicts_least_recently_used_sessions() {
+        let mut cache = DeltaCache::new(1000);
+        for i in 0..20u64 {
+            let s: Arc<str> = Arc::from(format!("s{i}").as_str());
+            cache.remember(&s, ctx(64 * (i + 1), &[0; 50], &[1; 10]));
+        }
+        assert!(cache.bytes() <= 1000);
+        assert!(cache.knows("s19") && !cache.knows("s0"));
+    }
+}

@@ -1,0 +1,35 @@
+//! Named limits. Every input is checked against these at the boundary, before
+//! anything is written (TIGER_STYLE: put a limit on everything).
+//!
+//! They are part of the format contract (format-spec/record.md §5): a reader may
+//! reject a record that exceeds them as corrupt.
+
+/// Prompt tokens per call (`prompt_token_ids.len()`).
+pub const PROMPT_TOKENS_MAX: u64 = 4 * 1024 * 1024;
+/// Completion tokens per call (`completion_token_ids.len()`).
+pub const COMPLETION_TOKENS_MAX: u64 = 1024 * 1024;
+/// Bytes of JSON per call: `messages` + `response_message` + `metadata` + `extra`.
+pub const JSON_BYTES_PER_CALL_MAX: u64 = 64 * 1024 * 1024;
+/// Bytes of the opaque `routing_matrices` blob per call.
+pub const ROUTING_BYTES_MAX: u64 = 64 * 1024 * 1024;
+/// Bytes of a trace id or a session id / session uid (UTF-8).
+pub const ID_BYTES_MAX: u64 = 512;
+/// Extra `session_uids` per call (besides `session_id`).
+pub const SESSION_UIDS_MAX: u64 = 64;
+/// Bytes of `model` and of `finish_reason`.
+pub const SHORT_STRING_BYTES_MAX: u64 = 1024;
+/// Bytes of one framed record on disk (everything above fits well inside it).
+pub const RECORD_BYTES_MAX: u64 = 256 * 1024 * 1024;
+/// Recent calls of a session considered when choosing a prefix-delta parent.
+pub const DELTA_LOOKBACK_CALLS: usize = 8;
+/// Smallest allowed segment size.
+pub const SEGMENT_BYTES_MIN: u64 = 64 * 1024;
+/// Default segment size at which the writer seals and rolls to a new segment.
+pub const DEFAULT_SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
+/// Default depth of the append channel (records in flight to the writer thread).
+pub const DEFAULT_QUEUE_DEPTH: usize = 4096;
+/// Default group-commit interval for `Durability::Group`.
+pub const DEFAULT_GROUP_COMMIT_MS: u64 = 5;
+/// Default memory the writer spends remembering recent session contexts for
+/// prefix-delta encoding; least recently used sessions are forgotten first.
+pub const DEFAULT_DELTA_CACHE_BYTES: u64 = 256 * 1024 * 1024;

@@ -1,0 +1,190 @@
+//! The record model: one captured LLM call ([`Call`]) and the annotations that
+//! attach to calls or sessions later ([`Annotation`]).
+//!
+//! [`Call::validate`] is the boundary check: every limit from [`crate::limits`]
+//! and every malformed value is refused here with an error that names the field,
+//! before a single byte is written.
+
+use crate::error::{Error, Result};
+use crate::limits::*;
+
+/// One captured LLM call. JSON documents are kept verbatim as bytes.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Call {
+    /// Unique id; appending a call with an existing id replaces the old one.
+    pub trace_id: String,
+    /// The rollout (session) this call belongs to.
+    pub session_id: String,
+    /// Extra (nested) sessions this call also belongs to.
+    pub session_uids: Vec<String>,
+    /// Seconds since the Unix epoch (finite).
+    pub timestamp: f64,
+    pub model: Option<String>,
+    pub weight_version: Option<i64>,
+    pub prompt_token_ids: Vec<u32>,
+    pub completion_token_ids: Vec<u32>,
+    /// Per completion token; same length as `completion_token_ids` when present.
+    pub logprobs: Option<Vec<f32>>,
+    /// Opaque per-call blob (MoE routing matrices), stored as given.
+    pub routing_matrices: Option<Vec<u8>>,
+    pub finish_reason: Option<String>,
+    pub latency_ms: Option<f64>,
+    /// JSON text, kept verbatim.
+    pub messages: Option<Vec<u8>>,
+    /// JSON text, kept verbatim.
+    pub response_message: Option<Vec<u8>>,
+    /// JSON text, kept verbatim.
+    pub metadata: Option<Vec<u8>>,
+    /// A JSON object holding every other field of the caller's trace
+    /// (`token_counts`, `raw_request`, unknown keys), kept verbatim.
+    pub extra: Option<Vec<u8>>,
+}
+
+/// What an annotation refers to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    Trace(String),
+    Session(String),
+}
+
+/// A later record that attaches to a trace or a session.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Annotation {
+    /// A scalar reward on a trace or a whole session (last one wins).
+    Reward { target: Target, value: f64 },
+    /// All calls of the session are in: later appends to it are refused.
+    Seal { session_id: String },
+    /// Removes every call that belongs to the session (by `session_id` or
+    /// `session_uids`) appended before this record.
+    DeleteSession { session_id: String },
+}
+
+pub(crate) fn check_id(field: &str, id: &str) -> Result<()> {
+    if id.is_empty() {
+        return Err(Error::invalid(field, "must not be empty"));
+    }
+    if id.len() as u64 > ID_BYTES_MAX {
+        return Err(Error::limit("ID_BYTES_MAX", field, id.len() as u64, ID_BYTES_MAX));
+    }
+    Ok(())
+}
+
+fn check_short(field: &str, s: &Option<String>) -> Result<()> {
+    if let Some(s) = s {
+        if s.len() as u64 > SHORT_STRING_BYTES_MAX {
+            return Err(Error::limit("SHORT_STRING_BYTES_MAX", field, s.len() as u64, SHORT_STRING_BYTES_MAX));
+        }
+    }
+    Ok(())
+}
+
+fn check_json(field: &str, doc: &Option<Vec<u8>>) -> Result<u64> {
+    let Some(doc) = doc else { return Ok(0) };
+    serde_json::from_slice::<serde::de::IgnoredAny>(doc)
+        .map_err(|e| Error::invalid(field, format!("not valid JSON ({e})")))?;
+    Ok(doc.len() as u64)
+}
+
+impl Call {
+    /// Check every field against the limits and the format's rules.
+    pub fn validate(&self) -> Result<()> {
+        check_id("trace_id", &self.trace_id)?;
+        check_id("session_id", &self.session_id)?;
+        if self.session_uids.len() as u64 > SESSION_UIDS_MAX {
+            return Err(Error::limit(
+                "SESSION_UIDS_MAX",
+                "session_uids count",
+                self.session_uids.len() as u64,
+                SESSION_UIDS_MAX,
+            ));
+        }
+        for (i, uid) in self.session_uids.iter().enumerate() {
+            check_id(&format!("session_uids[{i}]"), uid)?;
+        }
+        if !self.timestamp.is_finite() {
+            return Err(Error::invalid("timestamp", format!("{} is not a finite number of seconds", self.timestamp)));
+        }
+        if let Some(l) = self.latency_ms {
+            if !l.is_finite() || l < 0.0 {
+                return Err(Error::invalid("latency_ms", format!("{l} is not a finite, non-negative number")));
+            }
+        }
+        check_short("model", &self.model)?;
+        check_short("finish_reason", &self.finish_reason)?;
+        let prompt = self.prompt_token_ids.len() as u64;
+        if prompt > PROMPT_TOKENS_MAX {
+            return Err(Error::limit("PROMPT_TOKENS_MAX", "prompt_token_ids length", prompt, PROMPT_TOKENS_MAX));
+        }
+        let completion = self.completion_token_ids.len() as u64;
+        if completion > COMPLETION_TOKENS_MAX {
+            return Err(Error::limit(
+                "COMPLETION_TOKENS_MAX",
+                "completion_token_ids length",
+                completion,
+                COMPLETION_TOKENS_MAX,
+            ));
+        }
+        if let Some(lp) = &self.logprobs {
+            if lp.len() != self.completion_token_ids.len() {
+                return Err(Error::invalid(
+                    "logprobs",
+                    format!(
+                        "has {} values but completion_token_ids has {}; they must be the same length",
+                        lp.len(),
+                        completion
+                    ),
+                ));
+            }
+        }
+        if let Some(r) = &self.routing_matrices {
+            if r.len() as u64 > ROUTING_BYTES_MAX {
+                return Err(Error::limit(
+                    "ROUTING_BYTES_MAX",
+                    "routing_matrices bytes",
+                    r.len() as u64,
+                    ROUTING_BYTES_MAX,
+                ));
+            }
+        }
+        let mut json = 0;
+        json += check_json("messages", &self.messages)?;
+        json += check_json("response_message", &self.response_message)?;
+        json += check_json("metadata", &self.metadata)?;
+        json += check_json("extra", &self.extra)?;
+        if let Some(extra) = &self.extra {
+            if extra.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+                return Err(Error::invalid("extra", "must be a JSON object"));
+            }
+        }
+        if json > JSON_BYTES_PER_CALL_MAX {
+            return Err(Error::limit(
+                "JSON_BYTES_PER_CALL_MAX",
+                "JSON bytes of the call",
+                json,
+                JSON_BYTES_PER_CALL_MAX,
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Annotation {
+    /// Check ids and values at the boundary.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            Annotation::Reward { target, value } => {
+                match target {
+                    Target::Trace(id) => check_id("reward target trace_id", id)?,
+                    Target::Session(id) => check_id("reward target session_id", id)?,
+                }
+                if value.is_nan() {
+                    return Err(Error::invalid("reward", "NaN is not a reward; give a number"));
+                }
+                Ok(())
+            }
+            Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => {
+                check_id("session_id", session_id)
+            }
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! The active segment: appends frames with positional writes, keeps the footer
+//! entries of what it holds, and seals (footer + trailer + fsync).
+//!
+//! The file is preallocated (sparse) to the segment size and mapped once, so
+//! readers see new frames without remapping; it grows (and is remapped) only
+//! when a single record is larger than the room left.
+
+use crate::error::{Error, Result};
+use crate::format::segment::{encode_footer, encode_header, new_header, FooterEntry, HEADER_BYTES};
+use crate::storage::{mmap::Mapping, segment_path, sync_dir};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Debug)]
+pub struct ActiveSegment {
+    pub id: u64,
+    pub path: Arc<PathBuf>,
+    file: File,
+    pub map: Arc<Mapping>,
+    /// End of the last written frame.
+    pub len: u64,
+    /// Current file length (preallocated).
+    capacity: u64,
+    pub entries: Vec<FooterEntry>,
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl ActiveSegment {
+    /// Create segment `id` in `dir`: header written and fsynced, file and
+    /// directory entry durable before it is listed in the manifest.
+    pub fn create(dir: &Path, id: u64, capacity: u64) -> Result<Self> {
+        let path = segment_path(dir, id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| Error::io(format!("create segment {}", path.display()), e))?;
+        let header = encode_header(&new_header(id, now_unix_ms()));
+        file.write_all_at(&header, 0).map_err(|e| Error::io(format!("write header of {}", path.display()), e))?;
+        file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
+        file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        sync_dir(dir)?;
+        let map = Arc::new(Mapping::map(&file, capacity, &path)?);
+        Ok(Self { id, path: Arc::new(path), file, map, len: HEADER_BYTES, capacity, entries: Vec::new() })
+    }
+
+    /// Reopen the active segment after recovery: `valid_end` is the end of the
+    /// last good frame; everything after it is cut off (a torn or corrupt tail
+    /// must never be resurrected by later, shorter writes) and the file is
+    /// preallocated again.
+    pub fn reopen(path: PathBuf, id: u64, valid_end: u64, capacity: u64, entries: Vec<FooterEntry>) -> Result<Self> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(format!("open segment {}", path.display()), e))?;
+        let capacity = capacity.max(valid_end);
+        file.set_len(valid_end).map_err(|e| Error::io(format!("truncate torn tail of {}", path.display()), e))?;
+        file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
+        file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        let map = Arc::new(Mapping::map(&file, capacity, &path)?);
+        Ok(Self { id, path: Arc::new(path), file, map, len: valid_end, capacity, entries })
+    }
+
+    /// Write `buf` (whole frames) at the end. On error nothing is acknowledged
+    /// and the store is poisoned by the caller; recovery cuts any partial frame.
+    pub fn write(&mut self, buf: &[u8]) -> Result<()> {
+        let end = self.len + buf.len() as u64;
+        if end > self.capacity {
+            let capacity = end.next_multiple_of(1 << 20);
+            self.file.set_len(capacity).map_err(|e| Error::io(format!("grow {}", self.path.display()), e))?;
+            self.map = Arc::new(Mapping::map(&self.file, capacity, &self.path)?);
+            self.capacity = capacity;
+        }
+        self.file.write_all_at(buf, self.len).map_err(|e| Error::io(format!("write {}", self.path.display()), e))?;
+        self.len = end;
+        Ok(())
+    }
+
+    /// fdatasync the file.
+    pub fn sync(&self) -> Result<()> {
+        self.file.sync_data().map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))
+    }
+
+    /// Cut the preallocated space past the last frame (on close), so the file's
+    /// size is its data. Only this process maps past the data, and it is done
+    /// with the mapping.
+    pub fn trim(&mut self) -> Result<()> {
+        self.file.set_len(self.len).map_err(|e| Error::io(format!("trim {}", self.path.display()), e))?;
+        self.capacity = self.len;
+        Ok(())
+    }
+
+    /// Seal: write footer and trailer after the last frame, cut the
+    /// preallocated rest, fsync. Returns a mapping of exactly the sealed file.
+    pub fn seal(self) -> Result<(Arc<PathBuf>, Arc<Mapping>, u64)> {
+        let mut footer = Vec::new();
+        encode_footer(&mut footer, self.len, &self.entries);
+        let end = self.len + footer.len() as u64;
+        self.file
+            .write_all_at(&footer, self.len)
+            .map_err(|e| Error::io(format!("write footer of {}", self.path.display()), e))?;
+        self.file.set_len(end).map_err(|e| Error::io(format!("truncate {}", self.path.display()), e))?;
+        self.file.sync_all().map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))?;
+        let map = Arc::new(Mapping::map(&self.file, end, &self.path)?);
+        Ok((self.path, map, self.len))
+    }
+}

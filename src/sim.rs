@@ -1,0 +1,135 @@
+//! A deterministic simulator of multi-turn agent rollouts, used by
+//! `trajlog demo`, the tests and the benchmarks.
+//!
+//! Each session is a rollout of a task (`task-<t>:<rollout>`): the first prompt
+//! is the task's system prompt, and every later prompt is the previous prompt,
+//! the model's completion and a tool result — so prompts extend each other
+//! exactly (TI/TO). Sessions chosen by `break_every` get one deliberate
+//! retokenization: two completion tokens are merged into one in the next
+//! prompt, a TI/TO break at a known position.
+
+use crate::record::Call;
+
+/// Small, fast, deterministic PRNG (SplitMix64).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed ^ 0x9e37_79b9_7f4a_7c15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+    pub fn tokens(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| (self.next_u64() % 151_000) as u32).collect()
+    }
+    pub fn logprobs(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| -((self.next_u64() % 1_000_000) as f32 / 200_000.0)).collect()
+    }
+}
+
+/// Shape of a simulated batch.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub sessions: usize,
+    pub steps: usize,
+    /// Rollouts per task (GRPO group size).
+    pub rollouts_per_task: usize,
+    pub system_tokens: usize,
+    pub completion_tokens: (usize, usize),
+    pub tool_tokens: (usize, usize),
+    /// Every n-th session gets one TI/TO break (0: none).
+    pub break_every: usize,
+    pub seed: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            sessions: 64,
+            steps: 8,
+            rollouts_per_task: 4,
+            system_tokens: 1500,
+            completion_tokens: (200, 600),
+            tool_tokens: (100, 400),
+            break_every: 5,
+            seed: 42,
+        }
+    }
+}
+
+/// A simulated session: its calls in order and the injected break, if any
+/// (`(call index, prompt position)`).
+#[derive(Debug, Clone)]
+pub struct SimSession {
+    pub session_id: String,
+    pub calls: Vec<Call>,
+    pub injected_break: Option<(usize, usize)>,
+}
+
+/// Generate the sessions of `cfg`.
+pub fn simulate(cfg: &SimConfig) -> Vec<SimSession> {
+    let mut out = Vec::with_capacity(cfg.sessions);
+    for s in 0..cfg.sessions {
+        let task = s / cfg.rollouts_per_task.max(1);
+        let rollout = s % cfg.rollouts_per_task.max(1);
+        let session_id = format!("task-{task}:{rollout}");
+        let system = Rng::new(cfg.seed ^ (task as u64) << 20).tokens(cfg.system_tokens);
+        let mut rng = Rng::new(cfg.seed.wrapping_mul(31).wrapping_add(s as u64));
+        let break_at = (cfg.break_every > 0 && s % cfg.break_every == cfg.break_every - 1 && cfg.steps > 1)
+            .then(|| rng.range(1, cfg.steps - 1));
+        let mut injected_break = None;
+        let mut prompt = system;
+        let mut calls = Vec::with_capacity(cfg.steps);
+        for step in 0..cfg.steps {
+            let n = rng.range(cfg.completion_tokens.0, cfg.completion_tokens.1);
+            let completion = rng.tokens(n);
+            let logprobs = rng.logprobs(n);
+            let call = Call {
+                trace_id: format!("{session_id}/{step}"),
+                session_id: session_id.clone(),
+                timestamp: 1_700_000_000.0 + s as f64 * 0.001 + step as f64,
+                model: Some("Qwen/Qwen3-8B".into()),
+                weight_version: Some(3),
+                prompt_token_ids: prompt.clone(),
+                completion_token_ids: completion.clone(),
+                logprobs: Some(logprobs),
+                finish_reason: Some("stop".into()),
+                latency_ms: Some(rng.range(50, 900) as f64),
+                messages: Some(
+                    format!(r#"[{{"role":"user","content":"solve task {task}, turn {step}"}}]"#).into_bytes(),
+                ),
+                response_message: Some(br#"{"role":"assistant","content":"..."}"#.to_vec()),
+                metadata: Some(format!(r#"{{"group_id":"task-{task}","step":{step}}}"#).into_bytes()),
+                ..Default::default()
+            };
+            calls.push(call);
+            let tool_len = rng.range(cfg.tool_tokens.0, cfg.tool_tokens.1);
+            let tool = rng.tokens(tool_len);
+            let mut next = prompt;
+            if break_at == Some(step + 1) && completion.len() >= 4 {
+                // Retokenization: two generated tokens come back as one.
+                let p = completion.len() / 2;
+                injected_break = Some((step + 1, next.len() + p));
+                next.extend_from_slice(&completion[..p]);
+                next.push(completion[p].wrapping_add(completion[p + 1]) % 151_000 + 1);
+                next.extend_from_slice(&completion[p + 2..]);
+            } else {
+                next.extend_from_slice(&completion);
+            }
+            next.extend_from_slice(&tool);
+            prompt = next;
+        }
+        out.push(SimSession { session_id, calls, injected_break });
+    }
+    out
+}

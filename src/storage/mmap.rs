@@ -1,0 +1,55 @@
+//! Read-only memory mappings of segment files — the only module with `unsafe`.
+//!
+//! # The mmap contract
+//! A mapping is a view of the file's bytes; if another process truncated the
+//! file under it, touching the lost pages would raise SIGBUS. trajlog upholds:
+//! 1. Segment files are only ever *grown* while mapped, except that the single
+//!    writer truncates, at open, bytes past the last valid record (no reader has
+//!    been handed anything there: readers serve only CRC-checked frames), and at
+//!    seal, preallocated zero bytes past the footer (likewise never served).
+//! 2. A segment file is deleted only once no `Mapping` of it is alive in this
+//!    process (mappings are reference counted via `Arc`); on Linux, unlinking a
+//!    mapped file keeps its pages alive anyway.
+//! 3. Bytes are only read through `&[u8]` obtained here, and every read of a
+//!    record goes through frame validation (CRC) first.
+//!
+//! Callers outside trajlog that truncate segment files void this contract.
+
+use crate::error::{Error, Result};
+use std::fs::File;
+use std::path::Path;
+
+/// A read-only mapping of the first `len` bytes of a file.
+#[derive(Debug)]
+pub struct Mapping {
+    map: Option<memmap2::Mmap>,
+}
+
+impl Mapping {
+    /// Map the first `len` bytes of `file` read-only. `len` must not exceed the
+    /// file's length at the time of the call.
+    pub fn map(file: &File, len: u64, path: &Path) -> Result<Self> {
+        if len == 0 {
+            return Ok(Self { map: None });
+        }
+        let len = usize::try_from(len).map_err(|_| Error::invalid("segment length", "does not fit in memory"))?;
+        // SAFETY: see the module-level contract: trajlog never shrinks a mapped
+        // segment below bytes it serves, and never mutates mapped bytes in place
+        // (writes only append past the committed end). The mapping is read-only.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map(file) }
+            .map_err(|e| Error::io(format!("mmap {}", path.display()), e))?;
+        Ok(Self { map: Some(map) })
+    }
+
+    /// The mapped bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
+    /// The mapped address range, for tests and diagnostics (zero-copy proofs).
+    pub fn address_range(&self) -> std::ops::Range<usize> {
+        let b = self.bytes();
+        let start = b.as_ptr() as usize;
+        start..start + b.len()
+    }
+}

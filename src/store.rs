@@ -1,0 +1,931 @@
+//! `Store`: owns the writer thread, the segments and the published indexes —
+//! the only place in the crate with locks and threads.
+//!
+//! # Write path
+//! `append` validates the call (nothing is written if that fails), takes a
+//! sequence number and hands the call over a bounded channel to the writer
+//! thread (a full channel makes the caller wait: back-pressure, never a drop).
+//! The writer drains the channel in batches, chooses each call's prefix-delta
+//! parent, frames and CRCs it, writes the batch with one positional write, and
+//! makes it durable according to [`Durability`]. Only then does it publish a new
+//! index view and advance the durable sequence number that [`Receipt`]s wait on.
+//! Any failed write or fsync poisons the store.
+//!
+//! # Read path
+//! [`Store::snapshot`] clones an `Arc` of the last published view. A view holds
+//! persistent maps and `Arc`s of the segment mappings, so it stays consistent
+//! and valid however long it is held, while the writer appends, seals and rolls.
+
+use crate::delta::{Context, DeltaCache};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::frame::{frame_bytes, write_frame};
+use crate::format::manifest::{decode_manifest, encode_manifest, Manifest, ManifestSegment, SegmentState};
+use crate::format::record::{call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL};
+use crate::format::segment::FooterEntry;
+use crate::index::{sessions_of, CallMeta, Index};
+use crate::limits::*;
+use crate::record::{Annotation, Call, Target};
+use crate::segment::recovery::load_segment;
+use crate::segment::writer::ActiveSegment;
+use crate::segment::SegmentRef;
+use crate::snapshot::{Snapshot, View};
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use std::collections::HashSet;
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// When an append counts as done (see README "Durability").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Written to the OS page cache in the writer's batch: survives a crash of
+    /// this process, not a power loss.
+    Buffered,
+    /// fsync at most every `group_commit_ms`; acknowledged after that fsync:
+    /// survives power loss once acknowledged.
+    Group,
+    /// fsync before each acknowledgement (concurrent appends share one fsync).
+    Sync,
+}
+
+impl std::str::FromStr for Durability {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "buffered" => Ok(Durability::Buffered),
+            "group" => Ok(Durability::Group),
+            "sync" => Ok(Durability::Sync),
+            _ => Err(Error::invalid("durability", format!("{s:?} is not one of buffered, group, sync"))),
+        }
+    }
+}
+
+/// How to open a store. `Options::default()` is a sensible start.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub durability: Durability,
+    /// Group-commit interval for [`Durability::Group`].
+    pub group_commit_ms: u64,
+    /// Seal and roll to a new segment when the active one reaches this size.
+    pub segment_bytes: u64,
+    /// Records in flight between appenders and the writer thread.
+    pub queue_depth: usize,
+    /// Memory for prefix-delta contexts.
+    pub delta_cache_bytes: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            durability: Durability::Group,
+            group_commit_ms: DEFAULT_GROUP_COMMIT_MS,
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            queue_depth: DEFAULT_QUEUE_DEPTH,
+            delta_cache_bytes: DEFAULT_DELTA_CACHE_BYTES,
+        }
+    }
+}
+
+impl Options {
+    fn validate(&self) -> Result<()> {
+        if self.segment_bytes < SEGMENT_BYTES_MIN {
+            return Err(Error::limit(
+                "SEGMENT_BYTES_MIN",
+                "segment_bytes (too small)",
+                self.segment_bytes,
+                SEGMENT_BYTES_MIN,
+            ));
+        }
+        if self.queue_depth == 0 {
+            return Err(Error::invalid("queue_depth", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+enum Cmd {
+    Append { seq: u64, call: Box<Call> },
+    Annotate { seq: u64, ann: Annotation, reply: Option<Sender<u64>> },
+    Flush { fsync: bool, reply: Sender<Result<()>> },
+    Roll { reply: Sender<Result<()>> },
+}
+
+struct SendState {
+    next_seq: u64,
+    tx: Option<Sender<Cmd>>,
+    /// Sealed sessions: appends to them are refused at the boundary.
+    sealed: HashSet<String>,
+}
+
+struct Durable {
+    seq: u64,
+    poisoned: Option<String>,
+    closed: bool,
+}
+
+struct Inner {
+    dir: PathBuf,
+    options: Options,
+    send: Mutex<SendState>,
+    durable: Mutex<Durable>,
+    durable_cv: Condvar,
+    durable_seq: AtomicU64,
+    poisoned: AtomicBool,
+    view: Mutex<Arc<View>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    fn wait_durable(&self, seq: u64) -> Result<()> {
+        if self.durable_seq.load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        let mut d = lock(&self.durable);
+        loop {
+            if d.seq >= seq {
+                return Ok(());
+            }
+            if let Some(p) = &d.poisoned {
+                return Err(Error::poisoned(p));
+            }
+            if d.closed {
+                return Err(Error::closed());
+            }
+            d = self.durable_cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn poison(&self, cause: &Error) {
+        let mut d = lock(&self.durable);
+        if d.poisoned.is_none() {
+            d.poisoned = Some(cause.to_string());
+        }
+        self.poisoned.store(true, Ordering::Release);
+        self.durable_cv.notify_all();
+    }
+
+    fn poisoned_error(&self) -> Option<Error> {
+        if !self.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
+        let d = lock(&self.durable);
+        d.poisoned.as_deref().map(Error::poisoned)
+    }
+
+    fn publish(&self, view: Arc<View>, seq: u64) {
+        *lock(&self.view) = view;
+        let mut d = lock(&self.durable);
+        d.seq = d.seq.max(seq);
+        self.durable_seq.store(d.seq, Ordering::Release);
+        self.durable_cv.notify_all();
+    }
+}
+
+/// Proof that an append was accepted; [`Receipt::wait`] blocks until it is
+/// durable at the store's level.
+#[must_use = "an append is only durable once its receipt is waited on or the store is flushed"]
+#[derive(Clone)]
+pub struct Receipt {
+    seq: u64,
+    inner: Arc<Inner>,
+}
+
+impl Receipt {
+    /// Wait until the record is durable; an error if the store was poisoned or
+    /// closed before that.
+    pub fn wait(&self) -> Result<()> {
+        self.inner.wait_durable(self.seq)
+    }
+
+    /// The record's sequence number in this store session (1-based, in append order).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+/// An open trajlog store directory.
+pub struct Store {
+    inner: Arc<Inner>,
+    writer: Option<JoinHandle<()>>,
+    read_only: bool,
+    _lock: Option<File>,
+}
+
+const MANIFEST_NAME: &str = "MANIFEST";
+const LOCK_NAME: &str = "LOCK";
+
+fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
+    let path = dir.join(MANIFEST_NAME);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(format!("read {}", path.display()), e)),
+    };
+    decode_manifest(&bytes).map(Some).map_err(|e| {
+        if e.what.contains("unsupported format version") {
+            Error::new(ErrorKind::Incompatible, format!("{}: {}; use a matching trajlog", path.display(), e.what))
+        } else {
+            Error::corrupt(&path, e.offset, e.what)
+        }
+    })
+}
+
+/// Everything recovered from a directory.
+struct Loaded {
+    manifest: Manifest,
+    index: Index,
+    segments: imbl::OrdMap<u64, SegmentRef>,
+    /// The last segment, if unsealed: its entries and valid end.
+    active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
+}
+
+/// Apply one footer entry (and, for annotations, the record) to `index`.
+fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry) -> Result<()> {
+    let loc = Loc { segment: seg.id, offset: e.frame_offset };
+    if e.kind == KIND_CALL {
+        index.apply_call(CallMeta {
+            loc,
+            timestamp: e.timestamp,
+            trace_id: Arc::from(e.id.as_str()),
+            sessions: sessions_of(&e.session_id, &e.session_uids),
+        });
+        return Ok(());
+    }
+    let body = seg.body_at(e.frame_offset)?;
+    let ann = decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?;
+    apply_annotation(index, &ann);
+    Ok(())
+}
+
+fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
+    match ann {
+        Annotation::Reward { target: Target::Trace(t), value } => index.set_trace_reward(t, *value),
+        Annotation::Reward { target: Target::Session(s), value } => index.set_session_reward(s, *value),
+        Annotation::Seal { session_id } => index.seal(session_id),
+        Annotation::DeleteSession { session_id } => return index.delete_session(session_id),
+    }
+    0
+}
+
+/// Load every segment of the manifest and rebuild the indexes.
+fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
+    let mut index = Index::default();
+    let mut segments = imbl::OrdMap::new();
+    let mut active = None;
+    let last = manifest.segments.last().map(|s| s.id);
+    for ms in &manifest.segments {
+        let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed)?;
+        if !seg.sealed && Some(ms.id) != last {
+            return Err(Error::corrupt(
+                seg.path.as_path(),
+                seg.data_end,
+                "a segment before the last one is not sealed",
+            ));
+        }
+        let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
+        for e in &seg.entries {
+            apply_entry(&mut index, &r, e)?;
+        }
+        if !seg.sealed {
+            active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
+        }
+        segments.insert(seg.id, r);
+    }
+    Ok(Loaded { manifest, index, segments, active })
+}
+
+impl Store {
+    /// Open (or create) a store for writing. Only one writer per directory: a
+    /// second one gets `ErrorKind::Locked`.
+    pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Self> {
+        options.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create store directory {}", dir.display()), e))?;
+        let lock_path = dir.join(LOCK_NAME);
+        let lock_file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| Error::io(format!("open {}", lock_path.display()), e))?;
+        match lock_file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(Error::new(
+                    ErrorKind::Locked,
+                    format!("{} is locked by another writer (its LOCK file is held); stop that process or open the store read-only", dir.display()),
+                ))
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(Error::io(format!("lock {}", lock_path.display()), e)),
+        }
+        let manifest = match read_manifest(&dir)? {
+            Some(m) => m,
+            None => {
+                let m = Manifest { next_segment_id: 1, segments: Vec::new() };
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m))?;
+                m
+            }
+        };
+        remove_orphans(&dir, &manifest)?;
+        let mut loaded = load_dir(&dir, manifest)?;
+        let active = match loaded.active.take() {
+            Some((id, path, valid_end, entries)) => {
+                ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries)?
+            }
+            None => {
+                let id = loaded.manifest.next_segment_id;
+                let seg = ActiveSegment::create(&dir, id, options.segment_bytes)?;
+                loaded.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
+                loaded.manifest.next_segment_id = id + 1;
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
+                seg
+            }
+        };
+        // Seal states found on disk but not in the manifest (crash between a
+        // seal and the manifest update) are written back now.
+        let mut manifest_fixed = false;
+        for ms in &mut loaded.manifest.segments {
+            if ms.state == SegmentState::Active && ms.id != active.id {
+                ms.state = SegmentState::Sealed;
+                manifest_fixed = true;
+            }
+        }
+        if manifest_fixed {
+            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
+        }
+        loaded.segments.remove(&active.id);
+        let sealed: HashSet<String> =
+            loaded.index.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| k.to_string()).collect();
+        let mut segments = loaded.segments.clone();
+        segments
+            .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
+        let view = Arc::new(View { index: loaded.index.clone(), segments });
+        let (tx, rx) = bounded(options.queue_depth);
+        let inner = Arc::new(Inner {
+            dir: dir.clone(),
+            options: options.clone(),
+            send: Mutex::new(SendState { next_seq: 0, tx: Some(tx), sealed }),
+            durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: false }),
+            durable_cv: Condvar::new(),
+            durable_seq: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+            view: Mutex::new(view),
+        });
+        let writer = Writer {
+            inner: inner.clone(),
+            dir,
+            options,
+            manifest: loaded.manifest,
+            sealed_segments: loaded.segments,
+            active: Some(active),
+            index: loaded.index,
+            delta: DeltaCache::new(inner.options.delta_cache_bytes),
+            buf: Vec::with_capacity(1 << 20),
+            pending: Vec::new(),
+            written_seq: 0,
+            unsynced_since: None,
+            last_sync: Instant::now() - Duration::from_secs(3600),
+        };
+        let handle = std::thread::Builder::new()
+            .name("trajlog-writer".into())
+            .spawn(move || writer.run(rx))
+            .map_err(|e| Error::io("spawn the writer thread", e))?;
+        Ok(Store { inner, writer: Some(handle), read_only: false, _lock: Some(lock_file) })
+    }
+
+    /// Open a store read-only: no lock, no writer thread. It sees everything
+    /// that was flushed when it was opened; call [`Store::refresh`] to see more.
+    pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let view = load_read_only(&dir)?;
+        let inner = Arc::new(Inner {
+            dir,
+            options: Options::default(),
+            send: Mutex::new(SendState { next_seq: 0, tx: None, sealed: HashSet::new() }),
+            durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
+            durable_cv: Condvar::new(),
+            durable_seq: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+            view: Mutex::new(Arc::new(view)),
+        });
+        Ok(Store { inner, writer: None, read_only: true, _lock: None })
+    }
+
+    /// Read-only stores: reload what the writer has flushed since. Writable
+    /// stores always see their own acknowledged writes; this is a no-op there.
+    pub fn refresh(&self) -> Result<()> {
+        if self.read_only {
+            *lock(&self.inner.view) = Arc::new(load_read_only(&self.inner.dir)?);
+        }
+        Ok(())
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The options the store was opened with.
+    pub fn options(&self) -> &Options {
+        &self.inner.options
+    }
+
+    fn sender(&self) -> Result<MutexGuard<'_, SendState>> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::Closed, "store is open read-only; open it with Store::open to write"));
+        }
+        if let Some(e) = self.inner.poisoned_error() {
+            return Err(e);
+        }
+        Ok(lock(&self.inner.send))
+    }
+
+    fn send(state: &mut SendState, cmd: Cmd) -> Result<()> {
+        let tx = state.tx.as_ref().ok_or_else(Error::closed)?;
+        tx.send(cmd).map_err(|_| Error::closed())
+    }
+
+    /// Append a call. Returns once the writer has it (waiting if the queue is
+    /// full); [`Receipt::wait`] or [`Store::flush`] make it durable.
+    pub fn append(&self, call: Call) -> Result<Receipt> {
+        call.validate()?;
+        let mut s = self.sender()?;
+        for id in std::iter::once(&call.session_id).chain(&call.session_uids) {
+            if s.sealed.contains(id) {
+                return Err(Error::invalid(
+                    "session_id",
+                    format!("session {id:?} is sealed (all its calls are in); append to a new session id, or delete the session first"),
+                ));
+            }
+        }
+        s.next_seq += 1;
+        let seq = s.next_seq;
+        Self::send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
+        Ok(Receipt { seq, inner: self.inner.clone() })
+    }
+
+    /// Append and wait until durable.
+    pub fn append_durable(&self, call: Call) -> Result<()> {
+        self.append(call)?.wait()
+    }
+
+    fn annotate(&self, ann: Annotation, reply: Option<Sender<u64>>) -> Result<Receipt> {
+        ann.validate()?;
+        let mut s = self.sender()?;
+        match &ann {
+            Annotation::Seal { session_id } => {
+                s.sealed.insert(session_id.clone());
+            }
+            Annotation::DeleteSession { session_id } => {
+                s.sealed.remove(session_id);
+            }
+            Annotation::Reward { .. } => {}
+        }
+        s.next_seq += 1;
+        let seq = s.next_seq;
+        Self::send(&mut s, Cmd::Annotate { seq, ann, reply })?;
+        Ok(Receipt { seq, inner: self.inner.clone() })
+    }
+
+    /// Record a reward on a trace or a session (last one wins); durable on return.
+    pub fn set_reward(&self, target: Target, value: f64) -> Result<()> {
+        self.annotate(Annotation::Reward { target, value }, None)?.wait()
+    }
+
+    /// Mark a session complete: later appends to it are refused. Durable on return.
+    pub fn seal_session(&self, session_id: &str) -> Result<()> {
+        self.annotate(Annotation::Seal { session_id: session_id.to_owned() }, None)?.wait()
+    }
+
+    /// Delete every call of a session; returns how many were deleted. Durable on return.
+    pub fn delete_session(&self, session_id: &str) -> Result<u64> {
+        let (tx, rx) = bounded(1);
+        let receipt = self.annotate(Annotation::DeleteSession { session_id: session_id.to_owned() }, Some(tx))?;
+        receipt.wait()?;
+        rx.recv().map_err(|_| Error::closed())
+    }
+
+    fn control(&self, make: impl FnOnce(Sender<Result<()>>) -> Cmd) -> Result<()> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, make(tx))?;
+        }
+        rx.recv().map_err(|_| Error::closed())?
+    }
+
+    /// Barrier: returns once everything appended before it is durable at the
+    /// store's level, or the error that prevented it.
+    pub fn flush(&self) -> Result<()> {
+        let fsync = self.inner.options.durability != Durability::Buffered;
+        self.control(|reply| Cmd::Flush { fsync, reply })
+    }
+
+    /// Like [`Store::flush`], but always fsyncs (also for `Buffered`).
+    pub fn sync(&self) -> Result<()> {
+        self.control(|reply| Cmd::Flush { fsync: true, reply })
+    }
+
+    /// Seal the active segment now and start a new one.
+    pub fn roll(&self) -> Result<()> {
+        self.control(|reply| Cmd::Roll { reply })
+    }
+
+    /// A consistent view of everything acknowledged so far; cheap, and safe to
+    /// hold while the writer goes on.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot::new(lock(&self.inner.view).clone())
+    }
+
+    /// Flush, stop the writer thread and release the lock. Dropping the store
+    /// does the same but cannot report errors.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        let Some(handle) = self.writer.take() else { return Ok(()) };
+        let flushed = self.sync();
+        lock(&self.inner.send).tx = None;
+        let joined = handle.join();
+        {
+            let mut d = lock(&self.inner.durable);
+            d.closed = true;
+            self.inner.durable_cv.notify_all();
+        }
+        if joined.is_err() {
+            return Err(Error::new(ErrorKind::Io, "the writer thread panicked; reopen the store to recover"));
+        }
+        flushed
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+/// Delete segment files the manifest does not list (a crash between creating a
+/// segment and publishing it leaves one; it holds no acknowledged record).
+fn remove_orphans(dir: &Path, manifest: &Manifest) -> Result<()> {
+    let listed: HashSet<u64> = manifest.segments.iter().map(|s| s.id).collect();
+    let entries = fs::read_dir(dir).map_err(|e| Error::io(format!("list {}", dir.display()), e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io(format!("list {}", dir.display()), e))?;
+        let name = entry.file_name();
+        let Some(id) = name.to_str().and_then(crate::storage::parse_segment_file_name) else { continue };
+        if !listed.contains(&id) {
+            fs::remove_file(entry.path())
+                .map_err(|e| Error::io(format!("remove orphan segment {}", entry.path().display()), e))?;
+        }
+    }
+    Ok(())
+}
+
+fn load_read_only(dir: &Path) -> Result<View> {
+    // The writer may replace the manifest (and, later, retire segments) while we
+    // read; retry a few times on a vanished file.
+    let mut last_err = None;
+    for _ in 0..5 {
+        let manifest = read_manifest(dir)?.ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "no trajlog store at {} (no MANIFEST); create one with `trajlog ingest` or Store::open",
+                    dir.display()
+                ),
+            )
+        })?;
+        match load_dir(dir, manifest) {
+            Ok(loaded) => return Ok(View { index: loaded.index, segments: loaded.segments }),
+            Err(e) if e.kind() == &ErrorKind::Io && e.message().contains("No such file") => last_err = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| Error::new(ErrorKind::Io, "store changed too often while opening")))
+}
+
+/// The writer thread's state.
+struct Writer {
+    inner: Arc<Inner>,
+    dir: PathBuf,
+    options: Options,
+    manifest: Manifest,
+    sealed_segments: imbl::OrdMap<u64, SegmentRef>,
+    active: Option<ActiveSegment>,
+    index: Index,
+    delta: DeltaCache,
+    /// Frames encoded but not yet written.
+    buf: Vec<u8>,
+    /// Footer entries of the frames in `buf`.
+    pending: Vec<FooterEntry>,
+    written_seq: u64,
+    unsynced_since: Option<Instant>,
+    last_sync: Instant,
+}
+
+const BATCH_RECORDS_MAX: usize = 1024;
+const BATCH_BYTES_MAX: usize = 16 << 20;
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Cmd>) {
+        loop {
+            let first = match self.group_deadline() {
+                Some(deadline) => match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(cmd) => cmd,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.commit(true);
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => break,
+                },
+            };
+            let mut batch = vec![first];
+            while batch.len() < BATCH_RECORDS_MAX && self.buf.len() < BATCH_BYTES_MAX {
+                match rx.try_recv() {
+                    Ok(cmd) => batch.push(cmd),
+                    Err(_) => break,
+                }
+                if self.buf.len() >= BATCH_BYTES_MAX {
+                    break;
+                }
+            }
+            for cmd in batch {
+                self.handle(cmd);
+            }
+            let force = match self.options.durability {
+                Durability::Buffered => false,
+                Durability::Sync => true,
+                Durability::Group => self.last_sync.elapsed() >= Duration::from_millis(self.options.group_commit_ms),
+            };
+            self.commit(force);
+        }
+        // Channel closed: the store is shutting down (it flushed first).
+        self.commit(true);
+        if !self.poisoned() {
+            if let Some(active) = self.active.as_mut() {
+                if let Err(e) = active.trim() {
+                    self.inner.poison(&e);
+                }
+            }
+        }
+    }
+
+    /// When the group-commit timer fires, if records wait for an fsync.
+    fn group_deadline(&self) -> Option<Instant> {
+        if self.options.durability != Durability::Group {
+            return None;
+        }
+        self.unsynced_since.map(|_| self.last_sync + Duration::from_millis(self.options.group_commit_ms))
+    }
+
+    fn poisoned(&self) -> bool {
+        self.inner.poisoned.load(Ordering::Acquire)
+    }
+
+    fn fail(&mut self, e: &Error) {
+        self.inner.poison(e);
+        self.buf.clear();
+        self.pending.clear();
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Append { seq, call } => {
+                if !self.poisoned() {
+                    if let Err(e) = self.append_call(*call) {
+                        self.fail(&e);
+                    }
+                }
+                self.written_seq = seq;
+            }
+            Cmd::Annotate { seq, ann, reply } => {
+                if !self.poisoned() {
+                    match self.append_annotation(&ann) {
+                        Ok(count) => {
+                            if let Some(reply) = reply {
+                                let _ = reply.send(count);
+                            }
+                        }
+                        Err(e) => self.fail(&e),
+                    }
+                }
+                self.written_seq = seq;
+            }
+            Cmd::Flush { fsync, reply } => {
+                self.commit(fsync);
+                let result = match self.inner.poisoned_error() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+                let _ = reply.send(result);
+            }
+            Cmd::Roll { reply } => {
+                let result = if self.poisoned() {
+                    Err(self.inner.poisoned_error().unwrap_or_else(Error::closed))
+                } else {
+                    self.roll()
+                };
+                if let Err(e) = &result {
+                    self.fail(e);
+                }
+                self.commit(false);
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn active(&mut self) -> Result<&mut ActiveSegment> {
+        self.active
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment (an earlier roll failed)"))
+    }
+
+    /// Make room for a frame of `frame_len` bytes: roll if the active segment
+    /// would pass its size (and already holds something).
+    fn reserve(&mut self, frame_len: u64) -> Result<Loc> {
+        let segment_bytes = self.options.segment_bytes;
+        let (len, has_records) = {
+            let a = self.active()?;
+            (a.len, !a.entries.is_empty())
+        };
+        let pending = self.buf.len() as u64;
+        if len + pending + frame_len > segment_bytes && (has_records || pending > 0) {
+            self.roll()?;
+        }
+        let pending = self.buf.len() as u64;
+        let a = self.active()?;
+        Ok(Loc { segment: a.id, offset: a.len + pending })
+    }
+
+    fn append_call(&mut self, call: Call) -> Result<()> {
+        if !self.delta.knows(&call.session_id) {
+            self.load_contexts(&call.session_id)?;
+        }
+        let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
+        let body_len = call_body_len(&call, &delta);
+        if frame_bytes(body_len) > RECORD_BYTES_MAX {
+            // Unreachable with validated input (the per-field limits sum below it).
+            return Err(Error::limit("RECORD_BYTES_MAX", "record bytes", body_len, RECORD_BYTES_MAX));
+        }
+        let loc = self.reserve(frame_bytes(body_len))?;
+        let mut body = Vec::with_capacity(body_len as usize);
+        encode_call(&mut body, &call, &delta);
+        write_frame(&mut self.buf, &body);
+        self.pending.push(FooterEntry {
+            frame_offset: loc.offset,
+            body_len: body.len() as u32,
+            kind: KIND_CALL,
+            timestamp: call.timestamp,
+            id: call.trace_id.clone(),
+            session_id: call.session_id.clone(),
+            session_uids: call.session_uids.clone(),
+        });
+        let session: Arc<str> = Arc::from(call.session_id.as_str());
+        self.index.apply_call(CallMeta {
+            loc,
+            timestamp: call.timestamp,
+            trace_id: Arc::from(call.trace_id.as_str()),
+            sessions: sessions_of(&call.session_id, &call.session_uids),
+        });
+        let prompt_len = call.prompt_token_ids.len();
+        let mut tokens = call.prompt_token_ids;
+        tokens.extend_from_slice(&call.completion_token_ids);
+        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        Ok(())
+    }
+
+    /// A session the delta cache does not know may still have calls on disk
+    /// (after a reopen, or after eviction): load its most recent contexts.
+    fn load_contexts(&mut self, session: &str) -> Result<()> {
+        let Some(entry) = self.index.sessions.get(session) else { return Ok(()) };
+        let keys: Vec<Loc> = {
+            let mut locs: Vec<Loc> = entry.calls.iter().map(|k| k.loc).collect();
+            locs.sort();
+            locs.into_iter().rev().take(DELTA_LOOKBACK_CALLS).rev().collect()
+        };
+        if keys.is_empty() {
+            return Ok(());
+        }
+        // Parents must be readable: write what is buffered first.
+        self.write_buf()?;
+        let snap = Snapshot::new(Arc::new(self.view()?));
+        let session_arc: Arc<str> = Arc::from(session);
+        for loc in keys {
+            let call = snap.call_at(loc)?;
+            if call.record.session_id != session {
+                continue;
+            }
+            let mut tokens = call.prompt()?;
+            let prompt_len = tokens.len();
+            tokens.extend_from_slice(call.record.completion);
+            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        }
+        Ok(())
+    }
+
+    fn append_annotation(&mut self, ann: &Annotation) -> Result<u64> {
+        let mut body = Vec::with_capacity(64);
+        encode_annotation(&mut body, ann);
+        let loc = self.reserve(frame_bytes(body.len() as u64))?;
+        write_frame(&mut self.buf, &body);
+        let entry = crate::segment::recovery::entry_of_body(loc.offset, &body)
+            .map_err(|e| Error::new(ErrorKind::Io, format!("internal: annotation does not decode: {e}")))?;
+        self.pending.push(entry);
+        match ann {
+            Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => self.delta.forget(session_id),
+            Annotation::Reward { .. } => {}
+        }
+        Ok(apply_annotation(&mut self.index, ann))
+    }
+
+    fn write_buf(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let pending = std::mem::take(&mut self.pending);
+        let active = self.active()?;
+        active.write(&buf)?;
+        active.entries.extend(pending);
+        self.buf = buf;
+        self.buf.clear();
+        if self.unsynced_since.is_none() {
+            self.unsynced_since = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    fn view(&mut self) -> Result<View> {
+        let mut segments = self.sealed_segments.clone();
+        let a = self.active()?;
+        segments.insert(a.id, SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false));
+        Ok(View { index: self.index.clone(), segments })
+    }
+
+    /// Write what is buffered; fsync if `fsync` (or keep waiting for the group
+    /// timer); publish what became durable.
+    fn commit(&mut self, fsync: bool) {
+        if self.poisoned() {
+            return;
+        }
+        if let Err(e) = self.write_buf() {
+            self.fail(&e);
+            return;
+        }
+        let durable = match self.options.durability {
+            Durability::Buffered => true,
+            _ => fsync || self.unsynced_since.is_none(),
+        };
+        if fsync && self.unsynced_since.is_some() {
+            let synced = self.active().and_then(|a| a.sync());
+            if let Err(e) = synced {
+                self.fail(&e);
+                return;
+            }
+            self.unsynced_since = None;
+            self.last_sync = Instant::now();
+        }
+        if durable {
+            match self.view() {
+                Ok(view) => self.inner.publish(Arc::new(view), self.written_seq),
+                Err(e) => self.fail(&e),
+            }
+        }
+    }
+
+    /// Seal the active segment, start the next one, publish both in the manifest.
+    fn roll(&mut self) -> Result<()> {
+        self.write_buf()?;
+        let old = self.active.take().ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment"))?;
+        let old_id = old.id;
+        let (path, map, data_end) = old.seal()?;
+        self.unsynced_since = None;
+        self.last_sync = Instant::now();
+        self.sealed_segments.insert(old_id, SegmentRef::new(old_id, path, map, data_end, true));
+        let id = self.manifest.next_segment_id;
+        let new = ActiveSegment::create(&self.dir, id, self.options.segment_bytes)?;
+        for ms in &mut self.manifest.segments {
+            if ms.id == old_id {
+                ms.state = SegmentState::Sealed;
+            }
+        }
+        self.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
+        self.manifest.next_segment_id = id + 1;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        self.active = Some(new);
+        Ok(())
+    }
+}
