@@ -190,7 +190,6 @@ impl Inner {
 
 /// Proof that an append was accepted; [`Receipt::wait`] blocks until it is
 /// durable at the store's level.
-#[must_use = "an append is only durable once its receipt is waited on or the store is flushed"]
 #[derive(Clone)]
 pub struct Receipt {
     seq: u64,

@@ -68,7 +68,15 @@ pub fn read_frame(buf: &[u8], offset: u64) -> Result<FrameRead<'_>, DecodeError>
             format!("frame length {body_len} is over RECORD_BYTES_MAX ({RECORD_BYTES_MAX})"),
         ));
     }
-    let body = c.bytes(body_len as usize, "frame body (torn write?)")?;
+    let next = offset + frame_bytes(u64::from(body_len));
+    if (buf.len() as u64) < next {
+        // Writers always write the padding: a frame without it is torn.
+        return Err(DecodeError::new(
+            start,
+            format!("frame runs past the end of data (ends at {next}, data ends at {}): torn write", buf.len()),
+        ));
+    }
+    let body = c.bytes(body_len as usize, "frame body")?;
     let actual = frame_crc(body);
     if actual != crc {
         return Err(DecodeError::new(
@@ -76,7 +84,7 @@ pub fn read_frame(buf: &[u8], offset: u64) -> Result<FrameRead<'_>, DecodeError>
             format!("frame crc mismatch (stored {crc:#010x}, computed {actual:#010x})"),
         ));
     }
-    Ok(FrameRead::Frame { body, next: offset + frame_bytes(u64::from(body_len)) })
+    Ok(FrameRead::Frame { body, next })
 }
 
 #[cfg(test)]
@@ -101,7 +109,7 @@ mod tests {
     fn torn_and_flipped_frames_are_errors() {
         let mut out = Vec::new();
         write_frame(&mut out, b"hello world");
-        for cut in 8..out.len() - 5 {
+        for cut in 8..out.len() {
             assert!(read_frame(&out[..cut], 0).is_err(), "cut at {cut}");
         }
         for bit in 0..(8 + 11) * 8 {

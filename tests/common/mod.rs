@@ -1,0 +1,104 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use proptest::prelude::*;
+use trajlog::{Call, CallView};
+
+/// Bits of a logprob column, so NaN payloads and -0.0 compare exactly.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Assert a stored call equals the appended one, field by field, bit for bit.
+pub fn assert_same(view: &CallView<'_>, want: &Call) {
+    let got = view.to_call().expect("read back");
+    assert_eq!(got.trace_id, want.trace_id);
+    assert_eq!(got.session_id, want.session_id);
+    assert_eq!(got.session_uids, want.session_uids);
+    assert_eq!(got.timestamp.to_bits(), want.timestamp.to_bits(), "timestamp of {}", want.trace_id);
+    assert_eq!(got.model, want.model);
+    assert_eq!(got.weight_version, want.weight_version);
+    assert_eq!(got.prompt_token_ids, want.prompt_token_ids, "prompt of {}", want.trace_id);
+    assert_eq!(got.completion_token_ids, want.completion_token_ids);
+    assert_eq!(got.logprobs.as_deref().map(bits), want.logprobs.as_deref().map(bits), "logprobs of {}", want.trace_id);
+    assert_eq!(got.routing_matrices, want.routing_matrices);
+    assert_eq!(got.finish_reason, want.finish_reason);
+    assert_eq!(got.latency_ms.map(f64::to_bits), want.latency_ms.map(f64::to_bits));
+    assert_eq!(got.messages, want.messages);
+    assert_eq!(got.response_message, want.response_message);
+    assert_eq!(got.metadata, want.metadata);
+    assert_eq!(got.extra, want.extra);
+}
+
+/// Any f32 bit pattern, with the special values made likely.
+pub fn any_logprob() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        4 => any::<u32>().prop_map(f32::from_bits),
+        1 => Just(-0.0f32),
+        1 => Just(f32::NEG_INFINITY),
+        1 => Just(f32::INFINITY),
+        1 => Just(f32::from_bits(0x7fc0_0001)),
+        1 => Just(f32::from_bits(0xffa0_beef)),
+        1 => Just(f32::MIN_POSITIVE / 2.0),
+    ]
+}
+
+fn json_doc() -> impl Strategy<Value = Option<Vec<u8>>> {
+    prop_oneof![
+        Just(None),
+        "[a-z ]{0,20}".prop_map(|s| Some(format!(r#"[{{"role":"user","content":"{s}"}}]"#).into_bytes())),
+        Just(Some(b"{\"k\": [1, 2.50, null, true]}".to_vec())),
+    ]
+}
+
+/// A random valid call of `session` with a random prompt.
+pub fn any_call(session: &'static str) -> impl Strategy<Value = Call> {
+    (
+        "[a-z0-9]{1,12}",
+        prop::collection::vec(any::<u32>(), 0..200),
+        prop::collection::vec(any::<u32>(), 0..100),
+        any::<bool>(),
+        prop::collection::vec(any_logprob(), 100),
+        (any::<Option<i64>>(), any::<f64>().prop_filter("finite", |t| t.is_finite())),
+        (json_doc(), json_doc(), json_doc()),
+        (prop::option::of(prop::collection::vec(any::<u8>(), 0..64)), prop::collection::vec("[a-z]{1,4}", 0..3)),
+        (prop::option::of("[a-zA-Z/0-9-]{0,20}"), prop::option::of("stop|length"), prop::option::of(0.0f64..1e6)),
+    )
+        .prop_map(
+            move |(
+                trace,
+                prompt,
+                completion,
+                with_lp,
+                lp,
+                (wv, ts),
+                (m, r, md),
+                (routing, uids),
+                (model, fin, lat),
+            )| {
+                let n = completion.len();
+                Call {
+                    trace_id: trace,
+                    session_id: session.to_owned(),
+                    session_uids: uids,
+                    timestamp: ts,
+                    model,
+                    weight_version: wv,
+                    prompt_token_ids: prompt,
+                    completion_token_ids: completion,
+                    logprobs: with_lp.then(|| lp[..n].to_vec()),
+                    routing_matrices: routing,
+                    finish_reason: fin,
+                    latency_ms: lat,
+                    messages: m,
+                    response_message: r,
+                    metadata: md,
+                    extra: Some(br#"{"token_counts":{"prompt":3},"unknown":[1]}"#.to_vec()),
+                }
+            },
+        )
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}

@@ -1,0 +1,168 @@
+//! Model-based test: random sequences of append / replace / seal / delete /
+//! reward / roll / reopen / read against a plain in-memory model.
+
+mod common;
+
+use common::*;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+use trajlog::{Call, Durability, ErrorKind, Options, Store, Target};
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Append to session `s` a call with trace id `t`; its prompt extends the
+    /// session's previous context when `extend`.
+    Append {
+        s: u8,
+        t: u8,
+        extend: bool,
+        completion: Vec<u32>,
+        ts: u8,
+    },
+    Seal(u8),
+    Delete(u8),
+    Reward(u8, i8),
+    Roll,
+    Reopen,
+    Read,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (0u8..4, 0u8..24, any::<bool>(), prop::collection::vec(any::<u32>(), 0..40), any::<u8>())
+            .prop_map(|(s, t, extend, completion, ts)| Op::Append { s, t, extend, completion, ts }),
+        1 => (0u8..4).prop_map(Op::Seal),
+        1 => (0u8..4).prop_map(Op::Delete),
+        1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
+        1 => Just(Op::Roll),
+        1 => Just(Op::Reopen),
+        2 => Just(Op::Read),
+    ]
+}
+
+#[derive(Default)]
+struct Model {
+    /// trace id → (append order, call)
+    calls: BTreeMap<String, (u64, Call)>,
+    sealed: BTreeSet<String>,
+    rewards: BTreeMap<String, f64>,
+    contexts: BTreeMap<String, Vec<u32>>,
+    order: u64,
+}
+
+impl Model {
+    fn session(&self, s: &str) -> Vec<&Call> {
+        let mut v: Vec<&(u64, Call)> = self.calls.values().filter(|(_, c)| c.session_id == s).collect();
+        v.sort_by(|a, b| a.1.timestamp.total_cmp(&b.1.timestamp).then(a.0.cmp(&b.0)));
+        v.into_iter().map(|(_, c)| c).collect()
+    }
+}
+
+fn check(store: &Store, model: &Model) {
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), model.calls.len());
+    for (_, c) in model.calls.values() {
+        assert_same(&snap.get(&c.trace_id).unwrap().expect("model call present"), c);
+    }
+    for s in 0..4 {
+        let sid = format!("s{s}");
+        let want = model.session(&sid);
+        let got = snap.session(&sid, None, None).unwrap();
+        assert_eq!(got.len(), want.len(), "session {sid}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.trace_id(), w.trace_id);
+        }
+        assert_eq!(snap.is_sealed(&sid), model.sealed.contains(&sid));
+        assert_eq!(snap.session_reward(&sid), model.rewards.get(&sid).copied());
+        // since / limit
+        if let Some(mid) = want.get(want.len() / 2) {
+            let since = snap.session(&sid, Some(mid.timestamp), Some(2)).unwrap();
+            let expect: Vec<&str> =
+                want.iter().filter(|c| c.timestamp > mid.timestamp).take(2).map(|c| c.trace_id.as_str()).collect();
+            assert_eq!(since.iter().map(|c| c.trace_id()).collect::<Vec<_>>(), expect);
+        }
+    }
+    let listed: usize = snap.sessions().iter().map(|s| s.calls).sum();
+    assert_eq!(listed, model.calls.len());
+    let mut scanned: Vec<String> = snap.iter_calls().map(|c| c.unwrap().trace_id().to_owned()).collect();
+    scanned.sort();
+    assert_eq!(scanned, model.calls.keys().cloned().collect::<Vec<_>>());
+}
+
+fn opts(durability: Durability) -> Options {
+    Options { durability, segment_bytes: 64 * 1024, queue_depth: 8, ..Options::default() }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn store_matches_model(ops in prop::collection::vec(op(), 1..60), durability in prop_oneof![Just(Durability::Buffered), Just(Durability::Group), Just(Durability::Sync)]) {
+        let dir = tempdir();
+        let mut store = Store::open(dir.path(), opts(durability)).unwrap();
+        let mut model = Model::default();
+        for op in ops {
+            match op {
+                Op::Append { s, t, extend, completion, ts } => {
+                    let sid = format!("s{s}");
+                    let ctx = model.contexts.get(&sid).cloned().unwrap_or_default();
+                    let mut prompt = if extend { ctx } else { ctx.iter().take(ctx.len() / 2).copied().chain([7, 7]).collect() };
+                    prompt.push(u32::from(t));
+                    let call = Call {
+                        trace_id: format!("t{t}"),
+                        session_id: sid.clone(),
+                        timestamp: f64::from(ts),
+                        prompt_token_ids: prompt.clone(),
+                        logprobs: Some(completion.iter().map(|&x| f32::from_bits(x)).collect()),
+                        completion_token_ids: completion.clone(),
+                        ..Default::default()
+                    };
+                    let result = store.append(call.clone());
+                    if model.sealed.contains(&sid) {
+                        let err = result.err().expect("append to a sealed session is refused");
+                        let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
+                        prop_assert!(invalid, "{}", err);
+                    } else {
+                        result.unwrap();
+                        model.order += 1;
+                        model.calls.insert(call.trace_id.clone(), (model.order, call));
+                        prompt.extend_from_slice(&completion);
+                        model.contexts.insert(sid, prompt);
+                    }
+                }
+                Op::Seal(s) => {
+                    store.seal_session(&format!("s{s}")).unwrap();
+                    model.sealed.insert(format!("s{s}"));
+                }
+                Op::Delete(s) => {
+                    let sid = format!("s{s}");
+                    let n = store.delete_session(&sid).unwrap();
+                    let before = model.calls.len();
+                    model.calls.retain(|_, (_, c)| c.session_id != sid);
+                    prop_assert_eq!(n as usize, before - model.calls.len());
+                    model.sealed.remove(&sid);
+                    model.rewards.remove(&sid);
+                    model.contexts.remove(&sid);
+                }
+                Op::Reward(s, r) => {
+                    store.set_reward(Target::Session(format!("s{s}")), f64::from(r)).unwrap();
+                    model.rewards.insert(format!("s{s}"), f64::from(r));
+                }
+                Op::Roll => store.roll().unwrap(),
+                Op::Reopen => {
+                    store.close().unwrap();
+                    store = Store::open(dir.path(), opts(durability)).unwrap();
+                    check(&Store::open_read_only(dir.path()).unwrap(), &model);
+                }
+                Op::Read => {
+                    store.flush().unwrap();
+                    check(&store, &model);
+                }
+            }
+        }
+        store.flush().unwrap();
+        check(&store, &model);
+        store.close().unwrap();
+        check(&Store::open(dir.path(), opts(durability)).unwrap(), &model);
+    }
+}
