@@ -4,8 +4,8 @@ use std::io::{BufRead, Write};
 use std::path::Path;
 use trajlog::{Options, Store};
 
-pub fn run(dir: &Path, durability: &str) -> trajlog::Result<i32> {
-    let options = Options { durability: durability.parse()?, ..Options::default() };
+pub fn run(dir: &Path, durability: &str, segment_bytes: u64) -> trajlog::Result<i32> {
+    let options = Options { durability: durability.parse()?, segment_bytes, ..Options::default() };
     let store = Store::open(dir, options)?;
     // A reader thread feeds lines so that the main loop can batch whatever has
     // arrived and ack it with one durability wait, without waiting for more input.

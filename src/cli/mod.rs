@@ -35,6 +35,9 @@ enum Command {
         /// buffered | group | sync
         #[arg(long, default_value = "group")]
         durability: String,
+        /// Seal and roll segments at this size (bytes).
+        #[arg(long, default_value_t = trajlog::limits::DEFAULT_SEGMENT_BYTES)]
+        segment_bytes: u64,
     },
     /// Print calls as JSON lines in the rLLM gateway trace shape, oldest first per session.
     Export {
@@ -67,7 +70,7 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo { dir, sessions, steps } => demo::run(dir, sessions, steps),
-        Command::Ingest { store, durability } => ingest::run(&store, &durability),
+        Command::Ingest { store, durability, segment_bytes } => ingest::run(&store, &durability, segment_bytes),
         Command::Export { store, session } => inspect::export(&store, session.as_deref()),
         Command::Ls { store } => inspect::ls(&store),
         Command::Show { store, session } => inspect::show(&store, &session),

@@ -1,0 +1,123 @@
+//! The `trajlog` binary end to end: ingest → ack lines, export → the same
+//! traces, ls / show / verify / demo.
+
+mod common;
+
+use proptest::prelude::*;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn trajlog(args: &[&str], stdin: &str) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+const TRACES: &str = r#"{"trace_id":"a1","session_id":"task-1:0","timestamp":1.5,"model":"Qwen/Qwen3-8B","prompt_token_ids":[1,2,3],"completion_token_ids":[4,5],"logprobs":[-0.125,-3.4028235e38],"messages":[{"role":"user","content":"hi \u00e9"}],"response_message":{"role":"assistant","content":"ok"},"finish_reason":"stop","latency_ms":250.5,"weight_version":7,"token_counts":{"prompt":3},"metadata":{"group_id":"g"}}
+{"trace_id":"a2","session_id":"task-1:0","timestamp":2.5,"prompt_token_ids":[1,2,3,4,5,6],"completion_token_ids":[7],"logprobs":[-0.0],"raw_response":{"id":"x","choices":[]},"weight_version":null}
+{"trace_id":"b1","session_id":"task-2:0","timestamp":0.5,"prompt_token_ids":[],"completion_token_ids":[],"session_uids":["outer"]}
+"#;
+
+#[test]
+fn ingest_acks_and_export_gives_back_the_same_traces() {
+    let dir = common::tempdir();
+    let store = dir.path().join("store");
+    let out = trajlog(&["ingest", "--store", s(&store), "--durability", "sync"], TRACES);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let acks: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(str::to_owned).collect();
+    assert_eq!(acks, [r#"{"ack":"a1"}"#, r#"{"ack":"a2"}"#, r#"{"ack":"b1"}"#]);
+    let out = trajlog(&["export", "--store", s(&store)], "");
+    assert!(out.status.success());
+    let exported: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut want: Vec<serde_json::Value> = TRACES.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    // Export order: sessions by first call time, calls oldest first.
+    want.rotate_right(1);
+    assert_eq!(exported, want);
+    let one = trajlog(&["export", "--store", s(&store), "--session", "task-1:0"], "");
+    assert_eq!(String::from_utf8(one.stdout).unwrap().lines().count(), 2);
+    let outer = trajlog(&["export", "--store", s(&store), "--session", "outer"], "");
+    assert!(String::from_utf8(outer.stdout).unwrap().contains("\"b1\""));
+}
+
+#[test]
+fn bad_lines_are_reported_skipped_and_fail_the_command() {
+    let dir = common::tempdir();
+    let input = "{\"trace_id\":\"ok1\",\"session_id\":\"s\",\"prompt_token_ids\":[1]}\n\
+                 {\"trace_id\":\"bad\",\"session_id\":\"s\",\"completion_token_ids\":[1,2],\"logprobs\":[-1]}\n\
+                 not json\n\
+                 {\"trace_id\":\"ok2\",\"session_id\":\"s\",\"prompt_token_ids\":[1,2]}\n";
+    let out = trajlog(&["ingest", "--store", s(dir.path())], input);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("line 2") && stderr.contains("logprobs"), "{stderr}");
+    assert!(stderr.contains("line 3"), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), [r#"{"ack":"ok1"}"#, r#"{"ack":"ok2"}"#]);
+    let ls = trajlog(&["ls", "--store", s(dir.path())], "");
+    assert!(String::from_utf8_lossy(&ls.stdout).contains("1 sessions, 2 calls"));
+}
+
+#[test]
+fn verify_names_the_corrupt_file_and_offset() {
+    let dir = common::tempdir();
+    let out = trajlog(&["ingest", "--store", s(dir.path())], TRACES);
+    assert!(out.status.success());
+    let ok = trajlog(&["verify", "--store", s(dir.path())], "");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    let seg = dir.path().join("seg-0000000001.tlog");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[64 + 8 + 110] ^= 0x01; // inside the first record's body
+    std::fs::write(&seg, bytes).unwrap();
+    let bad = trajlog(&["verify", "--store", s(dir.path())], "");
+    assert_eq!(bad.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&bad.stdout);
+    assert!(text.contains("seg-0000000001.tlog at offset 64") && text.contains("crc"), "{text}");
+}
+
+#[test]
+fn show_reports_breaks_and_demo_runs_clean() {
+    let dir = common::tempdir();
+    let store = dir.path().join("demo");
+    let out = trajlog(&["demo", "--dir", s(&store), "--sessions", "10", "--steps", "4"], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("40/40 calls exact"), "{text}");
+    assert!(text.contains("2 breaks found, 2 injected"), "{text}");
+    let show = trajlog(&["show", "--store", s(&store), "task-1:0"], "");
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(text.contains("tito_break at"), "{text}");
+    let again = trajlog(&["demo", "--dir", s(&store)], "");
+    assert_eq!(again.status.code(), Some(2), "demo refuses a non-empty directory");
+    let missing = trajlog(&["ls", "--store", s(&dir.path().join("nope"))], "");
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no trajlog store"));
+}
+
+proptest! {
+    #[test]
+    fn any_finite_logprob_survives_json_text_exactly(bits in prop::collection::vec(any::<u32>(), 1..64)) {
+        let lp: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).filter(|v| v.is_finite()).collect();
+        let call = trajlog::Call {
+            trace_id: "t".into(),
+            session_id: "s".into(),
+            completion_token_ids: vec![1; lp.len()],
+            logprobs: Some(lp.clone()),
+            ..Default::default()
+        };
+        let line = trajlog::trace_json::export_call(&call);
+        let back = trajlog::trace_json::parse_trace(&line, 0.0).unwrap();
+        prop_assert_eq!(common::bits(back.logprobs.as_deref().unwrap()), common::bits(&lp));
+    }
+}

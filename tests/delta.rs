@@ -1,0 +1,162 @@
+//! Prefix-delta encoding: size on disk, classification, break positions,
+//! interleaved conversations, and parents found again after a reopen.
+
+mod common;
+
+use common::*;
+use trajlog::sim::{simulate, Rng, SimConfig};
+use trajlog::{Call, Options, Relation, Store};
+
+fn segment_data_bytes(store: &Store) -> u64 {
+    // Header (64 bytes per segment) excluded: it is per segment, not per session.
+    store.snapshot().segments().iter().map(|s| s.data_bytes - 64).sum()
+}
+
+#[test]
+fn fifty_turn_session_costs_at_most_1_3x_its_new_tokens() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let mut rng = Rng::new(50);
+    let mut prompt = rng.tokens(1500);
+    let mut new_tokens = prompt.len();
+    for turn in 0..50 {
+        let n = rng.range(200, 600);
+        let completion = rng.tokens(n);
+        new_tokens += completion.len();
+        store
+            .append(Call {
+                trace_id: format!("t{turn}"),
+                session_id: "long".into(),
+                timestamp: turn as f64,
+                prompt_token_ids: prompt.clone(),
+                completion_token_ids: completion.clone(),
+                ..Default::default()
+            })
+            .unwrap();
+        prompt.extend_from_slice(&completion);
+        let tool_len = rng.range(100, 400);
+        let tool = rng.tokens(tool_len);
+        new_tokens += tool.len();
+        prompt.extend_from_slice(&tool);
+    }
+    store.flush().unwrap();
+    // The last tool output is never sent in a prompt.
+    let new_bytes = 4 * new_tokens as u64;
+    let on_disk = segment_data_bytes(&store);
+    let full_prompts: u64 =
+        store.snapshot().session("long", None, None).unwrap().iter().map(|c| 4 * c.prompt_len() as u64).sum();
+    let ratio = on_disk as f64 / new_bytes as f64;
+    eprintln!("50 turns: {on_disk} bytes on disk for {new_bytes} bytes of new tokens ({ratio:.3}×); full prompts would be {full_prompts} bytes");
+    assert!(ratio <= 1.3, "prefix-delta ratio {ratio:.3} > 1.3");
+    assert!(on_disk * 10 < full_prompts, "delta must beat storing every prompt by far");
+    let snap = store.snapshot();
+    for (i, c) in snap.session("long", None, None).unwrap().iter().enumerate() {
+        assert_eq!(c.relation(), if i == 0 { Relation::Root } else { Relation::Extends });
+    }
+}
+
+#[test]
+fn injected_breaks_are_reported_at_their_position() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let batch = simulate(&SimConfig { sessions: 20, steps: 6, ..SimConfig::default() });
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    let mut breaks = 0;
+    for s in &batch {
+        let got = snap.session(&s.session_id, None, None).unwrap();
+        for (i, (v, want)) in got.iter().zip(&s.calls).enumerate() {
+            assert_same(v, want);
+            match s.injected_break {
+                Some((at, pos)) if at == i => {
+                    assert_eq!(v.relation(), Relation::TitoBreak, "{} call {i}", s.session_id);
+                    assert_eq!(v.divergence_position(), Some(pos));
+                    breaks += 1;
+                }
+                _ if i == 0 => assert_eq!(v.relation(), Relation::Root),
+                _ => assert_eq!(v.relation(), Relation::Extends, "{} call {i}", s.session_id),
+            }
+        }
+    }
+    assert_eq!(breaks, batch.iter().filter(|s| s.injected_break.is_some()).count());
+    assert!(breaks > 0);
+}
+
+#[test]
+fn interleaved_conversations_find_their_own_parents_and_early_divergence_is_classified() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let mut rng = Rng::new(7);
+    let mut solver = rng.tokens(300);
+    let mut judge = rng.tokens(300);
+    let mut i = 0;
+    let mut push = |ctx: &mut Vec<u32>, rng: &mut Rng| {
+        let completion = rng.tokens(50);
+        store
+            .append(Call {
+                trace_id: format!("c{i}"),
+                session_id: "s".into(),
+                timestamp: i as f64,
+                prompt_token_ids: ctx.clone(),
+                completion_token_ids: completion.clone(),
+                ..Default::default()
+            })
+            .unwrap();
+        i += 1;
+        ctx.extend_from_slice(&completion);
+        ctx.extend(rng.tokens(20));
+    };
+    for _ in 0..5 {
+        push(&mut solver, &mut rng);
+        push(&mut judge, &mut rng);
+    }
+    // A re-rendered history: the prompt drops the middle of the solver's history.
+    let mut rerendered: Vec<u32> = solver[..100].to_vec();
+    rerendered.extend(rng.tokens(10));
+    push(&mut rerendered, &mut rng);
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    let calls = snap.session("s", None, None).unwrap();
+    assert_eq!(calls[0].relation(), Relation::Root);
+    // The judge's first call shares nothing with the solver: a new branch at 0.
+    assert_eq!(calls[1].relation(), Relation::DivergesEarlier);
+    assert_eq!(calls[1].divergence_position(), Some(0));
+    for c in &calls[2..10] {
+        assert_eq!(c.relation(), Relation::Extends, "{}", c.trace_id());
+        assert!(c.prompt_suffix().len() <= 20, "{} stored {} prompt tokens", c.trace_id(), c.prompt_suffix().len());
+    }
+    assert_eq!(calls[10].relation(), Relation::DivergesEarlier);
+    assert_eq!(calls[10].divergence_position(), Some(100));
+    assert_eq!(calls[10].prompt().unwrap(), rerendered[..110].to_vec());
+}
+
+#[test]
+fn parents_are_found_again_after_a_reopen() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 2, steps: 10, break_every: 0, ..SimConfig::default() });
+    {
+        let store = Store::open(dir.path(), Options::default()).unwrap();
+        for c in &batch[0].calls[..5] {
+            store.append(c.clone()).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for c in &batch[0].calls[5..] {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    let calls = snap.session(&batch[0].session_id, None, None).unwrap();
+    let first_after = &calls[5];
+    assert_eq!(first_after.relation(), Relation::Extends);
+    assert!(first_after.prompt_suffix().len() < 500, "stored {} prompt tokens", first_after.prompt_suffix().len());
+    for (v, want) in calls.iter().zip(&batch[0].calls) {
+        assert_same(v, want);
+    }
+}
