@@ -166,7 +166,7 @@ fn corrupt_frame_in_a_sealed_segment_is_an_error_never_data() {
     fs::write(&path, &bytes).unwrap();
     let store = Store::open_read_only(dir.path()).unwrap();
     let snap = store.snapshot();
-    let err = snap.get("t2").err().expect("a corrupt record is an error");
+    let Err(err) = snap.get("t2") else { panic!("a corrupt record must be an error") };
     assert!(matches!(err.kind(), ErrorKind::Corrupt { offset, .. } if *offset == loc.offset), "{err}");
     // Reading t4 needs t2 as its prefix-delta ancestor: also an error, not wrong data.
     assert!(snap.get("t4").unwrap().unwrap().prompt().is_err());

@@ -20,6 +20,9 @@ fn good() -> Call {
     }
 }
 
+/// A change that makes a good call bad.
+type Mutation = Box<dyn Fn(&mut Call)>;
+
 fn expect_invalid(store: &Store, call: Call, field: &str) {
     let err = store.append(call).err().unwrap_or_else(|| panic!("{field}: accepted"));
     match err.kind() {
@@ -33,7 +36,7 @@ fn expect_invalid(store: &Store, call: Call, field: &str) {
 fn each_violation_names_its_field_and_writes_nothing() {
     let dir = tempdir();
     let store = Store::open(dir.path(), Options::default()).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut Call)>)> = vec![
+    let cases: Vec<(&str, Mutation)> = vec![
         ("trace_id", Box::new(|c| c.trace_id.clear())),
         ("trace_id", Box::new(|c| c.trace_id = "x".repeat(ID_BYTES_MAX as usize + 1))),
         ("session_id", Box::new(|c| c.session_id.clear())),
