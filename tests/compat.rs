@@ -1,0 +1,119 @@
+//! Compatibility fixtures: stores written by earlier builds, committed and never
+//! rewritten. Every later build must read them exactly.
+//!
+//! `tests/fixtures/store-v1` was written by format version 1 with
+//! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
+//! overwrite an existing fixture).
+
+use std::path::PathBuf;
+use trajlog::{Call, Options, Relation, Store, Target};
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v1")
+}
+
+/// The calls the fixture holds (deterministic).
+fn fixture_calls() -> Vec<Call> {
+    let mut calls = Vec::new();
+    let mut prompt: Vec<u32> = (0..40).collect();
+    for step in 0..4u32 {
+        let completion: Vec<u32> = (0..10).map(|i| 1000 * (step + 1) + i).collect();
+        calls.push(Call {
+            trace_id: format!("a/{step}"),
+            session_id: "task-1:0".into(),
+            session_uids: if step == 0 { vec!["outer".into()] } else { vec![] },
+            timestamp: 100.0 + f64::from(step),
+            model: Some("m".into()),
+            weight_version: Some(i64::from(step)),
+            logprobs: Some(completion.iter().map(|&t| -(t as f32) / 3000.0).chain([]).collect()),
+            prompt_token_ids: prompt.clone(),
+            completion_token_ids: completion.clone(),
+            finish_reason: Some("stop".into()),
+            latency_ms: Some(12.5),
+            messages: Some(format!(r#"[{{"role":"user","content":"step {step}"}}]"#).into_bytes()),
+            metadata: Some(br#"{"group_id":"task-1"}"#.to_vec()),
+            extra: Some(br#"{"token_counts":{"prompt":1}}"#.to_vec()),
+            ..Default::default()
+        });
+        // Step 2's prompt retokenizes the middle of step 1's completion.
+        if step == 1 {
+            prompt.extend_from_slice(&completion[..5]);
+            prompt.push(77);
+            prompt.extend_from_slice(&completion[7..]);
+        } else {
+            prompt.extend_from_slice(&completion);
+        }
+        prompt.extend([5, 5, 5]);
+    }
+    calls.push(Call {
+        trace_id: "b/0".into(),
+        session_id: "task-2:0".into(),
+        timestamp: 50.0,
+        prompt_token_ids: vec![9, 9],
+        completion_token_ids: vec![8],
+        logprobs: Some(vec![f32::from_bits(0x7fc0_0001)]),
+        ..Default::default()
+    });
+    calls
+}
+
+fn write_fixture() {
+    let dir = fixture_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let calls = fixture_calls();
+    for c in &calls[..2] {
+        store.append(c.clone()).unwrap();
+    }
+    store.roll().unwrap();
+    for c in &calls[2..] {
+        store.append(c.clone()).unwrap();
+    }
+    // A replaced and a deleted call.
+    store.append(Call { trace_id: "gone".into(), session_id: "task-3:0".into(), ..Default::default() }).unwrap();
+    store.delete_session("task-3:0").unwrap();
+    let mut old = calls[4].clone();
+    old.trace_id = "b/1".into();
+    store.append(old).unwrap();
+    store.append(Call { trace_id: "b/1".into(), session_id: "task-2:0".into(), timestamp: 51.0, ..Default::default() }).unwrap();
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.set_reward(Target::Trace("a/3".into()), 0.5).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v1_fixture_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_dir().exists() {
+        write_fixture();
+    }
+    let store = Store::open_read_only(fixture_dir()).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls = fixture_calls();
+    assert_eq!(snap.call_count(), 6);
+    assert_eq!(snap.segments().len(), 2);
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        let got = v.to_call().unwrap();
+        assert_eq!(got.prompt_token_ids, c.prompt_token_ids);
+        assert_eq!(got.completion_token_ids, c.completion_token_ids);
+        assert_eq!(
+            got.logprobs.map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        );
+        assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
+        assert_eq!((got.weight_version, got.latency_ms, got.session_uids), (c.weight_version, c.latency_ms, c.session_uids.clone()));
+    }
+    let a: Vec<Relation> = snap.session("task-1:0", None, None).unwrap().iter().map(|c| c.relation()).collect();
+    assert_eq!(a, [Relation::Root, Relation::Extends, Relation::TitoBreak, Relation::Extends]);
+    assert_eq!(snap.get("a/2").unwrap().unwrap().divergence_position(), Some(40 + 10 + 3 + 5));
+    assert!(snap.is_sealed("task-1:0"));
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    assert_eq!(snap.trace_reward("a/3"), Some(0.5));
+    assert!(snap.get("gone").unwrap().is_none());
+    let b1 = snap.get("b/1").unwrap().unwrap();
+    assert!(b1.completion_token_ids().is_empty(), "the replacement wins");
+    assert_eq!(snap.session("outer", None, None).unwrap().len(), 1);
+    assert!(trajlog::verify::verify_dir(&fixture_dir()).unwrap().problems.is_empty());
+}
