@@ -75,7 +75,9 @@ fn write_fixture() {
     let mut old = calls[4].clone();
     old.trace_id = "b/1".into();
     store.append(old).unwrap();
-    store.append(Call { trace_id: "b/1".into(), session_id: "task-2:0".into(), timestamp: 51.0, ..Default::default() }).unwrap();
+    store
+        .append(Call { trace_id: "b/1".into(), session_id: "task-2:0".into(), timestamp: 51.0, ..Default::default() })
+        .unwrap();
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
     store.set_reward(Target::Trace("a/3".into()), 0.5).unwrap();
     store.seal_session("task-1:0").unwrap();
@@ -103,7 +105,10 @@ fn reads_the_v1_fixture_exactly() {
             c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
         );
         assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
-        assert_eq!((got.weight_version, got.latency_ms, got.session_uids), (c.weight_version, c.latency_ms, c.session_uids.clone()));
+        assert_eq!(
+            (got.weight_version, got.latency_ms, got.session_uids),
+            (c.weight_version, c.latency_ms, c.session_uids.clone())
+        );
     }
     let a: Vec<Relation> = snap.session("task-1:0", None, None).unwrap().iter().map(|c| c.relation()).collect();
     assert_eq!(a, [Relation::Root, Relation::Extends, Relation::TitoBreak, Relation::Extends]);

@@ -40,7 +40,11 @@ fn sample_call_body() -> Vec<u8> {
         extra: Some(b"{}".to_vec()),
     };
     let mut body = Vec::new();
-    encode_call(&mut body, &call, &Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends });
+    encode_call(
+        &mut body,
+        &call,
+        &Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends },
+    );
     body
 }
 
