@@ -334,6 +334,19 @@ impl Store {
         };
         remove_orphans(&dir, &manifest)?;
         let mut loaded = load_dir(&dir, manifest)?;
+        // A segment found sealed on disk but listed as active (a crash between
+        // a seal and the manifest update) is written back as sealed first, so
+        // that no manifest ever lists two active segments.
+        let mut manifest_fixed = false;
+        for ms in &mut loaded.manifest.segments {
+            if ms.state == SegmentState::Active && loaded.segments.get(&ms.id).is_some_and(|s| s.sealed) {
+                ms.state = SegmentState::Sealed;
+                manifest_fixed = true;
+            }
+        }
+        if manifest_fixed {
+            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
+        }
         let active = match loaded.active.take() {
             Some((id, path, valid_end, entries)) => {
                 ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries)?
@@ -347,18 +360,6 @@ impl Store {
                 seg
             }
         };
-        // Seal states found on disk but not in the manifest (crash between a
-        // seal and the manifest update) are written back now.
-        let mut manifest_fixed = false;
-        for ms in &mut loaded.manifest.segments {
-            if ms.state == SegmentState::Active && ms.id != active.id {
-                ms.state = SegmentState::Sealed;
-                manifest_fixed = true;
-            }
-        }
-        if manifest_fixed {
-            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
-        }
         loaded.segments.remove(&active.id);
         let sealed: HashSet<String> =
             loaded.index.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| k.to_string()).collect();
@@ -651,14 +652,13 @@ impl Writer {
                     Err(_) => break,
                 },
             };
+            // A batch is bounded in records here and in bytes by `append_call`,
+            // which writes the buffer out whenever it passes BATCH_BYTES_MAX.
             let mut batch = vec![first];
-            while batch.len() < BATCH_RECORDS_MAX && self.buf.len() < BATCH_BYTES_MAX {
+            while batch.len() < BATCH_RECORDS_MAX {
                 match rx.try_recv() {
                     Ok(cmd) => batch.push(cmd),
                     Err(_) => break,
-                }
-                if self.buf.len() >= BATCH_BYTES_MAX {
-                    break;
                 }
             }
             for cmd in batch {
@@ -803,6 +803,10 @@ impl Writer {
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
         self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        if self.buf.len() >= BATCH_BYTES_MAX {
+            // Bound the writer's memory: write now, make durable at batch end.
+            self.write_buf()?;
+        }
         Ok(())
     }
 

@@ -197,3 +197,31 @@ fn garbage_directory_contents_are_errors_not_panics() {
         assert!(Store::open_read_only(work.path()).is_err());
     }
 }
+
+#[test]
+fn crash_between_seal_and_manifest_update_recovers() {
+    for keep_orphan in [false, true] {
+        let dir = tempdir();
+        let all = calls(6);
+        let store = Store::open(dir.path(), opts()).unwrap();
+        for c in &all[..3] {
+            store.append_durable(c.clone()).unwrap();
+        }
+        let old_manifest = fs::read(dir.path().join("MANIFEST")).unwrap();
+        store.roll().unwrap();
+        store.close().unwrap();
+        // The disk as a crash after sealing segment 1 (and maybe creating
+        // segment 2) but before the manifest was replaced would leave it.
+        fs::write(dir.path().join("MANIFEST"), &old_manifest).unwrap();
+        if !keep_orphan {
+            fs::remove_file(dir.path().join("seg-0000000002.tlog")).unwrap();
+        }
+        let store = Store::open(dir.path(), opts()).unwrap();
+        for c in &all[3..] {
+            store.append_durable(c.clone()).unwrap();
+        }
+        store.close().unwrap();
+        assert_eq!(check_prefix(dir.path(), &all), all.len(), "keep_orphan={keep_orphan}");
+        assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+    }
+}
