@@ -29,6 +29,7 @@
 //!
 //! See `ARCHITECTURE.md` for the map of modules and `format-spec/` for the bytes.
 
+pub mod compact;
 pub mod delta;
 pub mod error;
 pub mod format;
@@ -43,6 +44,7 @@ pub mod store;
 pub mod trace_json;
 pub mod verify;
 
+pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression};
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target};

@@ -5,11 +5,12 @@
 //! of the log plus `Arc`s of the segment mappings it needs. Holding it keeps
 //! those mappings alive; it never changes, whatever the writer does meanwhile.
 
+use crate::compact::reader::{call_from_row, ShardFile, ShardPos};
 use crate::error::{Error, Result};
 use crate::format::frame::{read_frame, FrameRead};
 use crate::format::record::{body_kind, decode_call, CallRecord, Loc, Relation, KIND_CALL};
 use crate::format::segment::HEADER_BYTES;
-use crate::index::Index;
+use crate::index::{CallMeta, Index};
 use crate::record::Call;
 use crate::segment::SegmentRef;
 use std::sync::Arc;
@@ -19,12 +20,26 @@ use std::sync::Arc;
 pub struct View {
     pub(crate) index: Index,
     pub(crate) segments: imbl::OrdMap<u64, SegmentRef>,
+    /// Published `steps` shards, by shard id.
+    pub(crate) shards: Arc<Vec<Arc<ShardFile>>>,
 }
 
-/// A consistent, cheap-to-clone read view of a store.
-#[derive(Debug, Clone)]
+/// Decoded shard row groups, kept for the life of one snapshot so that views
+/// into them can borrow from it (an append-only map: entries never move).
+type RowGroupCache = elsa::sync::FrozenMap<(u32, u32), Box<arrow_array::RecordBatch>>;
+
+/// A consistent read view of a store: cheap to take, safe to hold while the
+/// writer appends, seals, rolls and compacts.
+#[derive(Debug)]
 pub struct Snapshot {
     view: Arc<View>,
+    row_groups: std::sync::OnceLock<RowGroupCache>,
+}
+
+impl Clone for Snapshot {
+    fn clone(&self) -> Self {
+        Snapshot::new(self.view.clone())
+    }
 }
 
 /// Summary of one session.
@@ -50,11 +65,16 @@ pub struct SegmentInfo {
     pub mapped: std::ops::Range<usize>,
 }
 
-/// One call, viewed in place: its token slices point into the mapped segment.
+/// One call, viewed in place: its token slices point into the mapped segment,
+/// or, for a compacted call, into the snapshot's decoded shard row group.
 #[derive(Debug, Clone)]
 pub struct CallView<'a> {
+    /// The call record's position in the log.
     pub loc: Loc,
     pub record: CallRecord<'a>,
+    /// Where it is served from, when compacted.
+    pub shard: Option<ShardPos>,
+    divergence: Option<usize>,
     snapshot: &'a Snapshot,
 }
 
@@ -96,8 +116,11 @@ impl<'a> CallView<'a> {
     /// For a TI/TO break or an earlier divergence: the first prompt position
     /// that differs from the parent's context.
     pub fn divergence_position(&self) -> Option<usize> {
-        matches!(self.record.relation, Relation::TitoBreak | Relation::DivergesEarlier)
-            .then_some(self.record.prefix_len as usize)
+        self.divergence
+    }
+    /// Whether the call is served from a Parquet shard (compacted).
+    pub fn is_compacted(&self) -> bool {
+        self.shard.is_some()
     }
     /// The full prompt, materialized from the parent chain.
     pub fn prompt(&self) -> Result<Vec<u32>> {
@@ -129,7 +152,7 @@ impl<'a> CallView<'a> {
 
 impl Snapshot {
     pub(crate) fn new(view: Arc<View>) -> Self {
-        Self { view }
+        Self { view, row_groups: std::sync::OnceLock::new() }
     }
 
     fn segment(&self, id: u64) -> Result<&SegmentRef> {
@@ -143,14 +166,41 @@ impl Snapshot {
         let seg = self.segment(loc.segment)?;
         let body = seg.body_at(loc.offset)?;
         let record = decode_call(body).map_err(|e| Error::corrupt(seg.path.as_path(), loc.offset, e.what))?;
-        Ok(CallView { loc, record, snapshot: self })
+        Ok(self.segment_view(loc, record))
+    }
+
+    fn segment_view<'a>(&'a self, loc: Loc, record: CallRecord<'a>) -> CallView<'a> {
+        let divergence = matches!(record.relation, Relation::TitoBreak | Relation::DivergesEarlier)
+            .then_some(record.prefix_len as usize);
+        CallView { loc, record, shard: None, divergence, snapshot: self }
+    }
+
+    /// A compacted call, from its shard row group (decoded once per snapshot).
+    fn shard_call(&self, loc: Loc, pos: ShardPos) -> Result<CallView<'_>> {
+        let file = self.view.shards.get(pos.shard as usize).ok_or_else(|| {
+            Error::new(crate::error::ErrorKind::NotFound, format!("shard {} is not part of this snapshot", pos.shard))
+        })?;
+        let cache = self.row_groups.get_or_init(RowGroupCache::new);
+        let batch = match cache.get(&(pos.shard, pos.row_group)) {
+            Some(b) => b,
+            None => cache.insert((pos.shard, pos.row_group), Box::new(file.read_row_group(pos.row_group)?)),
+        };
+        let (record, divergence) = call_from_row(batch, pos.row as usize, &file.path)?;
+        Ok(CallView { loc, record, shard: Some(pos), divergence: divergence.map(|d| d as usize), snapshot: self })
+    }
+
+    fn read(&self, meta: &CallMeta) -> Result<CallView<'_>> {
+        match meta.shard {
+            None => self.call_at(meta.loc),
+            Some(pos) => self.shard_call(meta.loc, pos),
+        }
     }
 
     /// The live call with this trace id.
     pub fn get(&self, trace_id: &str) -> Result<Option<CallView<'_>>> {
         match self.view.index.traces.get(trace_id) {
             None => Ok(None),
-            Some(meta) => self.call_at(meta.loc).map(Some),
+            Some(meta) => self.read(meta).map(Some),
         }
     }
 
@@ -168,7 +218,16 @@ impl Snapshot {
                 .unwrap_or_else(|i| i),
         };
         let limit = limit.unwrap_or(usize::MAX);
-        entry.calls.iter().skip(start).take(limit).map(|k| self.call_at(k.loc)).collect()
+        entry
+            .calls
+            .iter()
+            .skip(start)
+            .take(limit)
+            .map(|k| match self.view.index.traces.get(&k.trace_id) {
+                Some(meta) if meta.loc == k.loc => self.read(meta),
+                _ => self.call_at(k.loc),
+            })
+            .collect()
     }
 
     fn info(&self, id: &str, e: &crate::index::SessionEntry) -> Option<SessionInfo> {
@@ -231,14 +290,36 @@ impl Snapshot {
             .collect()
     }
 
-    /// Every live call, in log order (oldest append first).
-    pub fn iter_calls(&self) -> impl Iterator<Item = Result<CallView<'_>>> + '_ {
-        self.view.segments.values().flat_map(move |seg| LiveCalls {
-            snapshot: self,
-            seg,
-            at: HEADER_BYTES,
-            done: false,
-        })
+    /// Published `steps` shards (paths), by shard id.
+    pub fn shard_paths(&self) -> Vec<std::path::PathBuf> {
+        self.view.shards.iter().map(|s| s.path.clone()).collect()
+    }
+
+    /// Visit every live call: first those still in segments, in log order, then
+    /// the compacted ones, in shard order. Shard row groups are decoded one at a
+    /// time and dropped after their calls were visited, so memory stays bounded.
+    pub fn for_each_call(&self, mut f: impl FnMut(&CallView<'_>) -> Result<()>) -> Result<()> {
+        for seg in self.view.segments.values() {
+            for call in (LiveCalls { snapshot: self, seg, at: HEADER_BYTES, done: false }) {
+                f(&call?)?;
+            }
+        }
+        for file in self.view.shards.iter() {
+            for rg in 0..file.row_groups() as u32 {
+                let batch = file.read_row_group(rg)?;
+                for row in 0..batch.num_rows() {
+                    let (record, divergence) = call_from_row(&batch, row, &file.path)?;
+                    let pos = ShardPos { shard: file.id, row_group: rg, row: row as u32 };
+                    let Some(meta) = self.view.index.traces.get(record.trace_id) else { continue };
+                    if meta.shard != Some(pos) {
+                        continue;
+                    }
+                    let divergence = divergence.map(|d| d as usize);
+                    f(&CallView { loc: meta.loc, record, shard: Some(pos), divergence, snapshot: self })?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Materialize a call's full prompt by walking its parent chain.
@@ -332,9 +413,15 @@ impl<'a> Iterator for LiveCalls<'a> {
                         Ok(r) => r,
                         Err(e) => return Some(Err(Error::corrupt(self.seg.path.as_path(), offset, e.what))),
                     };
-                    let live = self.snapshot.view.index.traces.get(record.trace_id).is_some_and(|m| m.loc == loc);
+                    let live = self
+                        .snapshot
+                        .view
+                        .index
+                        .traces
+                        .get(record.trace_id)
+                        .is_some_and(|m| m.loc == loc && m.shard.is_none());
                     if live {
-                        return Some(Ok(CallView { loc, record, snapshot: self.snapshot }));
+                        return Some(Ok(self.snapshot.segment_view(loc, record)));
                     }
                 }
             }

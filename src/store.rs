@@ -16,11 +16,16 @@
 //! persistent maps and `Arc`s of the segment mappings, so it stays consistent
 //! and valid however long it is held, while the writer appends, seals and rolls.
 
+use crate::compact::reader::{ShardFile, ShardRow};
 use crate::delta::{Context, DeltaCache};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::frame::{frame_bytes, write_frame};
-use crate::format::manifest::{decode_manifest, encode_manifest, Manifest, ManifestSegment, SegmentState};
-use crate::format::record::{call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL};
+use crate::format::manifest::{
+    decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState,
+};
+use crate::format::record::{
+    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION,
+};
 use crate::format::segment::FooterEntry;
 use crate::index::{sessions_of, CallMeta, Index};
 use crate::limits::*;
@@ -34,7 +39,7 @@ use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -107,10 +112,39 @@ impl Options {
 }
 
 enum Cmd {
-    Append { seq: u64, call: Box<Call> },
-    Annotate { seq: u64, ann: Annotation, reply: Option<Sender<u64>> },
-    Flush { fsync: bool, reply: Sender<Result<()>> },
-    Roll { reply: Sender<Result<()>> },
+    Append {
+        seq: u64,
+        call: Box<Call>,
+    },
+    Annotate {
+        seq: u64,
+        ann: Annotation,
+        reply: Option<Sender<u64>>,
+    },
+    Flush {
+        fsync: bool,
+        reply: Sender<Result<()>>,
+    },
+    Roll {
+        reply: Sender<Result<()>>,
+    },
+    /// Reserve a shard generation number for a compaction.
+    ReserveGeneration {
+        reply: Sender<u64>,
+    },
+    /// Publish staged shards, switch compacted calls to them, retire segments.
+    Publish {
+        staged: Vec<PendingRename>,
+        sessions: Vec<String>,
+        reply: Sender<Result<PublishOutcome>>,
+    },
+}
+
+/// What publishing a compaction did.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PublishOutcome {
+    pub calls_placed: u64,
+    pub retired_segments: Vec<u64>,
 }
 
 struct SendState {
@@ -179,8 +213,11 @@ impl Inner {
         d.poisoned.as_deref().map(Error::poisoned)
     }
 
-    fn publish(&self, view: Arc<View>, seq: u64) {
+    fn set_view(&self, view: Arc<View>) {
         *lock(&self.view) = view;
+    }
+
+    fn advance(&self, seq: u64) {
         let mut d = lock(&self.durable);
         d.seq = d.seq.max(seq);
         self.durable_seq.store(d.seq, Ordering::Release);
@@ -218,6 +255,9 @@ pub struct Store {
 }
 
 const MANIFEST_NAME: &str = "MANIFEST";
+/// Shards live under `DIR/shards/{steps,trajectories}/`.
+pub(crate) const SHARDS_DIR: &str = "shards";
+pub(crate) const SHARD_TABLES: [&str; 2] = ["steps", "trajectories"];
 const LOCK_NAME: &str = "LOCK";
 
 fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
@@ -241,6 +281,9 @@ struct Loaded {
     manifest: Manifest,
     index: Index,
     segments: imbl::OrdMap<u64, SegmentRef>,
+    shards: Vec<Arc<ShardFile>>,
+    /// Every session name that appears in a shard row (live or not).
+    shard_sessions: HashSet<Arc<str>>,
     /// The last segment, if unsealed: its entries and valid end.
     active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
 }
@@ -251,6 +294,7 @@ fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry) -> Result<(
     if e.kind == KIND_CALL {
         index.apply_call(CallMeta {
             loc,
+            shard: None,
             timestamp: e.timestamp,
             trace_id: Arc::from(e.id.as_str()),
             sessions: sessions_of(&e.session_id, &e.session_uids),
@@ -263,6 +307,16 @@ fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry) -> Result<(
     Ok(())
 }
 
+fn apply_shard_row(index: &mut Index, row: &ShardRow) {
+    index.apply_call(CallMeta {
+        loc: row.loc,
+        shard: Some(row.pos),
+        timestamp: row.timestamp,
+        trace_id: Arc::from(row.trace_id.as_str()),
+        sessions: sessions_of(&row.session_id, &row.session_uids),
+    });
+}
+
 fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
     match ann {
         Annotation::Reward { target: Target::Trace(t), value } => index.set_trace_reward(t, *value),
@@ -273,11 +327,52 @@ fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
     0
 }
 
-/// Load every segment of the manifest and rebuild the indexes.
+/// The `steps` shards of a manifest, in publication order (their shard ids).
+/// `pending` publications count too, at their final path if the rename
+/// happened, else at their staged path (read-only opens do not rename).
+fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<PathBuf> {
+    let shards = dir.join(SHARDS_DIR);
+    let published = manifest.shards.iter().map(|s| shards.join(&s.path));
+    let pending = manifest.pending.iter().map(|p| {
+        let done = shards.join(&p.shard.path);
+        if done.exists() {
+            done
+        } else {
+            shards.join(&p.staged)
+        }
+    });
+    let steps = |p: &PathBuf| p.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "steps");
+    published.chain(pending).filter(steps).collect()
+}
+
+/// Open shards and read their index rows (sorted by log position).
+fn load_shards(paths: &[PathBuf]) -> Result<(Vec<Arc<ShardFile>>, Vec<ShardRow>)> {
+    let mut files = Vec::with_capacity(paths.len());
+    let mut rows = Vec::new();
+    for (i, path) in paths.iter().enumerate() {
+        let f = ShardFile::open(path, i as u32)?;
+        f.index_rows(&mut rows)?;
+        files.push(Arc::new(f));
+    }
+    rows.sort_by_key(|r| r.loc);
+    Ok((files, rows))
+}
+
+/// Load every segment and shard of the manifest and rebuild the indexes by
+/// replaying records in log order; a shard row stands at the log position of
+/// the call it was compacted from (format-spec/shard.md §4).
 fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     let mut index = Index::default();
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
+    let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
+    let mut shard_sessions = HashSet::new();
+    for r in &rows {
+        for s in sessions_of(&r.session_id, &r.session_uids).iter() {
+            shard_sessions.insert(s.clone());
+        }
+    }
+    let mut rows = rows.into_iter().peekable();
     let last = manifest.segments.last().map(|s| s.id);
     for ms in &manifest.segments {
         let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed)?;
@@ -290,6 +385,15 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
         for e in &seg.entries {
+            let loc = Loc { segment: seg.id, offset: e.frame_offset };
+            while let Some(row) = rows.next_if(|row| row.loc < loc) {
+                apply_shard_row(&mut index, &row);
+            }
+            if let Some(row) = rows.next_if(|row| row.loc == loc) {
+                // The call was compacted: its shard row stands for its record.
+                apply_shard_row(&mut index, &row);
+                continue;
+            }
             apply_entry(&mut index, &r, e)?;
         }
         if !seg.sealed {
@@ -297,7 +401,55 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
         }
         segments.insert(seg.id, r);
     }
-    Ok(Loaded { manifest, index, segments, active })
+    for row in rows {
+        apply_shard_row(&mut index, &row);
+    }
+    Ok(Loaded { manifest, index, segments, shards, shard_sessions, active })
+}
+
+/// Finish a shard publication that was decided (listed as pending in the
+/// manifest) but maybe not completed: rename what is still staged, then list
+/// the shards as published.
+fn finish_pending(dir: &Path, manifest: &mut Manifest) -> Result<()> {
+    if manifest.pending.is_empty() {
+        return Ok(());
+    }
+    let shards = dir.join(SHARDS_DIR);
+    for p in &manifest.pending {
+        let (from, to) = (shards.join(&p.staged), shards.join(&p.shard.path));
+        if from.exists() {
+            fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
+        } else if !to.exists() {
+            return Err(Error::corrupt(&to, 0, "a shard being published has neither its staged nor its final file"));
+        }
+    }
+    for table in SHARD_TABLES {
+        crate::storage::sync_dir(&shards.join(table))?;
+    }
+    let pending = std::mem::take(&mut manifest.pending);
+    manifest.shards.extend(pending.into_iter().map(|p| p.shard));
+    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest))
+}
+
+/// Remove shard files no manifest entry names: staged files of a compaction
+/// that never reached its commit point.
+fn remove_orphan_shards(dir: &Path, manifest: &Manifest) -> Result<()> {
+    let listed: HashSet<&str> = manifest.shards.iter().map(|s| s.path.as_str()).collect();
+    for table in SHARD_TABLES {
+        let tdir = dir.join(SHARDS_DIR).join(table);
+        let Ok(entries) = fs::read_dir(&tdir) else { continue };
+        for entry in entries {
+            let entry = entry.map_err(|e| Error::io(format!("list {}", tdir.display()), e))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let rel = format!("{table}/{name}");
+            if name.ends_with(".parquet") && !listed.contains(rel.as_str()) {
+                fs::remove_file(entry.path())
+                    .map_err(|e| Error::io(format!("remove orphan shard {}", entry.path().display()), e))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Store {
@@ -327,12 +479,15 @@ impl Store {
         let manifest = match read_manifest(&dir)? {
             Some(m) => m,
             None => {
-                let m = Manifest { next_segment_id: 1, segments: Vec::new() };
+                let m = Manifest { next_segment_id: 1, next_shard_generation: 1, ..Manifest::default() };
                 crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m))?;
                 m
             }
         };
+        let mut manifest = manifest;
+        finish_pending(&dir, &mut manifest)?;
         remove_orphans(&dir, &manifest)?;
+        remove_orphan_shards(&dir, &manifest)?;
         let mut loaded = load_dir(&dir, manifest)?;
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
@@ -366,7 +521,8 @@ impl Store {
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
-        let view = Arc::new(View { index: loaded.index.clone(), segments });
+        let shards = Arc::new(loaded.shards);
+        let view = Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone() });
         let (tx, rx) = bounded(options.queue_depth);
         let inner = Arc::new(Inner {
             dir: dir.clone(),
@@ -386,6 +542,10 @@ impl Store {
             sealed_segments: loaded.segments,
             active: Some(active),
             index: loaded.index,
+            shards,
+            shard_sessions: loaded.shard_sessions,
+            retiring: Vec::new(),
+            old_maps: std::collections::HashMap::new(),
             delta: DeltaCache::new(inner.options.delta_cache_bytes),
             buf: Vec::with_capacity(1 << 20),
             pending: Vec::new(),
@@ -538,6 +698,35 @@ impl Store {
         self.control(|reply| Cmd::Roll { reply })
     }
 
+    /// Compact finished sessions into Parquet shards under `DIR/shards/`
+    /// (format-spec/shard.md), then retire the segments nothing needs any more.
+    /// Reads keep answering for compacted calls, now from the shards.
+    pub fn compact(&self, options: &crate::compact::CompactOptions) -> Result<crate::compact::CompactReport> {
+        crate::compact::run(self, options)
+    }
+
+    pub(crate) fn reserve_generation(&self) -> Result<u64> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, Cmd::ReserveGeneration { reply: tx })?;
+        }
+        rx.recv().map_err(|_| Error::closed())
+    }
+
+    pub(crate) fn publish_compaction(
+        &self,
+        staged: Vec<PendingRename>,
+        sessions: Vec<String>,
+    ) -> Result<PublishOutcome> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, Cmd::Publish { staged, sessions, reply: tx })?;
+        }
+        rx.recv().map_err(|_| Error::closed())?
+    }
+
     /// A consistent view of everything acknowledged so far; cheap, and safe to
     /// hold while the writer goes on.
     pub fn snapshot(&self) -> Snapshot {
@@ -605,7 +794,9 @@ fn load_read_only(dir: &Path) -> Result<View> {
             )
         })?;
         match load_dir(dir, manifest) {
-            Ok(loaded) => return Ok(View { index: loaded.index, segments: loaded.segments }),
+            Ok(loaded) => {
+                return Ok(View { index: loaded.index, segments: loaded.segments, shards: Arc::new(loaded.shards) })
+            }
             Err(e) if e.kind() == &ErrorKind::Io && e.message().contains("No such file") => last_err = Some(e),
             Err(e) => return Err(e),
         }
@@ -622,6 +813,12 @@ struct Writer {
     sealed_segments: imbl::OrdMap<u64, SegmentRef>,
     active: Option<ActiveSegment>,
     index: Index,
+    shards: Arc<Vec<Arc<ShardFile>>>,
+    shard_sessions: HashSet<Arc<str>>,
+    /// Retired segment files, deleted once no snapshot maps them any more.
+    retiring: Vec<(PathBuf, Vec<Weak<crate::storage::mmap::Mapping>>)>,
+    /// Mappings sealed segments had while they were active.
+    old_maps: std::collections::HashMap<u64, Vec<Weak<crate::storage::mmap::Mapping>>>,
     delta: DeltaCache,
     /// Frames encoded but not yet written.
     buf: Vec<u8>,
@@ -731,6 +928,24 @@ impl Writer {
                 };
                 let _ = reply.send(result);
             }
+            Cmd::ReserveGeneration { reply } => {
+                let generation = self.manifest.next_shard_generation.max(1);
+                self.manifest.next_shard_generation = generation + 1;
+                let _ = reply.send(generation);
+            }
+            Cmd::Publish { staged, sessions, reply } => {
+                let result = match self.inner.poisoned_error() {
+                    Some(e) => Err(e),
+                    None => self.publish(staged, &sessions),
+                };
+                if let Err(e) = &result {
+                    if !matches!(e.kind(), ErrorKind::Poisoned) {
+                        self.fail(e);
+                    }
+                }
+                self.commit(true);
+                let _ = reply.send(result);
+            }
             Cmd::Roll { reply } => {
                 let result = if self.poisoned() {
                     Err(self.inner.poisoned_error().unwrap_or_else(Error::closed))
@@ -795,6 +1010,7 @@ impl Writer {
         let session: Arc<str> = Arc::from(call.session_id.as_str());
         self.index.apply_call(CallMeta {
             loc,
+            shard: None,
             timestamp: call.timestamp,
             trace_id: Arc::from(call.trace_id.as_str()),
             sessions: sessions_of(&call.session_id, &call.session_uids),
@@ -815,7 +1031,12 @@ impl Writer {
     fn load_contexts(&mut self, session: &str) -> Result<()> {
         let Some(entry) = self.index.sessions.get(session) else { return Ok(()) };
         let keys: Vec<Loc> = {
-            let mut locs: Vec<Loc> = entry.calls.iter().map(|k| k.loc).collect();
+            // Only calls still in segments can be parents (compacted ones may
+            // have had their segment retired).
+            let in_segments = |k: &&crate::index::CallKey| {
+                self.index.traces.get(&k.trace_id).is_some_and(|m| m.loc == k.loc && m.shard.is_none())
+            };
+            let mut locs: Vec<Loc> = entry.calls.iter().filter(in_segments).map(|k| k.loc).collect();
             locs.sort();
             locs.into_iter().rev().take(DELTA_LOOKBACK_CALLS).rev().collect()
         };
@@ -875,7 +1096,7 @@ impl Writer {
         let mut segments = self.sealed_segments.clone();
         let a = self.active()?;
         segments.insert(a.id, SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false));
-        Ok(View { index: self.index.clone(), segments })
+        Ok(View { index: self.index.clone(), segments, shards: self.shards.clone() })
     }
 
     /// Write what is buffered; fsync if `fsync` (or keep waiting for the group
@@ -903,18 +1124,178 @@ impl Writer {
         }
         if durable {
             match self.view() {
-                Ok(view) => self.inner.publish(Arc::new(view), self.written_seq),
+                Ok(view) => {
+                    // Publish the view, drop retired files the old one was the
+                    // last to map, then acknowledge.
+                    self.inner.set_view(Arc::new(view));
+                    self.reap();
+                    self.inner.advance(self.written_seq);
+                }
                 Err(e) => self.fail(&e),
             }
         }
     }
 
+    /// Delete retired segment files no snapshot maps any more.
+    fn reap(&mut self) {
+        self.retiring.retain(|(path, maps)| {
+            if maps.iter().any(|m| m.strong_count() > 0) {
+                return true;
+            }
+            // Best effort: a file left behind is removed as an orphan at the next open.
+            let _ = fs::remove_file(path);
+            false
+        });
+    }
+
+    /// Publish a compaction (format-spec/shard.md §5): record the staged files as
+    /// pending in the manifest (the commit point), rename them into place, list
+    /// them as published, serve the compacted calls from them, and retire the
+    /// segments nothing needs any more.
+    fn publish(&mut self, staged: Vec<PendingRename>, sessions: &[String]) -> Result<PublishOutcome> {
+        let shards_dir = self.dir.join(SHARDS_DIR);
+        self.manifest.pending = staged.clone();
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        for p in &staged {
+            let (from, to) = (shards_dir.join(&p.staged), shards_dir.join(&p.shard.path));
+            fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
+        }
+        for table in SHARD_TABLES {
+            let tdir = shards_dir.join(table);
+            if tdir.exists() {
+                crate::storage::sync_dir(&tdir)?;
+            }
+        }
+        self.manifest.pending.clear();
+        self.manifest.shards.extend(staged.iter().map(|p| p.shard.clone()));
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        // Serve compacted calls from the new shards.
+        let first_id = self.shards.len() as u32;
+        let mut files: Vec<Arc<ShardFile>> = self.shards.as_ref().clone();
+        let mut rows = Vec::new();
+        for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
+            let f = ShardFile::open(&shards_dir.join(&p.shard.path), first_id + i as u32)?;
+            f.index_rows(&mut rows)?;
+            files.push(Arc::new(f));
+        }
+        self.shards = Arc::new(files);
+        let mut outcome = PublishOutcome::default();
+        for row in &rows {
+            if self.index.place_in_shard(&row.trace_id, row.loc, row.pos) {
+                outcome.calls_placed += 1;
+            }
+            for s in sessions_of(&row.session_id, &row.session_uids).iter() {
+                self.shard_sessions.insert(s.clone());
+            }
+        }
+        for s in sessions {
+            self.delta.forget(s);
+        }
+        outcome.retired_segments = self.retire()?;
+        Ok(outcome)
+    }
+
+    /// Retire the longest prefix of sealed segments whose every record is no
+    /// longer needed (format-spec/shard.md §6): each call record belongs to a
+    /// session with no live call left in segments (so it is compacted, dead, and
+    /// no live call can use it as a prefix-delta parent), and no session deletion
+    /// in it concerns compacted rows. Rewards and seals in them are re-appended
+    /// with their current values first, so that they outlive their segment.
+    fn retire(&mut self) -> Result<Vec<u64>> {
+        let mut in_segments: HashSet<Arc<str>> = HashSet::new();
+        for (_, meta) in self.index.traces.iter() {
+            if meta.shard.is_none() {
+                if let Some(s) = meta.sessions.first() {
+                    in_segments.insert(s.clone());
+                }
+            }
+        }
+        let mut retire = Vec::new();
+        let mut annotations = Vec::new();
+        'segments: for ms in &self.manifest.segments {
+            if ms.state != SegmentState::Sealed {
+                break;
+            }
+            let Some(seg) = self.sealed_segments.get(&ms.id) else { break };
+            let trailer = crate::format::segment::read_trailer(seg.mapped_bytes());
+            let entries = match trailer.map(|t| crate::format::segment::decode_footer(seg.mapped_bytes(), &t)) {
+                Some(Ok(entries)) => entries,
+                _ => break,
+            };
+            let mut anns = Vec::new();
+            for e in &entries {
+                if e.kind == KIND_CALL {
+                    if in_segments.contains(e.session_id.as_str()) {
+                        break 'segments;
+                    }
+                } else if e.kind == KIND_DELETE_SESSION {
+                    if self.shard_sessions.contains(e.id.as_str()) {
+                        break 'segments;
+                    }
+                } else {
+                    let body = seg.body_at(e.frame_offset)?;
+                    let ann = decode_annotation(body)
+                        .map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?;
+                    anns.push(ann);
+                }
+            }
+            annotations.extend(anns);
+            retire.push(ms.id);
+        }
+        if retire.is_empty() {
+            return Ok(retire);
+        }
+        // Carry current rewards and seals forward (deduplicated by target).
+        let mut seen: HashSet<(u8, String)> = HashSet::new();
+        for ann in annotations {
+            let carried = match &ann {
+                Annotation::Reward { target: Target::Trace(t), .. } if seen.insert((0, t.clone())) => self
+                    .index
+                    .trace_rewards
+                    .get(t.as_str())
+                    .map(|v| Annotation::Reward { target: Target::Trace(t.clone()), value: *v }),
+                Annotation::Reward { target: Target::Session(s), .. } if seen.insert((1, s.clone())) => self
+                    .index
+                    .sessions
+                    .get(s.as_str())
+                    .and_then(|e| e.reward)
+                    .map(|v| Annotation::Reward { target: Target::Session(s.clone()), value: v }),
+                Annotation::Seal { session_id } if seen.insert((2, session_id.clone())) => {
+                    self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed).then(|| ann.clone())
+                }
+                _ => None,
+            };
+            if let Some(a) = carried {
+                self.append_annotation(&a)?;
+            }
+        }
+        self.write_buf()?;
+        self.active()?.sync()?;
+        self.unsynced_since = None;
+        self.last_sync = Instant::now();
+        self.manifest.segments.retain(|s| !retire.contains(&s.id));
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        for id in &retire {
+            if let Some(seg) = self.sealed_segments.remove(id) {
+                let mut maps = self.old_maps.remove(id).unwrap_or_default();
+                maps.push(seg.weak_map());
+                self.retiring.push((seg.path.as_path().to_path_buf(), maps));
+            }
+        }
+        Ok(retire)
+    }
+
     /// Seal the active segment, start the next one, publish both in the manifest.
     fn roll(&mut self) -> Result<()> {
         self.write_buf()?;
+        if self.active.as_ref().is_some_and(|a| a.entries.is_empty()) {
+            return Ok(()); // nothing to seal
+        }
         let old = self.active.take().ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment"))?;
         let old_id = old.id;
-        let (path, map, data_end) = old.seal()?;
+        let sealed = old.seal()?;
+        self.old_maps.insert(old_id, sealed.old_maps);
+        let (path, map, data_end) = (sealed.path, sealed.map, sealed.data_end);
         self.unsynced_since = None;
         self.last_sync = Instant::now();
         self.sealed_segments.insert(old_id, SegmentRef::new(old_id, path, map, data_end, true));

@@ -63,11 +63,12 @@ fn reader_thread_reads_exactly_while_the_writer_appends_seals_and_rolls() {
                 }
             }
             let held = held.expect("held a snapshot");
-            for v in held.iter_calls() {
-                let v = v.unwrap();
+            held.for_each_call(|v| {
                 let (s, step) = v.trace_id()[1..].split_once('/').unwrap();
-                assert_same(&v, &call(s.parse().unwrap(), step.parse().unwrap()));
-            }
+                assert_same(v, &call(s.parse().unwrap(), step.parse().unwrap()));
+                Ok(())
+            })
+            .unwrap();
             reads
         })
     };

@@ -118,11 +118,12 @@ fn check(dir: &Path, sent: &HashMap<String, Call>, acked: &HashSet<String>, leve
         let view = snap.get(id).unwrap().unwrap_or_else(|| panic!("{level} round {round}: acknowledged {id} lost"));
         assert_same(&view, &sent[id]);
     }
-    for call in snap.iter_calls() {
-        let call = call.expect("no corrupt record served");
+    snap.for_each_call(|call| {
         let want = sent.get(call.trace_id()).expect("only sent records are present");
-        assert_same(&call, want);
-    }
+        assert_same(call, want);
+        Ok(())
+    })
+    .expect("no corrupt record served");
     drop(snap);
     store.close().unwrap();
     let report = trajlog::verify::verify_dir(dir).unwrap();

@@ -93,7 +93,7 @@ proptest! {
         if let Some(t) = read_trailer(&file) {
             let _ = decode_footer(&file, &t);
         }
-        let mut m = encode_manifest(&Manifest { next_segment_id: 9, segments: vec![ManifestSegment { id: 3, state: SegmentState::Sealed }] });
+        let mut m = encode_manifest(&Manifest { next_segment_id: 9, segments: vec![ManifestSegment { id: 3, state: SegmentState::Sealed }], ..Manifest::default() });
         let at = i.index(m.len());
         m[at] ^= 1 << bit;
         prop_assert!(decode_manifest(&m).is_err());

@@ -84,7 +84,12 @@ fn check(store: &Store, model: &Model) {
     }
     let listed: usize = snap.sessions().iter().map(|s| s.calls).sum();
     assert_eq!(listed, model.calls.len());
-    let mut scanned: Vec<String> = snap.iter_calls().map(|c| c.unwrap().trace_id().to_owned()).collect();
+    let mut scanned: Vec<String> = Vec::new();
+    snap.for_each_call(|c| {
+        scanned.push(c.trace_id().to_owned());
+        Ok(())
+    })
+    .unwrap();
     scanned.sort();
     assert_eq!(scanned, model.calls.keys().cloned().collect::<Vec<_>>());
 }

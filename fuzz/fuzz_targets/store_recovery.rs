@@ -19,9 +19,10 @@ fuzz_target!(|data: &[u8]| {
     std::fs::write(dir.path().join("seg-0000000001.tlog"), seg).expect("write");
     if let Ok(store) = trajlog::Store::open_read_only(dir.path()) {
         let snap = store.snapshot();
-        for call in snap.iter_calls().flatten() {
+        let _ = snap.for_each_call(|call| {
             let _ = call.prompt();
-        }
+            Ok(())
+        });
     }
     let _ = trajlog::verify::verify_dir(dir.path());
 });

@@ -15,7 +15,7 @@ pub mod segment;
 #[cfg(target_endian = "big")]
 compile_error!("trajlog views little-endian columns in place and supports little-endian targets only");
 
-/// The format version written by this build (format-spec/README.md).
+/// The segment format version written by this build (format-spec/segment.md §1).
 pub const FORMAT_VERSION: u32 = 1;
 
 /// A decoding failure: where (relative offset) and what.

@@ -6,6 +6,7 @@
 //! are applied in log order; the same `apply` runs at recovery (from footers and
 //! the scanned tail) and in the writer thread, so both always agree.
 
+use crate::compact::reader::ShardPos;
 use crate::format::record::Loc;
 use imbl::{HashMap, Vector};
 use std::cmp::Ordering;
@@ -14,7 +15,11 @@ use std::sync::Arc;
 /// What the index keeps per live call.
 #[derive(Debug, Clone)]
 pub struct CallMeta {
+    /// The call record's position in the log (its frame, until the segment is
+    /// retired after compaction).
     pub loc: Loc,
+    /// Where the call is served from once compacted.
+    pub shard: Option<ShardPos>,
     pub timestamp: f64,
     pub trace_id: Arc<str>,
     /// `session_id` first, then the extra session uids (deduplicated).
@@ -104,6 +109,18 @@ impl Index {
             }
         }
         count
+    }
+
+    /// Serve the call compacted from `loc` from `pos` — if it is still the live
+    /// call of `trace_id` (it may have been replaced or deleted meanwhile).
+    pub fn place_in_shard(&mut self, trace_id: &str, loc: Loc, pos: ShardPos) -> bool {
+        match self.traces.get_mut(trace_id) {
+            Some(meta) if meta.loc == loc => {
+                meta.shard = Some(pos);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn seal(&mut self, session: &str) {

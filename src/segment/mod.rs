@@ -35,6 +35,16 @@ impl SegmentRef {
         all.get(..self.visible_len as usize).unwrap_or(all)
     }
 
+    /// Every mapped byte (for a sealed segment: footer and trailer included).
+    pub(crate) fn mapped_bytes(&self) -> &[u8] {
+        self.map.bytes()
+    }
+
+    /// A weak handle on the mapping: it fails to upgrade once no snapshot uses it.
+    pub(crate) fn weak_map(&self) -> std::sync::Weak<Mapping> {
+        Arc::downgrade(&self.map)
+    }
+
     /// The whole mapped region (for zero-copy proofs and diagnostics).
     pub fn mapped_range(&self) -> std::ops::Range<usize> {
         self.map.address_range()

@@ -11,7 +11,18 @@ use crate::storage::{mmap::Mapping, segment_path, sync_dir};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
+
+/// A segment just sealed.
+pub struct Sealed {
+    pub path: Arc<PathBuf>,
+    /// A mapping of exactly the sealed file.
+    pub map: Arc<Mapping>,
+    /// End of the last frame.
+    pub data_end: u64,
+    /// The mappings it had while active, which snapshots may still hold.
+    pub old_maps: Vec<Weak<Mapping>>,
+}
 
 #[derive(Debug)]
 pub struct ActiveSegment {
@@ -24,6 +35,9 @@ pub struct ActiveSegment {
     /// Current file length (preallocated).
     capacity: u64,
     pub entries: Vec<FooterEntry>,
+    /// Earlier mappings of this file (before it grew), which snapshots may
+    /// still hold: a retired file is deleted only once none of them is alive.
+    old_maps: Vec<Weak<Mapping>>,
 }
 
 fn now_unix_ms() -> u64 {
@@ -47,7 +61,16 @@ impl ActiveSegment {
         file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
         sync_dir(dir)?;
         let map = Arc::new(Mapping::map(&file, capacity, &path)?);
-        Ok(Self { id, path: Arc::new(path), file, map, len: HEADER_BYTES, capacity, entries: Vec::new() })
+        Ok(Self {
+            id,
+            path: Arc::new(path),
+            file,
+            map,
+            len: HEADER_BYTES,
+            capacity,
+            entries: Vec::new(),
+            old_maps: Vec::new(),
+        })
     }
 
     /// Reopen the active segment after recovery: `valid_end` is the end of the
@@ -65,7 +88,7 @@ impl ActiveSegment {
         file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
         file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
         let map = Arc::new(Mapping::map(&file, capacity, &path)?);
-        Ok(Self { id, path: Arc::new(path), file, map, len: valid_end, capacity, entries })
+        Ok(Self { id, path: Arc::new(path), file, map, len: valid_end, capacity, entries, old_maps: Vec::new() })
     }
 
     /// Write `buf` (whole frames) at the end. On error nothing is acknowledged
@@ -75,7 +98,8 @@ impl ActiveSegment {
         if end > self.capacity {
             let capacity = end.next_multiple_of(1 << 20);
             self.file.set_len(capacity).map_err(|e| Error::io(format!("grow {}", self.path.display()), e))?;
-            self.map = Arc::new(Mapping::map(&self.file, capacity, &self.path)?);
+            let grown = Arc::new(Mapping::map(&self.file, capacity, &self.path)?);
+            self.old_maps.push(Arc::downgrade(&std::mem::replace(&mut self.map, grown)));
             self.capacity = capacity;
         }
         self.file.write_all_at(buf, self.len).map_err(|e| Error::io(format!("write {}", self.path.display()), e))?;
@@ -98,8 +122,9 @@ impl ActiveSegment {
     }
 
     /// Seal: write footer and trailer after the last frame, cut the
-    /// preallocated rest, fsync. Returns a mapping of exactly the sealed file.
-    pub fn seal(self) -> Result<(Arc<PathBuf>, Arc<Mapping>, u64)> {
+    /// preallocated rest, fsync. Returns a mapping of exactly the sealed file,
+    /// and the earlier mappings snapshots may still hold.
+    pub fn seal(mut self) -> Result<Sealed> {
         let mut footer = Vec::new();
         encode_footer(&mut footer, self.len, &self.entries);
         let end = self.len + footer.len() as u64;
@@ -109,6 +134,7 @@ impl ActiveSegment {
         self.file.set_len(end).map_err(|e| Error::io(format!("truncate {}", self.path.display()), e))?;
         self.file.sync_all().map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))?;
         let map = Arc::new(Mapping::map(&self.file, end, &self.path)?);
-        Ok((self.path, map, self.len))
+        self.old_maps.push(Arc::downgrade(&self.map));
+        Ok(Sealed { path: self.path, map, data_end: self.len, old_maps: self.old_maps })
     }
 }

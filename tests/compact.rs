@@ -1,0 +1,269 @@
+//! Compaction into Parquet shards: transparency to readers, exact
+//! trajectories, crash safety at every step of the publication, retirement
+//! beside live snapshots.
+
+mod common;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float32Type, UInt32Type, UInt8Type};
+use arrow_array::{Array, RecordBatch};
+use common::*;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use std::path::Path;
+use trajlog::sim::{simulate, SimConfig};
+use trajlog::{Call, CompactOptions, Options, Selection, Store, Target};
+
+pub fn read_table(dir: &Path, table: &str) -> Vec<RecordBatch> {
+    let mut out = Vec::new();
+    let tdir = dir.join("shards").join(table);
+    let mut files: Vec<_> =
+        std::fs::read_dir(&tdir).map(|r| r.map(|e| e.unwrap().path()).collect()).unwrap_or_default();
+    files.sort();
+    for f in files {
+        let name = f.file_name().unwrap().to_str().unwrap().to_owned();
+        if name.starts_with('_') || name.starts_with('.') {
+            continue;
+        }
+        let reader =
+            ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&f).unwrap()).unwrap().build().unwrap();
+        out.extend(reader.map(|b| b.unwrap()));
+    }
+    out
+}
+
+fn u32s(a: &dyn Array) -> Vec<u32> {
+    a.as_primitive::<UInt32Type>().values().to_vec()
+}
+
+/// Check every trajectory row against the appended calls: slicing token_ids at
+/// call_starts / completion_lens gives back each prompt and completion exactly,
+/// loss_mask marks exactly the completions, logprobs line up.
+fn check_trajectories(dir: &Path, calls: &BTreeMap<String, Call>) -> usize {
+    let mut covered = 0;
+    for b in read_table(dir, "trajectories") {
+        let tok = b.column_by_name("token_ids").unwrap().as_list::<i32>();
+        let mask = b.column_by_name("loss_mask").unwrap().as_list::<i32>();
+        let lp = b.column_by_name("logprobs").unwrap().as_list::<i32>();
+        let starts = b.column_by_name("call_starts").unwrap().as_list::<i32>();
+        let lens = b.column_by_name("completion_lens").unwrap().as_list::<i32>();
+        let ids = b.column_by_name("trace_ids").unwrap().as_list::<i32>();
+        for row in 0..b.num_rows() {
+            let tokens = u32s(tok.value(row).as_ref());
+            let mask: Vec<u8> = mask.value(row).as_primitive::<UInt8Type>().values().to_vec();
+            let lps: Vec<f32> = lp.value(row).as_primitive::<Float32Type>().values().to_vec();
+            let starts = u32s(starts.value(row).as_ref());
+            let lens = u32s(lens.value(row).as_ref());
+            let idv = ids.value(row);
+            let ids = idv.as_string::<i32>();
+            assert_eq!((mask.len(), lps.len()), (tokens.len(), tokens.len()));
+            let mut expect_mask = vec![0u8; tokens.len()];
+            for i in 0..ids.len() {
+                let call = &calls[ids.value(i)];
+                let (s, n) = (starts[i] as usize, lens[i] as usize);
+                assert_eq!(&tokens[..s], call.prompt_token_ids.as_slice(), "prompt of {}", ids.value(i));
+                assert_eq!(&tokens[s..s + n], call.completion_token_ids.as_slice(), "completion of {}", ids.value(i));
+                if let Some(want) = &call.logprobs {
+                    assert_eq!(bits(&lps[s..s + n]), bits(want));
+                }
+                expect_mask[s..s + n].iter_mut().for_each(|m| *m = 1);
+                covered += 1;
+            }
+            assert_eq!(mask, expect_mask);
+            assert!(lps.iter().zip(&mask).all(|(v, m)| *m == 1 || v.to_bits() == 0));
+        }
+    }
+    covered
+}
+
+fn all_calls(sessions: &[trajlog::sim::SimSession]) -> BTreeMap<String, Call> {
+    sessions.iter().flat_map(|s| s.calls.iter().map(|c| (c.trace_id.clone(), c.clone()))).collect()
+}
+
+fn check_reads(store: &Store, calls: &BTreeMap<String, Call>) {
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in calls.values() {
+        assert_same(&snap.get(&c.trace_id).unwrap().expect("present"), c);
+    }
+    let mut by_session: BTreeMap<&str, Vec<&Call>> = BTreeMap::new();
+    for c in calls.values() {
+        by_session.entry(&c.session_id).or_default().push(c);
+    }
+    for (sid, mut want) in by_session {
+        want.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
+        let got = snap.session(sid, None, None).unwrap();
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert_same(g, w);
+        }
+    }
+    let mut n = 0;
+    snap.for_each_call(|c| {
+        assert_same(c, &calls[c.trace_id()]);
+        n += 1;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(n, calls.len());
+}
+
+#[test]
+fn compaction_is_transparent_to_reads_and_retires_segments() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 24, steps: 6, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    let store = Store::open(dir.path(), Options { segment_bytes: 256 * 1024, ..Options::default() }).unwrap();
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    // Half the sessions are finished.
+    for s in batch.iter().step_by(2) {
+        store.seal_session(&s.session_id).unwrap();
+    }
+    store.set_reward(Target::Session(batch[0].session_id.clone()), 2.5).unwrap();
+    store.flush().unwrap();
+    let segments_before = store.snapshot().segments().len();
+    let report = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(report.sessions, 12);
+    assert_eq!(report.calls, 72);
+    assert!(report.retired_segments == 0, "unsealed sessions interleave with sealed ones in every segment");
+    check_reads(&store, &calls);
+    assert!(store.snapshot().get(&batch[0].calls[0].trace_id).unwrap().unwrap().is_compacted());
+    assert!(!store.snapshot().get(&batch[1].calls[0].trace_id).unwrap().unwrap().is_compacted());
+    // Now everything.
+    for s in batch.iter().skip(1).step_by(2) {
+        store.seal_session(&s.session_id).unwrap();
+    }
+    let report = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(report.sessions, 12);
+    assert!(report.retired_segments >= segments_before, "every segment retires: {report:?}");
+    check_reads(&store, &calls);
+    let snap = store.snapshot();
+    assert!(snap.is_sealed(&batch[3].session_id), "seals outlive retired segments");
+    assert_eq!(snap.session_reward(&batch[0].session_id), Some(2.5), "rewards outlive retired segments");
+    drop(snap);
+    store.close().unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    check_reads(&store, &calls);
+    assert_eq!(store.snapshot().session_reward(&batch[0].session_id), Some(2.5));
+    drop(store);
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    check_reads(&ro, &calls);
+    assert_eq!(check_trajectories(dir.path(), &calls), calls.len());
+    let steps: usize = read_table(dir.path(), "steps").iter().map(|b| b.num_rows()).sum();
+    assert_eq!(steps, calls.len());
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}
+
+#[test]
+fn older_than_selects_by_last_call_time_and_later_calls_compact_again() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let batch = simulate(&SimConfig { sessions: 3, steps: 4, break_every: 0, ..SimConfig::default() });
+    let mut calls = all_calls(&batch);
+    for s in &batch {
+        for c in &s.calls[..2] {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    // A session whose last call is "now" stays.
+    let fresh = Call {
+        trace_id: "fresh".into(),
+        session_id: "live:0".into(),
+        timestamp: 4e9,
+        prompt_token_ids: vec![1],
+        ..Default::default()
+    };
+    store.append(fresh.clone()).unwrap();
+    let r = store.compact(&CompactOptions { selection: Selection::OlderThan(60.0), ..Default::default() }).unwrap();
+    assert_eq!((r.sessions, r.calls), (3, 6));
+    // The rest of the rollouts arrive after compaction: appended, read, compacted again.
+    for s in &batch {
+        for c in &s.calls[2..] {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    store.flush().unwrap();
+    let r = store.compact(&CompactOptions { selection: Selection::OlderThan(60.0), ..Default::default() }).unwrap();
+    assert_eq!((r.sessions, r.calls), (3, 6));
+    calls.retain(|_, c| batch.iter().any(|s| s.session_id == c.session_id));
+    calls.insert("fresh".into(), fresh);
+    check_reads(&store, &calls);
+    let snap = store.snapshot();
+    let idx: Vec<u32> = read_table(dir.path(), "steps")
+        .iter()
+        .flat_map(|b| b.column_by_name("call_index").unwrap().as_primitive::<UInt32Type>().values().to_vec())
+        .collect();
+    assert_eq!(idx.len(), 12);
+    assert!(idx.contains(&3), "call_index counts calls of earlier compactions");
+    assert!(!snap.get("fresh").unwrap().unwrap().is_compacted());
+}
+
+#[test]
+fn a_snapshot_keeps_reading_while_segments_are_retired() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let batch = simulate(&SimConfig { sessions: 8, steps: 5, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    let held = store.snapshot();
+    let held_paths: Vec<_> = held.segments().into_iter().map(|s| s.path).collect();
+    let report = store.compact(&CompactOptions::default()).unwrap();
+    assert!(report.retired_segments > 0);
+    // Retired from the manifest, but the files stay while `held` maps them.
+    assert!(held_paths.iter().all(|p| p.exists()));
+    for c in calls.values() {
+        let v = held.get(&c.trace_id).unwrap().unwrap();
+        assert!(!v.is_compacted(), "the old snapshot reads the segments");
+        assert_same(&v, c);
+    }
+    check_reads(&store, &calls);
+    drop(held);
+    // The next commit deletes files nobody maps any more.
+    store.append_durable(Call { trace_id: "x".into(), session_id: "y".into(), ..Default::default() }).unwrap();
+    let gone = held_paths.iter().filter(|p| !p.exists()).count();
+    assert_eq!(gone, report.retired_segments);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn trajectories_reconstruct_random_sessions_exactly(
+        sessions in 1usize..8,
+        steps in 1usize..8,
+        break_every in 0usize..4,
+        seed in any::<u64>(),
+        rg_rows in 1usize..8,
+    ) {
+        let dir = tempdir();
+        let cfg = SimConfig { sessions, steps, break_every, seed, system_tokens: 40, completion_tokens: (0, 30), tool_tokens: (0, 10), ..SimConfig::default() };
+        let batch = simulate(&cfg);
+        let calls = all_calls(&batch);
+        let store = Store::open(dir.path(), Options::default()).unwrap();
+        for s in &batch {
+            for c in &s.calls {
+                store.append(c.clone()).unwrap();
+            }
+            store.seal_session(&s.session_id).unwrap();
+        }
+        let opts = CompactOptions { steps_row_group_rows: rg_rows, trajectories_row_group_rows: rg_rows, shard_bytes: 4096, ..Default::default() };
+        let r = store.compact(&opts).unwrap();
+        prop_assert_eq!(r.calls as usize, calls.len());
+        check_reads(&store, &calls);
+        prop_assert_eq!(check_trajectories(dir.path(), &calls), calls.len());
+        // One row per chain: a session with an injected break has two.
+        let rows: usize = read_table(dir.path(), "trajectories").iter().map(|b| b.num_rows()).sum();
+        let breaks = batch.iter().filter(|s| s.injected_break.is_some()).count();
+        prop_assert_eq!(rows, batch.len() + breaks);
+    }
+}
