@@ -153,6 +153,30 @@ impl DeltaCache {
         }
     }
 
+    /// Forget every context stored in one of `segments` (they were retired:
+    /// a new call must not name a parent there).
+    pub fn forget_segments(&mut self, segments: &[u64]) {
+        let mut emptied = Vec::new();
+        for (session, entry) in self.sessions.iter_mut() {
+            let before = entry.recent.len();
+            let mut freed = 0;
+            entry.recent.retain(|c| {
+                let keep = !segments.contains(&c.loc.segment);
+                if !keep {
+                    freed += c.bytes();
+                }
+                keep
+            });
+            self.bytes -= freed;
+            if entry.recent.is_empty() && before > 0 {
+                emptied.push(session.clone());
+            }
+        }
+        for s in emptied {
+            self.forget(&s);
+        }
+    }
+
     /// Bytes currently remembered.
     pub fn bytes(&self) -> u64 {
         self.bytes

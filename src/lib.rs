@@ -29,6 +29,7 @@
 //!
 //! See `ARCHITECTURE.md` for the map of modules and `format-spec/` for the bytes.
 
+pub mod audit;
 pub mod compact;
 pub mod delta;
 pub mod error;

@@ -284,6 +284,8 @@ struct Loaded {
     shards: Vec<Arc<ShardFile>>,
     /// Every session name that appears in a shard row (live or not).
     shard_sessions: HashSet<Arc<str>>,
+    /// Every trace id that appears in a shard row (live or not).
+    shard_traces: HashSet<Arc<str>>,
     /// The last segment, if unsealed: its entries and valid end.
     active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
 }
@@ -367,6 +369,7 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     let mut active = None;
     let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
     let mut shard_sessions = HashSet::new();
+    let shard_traces: HashSet<Arc<str>> = rows.iter().map(|r| Arc::from(r.trace_id.as_str())).collect();
     for r in &rows {
         for s in sessions_of(&r.session_id, &r.session_uids).iter() {
             shard_sessions.insert(s.clone());
@@ -404,7 +407,7 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     for row in rows {
         apply_shard_row(&mut index, &row);
     }
-    Ok(Loaded { manifest, index, segments, shards, shard_sessions, active })
+    Ok(Loaded { manifest, index, segments, shards, shard_sessions, shard_traces, active })
 }
 
 /// Finish a shard publication that was decided (listed as pending in the
@@ -544,6 +547,7 @@ impl Store {
             index: loaded.index,
             shards,
             shard_sessions: loaded.shard_sessions,
+            shard_traces: loaded.shard_traces,
             retiring: Vec::new(),
             old_maps: std::collections::HashMap::new(),
             delta: DeltaCache::new(inner.options.delta_cache_bytes),
@@ -815,6 +819,7 @@ struct Writer {
     index: Index,
     shards: Arc<Vec<Arc<ShardFile>>>,
     shard_sessions: HashSet<Arc<str>>,
+    shard_traces: HashSet<Arc<str>>,
     /// Retired segment files, deleted once no snapshot maps them any more.
     retiring: Vec<(PathBuf, Vec<Weak<crate::storage::mmap::Mapping>>)>,
     /// Mappings sealed segments had while they were active.
@@ -1187,11 +1192,13 @@ impl Writer {
             for s in sessions_of(&row.session_id, &row.session_uids).iter() {
                 self.shard_sessions.insert(s.clone());
             }
+            self.shard_traces.insert(Arc::from(row.trace_id.as_str()));
         }
         for s in sessions {
             self.delta.forget(s);
         }
         outcome.retired_segments = self.retire()?;
+        self.delta.forget_segments(&outcome.retired_segments);
         Ok(outcome)
     }
 
@@ -1226,6 +1233,13 @@ impl Writer {
             for e in &entries {
                 if e.kind == KIND_CALL {
                     if in_segments.contains(e.session_id.as_str()) {
+                        break 'segments;
+                    }
+                    // A dead call whose trace has a shard row: this record (or
+                    // the deletion after it) is what keeps that row dead.
+                    let loc = Loc { segment: ms.id, offset: e.frame_offset };
+                    let live = self.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
+                    if !live && self.shard_traces.contains(e.id.as_str()) {
                         break 'segments;
                     }
                 } else if e.kind == KIND_DELETE_SESSION {

@@ -121,3 +121,48 @@ proptest! {
         prop_assert_eq!(common::bits(back.logprobs.as_deref().unwrap()), common::bits(&lp));
     }
 }
+
+#[test]
+fn compact_and_audit_commands() {
+    let dir = common::tempdir();
+    let store = dir.path().join("s");
+    // Two calls of one session extend each other; the third re-tokenizes the
+    // second's completion ([7, 8] comes back as [78]).
+    let input = r#"{"trace_id":"c0","session_id":"t:0","timestamp":1.0,"prompt_token_ids":[1,2],"completion_token_ids":[3,4],"logprobs":[-1,-2]}
+{"trace_id":"c1","session_id":"t:0","timestamp":2.0,"prompt_token_ids":[1,2,3,4,5],"completion_token_ids":[7,8,9],"logprobs":[-1,-2,-3]}
+{"trace_id":"c2","session_id":"t:0","timestamp":3.0,"prompt_token_ids":[1,2,3,4,5,78,9,6],"completion_token_ids":[10]}
+{"trace_id":"d0","session_id":"u:0","timestamp":1.5,"prompt_token_ids":[4],"completion_token_ids":[5]}
+"#;
+    assert!(trajlog(&["ingest", "--store", s(&store)], input).status.success());
+    let audit = trajlog(&["audit", "--store", s(&store)], "");
+    let text = String::from_utf8_lossy(&audit.stdout);
+    assert!(audit.status.success());
+    assert!(text.contains("1 TI/TO breaks in 1 sessions"), "{text}");
+    assert!(text.contains("tito_break at token 5"), "{text}");
+    let strict = trajlog(&["audit", "--store", s(&store), "--strict"], "");
+    assert_eq!(strict.status.code(), Some(1));
+    let json = trajlog(&["audit", "--store", s(&store), "--json"], "");
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["breaks"], 1);
+    // The parent's context [1,2,3,4,5,7,8,9] diverges at 5: the generated
+    // tokens 7, 8, 9 are what a re-tokenizing trainer would get wrong.
+    assert_eq!(v["tokens_wrong"], 3);
+    assert_eq!(v["sessions"][0]["divergences"][0]["prompt_ids_around"], serde_json::json!([3, 4, 5, 78, 9, 6]));
+    let out = trajlog(&["compact", "--store", s(&store), "--older-than", "0"], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("compacted 2 sessions, 4 calls, 3 trajectories"), "{text}");
+    assert!(text.contains("peak RSS"), "{text}");
+    // Reads and the audit are unchanged after compaction.
+    let again = trajlog(&["audit", "--store", s(&store), "--json"], "");
+    let v2: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(v, v2);
+    let export = trajlog(&["export", "--store", s(&store)], "");
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&export.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 4);
+    assert_eq!(lines[2]["prompt_token_ids"], serde_json::json!([1, 2, 3, 4, 5, 78, 9, 6]));
+    let bad = trajlog(&["compact", "--store", s(&store), "--compression", "lz5"], "");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("compression"));
+}

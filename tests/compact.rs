@@ -267,3 +267,148 @@ proptest! {
         prop_assert_eq!(rows, batch.len() + breaks);
     }
 }
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+fn visible_shards(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for table in ["steps", "trajectories"] {
+        for e in std::fs::read_dir(dir.join("shards").join(table)).into_iter().flatten() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            out.push(format!("{table}/{name}"));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_crash_at_any_step_of_a_compaction_leaves_the_old_or_the_new_state() {
+    use trajlog::format::manifest::{decode_manifest, encode_manifest, PendingRename};
+    let batch = simulate(&SimConfig { sessions: 10, steps: 5, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    let root = tempdir();
+    let before = root.path().join("before");
+    {
+        let store = Store::open(&before, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+        for s in &batch {
+            for c in &s.calls {
+                store.append(c.clone()).unwrap();
+            }
+            store.seal_session(&s.session_id).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let after = root.path().join("after");
+    copy_dir(&before, &after);
+    {
+        let store = Store::open(&after, Options::default()).unwrap();
+        let r = store.compact(&CompactOptions::default()).unwrap();
+        assert!(r.retired_segments > 0);
+        store.close().unwrap();
+    }
+    let published = visible_shards(&after);
+    assert_eq!(published.len(), 2);
+    let staged_name = |p: &str| p.replace("/part-", "/_tmp-");
+    let stage = |dir: &Path| {
+        for p in &published {
+            std::fs::create_dir_all(dir.join("shards").join(p.split('/').next().unwrap())).unwrap();
+            std::fs::copy(after.join("shards").join(p), dir.join("shards").join(staged_name(p))).unwrap();
+        }
+    };
+    let after_manifest = decode_manifest(&std::fs::read(after.join("MANIFEST")).unwrap()).unwrap();
+    let with_pending = |dir: &Path| {
+        let mut m = decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
+        m.next_shard_generation = 2;
+        m.pending = after_manifest
+            .shards
+            .iter()
+            .map(|s| PendingRename { staged: staged_name(&s.path), shard: s.clone() })
+            .collect();
+        std::fs::write(dir.join("MANIFEST"), encode_manifest(&m)).unwrap();
+    };
+    // (state name, how to build it from `before`, are the shards published after reopening?)
+    type Build<'a> = Box<dyn Fn(&Path) + 'a>;
+    let states: Vec<(&str, Build, bool)> = vec![
+        ("staged, not decided", Box::new(|d: &Path| stage(d)), false),
+        (
+            "staged, one torn",
+            Box::new(|d: &Path| {
+                stage(d);
+                let torn = d.join("shards").join(staged_name(&published[0]));
+                let len = std::fs::metadata(&torn).unwrap().len();
+                std::fs::OpenOptions::new().write(true).open(&torn).unwrap().set_len(len / 2).unwrap();
+            }),
+            false,
+        ),
+        (
+            "decided (pending in the manifest), nothing renamed",
+            Box::new(|d: &Path| {
+                stage(d);
+                with_pending(d);
+            }),
+            true,
+        ),
+        (
+            "decided, half renamed",
+            Box::new(|d: &Path| {
+                stage(d);
+                with_pending(d);
+                let p = &published[0];
+                std::fs::rename(d.join("shards").join(staged_name(p)), d.join("shards").join(p)).unwrap();
+            }),
+            true,
+        ),
+        (
+            "published, segments not yet retired",
+            Box::new(|d: &Path| {
+                copy_dir(&after.join("shards"), &d.join("shards"));
+                let mut m = decode_manifest(&std::fs::read(d.join("MANIFEST")).unwrap()).unwrap();
+                m.shards = after_manifest.shards.clone();
+                m.next_shard_generation = 2;
+                std::fs::write(d.join("MANIFEST"), encode_manifest(&m)).unwrap();
+            }),
+            true,
+        ),
+        (
+            "retired in the manifest, files not yet deleted",
+            Box::new(|d: &Path| {
+                // `d` holds `before`'s segment files; lay `after` over it.
+                copy_dir(&after, d);
+            }),
+            true,
+        ),
+    ];
+    for (name, build, published_after) in states {
+        let dir = root.path().join(name.replace([' ', ',', '(', ')'], "_"));
+        copy_dir(&before, &dir);
+        build(&dir);
+        let store = Store::open(&dir, Options::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        check_reads(&store, &calls);
+        store.close().unwrap();
+        let shards = visible_shards(&dir);
+        if published_after {
+            assert_eq!(shards, published, "{name}: the new state");
+            assert_eq!(check_trajectories(&dir, &calls), calls.len(), "{name}");
+        } else {
+            assert!(shards.is_empty(), "{name}: the old state, staged files removed: {shards:?}");
+        }
+        let ro = Store::open_read_only(&dir).unwrap();
+        check_reads(&ro, &calls);
+        assert!(trajlog::verify::verify_dir(&dir).unwrap().problems.is_empty(), "{name}");
+        // And compaction can run (again) to completion from there.
+        let store = Store::open(&dir, Options::default()).unwrap();
+        store.compact(&CompactOptions::default()).unwrap();
+        check_reads(&store, &calls);
+    }
+}

@@ -122,3 +122,51 @@ fn reads_the_v1_fixture_exactly() {
     assert_eq!(snap.session("outer", None, None).unwrap().len(), 1);
     assert!(trajlog::verify::verify_dir(&fixture_dir()).unwrap().problems.is_empty());
 }
+
+fn fixture_v2_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v2")
+}
+
+/// Store format 2: the v1 content, with the sealed session compacted into shards.
+fn write_fixture_v2() {
+    let dir = fixture_v2_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let calls = fixture_calls();
+    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    for c in &calls {
+        store.append(c.clone()).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.compact(&trajlog::CompactOptions::default()).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v2_fixture_with_shards_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v2_dir().exists() {
+        write_fixture_v2();
+    }
+    let store = Store::open_read_only(fixture_v2_dir()).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls = fixture_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "task-1:0", "{}", c.trace_id);
+        let got = v.to_call().unwrap();
+        assert_eq!(got.prompt_token_ids, c.prompt_token_ids);
+        assert_eq!(got.completion_token_ids, c.completion_token_ids);
+        assert_eq!(
+            got.logprobs.map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+            c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        );
+        assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
+    }
+    assert_eq!(snap.get("a/2").unwrap().unwrap().relation(), Relation::TitoBreak);
+    assert_eq!(snap.get("a/2").unwrap().unwrap().divergence_position(), Some(40 + 10 + 3 + 5));
+    assert!(snap.is_sealed("task-1:0"));
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    assert_eq!(snap.shard_paths().len(), 1);
+}

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
-use trajlog::{Call, Durability, ErrorKind, Options, Store, Target};
+use trajlog::{Call, CompactOptions, Durability, ErrorKind, Options, Selection, Store, Target};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -23,6 +23,8 @@ enum Op {
     Delete(u8),
     Reward(u8, i8),
     Roll,
+    /// Compact sealed sessions (false) or every session (true).
+    Compact(bool),
     Reopen,
     Read,
 }
@@ -35,6 +37,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
         1 => Just(Op::Roll),
+        1 => any::<bool>().prop_map(Op::Compact),
         1 => Just(Op::Reopen),
         2 => Just(Op::Read),
     ]
@@ -154,6 +157,10 @@ proptest! {
                     model.rewards.insert(format!("s{s}"), f64::from(r));
                 }
                 Op::Roll => store.roll().unwrap(),
+                Op::Compact(all) => {
+                    let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
+                    store.compact(&CompactOptions { selection, steps_row_group_rows: 3, ..Default::default() }).unwrap();
+                }
                 Op::Reopen => {
                     store.close().unwrap();
                     store = Store::open(dir.path(), opts(durability)).unwrap();

@@ -4,7 +4,7 @@ use super::human_bytes;
 use std::path::PathBuf;
 use std::time::Instant;
 use trajlog::sim::{simulate, SimConfig};
-use trajlog::{Durability, Options, Relation, Store};
+use trajlog::{CompactOptions, Durability, Options, Relation, Store};
 
 pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Result<i32> {
     let dir = match dir {
@@ -124,10 +124,59 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
             if expected { " (as injected)" } else { " (NOT injected!)" }
         );
     }
+
+    // Compact the (sealed) sessions into Parquet shards, read everything back
+    // again — now from the shards — and audit.
+    drop(snap);
+    let report = store.compact(&CompactOptions { progress: true, ..CompactOptions::default() })?;
+    let snap = store.snapshot();
+    let mut exact_after = 0usize;
+    for s in &batch {
+        for (want, view) in s.calls.iter().zip(snap.session(&s.session_id, None, None)?) {
+            if view.is_compacted()
+                && view.prompt()? == want.prompt_token_ids
+                && view.completion_token_ids() == want.completion_token_ids.as_slice()
+                && view.logprobs().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+                    == want.logprobs.as_ref().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+            {
+                exact_after += 1;
+            }
+        }
+    }
+    let audit = trajlog::audit::audit(&snap)?;
+    drop(snap);
+    let secs = report.elapsed.as_secs_f64().max(1e-9);
+    println!(
+        "compacted  {} sessions into {} Parquet shards ({}) in {:.3} s ({:.0} MB/s of token payload); {} segment(s) retired",
+        report.sessions,
+        report.shards.len(),
+        human_bytes(report.shard_bytes),
+        secs,
+        report.token_bytes as f64 / 1e6 / secs,
+        report.retired_segments
+    );
+    println!("           {exact_after}/{calls} calls read back exact from the shards");
+    println!(
+        "audit      {} sessions: {} TI/TO breaks in {} sessions, {} generated tokens a re-tokenizing trainer would have trained on wrongly",
+        audit.sessions_checked, audit.breaks, audit.sessions_with_breaks, audit.tokens_wrong
+    );
+    let shards = dir.join("shards");
     println!();
-    println!("look closer:  trajlog ls --store {0}\n              trajlog show --store {0} {1}\n              trajlog export --store {0} --session {1} | head -c 600\n              trajlog verify --store {0}", dir.display(), injected.first().map_or("task-0:0", |b| b.0.as_str()));
+    println!("shards:     {}/steps/*.parquet        (one row per call)", shards.display());
+    println!(
+        "            {}/trajectories/*.parquet (one row per TI/TO-consistent chain: token_ids, loss_mask, logprobs)",
+        shards.display()
+    );
+    println!("read them:  python -c \"import pyarrow.dataset as ds; print(ds.dataset('{}/trajectories').to_table().num_rows)\"", shards.display());
+    println!("            duckdb -c \"SELECT group_id, count(*), avg(len(token_ids)) FROM '{}/trajectories/*.parquet' GROUP BY 1\"", shards.display());
+    println!();
+    println!("look closer:  trajlog ls --store {0}\n              trajlog show --store {0} {1}\n              trajlog audit --store {0}\n              trajlog export --store {0} --session {1} | head -c 600\n              trajlog verify --store {0}", dir.display(), injected.first().map_or("task-0:0", |b| b.0.as_str()));
     store.close()?;
-    let ok = mismatches.is_empty() && exact == calls && breaks_found.len() == injected.len();
+    let ok = mismatches.is_empty()
+        && exact == calls
+        && exact_after == calls
+        && breaks_found.len() == injected.len()
+        && audit.breaks == injected.len();
     if !ok {
         eprintln!("trajlog demo: read-back check FAILED: {mismatches:?}");
         return Ok(1);

@@ -3,6 +3,7 @@
 mod demo;
 mod ingest;
 mod inspect;
+mod shards;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -63,6 +64,35 @@ enum Command {
         #[arg(long)]
         store: PathBuf,
     },
+    /// Turn finished sessions into Parquet shards (DIR/shards/{steps,trajectories}) and retire their segments.
+    Compact {
+        #[arg(long)]
+        store: PathBuf,
+        /// Compact sealed sessions (the default).
+        #[arg(long, conflicts_with = "older_than")]
+        sealed_only: bool,
+        /// Compact sessions whose last call is older than this many seconds.
+        #[arg(long, value_name = "SECONDS")]
+        older_than: Option<f64>,
+        /// Close a shard file past this many bytes (uncompressed estimate).
+        #[arg(long, default_value_t = trajlog::compact::DEFAULT_SHARD_BYTES)]
+        shard_bytes: usize,
+        /// Rows per `steps` row group (trajectories get a quarter).
+        #[arg(long, default_value_t = trajlog::compact::DEFAULT_STEPS_ROW_GROUP_ROWS)]
+        row_group_rows: usize,
+        /// zstd | zstd:LEVEL | none
+        #[arg(long, default_value = "zstd")]
+        compression: String,
+    },
+    /// Check every session for TI/TO breaks; --strict exits 1 if there is any.
+    Audit {
+        #[arg(long)]
+        store: PathBuf,
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        strict: bool,
+    },
 }
 
 /// Run the CLI; returns the process exit code.
@@ -75,6 +105,10 @@ pub fn main() -> i32 {
         Command::Ls { store } => inspect::ls(&store),
         Command::Show { store, session } => inspect::show(&store, &session),
         Command::Verify { store } => inspect::verify(&store),
+        Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
+            shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
+        }
+        Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,144 @@
+//! The TI/TO audit: for every session, did each prompt extend an earlier call's
+//! context exactly, and where and how badly did it not?
+//!
+//! The audit recomputes relations from the full prompts (independently of how
+//! they are stored, so segments and shards are audited alike): each call is
+//! compared with the contexts (`prompt ++ completion`) of the session's recent
+//! calls, and the one sharing the longest prefix is its parent — the rule the
+//! writer uses (format-spec/record.md §4).
+
+use crate::delta::{classify, common_prefix_len};
+use crate::error::Result;
+use crate::format::record::Relation;
+use crate::limits::DELTA_LOOKBACK_CALLS;
+use crate::snapshot::Snapshot;
+use serde::Serialize;
+use std::collections::VecDeque;
+
+/// Ids shown on each side of a divergence.
+const AROUND: usize = 3;
+
+/// One call whose prompt did not extend its parent's context.
+#[derive(Debug, Clone, Serialize)]
+pub struct Divergence {
+    pub trace_id: String,
+    pub call_index: usize,
+    /// `tito_break` (inside the parent's completion: retokenization) or
+    /// `diverges_earlier` (re-rendered history or a new branch).
+    pub relation: &'static str,
+    pub parent_trace_id: String,
+    /// First prompt position that differs from the parent's context.
+    pub position: usize,
+    /// Prompt ids from `position - 3` to `position + 3`.
+    pub prompt_ids_around: Vec<u32>,
+    /// The parent's context ids over the same positions.
+    pub parent_ids_around: Vec<u32>,
+    /// Generated tokens (the tail of the parent's completion from `position`)
+    /// that the prompt replaced: what a re-tokenizing trainer would have got
+    /// wrong for this call.
+    pub tokens_wrong: u64,
+}
+
+/// One session's audit.
+#[derive(Debug, Clone, Serialize)]
+pub struct SessionAudit {
+    pub session_id: String,
+    pub calls: usize,
+    /// Per call: did the prompt start with the previous call's whole context?
+    pub extends_previous: Vec<bool>,
+    pub breaks: usize,
+    pub diverges_earlier: usize,
+    pub tokens_wrong: u64,
+    pub divergences: Vec<Divergence>,
+}
+
+/// The whole audit.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AuditReport {
+    pub sessions_checked: usize,
+    pub calls_checked: usize,
+    pub sessions_with_breaks: usize,
+    pub breaks: usize,
+    pub diverges_earlier: usize,
+    /// Sum over breaks of the generated tokens a re-tokenizing trainer would
+    /// have trained on wrongly.
+    pub tokens_wrong: u64,
+    pub sessions: Vec<SessionAudit>,
+}
+
+fn around(ids: &[u32], pos: usize) -> Vec<u32> {
+    ids[pos.saturating_sub(AROUND).min(ids.len())..(pos + AROUND).min(ids.len())].to_vec()
+}
+
+/// Audit every session of `snapshot` (by primary session id).
+pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
+    let mut report = AuditReport::default();
+    for info in snapshot.sessions() {
+        let calls = snapshot.session(&info.session_id, None, None)?;
+        let own: Vec<_> = calls.iter().filter(|c| c.session_id() == info.session_id).collect();
+        if own.is_empty() {
+            continue;
+        }
+        let mut s = SessionAudit {
+            session_id: info.session_id.clone(),
+            calls: own.len(),
+            extends_previous: Vec::with_capacity(own.len()),
+            breaks: 0,
+            diverges_earlier: 0,
+            tokens_wrong: 0,
+            divergences: Vec::new(),
+        };
+        // (trace id, prompt length, context) of recent calls, newest last.
+        let mut recent: VecDeque<(String, usize, Vec<u32>)> = VecDeque::new();
+        for (i, c) in own.iter().enumerate() {
+            let prompt = c.prompt()?;
+            s.extends_previous.push(recent.back().is_none_or(|(_, _, ctx)| prompt.starts_with(ctx)));
+            let mut best: Option<(&(String, usize, Vec<u32>), usize)> = None;
+            for r in recent.iter().rev() {
+                let shared = common_prefix_len(&prompt, &r.2);
+                if best.is_none_or(|(_, b)| shared > b) {
+                    best = Some((r, shared));
+                }
+            }
+            if let Some(((parent_id, parent_prompt_len, ctx), shared)) = best {
+                let relation = classify(shared, *parent_prompt_len, ctx.len());
+                if relation != Relation::Extends {
+                    let tokens_wrong = if relation == Relation::TitoBreak { (ctx.len() - shared) as u64 } else { 0 };
+                    if relation == Relation::TitoBreak {
+                        s.breaks += 1;
+                        s.tokens_wrong += tokens_wrong;
+                    } else {
+                        s.diverges_earlier += 1;
+                    }
+                    s.divergences.push(Divergence {
+                        trace_id: c.trace_id().to_owned(),
+                        call_index: i,
+                        relation: relation.name(),
+                        parent_trace_id: parent_id.clone(),
+                        position: shared,
+                        prompt_ids_around: around(&prompt, shared),
+                        parent_ids_around: around(ctx, shared),
+                        tokens_wrong,
+                    });
+                }
+            }
+            let mut ctx = prompt;
+            let prompt_len = ctx.len();
+            ctx.extend_from_slice(c.completion_token_ids());
+            recent.push_back((c.trace_id().to_owned(), prompt_len, ctx));
+            if recent.len() > DELTA_LOOKBACK_CALLS {
+                recent.pop_front();
+            }
+        }
+        report.sessions_checked += 1;
+        report.calls_checked += s.calls;
+        report.breaks += s.breaks;
+        report.diverges_earlier += s.diverges_earlier;
+        report.tokens_wrong += s.tokens_wrong;
+        if s.breaks > 0 {
+            report.sessions_with_breaks += 1;
+        }
+        report.sessions.push(s);
+    }
+    Ok(report)
+}

@@ -1,0 +1,93 @@
+//! `trajlog compact` and `trajlog audit`.
+
+use super::human_bytes;
+use std::path::Path;
+use trajlog::{CompactOptions, Options, Selection, Store};
+
+/// Peak resident memory of this process (Linux `VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub struct CompactArgs {
+    pub older_than: Option<f64>,
+    pub shard_bytes: usize,
+    pub row_group_rows: usize,
+    pub compression: String,
+}
+
+pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
+    let store = Store::open(dir, Options::default())?;
+    let options = CompactOptions {
+        selection: args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan),
+        steps_row_group_rows: args.row_group_rows,
+        trajectories_row_group_rows: (args.row_group_rows / 4).max(1),
+        shard_bytes: args.shard_bytes,
+        compression: args.compression.parse()?,
+        progress: true,
+    };
+    let r = store.compact(&options)?;
+    store.close()?;
+    let secs = r.elapsed.as_secs_f64().max(1e-9);
+    println!(
+        "compacted {} sessions, {} calls, {} trajectories: {} of token payload into {} shard files ({}) in {:.2} s ({:.0} MB/s); retired {} segments; peak RSS {}",
+        r.sessions,
+        r.calls,
+        r.trajectories,
+        human_bytes(r.token_bytes),
+        r.shards.len(),
+        human_bytes(r.shard_bytes),
+        secs,
+        r.token_bytes as f64 / 1e6 / secs,
+        r.retired_segments,
+        peak_rss_bytes().map_or("unknown".to_owned(), human_bytes),
+    );
+    for s in &r.shards {
+        println!("  {}", s.display());
+    }
+    Ok(0)
+}
+
+pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
+    let snap = Store::open_read_only(dir)?.snapshot();
+    let report = trajlog::audit::audit(&snap)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    } else {
+        for s in report.sessions.iter().filter(|s| !s.divergences.is_empty()) {
+            println!(
+                "{}: {} calls, {} TI/TO breaks, {} earlier divergences, {} tokens a re-tokenizing trainer would get wrong",
+                s.session_id, s.calls, s.breaks, s.diverges_earlier, s.tokens_wrong
+            );
+            for d in &s.divergences {
+                println!(
+                    "  call {} ({}): {} at token {} vs parent {}: prompt {:?} / generated {:?}",
+                    d.call_index,
+                    d.trace_id,
+                    d.relation,
+                    d.position,
+                    d.parent_trace_id,
+                    d.prompt_ids_around,
+                    d.parent_ids_around
+                );
+            }
+        }
+        println!(
+            "audit: {} sessions, {} calls checked; {} TI/TO breaks in {} sessions; {} earlier divergences; {} generated tokens would be mis-trained by a re-tokenizing trainer",
+            report.sessions_checked,
+            report.calls_checked,
+            report.breaks,
+            report.sessions_with_breaks,
+            report.diverges_earlier,
+            report.tokens_wrong
+        );
+    }
+    if strict && report.breaks > 0 {
+        eprintln!("trajlog audit: --strict: {} TI/TO breaks found", report.breaks);
+        return Ok(1);
+    }
+    Ok(0)
+}
