@@ -15,6 +15,13 @@ use crate::snapshot::Snapshot;
 use serde::Serialize;
 use std::collections::VecDeque;
 
+/// A recent call: trace id, prompt length, context (`prompt ++ completion`).
+struct Recent {
+    trace_id: String,
+    prompt_len: usize,
+    context: Vec<u32>,
+}
+
 /// Ids shown on each side of a divergence.
 const AROUND: usize = 3;
 
@@ -88,20 +95,21 @@ pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
             tokens_wrong: 0,
             divergences: Vec::new(),
         };
-        // (trace id, prompt length, context) of recent calls, newest last.
-        let mut recent: VecDeque<(String, usize, Vec<u32>)> = VecDeque::new();
+        // Recent calls, newest last.
+        let mut recent: VecDeque<Recent> = VecDeque::new();
         for (i, c) in own.iter().enumerate() {
             let prompt = c.prompt()?;
-            s.extends_previous.push(recent.back().is_none_or(|(_, _, ctx)| prompt.starts_with(ctx)));
-            let mut best: Option<(&(String, usize, Vec<u32>), usize)> = None;
+            s.extends_previous.push(recent.back().is_none_or(|r| prompt.starts_with(&r.context)));
+            let mut best: Option<(&Recent, usize)> = None;
             for r in recent.iter().rev() {
-                let shared = common_prefix_len(&prompt, &r.2);
+                let shared = common_prefix_len(&prompt, &r.context);
                 if best.is_none_or(|(_, b)| shared > b) {
                     best = Some((r, shared));
                 }
             }
-            if let Some(((parent_id, parent_prompt_len, ctx), shared)) = best {
-                let relation = classify(shared, *parent_prompt_len, ctx.len());
+            if let Some((parent, shared)) = best {
+                let ctx = &parent.context;
+                let relation = classify(shared, parent.prompt_len, ctx.len());
                 if relation != Relation::Extends {
                     let tokens_wrong = if relation == Relation::TitoBreak { (ctx.len() - shared) as u64 } else { 0 };
                     if relation == Relation::TitoBreak {
@@ -114,7 +122,7 @@ pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
                         trace_id: c.trace_id().to_owned(),
                         call_index: i,
                         relation: relation.name(),
-                        parent_trace_id: parent_id.clone(),
+                        parent_trace_id: parent.trace_id.clone(),
                         position: shared,
                         prompt_ids_around: around(&prompt, shared),
                         parent_ids_around: around(ctx, shared),
@@ -125,7 +133,7 @@ pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
             let mut ctx = prompt;
             let prompt_len = ctx.len();
             ctx.extend_from_slice(c.completion_token_ids());
-            recent.push_back((c.trace_id().to_owned(), prompt_len, ctx));
+            recent.push_back(Recent { trace_id: c.trace_id().to_owned(), prompt_len, context: ctx });
             if recent.len() > DELTA_LOOKBACK_CALLS {
                 recent.pop_front();
             }
