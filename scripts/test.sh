@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite — the README's test command, and what CI runs.
-# Needs only a Rust toolchain (cargo, rustfmt, clippy); installs nothing else.
+# Needs a Rust toolchain (cargo, rustfmt, clippy) and Python 3 with venv; it
+# installs the Python test dependencies itself into .venv (from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,16 @@ cargo test --locked
 
 step "benches compile"
 cargo bench --locked --no-run
+
+step "python tests (pyarrow, DuckDB, HF datasets read the shards)"
+cargo build --release --locked --quiet
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy" 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet --upgrade pip
+    .venv/bin/pip install --quiet -r tests/python/requirements.txt
+fi
+# pytest exits 5 when it collected no test: that is a failure here too.
+TRAJLOG_BIN="$PWD/target/release/trajlog" .venv/bin/python -m pytest -q tests/python
 
 step "demo smoke run (release)"
 demo_dir="$(mktemp -d)/store"

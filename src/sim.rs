@@ -78,8 +78,12 @@ pub struct SimSession {
 
 /// Generate the sessions of `cfg`.
 pub fn simulate(cfg: &SimConfig) -> Vec<SimSession> {
-    let mut out = Vec::with_capacity(cfg.sessions);
-    for s in 0..cfg.sessions {
+    (0..cfg.sessions).map(|s| simulate_session(cfg, s)).collect()
+}
+
+/// Generate session number `s` of `cfg` alone (for streaming large batches).
+pub fn simulate_session(cfg: &SimConfig, s: usize) -> SimSession {
+    {
         let task = s / cfg.rollouts_per_task.max(1);
         let rollout = s % cfg.rollouts_per_task.max(1);
         let session_id = format!("task-{task}:{rollout}");
@@ -129,7 +133,6 @@ pub fn simulate(cfg: &SimConfig) -> Vec<SimSession> {
             next.extend_from_slice(&tool);
             prompt = next;
         }
-        out.push(SimSession { session_id, calls, injected_break });
+        SimSession { session_id, calls, injected_break }
     }
-    out
 }

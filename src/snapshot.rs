@@ -231,7 +231,7 @@ impl Snapshot {
     }
 
     fn info(&self, id: &str, e: &crate::index::SessionEntry) -> Option<SessionInfo> {
-        let (first, last) = (e.calls.front()?, e.calls.back()?);
+        let (first, last) = (e.calls.first()?, e.calls.last()?);
         Some(SessionInfo {
             session_id: id.to_owned(),
             calls: e.calls.len(),

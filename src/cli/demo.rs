@@ -183,3 +183,37 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
     }
     Ok(0)
 }
+
+/// `trajlog generate`: stream simulated sessions into a store.
+pub fn generate(
+    dir: &std::path::Path,
+    sessions: usize,
+    steps: usize,
+    prompt_tokens: usize,
+    seed: u64,
+) -> trajlog::Result<i32> {
+    let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, ..SimConfig::default() };
+    let store = Store::open(dir, Options { durability: Durability::Buffered, ..Options::default() })?;
+    let started = Instant::now();
+    let (mut calls, mut tokens) = (0u64, 0u64);
+    for s in 0..sessions {
+        let session = trajlog::sim::simulate_session(&cfg, s);
+        for c in session.calls {
+            tokens += (c.prompt_token_ids.len() + c.completion_token_ids.len()) as u64;
+            calls += 1;
+            store.append(c)?;
+        }
+        store.seal_session(&session.session_id)?;
+    }
+    store.sync()?;
+    let on_disk: u64 = store.snapshot().segments().iter().map(|s| s.data_bytes).sum();
+    store.close()?;
+    println!(
+        "generated {sessions} sessions, {calls} calls, {:.1} M tokens into {} ({} on disk) in {:.1} s",
+        tokens as f64 / 1e6,
+        dir.display(),
+        human_bytes(on_disk),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(0)
+}

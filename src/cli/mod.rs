@@ -84,6 +84,20 @@ enum Command {
         #[arg(long, default_value = "zstd")]
         compression: String,
     },
+    /// Fill a store with simulated multi-turn rollouts (sealed), streaming one session at a time.
+    Generate {
+        #[arg(long)]
+        store: PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        sessions: usize,
+        #[arg(long, default_value_t = 8)]
+        steps: usize,
+        /// Tokens of each task's first prompt.
+        #[arg(long, default_value_t = 1500)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
     /// Check every session for TI/TO breaks; --strict exits 1 if there is any.
     Audit {
         #[arg(long)]
@@ -109,6 +123,9 @@ pub fn main() -> i32 {
             shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
         }
         Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
+        Command::Generate { store, sessions, steps, prompt_tokens, seed } => {
+            demo::generate(&store, sessions, steps, prompt_tokens, seed)
+        }
     };
     match result {
         Ok(code) => code,

@@ -4,10 +4,12 @@ use super::human_bytes;
 use std::path::Path;
 use trajlog::{CompactOptions, Options, Selection, Store};
 
-/// Peak resident memory of this process (Linux `VmHWM`), in bytes.
-pub fn peak_rss_bytes() -> Option<u64> {
+/// A memory figure of this process from `/proc/self/status` (Linux), in bytes:
+/// `VmHWM` (peak resident), `RssAnon` (heap and other private memory now),
+/// `RssFile` (mapped file pages now).
+pub fn proc_status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
@@ -43,7 +45,7 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         secs,
         r.token_bytes as f64 / 1e6 / secs,
         r.retired_segments,
-        peak_rss_bytes().map_or("unknown".to_owned(), human_bytes),
+        proc_status_bytes("VmHWM:").map_or("unknown".to_owned(), human_bytes),
     );
     for s in &r.shards {
         println!("  {}", s.display());

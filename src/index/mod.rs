@@ -8,7 +8,7 @@
 
 use crate::compact::reader::ShardPos;
 use crate::format::record::Loc;
-use imbl::{HashMap, Vector};
+use imbl::HashMap;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
@@ -43,8 +43,9 @@ impl CallKey {
 /// Per-session index entry.
 #[derive(Debug, Clone, Default)]
 pub struct SessionEntry {
-    /// Oldest first: by timestamp, then by append position.
-    pub calls: Vector<CallKey>,
+    /// Oldest first: by timestamp, then by append position. Copied on write
+    /// (sessions are short), so a published snapshot never sees it change.
+    pub calls: Arc<Vec<CallKey>>,
     pub sealed: bool,
     pub reward: Option<f64>,
 }
@@ -57,9 +58,9 @@ pub struct Index {
     pub trace_rewards: HashMap<Arc<str>, f64>,
 }
 
-fn remove_key(calls: &mut Vector<CallKey>, key: &CallKey) {
+fn remove_key(calls: &mut Arc<Vec<CallKey>>, key: &CallKey) {
     if let Ok(i) = calls.binary_search_by(|k| k.cmp_order(key)) {
-        calls.remove(i);
+        Arc::make_mut(calls).remove(i);
     }
 }
 
@@ -78,12 +79,13 @@ impl Index {
         let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id: meta.trace_id.clone() };
         for s in meta.sessions.iter() {
             let entry = self.sessions.entry(s.clone()).or_default();
-            match entry.calls.back() {
+            let calls = Arc::make_mut(&mut entry.calls);
+            match calls.last() {
                 Some(last) if last.cmp_order(&key) == Ordering::Greater => {
-                    let at = entry.calls.binary_search_by(|k| k.cmp_order(&key)).unwrap_or_else(|i| i);
-                    entry.calls.insert(at, key.clone());
+                    let at = calls.binary_search_by(|k| k.cmp_order(&key)).unwrap_or_else(|i| i);
+                    calls.insert(at, key.clone());
                 }
-                _ => entry.calls.push_back(key.clone()),
+                _ => calls.push(key.clone()),
             }
         }
         replaced
