@@ -169,6 +169,8 @@ struct Inner {
     durable_seq: AtomicU64,
     poisoned: AtomicBool,
     view: Mutex<Arc<View>>,
+    /// One compaction at a time (two would compact the same sessions twice).
+    compacting: Mutex<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -536,6 +538,7 @@ impl Store {
             durable_seq: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             view: Mutex::new(view),
+            compacting: Mutex::new(()),
         });
         let writer = Writer {
             inner: inner.clone(),
@@ -578,6 +581,7 @@ impl Store {
             durable_seq: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             view: Mutex::new(Arc::new(view)),
+            compacting: Mutex::new(()),
         });
         Ok(Store { inner, writer: None, read_only: true, _lock: None })
     }
@@ -706,6 +710,7 @@ impl Store {
     /// (format-spec/shard.md), then retire the segments nothing needs any more.
     /// Reads keep answering for compacted calls, now from the shards.
     pub fn compact(&self, options: &crate::compact::CompactOptions) -> Result<crate::compact::CompactReport> {
+        let _one_at_a_time = lock(&self.inner.compacting);
         crate::compact::run(self, options)
     }
 

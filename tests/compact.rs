@@ -412,3 +412,28 @@ fn a_crash_at_any_step_of_a_compaction_leaves_the_old_or_the_new_state() {
         check_reads(&store, &calls);
     }
 }
+
+#[test]
+fn concurrent_compactions_never_duplicate_rows() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 12, steps: 4, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    let store = std::sync::Arc::new(Store::open(dir.path(), Options::default()).unwrap());
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    let handles: Vec<_> = (0..3)
+        .map(|_| {
+            let store = store.clone();
+            std::thread::spawn(move || store.compact(&CompactOptions::default()).unwrap().calls)
+        })
+        .collect();
+    let compacted: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    assert_eq!(compacted as usize, calls.len(), "each call is compacted exactly once");
+    let steps: usize = read_table(dir.path(), "steps").iter().map(|b| b.num_rows()).sum();
+    assert_eq!(steps, calls.len());
+    check_reads(&store, &calls);
+}
