@@ -19,15 +19,17 @@ cargo test --locked
 step "benches compile"
 cargo bench --locked --no-run
 
-step "python tests (pyarrow, DuckDB, HF datasets read the shards)"
+step "python tests (the binding; pyarrow, DuckDB, HF datasets read the shards)"
 cargo build --release --locked --quiet
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet --upgrade pip
     .venv/bin/pip install --quiet -r tests/python/requirements.txt
 fi
+# The Python package, built and installed the way users do it (maturin via pip).
+.venv/bin/pip install --quiet ./python
 # pytest exits 5 when it collected no test: that is a failure here too.
-TRAJLOG_BIN="$PWD/target/release/trajlog" .venv/bin/python -m pytest -q tests/python
+TRAJLOG_BIN="$PWD/target/release/trajlog" .venv/bin/python -m pytest -q tests/python python/tests
 
 step "demo smoke run (release)"
 demo_dir="$(mktemp -d)/store"

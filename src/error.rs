@@ -88,7 +88,8 @@ impl Error {
         )
     }
 
-    pub(crate) fn closed() -> Self {
+    /// The error every call on a closed store returns.
+    pub fn closed() -> Self {
         Self::new(ErrorKind::Closed, "store is closed")
     }
 }

@@ -1,0 +1,396 @@
+//! Python binding of trajlog: the store, calls whose token arrays are numpy
+//! views into the mapped segment files, and the error kinds as exceptions.
+//! The Python package (`trajlog/`) converts inputs and adds the rLLM adapters.
+
+use numpy::ndarray::ArrayView1;
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::sync::Arc;
+use trajlog::{Call as RCall, CompactOptions, Durability, ErrorKind, Options, Selection, Target};
+
+/// Raise the Python exception that mirrors a Rust error's kind, with the same
+/// message (classes defined in `trajlog/errors.py`).
+fn to_py(e: trajlog::Error) -> PyErr {
+    let name = match e.kind() {
+        ErrorKind::Io => "IOFailure",
+        ErrorKind::Corrupt { .. } => "CorruptError",
+        ErrorKind::Incompatible => "IncompatibleError",
+        ErrorKind::InvalidInput { .. } => "InvalidInputError",
+        ErrorKind::LimitExceeded { .. } => "LimitExceededError",
+        ErrorKind::Locked => "LockedError",
+        ErrorKind::Closed => "ClosedError",
+        ErrorKind::Poisoned => "PoisonedError",
+        ErrorKind::NotFound => "NotFoundError",
+        _ => "TrajlogError",
+    };
+    Python::attach(|py| {
+        let class = py.import("trajlog.errors").and_then(|m| m.getattr(name));
+        match class {
+            Ok(class) => match class.call1((e.message().to_owned(),)) {
+                Ok(instance) => PyErr::from_value(instance),
+                Err(err) => err,
+            },
+            Err(err) => err,
+        }
+    })
+}
+
+/// Keeps a snapshot — and through it the segment mappings and decoded shard
+/// row groups — alive for as long as any array viewing them lives.
+#[pyclass(frozen, module = "trajlog._trajlog")]
+struct Snapshot {
+    snap: trajlog::Snapshot,
+}
+
+/// One captured call, read from a snapshot.
+#[pyclass(frozen, module = "trajlog._trajlog")]
+struct Call {
+    snap: Py<Snapshot>,
+    trace_id: String,
+}
+
+fn view<'a>(snap: &'a Snapshot, trace_id: &str) -> PyResult<trajlog::CallView<'a>> {
+    snap.snap.get(trace_id).map_err(to_py)?.ok_or_else(|| to_py_missing(trace_id))
+}
+
+fn to_py_missing(trace_id: &str) -> PyErr {
+    pyo3::exceptions::PyKeyError::new_err(format!("trace {trace_id:?} is not in this snapshot"))
+}
+
+/// A read-only numpy array viewing `slice`, which lives inside `owner`.
+fn borrowed<'py, T: numpy::Element + Copy>(
+    py: Python<'py>,
+    slice: &[T],
+    owner: &Py<Snapshot>,
+) -> PyResult<Bound<'py, PyArray1<T>>> {
+    let arr = ArrayView1::from(slice);
+    // SAFETY: `slice` points into memory owned by the `Snapshot` object (a
+    // segment mapping or a decoded row group held by it), which never moves or
+    // changes while the snapshot lives; the array holds `owner` as its base, so
+    // the snapshot outlives the array. The array is made read-only below: the
+    // mapping is read-only and must never be written through.
+    let out = unsafe { PyArray1::borrow_from_array(&arr, owner.clone_ref(py).into_bound(py).into_any()) };
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("write", false)?;
+    out.call_method("setflags", (), Some(&kwargs))?;
+    Ok(out)
+}
+
+#[pymethods]
+impl Call {
+    #[getter]
+    fn trace_id(&self) -> &str {
+        &self.trace_id
+    }
+    #[getter]
+    fn session_id(&self) -> PyResult<String> {
+        Ok(view(self.snap.get(), &self.trace_id)?.session_id().to_owned())
+    }
+    #[getter]
+    fn timestamp(&self) -> PyResult<f64> {
+        Ok(view(self.snap.get(), &self.trace_id)?.timestamp())
+    }
+    #[getter]
+    fn model(&self) -> PyResult<Option<String>> {
+        Ok(view(self.snap.get(), &self.trace_id)?.record.model.map(str::to_owned))
+    }
+    #[getter]
+    fn weight_version(&self) -> PyResult<Option<i64>> {
+        Ok(view(self.snap.get(), &self.trace_id)?.record.weight_version)
+    }
+    #[getter]
+    fn session_uids(&self) -> PyResult<Vec<String>> {
+        Ok(view(self.snap.get(), &self.trace_id)?.record.session_uids.iter().map(|s| (*s).to_owned()).collect())
+    }
+    /// How the prompt relates to its parent: root, extends, tito_break, diverges_earlier.
+    #[getter]
+    fn relation(&self) -> PyResult<&'static str> {
+        Ok(view(self.snap.get(), &self.trace_id)?.relation().name())
+    }
+    #[getter]
+    fn divergence_position(&self) -> PyResult<Option<usize>> {
+        Ok(view(self.snap.get(), &self.trace_id)?.divergence_position())
+    }
+    #[getter]
+    fn is_compacted(&self) -> PyResult<bool> {
+        Ok(view(self.snap.get(), &self.trace_id)?.is_compacted())
+    }
+    /// uint32 view into the mapped segment (or the snapshot's shard row group).
+    #[getter]
+    fn completion_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        borrowed(py, v.completion_token_ids(), &self.snap)
+    }
+    /// float32 view, or None when the call had no logprobs.
+    #[getter]
+    fn logprobs<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyArray1<f32>>>> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        v.logprobs().map(|l| borrowed(py, l, &self.snap)).transpose()
+    }
+    /// uint32 array: a view when the prompt is stored whole (first call of a
+    /// session, or a compacted call); otherwise materialized from the
+    /// prefix-delta chain (a new array). `prompt_is_view` tells which.
+    #[getter]
+    fn prompt_token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        if v.prompt_prefix_len() == 0 {
+            return borrowed(py, v.prompt_suffix(), &self.snap);
+        }
+        let prompt = v.prompt().map_err(to_py)?;
+        Ok(PyArray1::from_vec(py, prompt))
+    }
+    #[getter]
+    fn prompt_is_view(&self) -> PyResult<bool> {
+        Ok(view(self.snap.get(), &self.trace_id)?.prompt_prefix_len() == 0)
+    }
+    /// The stored part of the prompt (a view) and the length taken from the parent.
+    #[getter]
+    fn prompt_suffix<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        borrowed(py, v.prompt_suffix(), &self.snap)
+    }
+    #[getter]
+    fn prompt_prefix_len(&self) -> PyResult<usize> {
+        Ok(view(self.snap.get(), &self.trace_id)?.prompt_prefix_len())
+    }
+    /// The gateway-shaped trace dict, with plain lists (ids as ints, logprobs
+    /// as the exact float32 values).
+    fn to_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.py().import("trajlog")?.getattr("_call_to_dict")?.call1((slf,))
+    }
+
+    /// The gateway-shaped trace as JSON text.
+    fn to_json(&self) -> PyResult<String> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        Ok(trajlog::trace_json::export_call(&v.to_call().map_err(to_py)?))
+    }
+    fn __repr__(&self) -> PyResult<String> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        Ok(format!(
+            "Call(trace_id={:?}, session_id={:?}, prompt={} tokens, completion={} tokens, relation={})",
+            self.trace_id,
+            v.session_id(),
+            v.prompt_len(),
+            v.completion_token_ids().len(),
+            v.relation().name()
+        ))
+    }
+}
+
+/// The native store; `trajlog.Store` wraps it.
+#[pyclass(module = "trajlog._trajlog")]
+struct NativeStore {
+    store: Option<Arc<trajlog::Store>>,
+}
+
+impl NativeStore {
+    fn get(&self) -> PyResult<Arc<trajlog::Store>> {
+        self.store.clone().ok_or_else(|| to_py(trajlog::Error::closed()))
+    }
+}
+
+fn snapshot_obj(py: Python<'_>, store: &trajlog::Store) -> PyResult<Py<Snapshot>> {
+    Py::new(py, Snapshot { snap: store.snapshot() })
+}
+
+fn calls_of(py: Python<'_>, snap: &Py<Snapshot>, ids: Vec<String>) -> PyResult<Vec<Call>> {
+    Ok(ids.into_iter().map(|trace_id| Call { snap: snap.clone_ref(py), trace_id }).collect())
+}
+
+#[pymethods]
+impl NativeStore {
+    #[new]
+    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None))]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        durability: &str,
+        read_only: bool,
+        segment_bytes: Option<u64>,
+        group_commit_ms: Option<u64>,
+        queue_depth: Option<usize>,
+    ) -> PyResult<Self> {
+        let d = Options::default();
+        let options = Options {
+            durability: durability.parse::<Durability>().map_err(to_py)?,
+            segment_bytes: segment_bytes.unwrap_or(d.segment_bytes),
+            group_commit_ms: group_commit_ms.unwrap_or(d.group_commit_ms),
+            queue_depth: queue_depth.unwrap_or(d.queue_depth),
+            ..d
+        };
+        let store = py
+            .detach(|| if read_only { trajlog::Store::open_read_only(&path) } else { trajlog::Store::open(&path, options) })
+            .map_err(to_py)?;
+        Ok(Self { store: Some(Arc::new(store)) })
+    }
+
+    /// Append one call; the arrays are validated and copied. With `durable`,
+    /// returns once the record is durable at the store's level.
+    #[pyo3(signature = (trace_id, session_id, prompt_token_ids, completion_token_ids, logprobs, session_uids, timestamp, model, weight_version, finish_reason, latency_ms, messages, response_message, metadata, extra, routing_matrices, durable))]
+    #[allow(clippy::too_many_arguments)]
+    fn append(
+        &self,
+        py: Python<'_>,
+        trace_id: String,
+        session_id: String,
+        prompt_token_ids: PyReadonlyArray1<'_, u32>,
+        completion_token_ids: PyReadonlyArray1<'_, u32>,
+        logprobs: Option<PyReadonlyArray1<'_, f32>>,
+        session_uids: Vec<String>,
+        timestamp: f64,
+        model: Option<String>,
+        weight_version: Option<i64>,
+        finish_reason: Option<String>,
+        latency_ms: Option<f64>,
+        messages: Option<String>,
+        response_message: Option<String>,
+        metadata: Option<String>,
+        extra: Option<String>,
+        routing_matrices: Option<Vec<u8>>,
+        durable: bool,
+    ) -> PyResult<()> {
+        let call = RCall {
+            trace_id,
+            session_id,
+            session_uids,
+            timestamp,
+            model,
+            weight_version,
+            prompt_token_ids: prompt_token_ids.as_array().to_vec(),
+            completion_token_ids: completion_token_ids.as_array().to_vec(),
+            logprobs: logprobs.map(|l| l.as_array().to_vec()),
+            routing_matrices,
+            finish_reason,
+            latency_ms,
+            messages: messages.map(String::into_bytes),
+            response_message: response_message.map(String::into_bytes),
+            metadata: metadata.map(String::into_bytes),
+            extra: extra.map(String::into_bytes),
+        };
+        let store = self.get()?;
+        py.detach(|| {
+            let receipt = store.append(call)?;
+            if durable {
+                receipt.wait()?;
+            }
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.flush()).map_err(to_py)
+    }
+
+    fn refresh(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.refresh()).map_err(to_py)
+    }
+
+    fn seal(&self, py: Python<'_>, session_id: &str) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| store.seal_session(session_id)).map_err(to_py)
+    }
+
+    fn set_reward(&self, py: Python<'_>, kind: &str, id: String, value: f64) -> PyResult<()> {
+        let store = self.get()?;
+        let target = if kind == "session" { Target::Session(id) } else { Target::Trace(id) };
+        py.detach(|| store.set_reward(target, value)).map_err(to_py)
+    }
+
+    fn delete_session(&self, py: Python<'_>, session_id: &str) -> PyResult<u64> {
+        let store = self.get()?;
+        py.detach(|| store.delete_session(session_id)).map_err(to_py)
+    }
+
+    fn get_call(&self, py: Python<'_>, trace_id: &str) -> PyResult<Option<Call>> {
+        let store = self.get()?;
+        let snap = snapshot_obj(py, &store)?;
+        let found = snap.get().snap.get(trace_id).map_err(to_py)?.is_some();
+        Ok(found.then(|| Call { snap, trace_id: trace_id.to_owned() }))
+    }
+
+    #[pyo3(signature = (session_id, since = None, limit = None))]
+    fn session(&self, py: Python<'_>, session_id: &str, since: Option<f64>, limit: Option<usize>) -> PyResult<Vec<Call>> {
+        let store = self.get()?;
+        let snap = snapshot_obj(py, &store)?;
+        let ids: Vec<String> = snap
+            .get()
+            .snap
+            .session(session_id, since, limit)
+            .map_err(to_py)?
+            .iter()
+            .map(|c| c.trace_id().to_owned())
+            .collect();
+        calls_of(py, &snap, ids)
+    }
+
+    /// Sessions with a live call: dicts with session_id, trace_count,
+    /// first_trace_at, last_trace_at, sealed, reward; by first call time.
+    fn sessions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let store = self.get()?;
+        let list = PyList::empty(py);
+        for s in store.snapshot().sessions() {
+            let d = PyDict::new(py);
+            d.set_item("session_id", s.session_id)?;
+            d.set_item("trace_count", s.calls)?;
+            d.set_item("first_trace_at", s.first_timestamp)?;
+            d.set_item("last_trace_at", s.last_timestamp)?;
+            d.set_item("sealed", s.sealed)?;
+            d.set_item("reward", s.reward)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    #[pyo3(signature = (older_than = None))]
+    fn compact<'py>(&self, py: Python<'py>, older_than: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.get()?;
+        let options = CompactOptions {
+            selection: older_than.map_or(Selection::SealedOnly, Selection::OlderThan),
+            ..CompactOptions::default()
+        };
+        let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("sessions", r.sessions)?;
+        d.set_item("calls", r.calls)?;
+        d.set_item("trajectories", r.trajectories)?;
+        d.set_item("token_bytes", r.token_bytes)?;
+        d.set_item("shards", r.shards.iter().map(|p| p.display().to_string()).collect::<Vec<_>>())?;
+        d.set_item("retired_segments", r.retired_segments)?;
+        Ok(d)
+    }
+
+    /// The TI/TO audit as JSON text.
+    fn audit_json(&self, py: Python<'_>) -> PyResult<String> {
+        let store = self.get()?;
+        let report = py.detach(|| trajlog::audit::audit(&store.snapshot())).map_err(to_py)?;
+        serde_json::to_string(&report).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+    }
+
+    /// Segment files of the current snapshot (paths), for diagnostics.
+    fn segment_paths(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.snapshot().segments().iter().map(|s| s.path.display().to_string()).collect())
+    }
+
+    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(store) = self.store.take() {
+            match Arc::try_unwrap(store) {
+                Ok(store) => py.detach(|| store.close()).map_err(to_py)?,
+                // Another thread is inside a call: flush now, close when the last user drops it.
+                Err(shared) => py.detach(|| shared.flush()).map_err(to_py)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[pymodule]
+fn _trajlog(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeStore>()?;
+    m.add_class::<Call>()?;
+    m.add_class::<Snapshot>()?;
+    Ok(())
+}

@@ -1,0 +1,164 @@
+"""Round trips (lists, numpy, array.array, buffers) bit-exact; bad inputs raise
+clear errors and write nothing; errors mirror the Rust kinds."""
+
+import array
+import struct
+
+import numpy as np
+import pytest
+
+import trajlog
+
+
+def bits(a):
+    return np.asarray(a, dtype=np.float32).view(np.uint32).tolist()
+
+
+SPECIAL = np.array(
+    [-0.0, 0.0, np.inf, -np.inf, 1e-45, -3.4028235e38] + [struct.unpack("<f", struct.pack("<I", b))[0] for b in (0x7FC00001, 0xFFA0BEEF)],
+    dtype=np.float32,
+)
+# NaN payloads must survive too: build them from bits directly.
+SPECIAL = np.concatenate([SPECIAL[:6], np.array([0x7FC00001, 0xFFA0BEEF], dtype=np.uint32).view(np.float32)])
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["list", "numpy", "array", "memoryview", "numpy-int64"],
+)
+def test_round_trip_of_every_input_kind_is_bit_exact(tmp_path, kind):
+    prompt = [0, 1, 2**32 - 1, 151000]
+    completion = list(range(len(SPECIAL)))
+    if kind == "list":
+        p, c, lp = prompt, completion, SPECIAL.tolist()
+    elif kind == "numpy":
+        p, c, lp = np.array(prompt, dtype=np.uint32), np.array(completion, dtype=np.uint32), SPECIAL
+    elif kind == "array":
+        p, c, lp = array.array("I", prompt), array.array("I", completion), array.array("f", SPECIAL.tobytes())
+    elif kind == "memoryview":
+        p = memoryview(np.array(prompt, dtype=np.uint32))
+        c = memoryview(np.array(completion, dtype=np.uint32))
+        lp = memoryview(SPECIAL)
+    else:
+        p, c, lp = np.array(prompt, dtype=np.int64), np.array(completion, dtype=np.int64), SPECIAL
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append(trace_id="t", session_id="s", prompt_token_ids=p, completion_token_ids=c, logprobs=lp, durable=True)
+        call = store.get("t")
+        assert call.prompt_token_ids.tolist() == prompt
+        assert call.completion_token_ids.tolist() == completion
+        want = bits(SPECIAL) if kind != "list" else bits(np.array(SPECIAL.tolist(), dtype=np.float32))
+        assert bits(call.logprobs) == want
+    with trajlog.Store(tmp_path / "s", read_only=True) as ro:
+        assert bits(ro.get("t").logprobs) == want
+
+
+def test_all_fields_and_extra_keys_round_trip(tmp_path):
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append(
+            trace_id="t1",
+            session_id="task:0",
+            session_uids=["outer"],
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=[4, 5],
+            logprobs=[-0.5, -0.25],
+            timestamp=12.5,
+            model="m",
+            weight_version=3,
+            messages=[{"role": "user", "content": "héllo"}],
+            response_message={"role": "assistant", "content": "ok"},
+            metadata={"group_id": "g"},
+            finish_reason="stop",
+            latency_ms=3.5,
+            token_counts={"prompt": 3},
+            raw_request={"x": [1, None]},
+        )
+        store.flush()
+        d = store.get("t1").to_dict()
+    assert d == {
+        "trace_id": "t1",
+        "session_id": "task:0",
+        "session_uids": ["outer"],
+        "timestamp": 12.5,
+        "model": "m",
+        "weight_version": 3,
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [4, 5],
+        "logprobs": [-0.5, -0.25],
+        "finish_reason": "stop",
+        "latency_ms": 3.5,
+        "messages": [{"role": "user", "content": "héllo"}],
+        "response_message": {"role": "assistant", "content": "ok"},
+        "metadata": {"group_id": "g"},
+        "token_counts": {"prompt": 3},
+        "raw_request": {"x": [1, None]},
+    }
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"prompt_token_ids": [1, -1]}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [2**32]}, "prompt_token_ids[0]"),
+        ({"prompt_token_ids": np.array([5, -3], dtype=np.int64)}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [1.5]}, "prompt_token_ids[0]"),
+        ({"prompt_token_ids": ["a"]}, "prompt_token_ids[0]"),
+        ({"logprobs": [-1.0, -2.0]}, "logprobs"),
+        ({"logprobs": ["x"]}, "logprobs[0]"),
+        ({"timestamp": float("nan")}, "timestamp"),
+        ({"latency_ms": float("inf")}, "latency_ms"),
+        ({"trace_id": ""}, "trace_id"),
+        ({"session_id": "x" * 513}, "session_id"),
+        ({"weight_version": 1.5}, "weight_version"),
+        ({"messages": {"bad": float("nan")}}, "messages"),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_writes_nothing(tmp_path, kwargs, field):
+    base = dict(trace_id="t", session_id="s", prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-1.0])
+    base.update(kwargs)
+    with trajlog.Store(tmp_path / "s") as store:
+        with pytest.raises(trajlog.InvalidInputError) as e:
+            store.append(**base)
+        assert field in str(e.value)
+        assert isinstance(e.value, ValueError)
+        store.flush()
+        assert store.get("t") is None
+        assert store.sessions() == []
+
+
+def test_limits_locks_and_closed_stores_raise_their_kinds(tmp_path):
+    path = tmp_path / "s"
+    store = trajlog.Store(path)
+    with pytest.raises(trajlog.LimitExceededError, match="COMPLETION_TOKENS_MAX"):
+        store.append(trace_id="t", session_id="s", prompt_token_ids=[], completion_token_ids=np.zeros(2**20 + 1, dtype=np.uint32))
+    with pytest.raises(trajlog.LockedError, match="locked"):
+        trajlog.Store(path)
+    ro = trajlog.Store(path, read_only=True)
+    with pytest.raises(trajlog.ClosedError, match="read-only"):
+        ro.append(trace_id="t", session_id="s", prompt_token_ids=[], completion_token_ids=[])
+    store.close()
+    with pytest.raises(trajlog.ClosedError):
+        store.flush()
+    with pytest.raises(trajlog.NotFoundError):
+        trajlog.Store(tmp_path / "nope", read_only=True)
+
+
+def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
+    with trajlog.Store(tmp_path / "s") as store:
+        for i in range(4):
+            store.append(trace_id=f"a{i}", session_id="a", prompt_token_ids=list(range(i * 3)), completion_token_ids=[1, 2, 3], timestamp=float(i))
+        store.append(trace_id="b0", session_id="b", prompt_token_ids=[9], completion_token_ids=[8], timestamp=0.5)
+        store.set_reward(1.0, session_id="a")
+        store.seal("a")
+        with pytest.raises(trajlog.InvalidInputError, match="sealed"):
+            store.append(trace_id="a9", session_id="a", prompt_token_ids=[], completion_token_ids=[])
+        assert [c.trace_id for c in store.session("a", since=0.5, limit=2)] == ["a1", "a2"]
+        listed = {s["session_id"]: s for s in store.sessions()}
+        assert listed["a"]["trace_count"] == 4 and listed["a"]["reward"] == 1.0 and listed["a"]["sealed"]
+        report = store.compact()
+        assert report["sessions"] == 1 and report["calls"] == 4
+        call = store.get("a3")
+        assert call.is_compacted and call.prompt_is_view
+        assert call.prompt_token_ids.tolist() == list(range(9))
+        assert store.audit()["sessions_checked"] == 2
+        assert store.delete_session("b") == 1
+        assert store.get("b0") is None
