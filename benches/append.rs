@@ -29,6 +29,20 @@ fn workload(sessions: usize, system_tokens: usize, completion: (usize, usize)) -
     (0..cfg.steps).flat_map(|step| batch.iter().filter_map(move |s| s.calls.get(step).cloned())).collect()
 }
 
+/// Copies of `calls` in sessions and traces of their own (setup, untimed), so
+/// every iteration appends new sessions rather than replacing old calls.
+fn renamed(calls: &[Call], round: u64) -> Vec<Call> {
+    calls
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            c.session_id = format!("{}#{round}", c.session_id);
+            c.trace_id = format!("{}#{round}", c.trace_id);
+            c
+        })
+        .collect()
+}
+
 fn bench_append(c: &mut Criterion) {
     let mut group = c.benchmark_group("append");
     group.sample_size(10).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
@@ -48,15 +62,7 @@ fn bench_append(c: &mut Criterion) {
                     b.iter_batched(
                         || {
                             round += 1;
-                            chunk
-                                .iter()
-                                .map(|c| {
-                                    let mut c = c.clone();
-                                    c.session_id = format!("{}#{round}", c.session_id);
-                                    c.trace_id = format!("{}#{round}", c.trace_id);
-                                    c
-                                })
-                                .collect::<Vec<_>>()
+                            renamed(&chunk, round)
                         },
                         |batch| {
                             for call in batch {
@@ -84,15 +90,7 @@ fn bench_append(c: &mut Criterion) {
         b.iter_batched(
             || {
                 round += 1;
-                calls
-                    .iter()
-                    .map(|c| {
-                        let mut c = c.clone();
-                        c.session_id = format!("{}#{round}", c.session_id);
-                        c.trace_id = format!("{}#{round}", c.trace_id);
-                        c
-                    })
-                    .collect::<Vec<_>>()
+                renamed(&calls, round)
             },
             |batch| {
                 for call in batch {

@@ -57,6 +57,22 @@ fn fixture_calls() -> Vec<Call> {
     calls
 }
 
+/// A call read from a fixture equals the call that was written, bit for bit.
+fn assert_exact(v: &trajlog::CallView<'_>, c: &Call) {
+    let got = v.to_call().unwrap();
+    assert_eq!(got.prompt_token_ids, c.prompt_token_ids);
+    assert_eq!(got.completion_token_ids, c.completion_token_ids);
+    assert_eq!(
+        got.logprobs.map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
+        c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    );
+    assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
+    assert_eq!(
+        (got.weight_version, got.latency_ms, got.session_uids),
+        (c.weight_version, c.latency_ms, c.session_uids.clone())
+    );
+}
+
 fn write_fixture() {
     let dir = fixture_dir();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
@@ -97,18 +113,7 @@ fn reads_the_v1_fixture_exactly() {
     assert_eq!(snap.segments().len(), 2);
     for c in &calls {
         let v = snap.get(&c.trace_id).unwrap().unwrap();
-        let got = v.to_call().unwrap();
-        assert_eq!(got.prompt_token_ids, c.prompt_token_ids);
-        assert_eq!(got.completion_token_ids, c.completion_token_ids);
-        assert_eq!(
-            got.logprobs.map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
-            c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-        );
-        assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
-        assert_eq!(
-            (got.weight_version, got.latency_ms, got.session_uids),
-            (c.weight_version, c.latency_ms, c.session_uids.clone())
-        );
+        assert_exact(&v, c);
     }
     let a: Vec<Relation> = snap.session("task-1:0", None, None).unwrap().iter().map(|c| c.relation()).collect();
     assert_eq!(a, [Relation::Root, Relation::Extends, Relation::TitoBreak, Relation::Extends]);
@@ -155,14 +160,7 @@ fn reads_the_v2_fixture_with_shards_exactly() {
     for c in &calls {
         let v = snap.get(&c.trace_id).unwrap().unwrap();
         assert_eq!(v.is_compacted(), c.session_id == "task-1:0", "{}", c.trace_id);
-        let got = v.to_call().unwrap();
-        assert_eq!(got.prompt_token_ids, c.prompt_token_ids);
-        assert_eq!(got.completion_token_ids, c.completion_token_ids);
-        assert_eq!(
-            got.logprobs.map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>()),
-            c.logprobs.as_ref().map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-        );
-        assert_eq!((got.messages, got.metadata, got.extra), (c.messages.clone(), c.metadata.clone(), c.extra.clone()));
+        assert_exact(&v, c);
     }
     assert_eq!(snap.get("a/2").unwrap().unwrap().relation(), Relation::TitoBreak);
     assert_eq!(snap.get("a/2").unwrap().unwrap().divergence_position(), Some(40 + 10 + 3 + 5));

@@ -67,6 +67,16 @@ _COLUMNS = (
 )
 
 
+def _as_array(values: Any) -> np.ndarray:
+    """A numpy array of any sequence, numpy array, array.array or buffer."""
+    if isinstance(values, (list, tuple, np.ndarray)):
+        return np.asarray(values)
+    try:
+        return np.asarray(memoryview(values))
+    except TypeError:
+        return np.asarray(list(values))
+
+
 def _token_ids(field: str, values: Any) -> np.ndarray:
     """Any sequence, numpy array, array.array or buffer of integer ids →
     contiguous uint32, refusing (never wrapping) what does not fit."""
@@ -74,10 +84,7 @@ def _token_ids(field: str, values: Any) -> np.ndarray:
         return np.empty(0, dtype=np.uint32)
     if isinstance(values, np.ndarray) and values.dtype == np.uint32 and values.ndim == 1:
         return np.ascontiguousarray(values)
-    try:
-        arr = np.asarray(memoryview(values)) if not isinstance(values, (list, tuple, np.ndarray)) else np.asarray(values)
-    except TypeError:
-        arr = np.asarray(list(values))
+    arr = _as_array(values)
     if arr.ndim != 1:
         raise InvalidInputError(f"invalid {field}: must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
@@ -104,10 +111,7 @@ def _logprobs(values: Any) -> Optional[np.ndarray]:
         return None
     if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim == 1:
         return np.ascontiguousarray(values)
-    try:
-        arr = np.asarray(memoryview(values)) if not isinstance(values, (list, tuple, np.ndarray)) else np.asarray(values)
-    except TypeError:
-        arr = np.asarray(list(values))
+    arr = _as_array(values)
     if arr.ndim != 1:
         raise InvalidInputError(f"invalid logprobs: must be one-dimensional, got shape {arr.shape}")
     if arr.size and (arr.dtype == object or arr.dtype.kind not in "fiu"):
