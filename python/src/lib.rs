@@ -3,15 +3,18 @@
 //! The Python package (`trajlog/`) converts inputs and adds the rLLM adapters.
 
 use numpy::ndarray::ArrayView1;
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use std::sync::Arc;
+
+mod arrow_export;
+
 use trajlog::{Call as RCall, CompactOptions, Durability, ErrorKind, Options, Selection, Target};
 
 /// Raise the Python exception that mirrors a Rust error's kind, with the same
 /// message (classes defined in `trajlog/errors.py`).
-fn to_py(e: trajlog::Error) -> PyErr {
+pub(crate) fn to_py(e: trajlog::Error) -> PyErr {
     let name = match e.kind() {
         ErrorKind::Io => "IOFailure",
         ErrorKind::Corrupt { .. } => "CorruptError",
@@ -39,8 +42,8 @@ fn to_py(e: trajlog::Error) -> PyErr {
 /// Keeps a snapshot — and through it the segment mappings and decoded shard
 /// row groups — alive for as long as any array viewing them lives.
 #[pyclass(frozen, module = "trajlog._trajlog")]
-struct Snapshot {
-    snap: trajlog::Snapshot,
+pub(crate) struct Snapshot {
+    pub(crate) snap: trajlog::Snapshot,
 }
 
 /// One captured call, read from a snapshot.
@@ -325,6 +328,23 @@ impl NativeStore {
             .map(|c| c.trace_id().to_owned())
             .collect();
         calls_of(py, &snap, ids)
+    }
+
+    /// One Arrow C Data Interface record batch per call of the session
+    /// (oldest first), as (schema capsule, array capsule) pairs; one empty
+    /// batch when the session has no calls. Token buffers point into the
+    /// mapped segments (see `arrow_export`).
+    #[pyo3(signature = (session_id, since = None, limit = None))]
+    fn session_arrow_capsules<'py>(
+        &self,
+        py: Python<'py>,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+    ) -> PyResult<Vec<(Bound<'py, pyo3::types::PyCapsule>, Bound<'py, pyo3::types::PyCapsule>)>> {
+        let store = self.get()?;
+        let snap = snapshot_obj(py, &store)?;
+        arrow_export::session_batches(py, &snap, session_id, since, limit)
     }
 
     /// Sessions with a live call: dicts with session_id, trace_count,

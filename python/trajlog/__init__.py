@@ -293,6 +293,30 @@ class Store:
         """A session's calls, oldest first (timestamp > since; at most limit)."""
         return self._native.session(session_id, since, limit)
 
+    def session_arrow(self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None):
+        """A session's calls as a `pyarrow.Table`, oldest first, imported
+        through the Arrow C Data Interface without a copy.
+
+        Columns: trace_id, session_id, timestamp, model, weight_version,
+        finish_reason, relation, prompt_prefix_len, prompt_token_ids
+        (list<uint32>), completion_token_ids (list<uint32>), logprobs
+        (list<float32>, null when the call had none).
+
+        The table has one chunk per call: the value buffers of
+        `completion_token_ids`, `logprobs`, and `prompt_token_ids` when the
+        prompt is stored whole, point into the mapped segment (a list column's
+        values are contiguous, a session's calls are not). A prefix-delta
+        prompt is materialized. The buffers keep the mapping alive, so the
+        table stays valid after the store is closed. `table.combine_chunks()`
+        makes contiguous copies.
+        """
+        import pyarrow as pa
+
+        batches = [
+            pa.record_batch(_CArray(pair)) for pair in self._native.session_arrow_capsules(session_id, since, limit)
+        ]
+        return pa.Table.from_batches(batches)
+
     def sessions(self, since: Optional[float] = None, limit: Optional[int] = None) -> list:
         """Sessions with counts and time range, by first call time; `since`
         keeps those with a call after it."""
@@ -312,6 +336,19 @@ class Store:
 
     def close(self) -> None:
         self._native.close()
+
+
+class _CArray:
+    """An exported (schema, array) capsule pair, offered to pyarrow through the
+    Arrow PyCapsule protocol."""
+
+    __slots__ = ("_pair",)
+
+    def __init__(self, pair):
+        self._pair = pair
+
+    def __arrow_c_array__(self, requested_schema=None):
+        return self._pair
 
 
 def _call_to_dict(self: Call) -> dict:
