@@ -79,7 +79,7 @@ fn object_of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Option<
             out.push(',');
         }
         any = true;
-        write_str(&mut out, k);
+        write_json_str(&mut out, k);
         out.push(':');
         out.push_str(v);
     }
@@ -93,11 +93,25 @@ fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)
 
 /// Parse one JSON trace (gateway or SDK shape). `now` fills a missing timestamp.
 pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
-    let mut map: RawMap<'_> =
+    let map: RawMap<'_> =
         serde_json::from_str(line).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
     if map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{')) {
         return parse_sdk(map, now);
     }
+    parse_gateway(map, now, false)
+}
+
+/// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
+/// column only when each is a float literal whose value is an `f32` (then
+/// widening gives Python the same floats back); otherwise they are kept
+/// verbatim with the other fields. Never takes the SDK shape.
+pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
+    let map: RawMap<'_> =
+        serde_json::from_str(text).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
+    parse_gateway(map, now, true)
+}
+
+fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<Call> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
@@ -119,6 +133,12 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
             "weight_version" => call.weight_version = Some(parse_i64("weight_version", v)?),
             "prompt_token_ids" => call.prompt_token_ids = parse_ids("prompt_token_ids", v)?,
             "completion_token_ids" => call.completion_token_ids = parse_ids("completion_token_ids", v)?,
+            "logprobs" if exact_logprobs => match crate::rllm::exact_logprobs(v.get()) {
+                Some(lp) => call.logprobs = Some(lp),
+                None => {
+                    extra.insert(key, v);
+                }
+            },
             "logprobs" => call.logprobs = Some(parse_logprobs("logprobs", v)?),
             "finish_reason" => call.finish_reason = Some(parse_string("finish_reason", v)?),
             "latency_ms" => call.latency_ms = Some(parse_f64("latency_ms", v)?),
@@ -237,7 +257,8 @@ fn write_f64(out: &mut String, v: f64) {
     }
 }
 
-fn write_str(out: &mut String, s: &str) {
+/// Write `s` as a JSON string literal.
+pub fn write_json_str(out: &mut String, s: &str) {
     out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()));
 }
 
@@ -256,16 +277,16 @@ fn write_ids(out: &mut String, ids: &[u32]) {
 pub fn export_call(call: &Call) -> String {
     let mut out = String::with_capacity(64 + 8 * (call.prompt_token_ids.len() + call.completion_token_ids.len()));
     out.push_str("{\"trace_id\":");
-    write_str(&mut out, &call.trace_id);
+    write_json_str(&mut out, &call.trace_id);
     out.push_str(",\"session_id\":");
-    write_str(&mut out, &call.session_id);
+    write_json_str(&mut out, &call.session_id);
     if !call.session_uids.is_empty() {
         out.push_str(",\"session_uids\":[");
         for (i, u) in call.session_uids.iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
-            write_str(&mut out, u);
+            write_json_str(&mut out, u);
         }
         out.push(']');
     }
@@ -273,7 +294,7 @@ pub fn export_call(call: &Call) -> String {
     write_f64(&mut out, call.timestamp);
     if let Some(m) = &call.model {
         out.push_str(",\"model\":");
-        write_str(&mut out, m);
+        write_json_str(&mut out, m);
     }
     if let Some(w) = call.weight_version {
         let _ = write!(out, ",\"weight_version\":{w}");
@@ -294,7 +315,7 @@ pub fn export_call(call: &Call) -> String {
     }
     if let Some(f) = &call.finish_reason {
         out.push_str(",\"finish_reason\":");
-        write_str(&mut out, f);
+        write_json_str(&mut out, f);
     }
     if let Some(l) = call.latency_ms {
         out.push_str(",\"latency_ms\":");
@@ -318,7 +339,7 @@ pub fn export_call(call: &Call) -> String {
         if let Ok(map) = serde_json::from_slice::<RawMap<'_>>(extra) {
             for (k, v) in map {
                 out.push(',');
-                write_str(&mut out, &k);
+                write_json_str(&mut out, &k);
                 out.push(':');
                 out.push_str(v.get());
             }

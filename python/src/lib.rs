@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 mod arrow_export;
 
+use trajlog::rllm::SdkTrace;
 use trajlog::{Call as RCall, CompactOptions, Durability, ErrorKind, Options, Selection, Target};
 
 /// Raise the Python exception that mirrors a Rust error's kind, with the same
@@ -181,6 +182,12 @@ impl Call {
     }
 }
 
+type SdkTuple = (String, String, String, String, f64, f64, Vec<String>);
+
+fn sdk_tuple(t: SdkTrace) -> SdkTuple {
+    (t.data, t.namespace, t.context_type, t.metadata, t.created_at, t.updated_at, t.session_uids)
+}
+
 /// The native store; `trajlog.Store` wraps it.
 #[pyclass(module = "trajlog._trajlog")]
 struct NativeStore {
@@ -345,6 +352,93 @@ impl NativeStore {
         let store = self.get()?;
         let snap = snapshot_obj(py, &store)?;
         arrow_export::session_batches(py, &snap, session_id, since, limit)
+    }
+
+    /// Append one record of the older rLLM SDK store (see `trajlog::rllm`).
+    #[pyo3(signature = (trace_id, data, namespace, context_type, metadata, session_uids, created_at, updated_at, durable))]
+    #[allow(clippy::too_many_arguments)]
+    fn append_sdk(
+        &self,
+        py: Python<'_>,
+        trace_id: String,
+        data: String,
+        namespace: String,
+        context_type: String,
+        metadata: String,
+        session_uids: Vec<String>,
+        created_at: f64,
+        updated_at: f64,
+        durable: bool,
+    ) -> PyResult<()> {
+        let t = SdkTrace { trace_id, data, namespace, context_type, metadata, created_at, updated_at, session_uids };
+        let store = self.get()?;
+        py.detach(|| {
+            let call = trajlog::rllm::sdk_to_call(&t)?;
+            let receipt = store.append(call)?;
+            if durable {
+                receipt.wait()?;
+            }
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// SDK records by trace id (None where absent or not an SDK record), as
+    /// (data, namespace, context_type, metadata, created_at, updated_at, session_uids).
+    fn get_sdk(&self, py: Python<'_>, trace_ids: Vec<String>) -> PyResult<Vec<Option<SdkTuple>>> {
+        let store = self.get()?;
+        py.detach(|| {
+            let snap = store.snapshot();
+            trace_ids
+                .iter()
+                .map(|id| match snap.get(id)? {
+                    Some(v) => Ok(trajlog::rllm::call_to_sdk(&v.to_call()?)?.map(sdk_tuple)),
+                    None => Ok(None),
+                })
+                .collect::<trajlog::Result<Vec<_>>>()
+        })
+        .map_err(to_py)
+    }
+
+    /// Every SDK record of the store (for queries without a session filter).
+    fn scan_sdk(&self, py: Python<'_>) -> PyResult<Vec<(String, SdkTuple)>> {
+        let store = self.get()?;
+        py.detach(|| {
+            let snap = store.snapshot();
+            let mut out = Vec::new();
+            snap.for_each_call(|v| {
+                if let Some(t) = trajlog::rllm::call_to_sdk(&v.to_call()?)? {
+                    out.push((t.trace_id.clone(), sdk_tuple(t)));
+                }
+                Ok(())
+            })?;
+            Ok(out)
+        })
+        .map_err(to_py)
+    }
+
+    /// Migrate an rLLM SQLite trace database into this store (see
+    /// `trajlog import-rllm-sqlite`); returns the report as a dict.
+    #[pyo3(signature = (db, schema = None, verify = true))]
+    fn import_rllm_sqlite<'py>(
+        &self,
+        py: Python<'py>,
+        db: std::path::PathBuf,
+        schema: Option<&str>,
+        verify: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.get()?;
+        let schema = schema.map(str::parse::<trajlog::rllm::sqlite::Schema>).transpose().map_err(to_py)?;
+        let r = py
+            .detach(|| trajlog::rllm::sqlite::import(&db, &store, schema, verify, &mut |_, _| {}))
+            .map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("schema", r.schema.name())?;
+        d.set_item("traces", r.traces)?;
+        d.set_item("session_links", r.session_links)?;
+        d.set_item("token_bytes", r.token_bytes)?;
+        d.set_item("verified", r.verified)?;
+        Ok(d)
     }
 
     /// Sessions with a live call: dicts with session_id, trace_count,

@@ -325,6 +325,14 @@ class Store:
             out = [s for s in out if s["last_trace_at"] > since]
         return out if limit is None else out[:limit]
 
+    def import_rllm_sqlite(self, db, *, schema: Optional[str] = None, verify: bool = True) -> dict:
+        """Migrate an rLLM SQLite trace database (the gateway's or the older
+        SDK's schema; told apart automatically unless `schema` is "gateway" or
+        "sdk") into this store, exactly; with `verify`, every imported trace is
+        read back and compared with its row. Same as `trajlog
+        import-rllm-sqlite DB --store DIR`."""
+        return self._native.import_rllm_sqlite(str(db), schema, verify)
+
     def compact(self, *, older_than: Optional[float] = None) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`."""

@@ -70,3 +70,37 @@ pub fn run(dir: &Path, durability: &str, segment_bytes: u64) -> trajlog::Result<
     eprintln!("trajlog ingest: {acked} traces stored, {failed_lines} lines refused");
     Ok(if failed_lines > 0 { 1 } else { 0 })
 }
+
+/// `trajlog import-rllm-sqlite DB --store DIR`.
+pub fn import_rllm_sqlite(db: &Path, dir: &Path, schema: Option<&str>, verify: bool) -> trajlog::Result<i32> {
+    use trajlog::rllm::sqlite;
+    let schema = schema.map(str::parse::<sqlite::Schema>).transpose()?;
+    let store = Store::open(dir, Options::default())?;
+    let started = std::time::Instant::now();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut progress = |done: u64, total: u64| {
+        let b = bar.get_or_insert_with(|| {
+            trajlog::progress::bar(total, "importing", "traces").unwrap_or_else(indicatif::ProgressBar::hidden)
+        });
+        b.set_position(done);
+    };
+    let report = sqlite::import(db, &store, schema, verify, &mut progress)?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    store.close()?;
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "imported {} traces ({} session links, {} of token ids and logprobs) from {} ({} schema) into {} in {secs:.2} s",
+        report.traces,
+        report.session_links,
+        crate::cli::human_bytes(report.token_bytes),
+        db.display(),
+        report.schema.name(),
+        dir.display(),
+    );
+    if verify {
+        println!("verified: {}/{} traces read back equal to their rows", report.verified, report.traces);
+    }
+    Ok(0)
+}

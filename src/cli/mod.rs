@@ -98,6 +98,19 @@ enum Command {
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
+    /// Migrate an rLLM SQLite trace database (gateway or older SDK schema) into a store, exactly.
+    ImportRllmSqlite {
+        /// The rLLM database file (opened read-only).
+        db: PathBuf,
+        #[arg(long)]
+        store: PathBuf,
+        /// gateway | sdk; default: told from the `traces` table.
+        #[arg(long)]
+        schema: Option<String>,
+        /// Skip reading every imported trace back and comparing it with its row.
+        #[arg(long)]
+        no_verify: bool,
+    },
     /// Check every session for TI/TO breaks; --strict exits 1 if there is any.
     Audit {
         #[arg(long)]
@@ -121,6 +134,9 @@ pub fn main() -> i32 {
         Command::Verify { store } => inspect::verify(&store),
         Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
             shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
+        }
+        Command::ImportRllmSqlite { db, store, schema, no_verify } => {
+            ingest::import_rllm_sqlite(&db, &store, schema.as_deref(), !no_verify)
         }
         Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
         Command::Generate { store, sessions, steps, prompt_tokens, seed } => {

@@ -128,17 +128,10 @@ impl Contexts {
 }
 
 fn progress_bar(n: usize, enabled: bool) -> Option<indicatif::ProgressBar> {
-    use std::io::IsTerminal;
-    if !enabled || !std::io::stderr().is_terminal() {
+    if !enabled {
         return None;
     }
-    let bar = indicatif::ProgressBar::new(n as u64);
-    if let Ok(style) = indicatif::ProgressStyle::with_template(
-        "compacting {bar:30} {pos}/{len} sessions {msg} [{elapsed_precise}, eta {eta}]",
-    ) {
-        bar.set_style(style);
-    }
-    Some(bar)
+    crate::progress::bar(n as u64, "compacting", "sessions")
 }
 
 pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {

@@ -1,0 +1,16 @@
+//! Progress bars for long work, shown only when stderr is a terminal.
+
+/// A bar over `len` items named `unit`, labelled `label`; None when stderr is
+/// not a terminal (scripts and CI then see only the summary line).
+pub fn bar(len: u64, label: &str, unit: &str) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    let template = format!("{label} {{bar:30}} {{pos}}/{{len}} {unit} {{msg}} [{{elapsed_precise}}, eta {{eta}}]");
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&template) {
+        bar.set_style(style);
+    }
+    Some(bar)
+}
