@@ -128,17 +128,28 @@ impl<'a> CallView<'a> {
     }
     /// An owned copy of the call as it was appended.
     pub fn to_call(&self) -> Result<Call> {
+        let mut call = self.to_call_without_tokens();
+        call.prompt_token_ids = self.prompt()?;
+        call.completion_token_ids = self.record.completion.to_vec();
+        call.logprobs = self.record.logprobs.map(<[f32]>::to_vec);
+        Ok(call)
+    }
+
+    /// An owned copy of everything but the token ids and logprobs (empty;
+    /// `logprobs` is `Some(empty)` when the call has them), for callers that
+    /// take those from the zero-copy slices.
+    pub fn to_call_without_tokens(&self) -> Call {
         let r = &self.record;
-        Ok(Call {
+        Call {
             trace_id: r.trace_id.to_owned(),
             session_id: r.session_id.to_owned(),
             session_uids: r.session_uids.iter().map(|s| (*s).to_owned()).collect(),
             timestamp: r.timestamp,
             model: r.model.map(str::to_owned),
             weight_version: r.weight_version,
-            prompt_token_ids: self.prompt()?,
-            completion_token_ids: r.completion.to_vec(),
-            logprobs: r.logprobs.map(<[f32]>::to_vec),
+            prompt_token_ids: Vec::new(),
+            completion_token_ids: Vec::new(),
+            logprobs: r.logprobs.map(|_| Vec::new()),
             routing_matrices: r.routing_matrices.map(<[u8]>::to_vec),
             finish_reason: r.finish_reason.map(str::to_owned),
             latency_ms: r.latency_ms,
@@ -146,7 +157,7 @@ impl<'a> CallView<'a> {
             response_message: r.response_message.map(<[u8]>::to_vec),
             metadata: r.metadata.map(<[u8]>::to_vec),
             extra: r.extra.map(<[u8]>::to_vec),
-        })
+        }
     }
 }
 

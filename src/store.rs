@@ -49,8 +49,10 @@ pub enum Durability {
     /// Written to the OS page cache in the writer's batch: survives a crash of
     /// this process, not a power loss.
     Buffered,
-    /// fsync at most every `group_commit_ms`; acknowledged after that fsync:
-    /// survives power loss once acknowledged.
+    /// fsync every `group_commit_ms` while records wait for one, and at once
+    /// when a caller waits for durability (callers waiting together share one
+    /// fsync); acknowledged after that fsync: survives power loss once
+    /// acknowledged.
     Group,
     /// fsync before each acknowledgement (concurrent appends share one fsync).
     Sync,
@@ -125,6 +127,9 @@ enum Cmd {
         fsync: bool,
         reply: Sender<Result<()>>,
     },
+    /// A caller waits for durability (group commit): fsync after this batch
+    /// instead of at the timer.
+    SyncSoon,
     Roll {
         reply: Sender<Result<()>>,
     },
@@ -239,6 +244,17 @@ impl Receipt {
     /// Wait until the record is durable; an error if the store was poisoned or
     /// closed before that.
     pub fn wait(&self) -> Result<()> {
+        if self.inner.durable_seq.load(Ordering::Acquire) >= self.seq {
+            return Ok(());
+        }
+        if self.inner.options.durability == Durability::Group {
+            // Someone waits: commit after the writer's current batch rather than
+            // at the group-commit timer. Waiters queued together share the fsync.
+            let s = lock(&self.inner.send);
+            if let Some(tx) = &s.tx {
+                let _ = tx.send(Cmd::SyncSoon);
+            }
+        }
         self.inner.wait_durable(self.seq)
     }
 
@@ -868,13 +884,19 @@ impl Writer {
                     Err(_) => break,
                 }
             }
+            let mut sync_soon = false;
             for cmd in batch {
-                self.handle(cmd);
+                match cmd {
+                    Cmd::SyncSoon => sync_soon = true,
+                    cmd => self.handle(cmd),
+                }
             }
             let force = match self.options.durability {
                 Durability::Buffered => false,
                 Durability::Sync => true,
-                Durability::Group => self.last_sync.elapsed() >= Duration::from_millis(self.options.group_commit_ms),
+                Durability::Group => {
+                    sync_soon || self.last_sync.elapsed() >= Duration::from_millis(self.options.group_commit_ms)
+                }
             };
             self.commit(force);
         }
@@ -938,6 +960,8 @@ impl Writer {
                 };
                 let _ = reply.send(result);
             }
+            // Taken by `run`, which decides when to commit.
+            Cmd::SyncSoon => {}
             Cmd::ReserveGeneration { reply } => {
                 let generation = self.manifest.next_shard_generation.max(1);
                 self.manifest.next_shard_generation = generation + 1;

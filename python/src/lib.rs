@@ -164,6 +164,13 @@ impl Call {
         slf.py().import("trajlog")?.getattr("_call_to_dict")?.call1((slf,))
     }
 
+    /// The gateway-shaped trace as JSON text without the token arrays (their
+    /// keys hold empty lists), for `to_dict`, which fills them from the views.
+    fn to_json_without_tokens(&self) -> PyResult<String> {
+        let v = view(self.snap.get(), &self.trace_id)?;
+        Ok(trajlog::trace_json::export_call(&v.to_call_without_tokens()))
+    }
+
     /// The gateway-shaped trace as JSON text.
     fn to_json(&self) -> PyResult<String> {
         let v = view(self.snap.get(), &self.trace_id)?;

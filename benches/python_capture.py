@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""The capture path as rLLM users run it, from Python: trajlog through its
+binding vs an aiosqlite store written the way rLLM's gateway writes it
+(one `json.dumps` blob per trace, a session junction table, WAL,
+synchronous=NORMAL, a commit per trace), on the same calls.
+
+    .venv/bin/python benches/python_capture.py                 # the default workload
+    .venv/bin/python benches/python_capture.py --sessions 8 --json
+
+Measured, per backend:
+  * per-call append latency p50/p99 and calls/s, token MB/s:
+      - trajlog `append` with Python lists, with numpy arrays (returns once the
+        writer has the call; one `flush()` at the end makes it durable, and
+        its time is included in the throughput);
+      - trajlog `TrajlogTraceStore.store_trace` (gateway protocol, durable on
+        return) and the aiosqlite store's `store_trace` (committed on return);
+  * one 10k-token call (10,000-token prompt, 500-token completion): append
+    latency p50/p99 with lists and with numpy;
+  * session read: every session read back (trajlog: zero-copy numpy views;
+    also `to_dict()` plain lists as the gateway returns them; aiosqlite:
+    `json.loads` of each row), as token MB/s and ms per session.
+
+Token payload counts 4 bytes per prompt id, completion id and logprob. Needs
+numpy and aiosqlite (`pip install aiosqlite`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import trajlog
+from trajlog.rllm import TrajlogTraceStore
+
+
+# ---------------------------------------------------------------------------
+# The baseline: an aiosqlite store with rLLM gateway's schema and writes.
+# ---------------------------------------------------------------------------
+
+
+class RllmStyleSqliteStore:
+    """Persistent aiosqlite connection; WAL, synchronous=NORMAL; traces as one
+    json.dumps TEXT blob; trace_sessions junction; a commit per store_trace."""
+
+    def __init__(self, path):
+        self.path = path
+        self.conn = None
+
+    async def open(self):
+        import aiosqlite
+
+        self.conn = await aiosqlite.connect(self.path, timeout=20.0)
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=20000", "temp_store=MEMORY", "mmap_size=0"):
+            await self.conn.execute(f"PRAGMA {pragma}")
+        await self.conn.execute("PRAGMA foreign_keys = ON")
+        await self.conn.execute("CREATE TABLE IF NOT EXISTS traces (trace_id TEXT PRIMARY KEY, data TEXT NOT NULL, created_at REAL NOT NULL)")
+        await self.conn.execute(
+            "CREATE TABLE IF NOT EXISTS trace_sessions (trace_id TEXT NOT NULL, session_id TEXT NOT NULL, "
+            "run_id TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL, PRIMARY KEY (trace_id, session_id), "
+            "FOREIGN KEY (trace_id) REFERENCES traces(trace_id) ON DELETE CASCADE)"
+        )
+        await self.conn.execute("CREATE INDEX IF NOT EXISTS idx_ts_session_time ON trace_sessions(session_id, created_at ASC)")
+        await self.conn.execute("CREATE INDEX IF NOT EXISTS idx_traces_time ON traces(created_at)")
+        await self.conn.commit()
+
+    async def store_trace(self, trace_id, session_id, data):
+        now = time.time()
+        await self.conn.execute(
+            "INSERT OR REPLACE INTO traces (trace_id, data, created_at) VALUES (?, ?, "
+            "COALESCE((SELECT created_at FROM traces WHERE trace_id = ?), ?))",
+            (trace_id, json.dumps(data), trace_id, now),
+        )
+        await self.conn.execute(
+            "INSERT OR IGNORE INTO trace_sessions (trace_id, session_id, run_id, created_at) VALUES (?, ?, '', "
+            "COALESCE((SELECT created_at FROM traces WHERE trace_id = ?), ?))",
+            (trace_id, session_id, trace_id, now),
+        )
+        await self.conn.commit()
+
+    async def get_session_traces(self, session_id):
+        sql = (
+            "SELECT t.data FROM traces t INNER JOIN trace_sessions ts ON t.trace_id = ts.trace_id "
+            "WHERE ts.session_id = ? ORDER BY ts.created_at ASC"
+        )
+        async with self.conn.execute(sql, (session_id,)) as cur:
+            rows = await cur.fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    async def close(self):
+        await self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        await self.conn.close()
+
+
+# ---------------------------------------------------------------------------
+# The workload: multi-turn agent sessions whose prompts grow turn by turn.
+# ---------------------------------------------------------------------------
+
+
+def workload(sessions, steps, prompt_tokens, completion_tokens, seed):
+    """Gateway-shaped trace dicts (numpy arrays kept beside for the numpy path)."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for s in range(sessions):
+        prompt = rng.integers(0, 150_000, prompt_tokens, dtype=np.uint32)
+        for k in range(steps):
+            n = int(rng.integers(completion_tokens // 2, completion_tokens * 3 // 2 + 1))
+            completion = rng.integers(0, 150_000, n, dtype=np.uint32)
+            logprobs = (-rng.exponential(0.5, n)).astype(np.float32)
+            calls.append(
+                {
+                    "trace_id": f"s{s}-k{k}",
+                    "session_id": f"task-{s // 4}:{s % 4}:0",
+                    "timestamp": 1_700_000_000.0 + s * 100 + k,
+                    "model": "Qwen/Qwen3-4B",
+                    "weight_version": 3,
+                    "prompt": prompt,
+                    "completion": completion,
+                    "logprobs": logprobs,
+                    "messages": [{"role": "user", "content": f"observation {k} of task {s}: " + "x" * 200}],
+                    "response_message": {"role": "assistant", "content": "thinking… " + "y" * 300},
+                    "finish_reason": "stop",
+                    "latency_ms": 812.5,
+                }
+            )
+            user = rng.integers(0, 150_000, int(rng.integers(50, 300)), dtype=np.uint32)
+            prompt = np.concatenate([prompt, completion, user])
+    return calls
+
+
+def as_gateway_dict(c):
+    """The trace dict the gateway hands to its store: plain lists."""
+    d = {k: v for k, v in c.items() if k not in ("prompt", "completion", "logprobs")}
+    d["prompt_token_ids"] = c["prompt"].tolist()
+    d["completion_token_ids"] = c["completion"].tolist()
+    d["logprobs"] = c["logprobs"].astype(np.float64).tolist()
+    return d
+
+
+def payload_bytes(c):
+    return 4 * (len(c["prompt"]) + len(c["completion"]) + len(c["logprobs"]))
+
+
+def percentiles(ns):
+    a = np.asarray(ns, dtype=np.float64) / 1000.0
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def dir_bytes(path):
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def result(name, lat_ns, calls, nbytes, seconds, disk=None):
+    p50, p99 = percentiles(lat_ns)
+    return {
+        "backend": name,
+        "calls": calls,
+        "calls_per_s": calls / seconds,
+        "token_mb_per_s": nbytes / seconds / 1e6,
+        "append_p50_us": p50,
+        "append_p99_us": p99,
+        "bytes_on_disk": disk,
+    }
+
+
+# ---------------------------------------------------------------------------
+
+
+def bench_trajlog_append(calls, dicts, root, use_numpy):
+    path = os.path.join(root, "trajlog-numpy" if use_numpy else "trajlog-list")
+    store = trajlog.Store(path, durability="group")
+    lat = []
+    t0 = time.perf_counter()
+    for c, d in zip(calls, dicts):
+        if use_numpy:
+            t = time.perf_counter_ns()
+            store.append(
+                trace_id=c["trace_id"], session_id=c["session_id"], prompt_token_ids=c["prompt"],
+                completion_token_ids=c["completion"], logprobs=c["logprobs"], timestamp=c["timestamp"],
+                model=c["model"], weight_version=c["weight_version"], messages=c["messages"],
+                response_message=c["response_message"], finish_reason=c["finish_reason"], latency_ms=c["latency_ms"],
+            )
+        else:
+            t = time.perf_counter_ns()
+            store.append_trace(d)
+        lat.append(time.perf_counter_ns() - t)
+    store.flush()
+    seconds = time.perf_counter() - t0
+    store.close()
+    name = "trajlog append (numpy)" if use_numpy else "trajlog append_trace (lists)"
+    return result(name, lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path)), path
+
+
+async def bench_gateway_protocol(calls, dicts, root):
+    path = os.path.join(root, "trajlog-gateway")
+    store = TrajlogTraceStore(path)
+    lat = []
+    t0 = time.perf_counter()
+    for d in dicts:
+        t = time.perf_counter_ns()
+        await store.store_trace(d["trace_id"], d["session_id"], d)
+        lat.append(time.perf_counter_ns() - t)
+    seconds = time.perf_counter() - t0
+    await store.close()
+    return result("trajlog TrajlogTraceStore.store_trace (durable each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path))
+
+
+async def bench_sqlite(calls, dicts, root):
+    path = os.path.join(root, "rllm-sqlite.db")
+    store = RllmStyleSqliteStore(path)
+    await store.open()
+    lat = []
+    t0 = time.perf_counter()
+    for d in dicts:
+        t = time.perf_counter_ns()
+        await store.store_trace(d["trace_id"], d["session_id"], d)
+        lat.append(time.perf_counter_ns() - t)
+    seconds = time.perf_counter() - t0
+    return result("aiosqlite, rLLM gateway style (commit each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds), store, path
+
+
+def bench_big_call(root, repeats):
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 150_000, 10_000, dtype=np.uint32)
+    completion = rng.integers(0, 150_000, 500, dtype=np.uint32)
+    logprobs = (-rng.exponential(0.5, 500)).astype(np.float32)
+    lists = (prompt.tolist(), completion.tolist(), logprobs.astype(np.float64).tolist())
+    out = {}
+    for kind in ("list", "numpy"):
+        store = trajlog.Store(os.path.join(root, f"big-{kind}"))
+        lat = []
+        for i in range(repeats):
+            p, c, l = lists if kind == "list" else (prompt, completion, logprobs)
+            t = time.perf_counter_ns()
+            store.append(trace_id=f"big-{i}", session_id=f"big-{i}", prompt_token_ids=p, completion_token_ids=c, logprobs=l)
+            lat.append(time.perf_counter_ns() - t)
+        store.flush()
+        store.close()
+        out[kind] = percentiles(lat)
+    return out
+
+
+def bench_reads(calls, trajlog_path):
+    sessions = sorted({c["session_id"] for c in calls})
+    total = sum(map(payload_bytes, calls))
+    out = {}
+    store = trajlog.Store(trajlog_path, read_only=True)
+    t0 = time.perf_counter()
+    touched = 0
+    for s in sessions:
+        for call in store.session(s):
+            # The arrays a trainer uses: views (the prompt materialized when stored as a delta).
+            touched += len(call.prompt_token_ids) + len(call.completion_token_ids) + len(call.logprobs)
+    seconds = time.perf_counter() - t0
+    assert touched * 4 == total, "read back every token"
+    out["trajlog session() numpy"] = (total / seconds / 1e6, seconds / len(sessions) * 1e3)
+    t0 = time.perf_counter()
+    for s in sessions:
+        for call in store.session(s):
+            call.to_dict()
+    seconds = time.perf_counter() - t0
+    out["trajlog session() to_dict lists"] = (total / seconds / 1e6, seconds / len(sessions) * 1e3)
+    store.close()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=1500, help="first prompt of a session; later prompts grow")
+    ap.add_argument("--completion-tokens", type=int, default=400, help="mean completion length")
+    ap.add_argument("--big-call-repeats", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--dir", help="where to write the stores (default: a new temporary directory, removed after)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = ap.parse_args(argv)
+
+    root = args.dir or tempfile.mkdtemp(prefix="trajlog-pybench-")
+    os.makedirs(root, exist_ok=True)
+    calls = workload(args.sessions, args.steps, args.prompt_tokens, args.completion_tokens, args.seed)
+    dicts = [as_gateway_dict(c) for c in calls]
+    total = sum(map(payload_bytes, calls))
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log(f"workload: {len(calls)} calls in {args.sessions} sessions × {args.steps} steps, {total / 1e6:.1f} MB of token payload")
+
+    rows = []
+    log("trajlog append_trace (lists)…")
+    r, list_path = bench_trajlog_append(calls, dicts, root, use_numpy=False)
+    rows.append(r)
+    log("trajlog append (numpy)…")
+    r, _ = bench_trajlog_append(calls, dicts, root, use_numpy=True)
+    rows.append(r)
+    log("trajlog gateway store_trace…")
+    rows.append(asyncio.run(bench_gateway_protocol(calls, dicts, root)))
+
+    async def sqlite_part():
+        log("aiosqlite rLLM-style store_trace…")
+        r, store, path = await bench_sqlite(calls, dicts, root)
+        log("reads…")
+        sessions = sorted({c["session_id"] for c in calls})
+        t0 = time.perf_counter()
+        n = 0
+        for s in sessions:
+            n += len(await store.get_session_traces(s))
+        seconds = time.perf_counter() - t0
+        assert n == len(calls)
+        await store.close()
+        r["bytes_on_disk"] = sum(os.path.getsize(p) for p in glob.glob(path + "*"))
+        return r, (total / seconds / 1e6, seconds / len(sessions) * 1e3)
+
+    sqlite_row, sqlite_read = asyncio.run(sqlite_part())
+    rows.append(sqlite_row)
+    reads = bench_reads(calls, list_path)
+    reads["aiosqlite get_session_traces (json.loads)"] = sqlite_read
+    log("10k-token call…")
+    big = bench_big_call(root, args.big_call_repeats)
+
+    report = {
+        "workload": {"calls": len(calls), "sessions": args.sessions, "steps": args.steps, "token_bytes": total},
+        "append": rows,
+        "big_call_append_us": {k: {"p50": v[0], "p99": v[1]} for k, v in big.items()},
+        "session_read": {k: {"token_mb_per_s": v[0], "ms_per_session": v[1]} for k, v in reads.items()},
+    }
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return report
+    base = sqlite_row
+    print(f"\nappend path, {len(calls)} calls, {total / 1e6:.1f} MB token payload")
+    print(f"{'backend':<55} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'on disk':>10} {'vs sqlite':>9}")
+    for r in rows:
+        disk = f"{r['bytes_on_disk'] / 1e6:.1f} MB" if r["bytes_on_disk"] is not None else "-"
+        print(f"{r['backend']:<55} {r['calls_per_s']:>9.0f} {r['token_mb_per_s']:>10.1f} {r['append_p50_us']:>9.1f} {r['append_p99_us']:>9.1f} {disk:>10} {r['calls_per_s'] / base['calls_per_s']:>8.1f}×")
+    print("\none 10k-token call (10,000 prompt + 500 completion tokens), trajlog append")
+    for k, (p50, p99) in big.items():
+        print(f"  {k:<6} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")
+    print("\nsession read (every session, oldest first)")
+    sq = reads["aiosqlite get_session_traces (json.loads)"][0]
+    for k, (mbs, ms) in reads.items():
+        print(f"  {k:<45} {mbs:9.1f} token MB/s  {ms:8.2f} ms/session  {mbs / sq:6.1f}× sqlite")
+    return report
+
+
+if __name__ == "__main__":
+    main()
