@@ -30,10 +30,13 @@
 //! See `ARCHITECTURE.md` for the map of modules and `format-spec/` for the bytes.
 
 pub mod audit;
+pub mod bench;
 pub mod compact;
 pub mod delta;
 pub mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod index;
 pub mod limits;
 pub mod progress;

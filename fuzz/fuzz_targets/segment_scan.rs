@@ -1,9 +1,6 @@
-//! A segment's frames: scanning arbitrary bytes must never panic.
+//! Segment header, frame scan and frame reads over arbitrary bytes. The body is `trajlog::fuzzing::segment_scan`, which
+//! `cargo test` also runs over the committed corpus (tests/fuzz_replay.rs).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| {
-    let _ = trajlog::format::segment::decode_header(data);
-    let _ = trajlog::segment::recovery::scan_frames(data);
-    let _ = trajlog::format::frame::read_frame(data, 0);
-});
+fuzz_target!(|data: &[u8]| trajlog::fuzzing::segment_scan(data));

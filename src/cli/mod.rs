@@ -1,5 +1,6 @@
 //! Subcommands of the `trajlog` binary: thin adapters over the library.
 
+mod bench;
 mod demo;
 mod ingest;
 mod inspect;
@@ -98,6 +99,30 @@ enum Command {
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
+    /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
+    Bench {
+        #[arg(long, default_value_t = 64)]
+        sessions: usize,
+        #[arg(long, default_value_t = 8)]
+        steps: usize,
+        /// Tokens of each session's first prompt (later prompts grow turn by turn).
+        #[arg(long, default_value_t = 1500)]
+        prompt_tokens: usize,
+        /// Mean completion length in tokens.
+        #[arg(long, default_value_t = 400)]
+        completion_tokens: usize,
+        /// trajlog's durability: buffered | group | sync
+        #[arg(long, default_value = "group")]
+        durability: String,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Where to put the three stores (removed after); default: the temp directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Migrate an rLLM SQLite trace database (gateway or older SDK schema) into a store, exactly.
     ImportRllmSqlite {
         /// The rLLM database file (opened read-only).
@@ -134,6 +159,18 @@ pub fn main() -> i32 {
         Command::Verify { store } => inspect::verify(&store),
         Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
             shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
+        }
+        Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json } => {
+            bench::run(&bench::BenchArgs {
+                sessions,
+                steps,
+                prompt_tokens,
+                completion_tokens,
+                durability,
+                seed,
+                dir,
+                json,
+            })
         }
         Command::ImportRllmSqlite { db, store, schema, no_verify } => {
             ingest::import_rllm_sqlite(&db, &store, schema.as_deref(), !no_verify)

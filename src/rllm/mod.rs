@@ -83,7 +83,10 @@ impl<'de> Visitor<'de> for EntriesVisitor {
 /// The entries of a JSON object, in order; None when `text` is not an object.
 fn entries(text: &str) -> Option<Vec<(String, &RawValue)>> {
     let mut de = serde_json::Deserializer::from_str(text);
-    de.deserialize_map(EntriesVisitor).ok()
+    let out = de.deserialize_map(EntriesVisitor).ok()?;
+    // Trailing characters make the whole text invalid, not a shorter object.
+    de.end().ok()?;
+    Some(out)
 }
 
 fn elements(text: &str) -> Option<Vec<&RawValue>> {
@@ -235,8 +238,8 @@ fn check_json(field: &str, text: &str) -> Result<()> {
 
 /// The call that stores an SDK trace exactly (see the module docs).
 pub fn sdk_to_call(t: &SdkTrace) -> Result<Call> {
+    check_json("data", &t.data)?;
     if entries(&t.data).is_none() {
-        check_json("data", &t.data)?;
         return Err(Error::invalid("data", "must be a JSON object"));
     }
     check_json("metadata", &t.metadata)?;
@@ -436,7 +439,10 @@ mod tests {
         };
         let e = sdk_to_call(&t).expect_err("not an object");
         assert!(e.message().contains("invalid data"), "{e}");
-        let e = sdk_to_call(&SdkTrace { data: r#"{"x":NaN}"#.into(), ..t }).expect_err("NaN");
+        let e = sdk_to_call(&SdkTrace { data: r#"{"x":NaN}"#.into(), ..t.clone() }).expect_err("NaN");
+        assert!(e.message().contains("invalid data"), "{e}");
+        // Found by the trace_json fuzz target: trailing characters were ignored.
+        let e = sdk_to_call(&SdkTrace { data: r#"{"x":1}.5]"#.into(), ..t }).expect_err("trailing characters");
         assert!(e.message().contains("invalid data"), "{e}");
     }
 }
