@@ -53,6 +53,17 @@ except ImportError:  # pragma: no cover - exercised when torch is absent
 _LIST_COLUMNS = ("token_ids", "loss_mask", "logprobs", "call_starts", "completion_lens")
 
 
+def _tensor(arr: np.ndarray):
+    """A tensor sharing `arr`'s memory (Arrow's read-only buffer). torch warns
+    that it cannot mark tensors read-only; the buffer must not be written
+    (the collate functions only read from it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
+
+
 class TrajectoryDataset(_Base):
     def __init__(
         self,
@@ -137,7 +148,7 @@ class TrajectoryDataset(_Base):
                     out[name] = item.to_pylist()
                 else:
                     arr = item.to_numpy(zero_copy_only=True)
-                    out[name] = torch.from_numpy(arr) if _HAS_TORCH and arr.dtype != np.uint32 else arr
+                    out[name] = _tensor(arr) if _HAS_TORCH and arr.dtype != np.uint32 else arr
             else:
                 out[name] = col[row].as_py()
         if _HAS_TORCH and "token_ids" in out and isinstance(out["token_ids"], np.ndarray):
