@@ -114,9 +114,12 @@ pub fn trace_json(data: &[u8]) {
     if let Ok(call) = crate::rllm::sdk_to_call(&t) {
         match crate::rllm::call_to_sdk(&call) {
             Ok(Some(back)) => {
-                let a: serde_json::Value = serde_json::from_str(&back.data).unwrap_or_default();
-                let b: serde_json::Value = serde_json::from_str(text).unwrap_or_default();
-                assert!(same_numbers(&a, &b), "an SDK record maps back to different data");
+                // Only where the input decodes as a whole (serde_json refuses
+                // numbers beyond f64 that the stored text keeps verbatim).
+                if let Ok(want) = serde_json::from_str::<serde_json::Value>(text) {
+                    let got: serde_json::Value = serde_json::from_str(&back.data).unwrap_or_default();
+                    assert!(same_numbers(&got, &want), "an SDK record maps back to different data");
+                }
             }
             other => panic!("an SDK call does not map back: {other:?}"),
         }

@@ -95,7 +95,10 @@ fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)
 pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
     let map: RawMap<'_> =
         serde_json::from_str(line).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
-    if map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{')) {
+    // Top-level token lists mean the gateway shape (also for an exported SDK
+    // trace, whose leftover `input` object is kept as an extra field).
+    let gateway = map.contains_key("prompt_token_ids") || map.contains_key("completion_token_ids");
+    if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
     parse_gateway(map, now, false)
@@ -162,6 +165,25 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
     Ok(call)
 }
 
+/// The fields of the gateway shape that have columns.
+const GATEWAY_FIELDS: &[&str] = &[
+    "trace_id",
+    "session_id",
+    "session_uids",
+    "timestamp",
+    "model",
+    "weight_version",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "logprobs",
+    "finish_reason",
+    "latency_ms",
+    "routing_matrices",
+    "messages",
+    "response_message",
+    "metadata",
+];
+
 /// The older rLLM SDK shape: `session_name`, `input.{messages,prompt_token_ids}`,
 /// `output.{output_token_ids,rollout_logprobs,message,finish_reason}`.
 fn parse_sdk(mut map: RawMap<'_>, now: f64) -> Result<Call> {
@@ -225,6 +247,14 @@ fn parse_sdk(mut map: RawMap<'_>, now: f64) -> Result<Call> {
     }
     if let Some(v) = output.remove("finish_reason").filter(|v| !is_null(v)) {
         call.finish_reason = Some(parse_string("output.finish_reason", &v)?);
+    }
+    // What is left goes to `extra`, which exports beside the gateway fields:
+    // a leftover key with a gateway field's name would be written twice.
+    if let Some(key) = map.keys().find(|k| GATEWAY_FIELDS.contains(&k.as_str())) {
+        return Err(Error::invalid(
+            key.as_str(),
+            "an SDK-shaped trace (session_name, input, output) must not also carry this gateway field at the top level; send one shape or the other",
+        ));
     }
     let mut extra: BTreeMap<String, String> = map.into_iter().map(|(k, v)| (k, v.get().to_owned())).collect();
     for (key, rest) in [("input", &input), ("output", &output)] {

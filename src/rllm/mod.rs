@@ -127,12 +127,15 @@ fn get_path<'a>(text: &'a str, path: &[&str]) -> Option<&'a str> {
     let Some((head, rest)) = path.split_first() else { return Some(text) };
     let value: &'a RawValue = match head.parse::<usize>() {
         Ok(i) if text.trim_start().starts_with('[') => elements(text)?.get(i)?,
-        _ => entries(text)?.into_iter().find(|(k, _)| k == head)?.1,
+        // The last of duplicate keys wins, as in Python's `json` and serde_json.
+        _ => entries(text)?.into_iter().rev().find(|(k, _)| k == head)?.1,
     };
     get_path(value.get(), rest)
 }
 
 /// `text` without the value at `path`, and that value; None when absent.
+/// Duplicate keys on the way are resolved as readers do (the last wins) and
+/// the shadowed ones dropped, so `put_path` restores an equal document.
 fn take_path(text: &str, path: &[&str]) -> Option<(String, String)> {
     let (head, rest) = path.split_first()?;
     if let (Ok(i), true) = (head.parse::<usize>(), text.trim_start().starts_with('[')) {
@@ -143,15 +146,19 @@ fn take_path(text: &str, path: &[&str]) -> Option<(String, String)> {
         return Some((write_array(texts), taken));
     }
     let items = entries(text)?;
-    let at = items.iter().position(|(k, _)| k == head)?;
+    let at = items.iter().rposition(|(k, _)| k == head)?;
+    let shadowed = |j: usize| j != at && items[j].0 == *head;
     if rest.is_empty() {
         let taken = items[at].1.get().to_owned();
-        let kept = items.iter().enumerate().filter(|(j, _)| *j != at).map(|(_, (k, v))| (k.as_str(), v.get()));
-        return Some((write_object(kept), taken));
+        let kept = items.iter().enumerate().filter(|(j, _)| *j != at && !shadowed(*j));
+        return Some((write_object(kept.map(|(_, (k, v))| (k.as_str(), v.get()))), taken));
     }
     let (inner, taken) = take_path(items[at].1.get(), rest)?;
-    let pairs =
-        items.iter().enumerate().map(|(j, (k, v))| (k.as_str(), if j == at { inner.as_str() } else { v.get() }));
+    let pairs = items
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| !shadowed(*j))
+        .map(|(j, (k, v))| (k.as_str(), if j == at { inner.as_str() } else { v.get() }));
     Some((write_object(pairs), taken))
 }
 
@@ -170,7 +177,7 @@ fn put_path(text: &str, path: &[&str], value: &str) -> Option<String> {
         let pairs = items.iter().map(|(k, v)| (k.as_str(), v.get())).chain([(*head, value)]);
         return Some(write_object(pairs));
     }
-    let at = items.iter().position(|(k, _)| k == head)?;
+    let at = items.iter().rposition(|(k, _)| k == head)?;
     let inner = put_path(items[at].1.get(), rest, value)?;
     let pairs =
         items.iter().enumerate().map(|(j, (k, v))| (k.as_str(), if j == at { inner.as_str() } else { v.get() }));
