@@ -82,6 +82,8 @@ pub struct Options {
     pub queue_depth: usize,
     /// Memory for prefix-delta contexts.
     pub delta_cache_bytes: u64,
+    /// Fault injection for tests (see [`crate::storage::fault`]); None in use.
+    pub faults: crate::storage::fault::Faults,
 }
 
 impl Default for Options {
@@ -92,6 +94,7 @@ impl Default for Options {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             queue_depth: DEFAULT_QUEUE_DEPTH,
             delta_cache_bytes: DEFAULT_DELTA_CACHE_BYTES,
+            faults: None,
         }
     }
 }
@@ -431,7 +434,7 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
 /// Finish a shard publication that was decided (listed as pending in the
 /// manifest) but maybe not completed: rename what is still staged, then list
 /// the shards as published.
-fn finish_pending(dir: &Path, manifest: &mut Manifest) -> Result<()> {
+fn finish_pending(dir: &Path, manifest: &mut Manifest, faults: &crate::storage::fault::Faults) -> Result<()> {
     if manifest.pending.is_empty() {
         return Ok(());
     }
@@ -445,11 +448,11 @@ fn finish_pending(dir: &Path, manifest: &mut Manifest) -> Result<()> {
         }
     }
     for table in SHARD_TABLES {
-        crate::storage::sync_dir(&shards.join(table))?;
+        crate::storage::sync_dir(&shards.join(table), faults)?;
     }
     let pending = std::mem::take(&mut manifest.pending);
     manifest.shards.extend(pending.into_iter().map(|p| p.shard));
-    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest))
+    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
 }
 
 /// Remove shard files no manifest entry names: staged files of a compaction
@@ -501,12 +504,12 @@ impl Store {
             Some(m) => m,
             None => {
                 let m = Manifest { next_segment_id: 1, next_shard_generation: 1, ..Manifest::default() };
-                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m))?;
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m), &options.faults)?;
                 m
             }
         };
         let mut manifest = manifest;
-        finish_pending(&dir, &mut manifest)?;
+        finish_pending(&dir, &mut manifest, &options.faults)?;
         remove_orphans(&dir, &manifest)?;
         remove_orphan_shards(&dir, &manifest)?;
         let mut loaded = load_dir(&dir, manifest)?;
@@ -521,18 +524,18 @@ impl Store {
             }
         }
         if manifest_fixed {
-            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
+            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest), &options.faults)?;
         }
         let active = match loaded.active.take() {
             Some((id, path, valid_end, entries)) => {
-                ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries)?
+                ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries, options.faults.clone())?
             }
             None => {
                 let id = loaded.manifest.next_segment_id;
-                let seg = ActiveSegment::create(&dir, id, options.segment_bytes)?;
+                let seg = ActiveSegment::create(&dir, id, options.segment_bytes, options.faults.clone())?;
                 loaded.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
                 loaded.manifest.next_segment_id = id + 1;
-                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest))?;
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest), &options.faults)?;
                 seg
             }
         };
@@ -1189,7 +1192,7 @@ impl Writer {
     fn publish(&mut self, staged: Vec<PendingRename>, sessions: &[String]) -> Result<PublishOutcome> {
         let shards_dir = self.dir.join(SHARDS_DIR);
         self.manifest.pending = staged.clone();
-        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         for p in &staged {
             let (from, to) = (shards_dir.join(&p.staged), shards_dir.join(&p.shard.path));
             fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
@@ -1197,12 +1200,12 @@ impl Writer {
         for table in SHARD_TABLES {
             let tdir = shards_dir.join(table);
             if tdir.exists() {
-                crate::storage::sync_dir(&tdir)?;
+                crate::storage::sync_dir(&tdir, &self.options.faults)?;
             }
         }
         self.manifest.pending.clear();
         self.manifest.shards.extend(staged.iter().map(|p| p.shard.clone()));
-        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         // Serve compacted calls from the new shards.
         let first_id = self.shards.len() as u32;
         let mut files: Vec<Arc<ShardFile>> = self.shards.as_ref().clone();
@@ -1317,7 +1320,7 @@ impl Writer {
         self.unsynced_since = None;
         self.last_sync = Instant::now();
         self.manifest.segments.retain(|s| !retire.contains(&s.id));
-        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         for id in &retire {
             if let Some(seg) = self.sealed_segments.remove(id) {
                 let mut maps = self.old_maps.remove(id).unwrap_or_default();
@@ -1343,7 +1346,7 @@ impl Writer {
         self.last_sync = Instant::now();
         self.sealed_segments.insert(old_id, SegmentRef::new(old_id, path, map, data_end, true));
         let id = self.manifest.next_segment_id;
-        let new = ActiveSegment::create(&self.dir, id, self.options.segment_bytes)?;
+        let new = ActiveSegment::create(&self.dir, id, self.options.segment_bytes, self.options.faults.clone())?;
         for ms in &mut self.manifest.segments {
             if ms.id == old_id {
                 ms.state = SegmentState::Sealed;
@@ -1351,7 +1354,7 @@ impl Writer {
         }
         self.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
         self.manifest.next_segment_id = id + 1;
-        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest))?;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         self.active = Some(new);
         Ok(())
     }

@@ -7,9 +7,9 @@
 
 use crate::error::{Error, Result};
 use crate::format::segment::{encode_footer, encode_header, new_header, FooterEntry, HEADER_BYTES};
+use crate::storage::fault::{self, Faults};
 use crate::storage::{mmap::Mapping, segment_path, sync_dir};
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
@@ -38,6 +38,7 @@ pub struct ActiveSegment {
     /// Earlier mappings of this file (before it grew), which snapshots may
     /// still hold: a retired file is deleted only once none of them is alive.
     old_maps: Vec<Weak<Mapping>>,
+    faults: Faults,
 }
 
 fn now_unix_ms() -> u64 {
@@ -47,7 +48,7 @@ fn now_unix_ms() -> u64 {
 impl ActiveSegment {
     /// Create segment `id` in `dir`: header written and fsynced, file and
     /// directory entry durable before it is listed in the manifest.
-    pub fn create(dir: &Path, id: u64, capacity: u64) -> Result<Self> {
+    pub fn create(dir: &Path, id: u64, capacity: u64, faults: Faults) -> Result<Self> {
         let path = segment_path(dir, id);
         let file = OpenOptions::new()
             .read(true)
@@ -56,10 +57,11 @@ impl ActiveSegment {
             .open(&path)
             .map_err(|e| Error::io(format!("create segment {}", path.display()), e))?;
         let header = encode_header(&new_header(id, now_unix_ms()));
-        file.write_all_at(&header, 0).map_err(|e| Error::io(format!("write header of {}", path.display()), e))?;
+        fault::write_at(&faults, &file, &path, &header, 0)
+            .map_err(|e| Error::io(format!("write header of {}", path.display()), e))?;
         file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
-        file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
-        sync_dir(dir)?;
+        fault::sync(&faults, &file, &path, true).map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        sync_dir(dir, &faults)?;
         let map = Arc::new(Mapping::map(&file, capacity, &path)?);
         Ok(Self {
             id,
@@ -70,6 +72,7 @@ impl ActiveSegment {
             capacity,
             entries: Vec::new(),
             old_maps: Vec::new(),
+            faults,
         })
     }
 
@@ -77,7 +80,14 @@ impl ActiveSegment {
     /// last good frame; everything after it is cut off (a torn or corrupt tail
     /// must never be resurrected by later, shorter writes) and the file is
     /// preallocated again.
-    pub fn reopen(path: PathBuf, id: u64, valid_end: u64, capacity: u64, entries: Vec<FooterEntry>) -> Result<Self> {
+    pub fn reopen(
+        path: PathBuf,
+        id: u64,
+        valid_end: u64,
+        capacity: u64,
+        entries: Vec<FooterEntry>,
+        faults: Faults,
+    ) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -86,9 +96,19 @@ impl ActiveSegment {
         let capacity = capacity.max(valid_end);
         file.set_len(valid_end).map_err(|e| Error::io(format!("truncate torn tail of {}", path.display()), e))?;
         file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
-        file.sync_all().map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
+        fault::sync(&faults, &file, &path, true).map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
         let map = Arc::new(Mapping::map(&file, capacity, &path)?);
-        Ok(Self { id, path: Arc::new(path), file, map, len: valid_end, capacity, entries, old_maps: Vec::new() })
+        Ok(Self {
+            id,
+            path: Arc::new(path),
+            file,
+            map,
+            len: valid_end,
+            capacity,
+            entries,
+            old_maps: Vec::new(),
+            faults,
+        })
     }
 
     /// Write `buf` (whole frames) at the end. On error nothing is acknowledged
@@ -102,14 +122,16 @@ impl ActiveSegment {
             self.old_maps.push(Arc::downgrade(&std::mem::replace(&mut self.map, grown)));
             self.capacity = capacity;
         }
-        self.file.write_all_at(buf, self.len).map_err(|e| Error::io(format!("write {}", self.path.display()), e))?;
+        fault::write_at(&self.faults, &self.file, &self.path, buf, self.len)
+            .map_err(|e| Error::io(format!("write {}", self.path.display()), e))?;
         self.len = end;
         Ok(())
     }
 
     /// fdatasync the file.
     pub fn sync(&self) -> Result<()> {
-        self.file.sync_data().map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))
+        fault::sync(&self.faults, &self.file, &self.path, false)
+            .map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))
     }
 
     /// Cut the preallocated space past the last frame (on close), so the file's
@@ -128,11 +150,11 @@ impl ActiveSegment {
         let mut footer = Vec::new();
         encode_footer(&mut footer, self.len, &self.entries);
         let end = self.len + footer.len() as u64;
-        self.file
-            .write_all_at(&footer, self.len)
+        fault::write_at(&self.faults, &self.file, &self.path, &footer, self.len)
             .map_err(|e| Error::io(format!("write footer of {}", self.path.display()), e))?;
         self.file.set_len(end).map_err(|e| Error::io(format!("truncate {}", self.path.display()), e))?;
-        self.file.sync_all().map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))?;
+        fault::sync(&self.faults, &self.file, &self.path, true)
+            .map_err(|e| Error::io(format!("fsync {}", self.path.display()), e))?;
         let map = Arc::new(Mapping::map(&self.file, end, &self.path)?);
         self.old_maps.push(Arc::downgrade(&self.map));
         Ok(Sealed { path: self.path, map, data_end: self.len, old_maps: self.old_maps })

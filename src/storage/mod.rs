@@ -2,7 +2,10 @@
 //! replacement and directory fsync. Everything above this layer works on
 //! byte slices and `std::fs::File`.
 
+pub mod fault;
 pub mod mmap;
+
+use fault::{Faults, Op};
 
 use crate::error::{Error, Result};
 use std::fs::{self, File, OpenOptions};
@@ -25,16 +28,20 @@ pub fn parse_segment_file_name(name: &str) -> Option<u64> {
 }
 
 /// fsync a directory so that renames and new files in it are durable.
-pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| Error::io(format!("fsync directory {}", dir.display()), e))
+pub fn sync_dir(dir: &Path, faults: &Faults) -> Result<()> {
+    fault::check(faults, Op::SyncDir { path: dir })
+        .and_then(|()| File::open(dir))
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("fsync directory {}", dir.display()), e))
 }
 
 /// Replace `dir/name` with `bytes` atomically: write `name.tmp`, fsync it,
 /// rename it over `name`, fsync the directory. A crash leaves the old or the new
 /// file, never a mix.
-pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8], faults: &Faults) -> Result<()> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
+    fault::check(faults, Op::Replace { path: &dst }).map_err(|e| Error::io(format!("replace {}", dst.display()), e))?;
     let mut f = OpenOptions::new()
         .write(true)
         .create(true)
@@ -45,5 +52,5 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| Error::io(format!("fsync {}", tmp.display()), e))?;
     drop(f);
     fs::rename(&tmp, &dst).map_err(|e| Error::io(format!("rename {} to {}", tmp.display(), dst.display()), e))?;
-    sync_dir(dir)
+    sync_dir(dir, faults)
 }
