@@ -16,6 +16,9 @@ cargo clippy --all-targets --locked -- -D warnings
 step "tests (unit, property, recovery, crash, integration, doc)"
 cargo test --locked
 
+step "fuzz (each target ${FUZZ_SECONDS:-10} s over its seed corpus; stable toolchain)"
+FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash scripts/fuzz.sh
+
 step "benches compile"
 cargo bench --locked --no-run
 
