@@ -133,6 +133,25 @@ fn bench_read(c: &mut Criterion) {
         })
     });
     group.finish();
+
+    // Every call of the store, in log order, as zero-copy views.
+    let mut scan = c.benchmark_group("full_scan");
+    scan.sample_size(20).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    let all: u64 = calls.iter().map(|c| 4 * (c.prompt_token_ids.len() + 2 * c.completion_token_ids.len()) as u64).sum();
+    scan.throughput(Throughput::Bytes(all));
+    scan.bench_function(format!("{} calls, zero-copy views", calls.len()), |b| {
+        b.iter(|| {
+            let snap = store.snapshot();
+            let mut n = 0usize;
+            snap.for_each_call(|v| {
+                n += v.completion_token_ids().len() + v.prompt_suffix().len() + v.logprobs().map_or(0, <[f32]>::len);
+                Ok(())
+            })
+            .expect("scan");
+            n
+        })
+    });
+    scan.finish();
 }
 
 criterion_group!(benches, bench_append, bench_read);

@@ -57,7 +57,8 @@ fn check_reopened(dir: &Path, acked: &[Call]) {
     let store = Store::open(dir, Options::default()).expect("the store reopens");
     let snap = store.snapshot();
     for want in acked {
-        let got = snap.get(&want.trace_id).expect("read").unwrap_or_else(|| panic!("acknowledged {} lost", want.trace_id));
+        let got =
+            snap.get(&want.trace_id).expect("read").unwrap_or_else(|| panic!("acknowledged {} lost", want.trace_id));
         assert_same(&got, want);
     }
     // Whatever else survived is whole: every call decodes with its prompt.

@@ -81,6 +81,11 @@ fn print_table(r: &BenchReport, args: &BenchArgs) {
         );
     }
     let Some(t) = r.backends.iter().find(|b| b.backend == "trajlog") else { return };
+    if let Some(v) = t.view_read_mb_per_s {
+        println!(
+            "trajlog zero-copy session read (stored prompt suffixes, completions, logprobs as slices): {v:.1} MB/s of the same payload"
+        );
+    }
     println!();
     for base in r.backends.iter().filter(|b| b.backend != "trajlog") {
         println!("trajlog vs {}: {}", base.backend, ratios(t, base));

@@ -101,7 +101,7 @@ enum Command {
     },
     /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
     Bench {
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 256)]
         sessions: usize,
         #[arg(long, default_value_t = 8)]
         steps: usize,

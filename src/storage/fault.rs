@@ -42,7 +42,10 @@ pub enum Fault {
     Fail(i32),
     /// Write only the first `written` bytes, then fail with `errno` (writes only;
     /// for other operations the same as `Fail`).
-    Short { written: usize, errno: i32 },
+    Short {
+        written: usize,
+        errno: i32,
+    },
 }
 
 /// EIO.
