@@ -166,3 +166,27 @@ fn compact_and_audit_commands() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("compression"));
 }
+
+#[test]
+fn bench_compares_three_backends_on_the_same_calls() {
+    let dir = common::tempdir();
+    let out = trajlog(&["bench", "--sessions", "4", "--steps", "3", "--prompt-tokens", "300", "--json", "--dir", s(dir.path())], "");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(report["calls"], 12);
+    let backends = report["backends"].as_array().expect("backends");
+    let names: Vec<&str> = backends.iter().filter_map(|b| b["backend"].as_str()).collect();
+    assert_eq!(names, ["trajlog", "sqlite-rllm", "sqlite-blob"]);
+    for b in backends {
+        assert_eq!(b["calls"], 12);
+        for key in ["calls_per_s", "offered_mb_per_s", "written_mb_per_s", "read_mb_per_s", "append_p50_us"] {
+            assert!(b[key].as_f64().is_some_and(|v| v > 0.0), "{key} of {}", b["backend"]);
+        }
+        assert!(b["bytes_on_disk"].as_u64().is_some_and(|v| v > 0));
+    }
+    // The stores are removed after the run.
+    assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+    let table = trajlog(&["bench", "--sessions", "2", "--steps", "2", "--dir", s(dir.path())], "");
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("trajlog vs sqlite-rllm:") && text.contains("trajlog vs sqlite-blob:"), "{text}");
+}
