@@ -26,9 +26,10 @@ use std::fmt::{self, Write as _};
 /// The key of `Call::extra` holding an SDK trace's remaining fields.
 pub const SDK_KEY: &str = "rllm_sdk";
 
-/// The session id of an SDK trace logged outside any session (the SDK stores
-/// such traces with no session at all; trajlog needs one).
-pub const UNSCOPED_SESSION: &str = "rllm-sdk:unscoped";
+/// The session id of a trace stored outside any session (the SDK, and a
+/// gateway database without a session link, keep such traces with no session
+/// at all; trajlog needs one).
+pub const UNSCOPED_SESSION: &str = "rllm:unscoped";
 
 /// Places of the prompt ids inside SDK `data`, tried in order.
 const PROMPT_PATHS: &[&[&str]] =
