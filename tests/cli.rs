@@ -170,7 +170,10 @@ fn compact_and_audit_commands() {
 #[test]
 fn bench_compares_three_backends_on_the_same_calls() {
     let dir = common::tempdir();
-    let out = trajlog(&["bench", "--sessions", "4", "--steps", "3", "--prompt-tokens", "300", "--json", "--dir", s(dir.path())], "");
+    let out = trajlog(
+        &["bench", "--sessions", "4", "--steps", "3", "--prompt-tokens", "300", "--json", "--dir", s(dir.path())],
+        "",
+    );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     assert_eq!(report["calls"], 12);
