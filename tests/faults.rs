@@ -31,7 +31,10 @@ fn workload(sessions: usize, steps: usize) -> Vec<Call> {
 
 fn opts(durability: Durability, faults: Option<Arc<dyn FaultPlan>>) -> Options {
     // Small segments so that the workload seals and rolls (more sync points).
-    Options { durability, segment_bytes: 64 << 10, group_commit_ms: 1, faults, ..Options::default() }
+    // The group-commit timer is set out of reach so that every fsync comes
+    // from a flush, a roll or the manifest: the sync points are then the same
+    // in every run (with a short timer their count depends on timing).
+    Options { durability, segment_bytes: 64 << 10, group_commit_ms: 60_000, faults, ..Options::default() }
 }
 
 /// Append `calls`, acknowledging each batch of `batch` with a flush; returns
@@ -179,11 +182,16 @@ fn power_cut_at_every_sync_point_keeps_every_acknowledged_record() {
         store.close().expect("close");
         let points = counter.sync_points();
         assert!(points > 10, "the workload has many sync points ({points})");
+        // Under `sync` every writer batch fsyncs, and batch boundaries depend
+        // on thread timing: a run may have a few sync points more or fewer
+        // than the counting run. Sweep a little past the count; every point
+        // short of the last few must be reached.
         let mut rounds = 0;
-        for k in 0..points {
+        for k in 0..points + 3 {
             for torn in [0, 300] {
-                assert!(crash_round(durability, &calls, k, torn), "sync point {k} was reached");
-                rounds += 1;
+                let crashed = crash_round(durability, &calls, k, torn);
+                assert!(crashed || k + 3 >= points, "sync point {k} of {points} was reached");
+                rounds += usize::from(crashed);
             }
         }
         eprintln!("{durability:?}: {rounds} power-cut rounds over {points} sync points");
