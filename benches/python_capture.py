@@ -203,16 +203,22 @@ def bench_trajlog_append(calls, dicts, root, use_numpy):
     return result(name, lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path)), path
 
 
-async def bench_gateway_protocol(calls, dicts, root):
-    path = os.path.join(root, "trajlog-gateway")
-    store = TrajlogTraceStore(path)
+async def time_store_trace(store, dicts):
+    """Per-call latencies (ns) and total seconds of the gateway protocol's
+    `store_trace`, awaited one call at a time as the gateway does."""
     lat = []
     t0 = time.perf_counter()
     for d in dicts:
         t = time.perf_counter_ns()
         await store.store_trace(d["trace_id"], d["session_id"], d)
         lat.append(time.perf_counter_ns() - t)
-    seconds = time.perf_counter() - t0
+    return lat, time.perf_counter() - t0
+
+
+async def bench_gateway_protocol(calls, dicts, root):
+    path = os.path.join(root, "trajlog-gateway")
+    store = TrajlogTraceStore(path)
+    lat, seconds = await time_store_trace(store, dicts)
     await store.close()
     return result("trajlog TrajlogTraceStore.store_trace (durable each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path))
 
@@ -221,13 +227,7 @@ async def bench_sqlite(calls, dicts, root):
     path = os.path.join(root, "rllm-sqlite.db")
     store = RllmStyleSqliteStore(path)
     await store.open()
-    lat = []
-    t0 = time.perf_counter()
-    for d in dicts:
-        t = time.perf_counter_ns()
-        await store.store_trace(d["trace_id"], d["session_id"], d)
-        lat.append(time.perf_counter_ns() - t)
-    seconds = time.perf_counter() - t0
+    lat, seconds = await time_store_trace(store, dicts)
     return result("aiosqlite, rLLM gateway style (commit each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds), store, path
 
 

@@ -341,31 +341,42 @@ fn run_sqlite_rllm(
         progress("sqlite-rllm append", done, calls);
     }
     let appended = timing.started.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let mut check = 0u64;
-    {
-        let mut st = conn
-            .prepare(
-                "SELECT t.data FROM traces t INNER JOIN trace_sessions ts ON t.trace_id = ts.trace_id \
-                 WHERE ts.session_id = ?1 ORDER BY ts.created_at ASC",
-            )
-            .map_err(sql)?;
-        for (i, (sid, _)) in sessions.iter().enumerate() {
-            let mut rows = st.query(params![sid]).map_err(sql)?;
-            while let Some(row) = rows.next().map_err(sql)? {
-                let text: String = row.get(0).map_err(sql)?;
-                let tr: TraceTokens = serde_json::from_str(&text).map_err(|e| Error::invalid("sqlite data", e))?;
-                check += (tr.prompt_token_ids.len() + tr.completion_token_ids.len()) as u64;
-                check += tr.logprobs.map_or(0, |l| l.len() as u64);
-            }
-            progress("sqlite-rllm read", i as u64 + 1, sessions.len() as u64);
-        }
-    }
-    verify_count(check, payload)?;
-    let read = t.elapsed().as_secs_f64();
+    let query = "SELECT t.data FROM traces t INNER JOIN trace_sessions ts ON t.trace_id = ts.trace_id \
+                 WHERE ts.session_id = ?1 ORDER BY ts.created_at ASC";
+    let read = read_sqlite(&conn, query, sessions, payload, "sqlite-rllm read", progress, |row| {
+        let text: String = row.get(0).map_err(sql)?;
+        let tr: TraceTokens = serde_json::from_str(&text).map_err(|e| Error::invalid("sqlite data", e))?;
+        Ok((tr.prompt_token_ids.len() + tr.completion_token_ids.len() + tr.logprobs.map_or(0, |l| l.len())) as u64)
+    })?;
     conn.close().map_err(|(_, e)| sql(e))?;
     let disk = sqlite_disk(path);
     Ok(timing.finish("sqlite-rllm", "WAL NORMAL, commit per trace", appended, payload, disk, read))
+}
+
+/// Read every session back through `query` (its calls, oldest first);
+/// `decode` turns a row into vectors and returns its token count. Returns the
+/// seconds taken; fails unless the whole payload came back.
+fn read_sqlite(
+    conn: &Connection,
+    query: &str,
+    sessions: &[(String, Vec<Call>)],
+    payload: u64,
+    phase: &str,
+    progress: Progress<'_>,
+    mut decode: impl FnMut(&rusqlite::Row<'_>) -> Result<u64>,
+) -> Result<f64> {
+    let t = Instant::now();
+    let mut st = conn.prepare(query).map_err(sql)?;
+    let mut check = 0u64;
+    for (i, (sid, _)) in sessions.iter().enumerate() {
+        let mut rows = st.query(params![sid]).map_err(sql)?;
+        while let Some(row) = rows.next().map_err(sql)? {
+            check += decode(row)?;
+        }
+        progress(phase, i as u64 + 1, sessions.len() as u64);
+    }
+    verify_count(check, payload)?;
+    Ok(t.elapsed().as_secs_f64())
 }
 
 fn le_bytes_u32(v: &[u32]) -> Vec<u8> {
@@ -421,33 +432,20 @@ fn run_sqlite_blob(
         progress("sqlite-blob append", done, calls);
     }
     let appended = timing.started.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let mut check = 0u64;
-    {
-        let mut st = conn
-            .prepare("SELECT prompt, completion, logprobs FROM calls WHERE session_id = ?1 ORDER BY ts ASC")
-            .map_err(sql)?;
-        for (i, (sid, _)) in sessions.iter().enumerate() {
-            let mut rows = st.query(params![sid]).map_err(sql)?;
-            while let Some(row) = rows.next().map_err(sql)? {
-                let to_u32 = |b: &[u8]| -> Vec<u32> {
-                    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-                };
-                let prompt = to_u32(row.get_ref(0).map_err(sql)?.as_blob().map_err(|e| sql(e.into()))?);
-                let completion = to_u32(row.get_ref(1).map_err(sql)?.as_blob().map_err(|e| sql(e.into()))?);
-                let logprobs: Option<Vec<f32>> = row
-                    .get_ref(2)
-                    .map_err(sql)?
-                    .as_blob_or_null()
-                    .map_err(|e| sql(e.into()))?
-                    .map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
-                check += (prompt.len() + completion.len()) as u64 + logprobs.map_or(0, |l| l.len() as u64);
-            }
-            progress("sqlite-blob read", i as u64 + 1, sessions.len() as u64);
-        }
-    }
-    verify_count(check, payload)?;
-    let read = t.elapsed().as_secs_f64();
+    let query = "SELECT prompt, completion, logprobs FROM calls WHERE session_id = ?1 ORDER BY ts ASC";
+    let read = read_sqlite(&conn, query, sessions, payload, "sqlite-blob read", progress, |row| {
+        let blob = |i: usize| -> Result<Option<&[u8]>> {
+            row.get_ref(i).map_err(sql)?.as_blob_or_null().map_err(|e| sql(e.into()))
+        };
+        let to_u32 = |b: &[u8]| -> Vec<u32> {
+            b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        };
+        let ids = |i: usize| blob(i)?.map(to_u32).ok_or_else(|| Error::invalid("sqlite data", "NULL token ids"));
+        let (prompt, completion) = (ids(0)?, ids(1)?);
+        let logprobs: Option<Vec<f32>> =
+            blob(2)?.map(|b| b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect());
+        Ok((prompt.len() + completion.len()) as u64 + logprobs.map_or(0, |l| l.len() as u64))
+    })?;
     conn.close().map_err(|(_, e)| sql(e))?;
     let disk = sqlite_disk(path);
     Ok(timing.finish("sqlite-blob", "WAL NORMAL, commit per session", appended, payload, disk, read))

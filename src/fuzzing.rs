@@ -118,23 +118,10 @@ pub fn trace_json(data: &[u8]) {
                 // numbers beyond f64 that the stored text keeps verbatim).
                 if let Ok(want) = serde_json::from_str::<serde_json::Value>(text) {
                     let got: serde_json::Value = serde_json::from_str(&back.data).unwrap_or_default();
-                    assert!(same_numbers(&got, &want), "an SDK record maps back to different data");
+                    assert!(crate::rllm::same_json(&got, &want), "an SDK record maps back to different data");
                 }
             }
             other => panic!("an SDK call does not map back: {other:?}"),
         }
-    }
-}
-
-/// Equality of decoded JSON where numbers compare by value.
-fn same_numbers(a: &serde_json::Value, b: &serde_json::Value) -> bool {
-    use serde_json::Value as V;
-    match (a, b) {
-        (V::Number(x), V::Number(y)) => x == y || x.as_f64() == y.as_f64(),
-        (V::Array(x), V::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same_numbers(a, b)),
-        (V::Object(x), V::Object(y)) => {
-            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_numbers(v, w)))
-        }
-        _ => a == b,
     }
 }

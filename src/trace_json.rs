@@ -70,21 +70,26 @@ fn parse_i64(field: &str, raw: &RawValue) -> Result<i64> {
     serde_json::from_str(raw.get()).map_err(|e| Error::invalid(field, format!("must be an integer ({e})")))
 }
 
-/// Serialize `(key, verbatim JSON)` pairs as a JSON object (None when empty).
-fn object_of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Option<Vec<u8>> {
+/// Serialize `(key, verbatim JSON)` pairs as a JSON object.
+pub(crate) fn write_object<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
     let mut out = String::from("{");
-    let mut any = false;
-    for (k, v) in pairs {
-        if any {
+    for (i, (k, v)) in pairs.into_iter().enumerate() {
+        if i > 0 {
             out.push(',');
         }
-        any = true;
         write_json_str(&mut out, k);
         out.push(':');
         out.push_str(v);
     }
     out.push('}');
-    any.then(|| out.into_bytes())
+    out
+}
+
+/// [`write_object`] as bytes, None when there are no pairs.
+fn object_of<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Option<Vec<u8>> {
+    let mut pairs = pairs.into_iter().peekable();
+    pairs.peek()?;
+    Some(write_object(pairs).into_bytes())
 }
 
 fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)> {
@@ -292,7 +297,15 @@ pub fn write_json_str(out: &mut String, s: &str) {
     out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into()));
 }
 
-fn write_ids(out: &mut String, ids: &[u32]) {
+/// `s` as a JSON string literal.
+pub(crate) fn json_string(s: &str) -> String {
+    let mut out = String::new();
+    write_json_str(&mut out, s);
+    out
+}
+
+/// Write token ids as a JSON list of integers.
+pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
     out.push('[');
     for (i, id) in ids.iter().enumerate() {
         if i > 0 {

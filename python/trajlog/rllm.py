@@ -25,25 +25,46 @@ from typing import Any, Optional
 from . import InvalidInputError, Store
 
 
-class TrajlogTraceStore:
-    """rLLM gateway `TraceStore` backed by a trajlog store directory."""
+class _LazyStore:
+    """A trajlog store opened on first use. Concurrent first use from many
+    coroutines or threads opens it once; `flush` and `close` are async."""
 
-    def __init__(self, path: str, *, durability: str = "group", **options: Any):
-        self.path = str(path)
+    def __init__(self, path: str, durability: str, options: dict):
+        self._path = str(path)
         self._durability = durability
         self._options = options
         self._store: Optional[Store] = None
         self._lock = threading.Lock()
 
     def _get(self) -> Store:
-        # Concurrent first use from many coroutines or threads opens once.
         store = self._store
         if store is None:
             with self._lock:
                 if self._store is None:
-                    self._store = Store(self.path, durability=self._durability, **self._options)
+                    self._store = Store(self._path, durability=self._durability, **self._options)
                 store = self._store
         return store
+
+    def _close_sync(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    async def flush(self) -> None:
+        """Barrier: everything stored before is durable; raises on failure."""
+        await asyncio.to_thread(lambda: self._get().flush())
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close_sync)
+
+
+class TrajlogTraceStore(_LazyStore):
+    """rLLM gateway `TraceStore` backed by a trajlog store directory."""
+
+    def __init__(self, path: str, *, durability: str = "group", **options: Any):
+        super().__init__(path, durability, options)
+        self.path = str(path)
 
     async def _run(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -83,16 +104,6 @@ class TrajlogTraceStore:
 
     async def list_sessions(self, since: Optional[float] = None, limit: Optional[int] = None) -> list:
         return await self._run(self._list_sync, since, limit)
-
-    async def flush(self) -> None:
-        """Barrier: everything stored before is durable; raises on failure."""
-        await self._run(lambda: self._get().flush())
-
-    async def close(self) -> None:
-        with self._lock:
-            store, self._store = self._store, None
-        if store is not None:
-            await self._run(store.close)
 
 
 # ---------------------------------------------------------------------------
@@ -144,7 +155,7 @@ def _context(trace_id: str, row) -> TraceContext:
     )
 
 
-class TrajlogSdkTraceStore:
+class TrajlogSdkTraceStore(_LazyStore):
     """The older rLLM SDK's `SqliteTraceStore` interface on a trajlog store.
 
     Each record keeps its `data` dict exactly: the token ids and logprobs found
@@ -162,20 +173,8 @@ class TrajlogSdkTraceStore:
             import os
 
             db_path = os.path.join(os.path.expanduser("~/.rllm"), "traces.trajlog")
+        super().__init__(db_path, durability, options)
         self.db_path = str(db_path)
-        self._durability = durability
-        self._options = options
-        self._store: Optional[Store] = None
-        self._lock = threading.Lock()
-
-    def _get(self) -> Store:
-        store = self._store
-        if store is None:
-            with self._lock:
-                if self._store is None:
-                    self._store = Store(self.db_path, durability=self._durability, **self._options)
-                store = self._store
-        return store
 
     # -- sync core, shared with the tracer --
 
@@ -184,8 +183,10 @@ class TrajlogSdkTraceStore:
             raise InvalidInputError(f"invalid trace_id: {trace_id!r} is not a non-empty string")
         store = self._get()
         now = time.time() if now is None else now
-        existing = store._native.get_sdk([trace_id])[0]
-        created_at = existing[4] if existing is not None else now
+        # created_at survives an upsert; it is the call's timestamp (a cheap
+        # index lookup, no decoding of the stored record).
+        existing = store.get(trace_id)
+        created_at = existing.timestamp if existing is not None else now
         uids = _active_session_uids() if session_uids is None else list(session_uids)
         try:
             data_json = json.dumps(data)
@@ -291,15 +292,6 @@ class TrajlogSdkTraceStore:
         rows = await asyncio.to_thread(self._rows, [trace_id])
         return list(rows[0][1][6]) if rows else []
 
-    async def flush(self) -> None:
-        await asyncio.to_thread(lambda: self._get().flush())
-
-    async def close(self) -> None:
-        with self._lock:
-            store, self._store = self._store, None
-        if store is not None:
-            await asyncio.to_thread(store.close)
-
 
 class TrajlogTracer:
     """The older rLLM SDK tracer (`log_llm_call`, `flush`, `close`) on trajlog.
@@ -398,10 +390,7 @@ class TrajlogTracer:
     def close_sync(self, timeout: float = 30.0) -> None:
         if not self.flush(timeout):
             raise self.last_error or TimeoutError(f"trajlog tracer: flush did not complete within {timeout}s")
-        with self.store._lock:
-            store, self.store._store = self.store._store, None
-        if store is not None:
-            store.close()
+        self.store._close_sync()
 
     async def __aenter__(self):
         return self

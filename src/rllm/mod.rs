@@ -18,7 +18,7 @@ pub mod sqlite;
 
 use crate::error::{Error, Result};
 use crate::record::Call;
-use crate::trace_json::write_json_str;
+use crate::trace_json::{json_string, write_ids, write_object};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use std::fmt::{self, Write as _};
@@ -95,20 +95,6 @@ fn elements(text: &str) -> Option<Vec<&RawValue>> {
         return None;
     }
     serde_json::from_str(text).ok()
-}
-
-fn write_object<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut out = String::from("{");
-    for (i, (k, v)) in pairs.into_iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        write_json_str(&mut out, k);
-        out.push(':');
-        out.push_str(v);
-    }
-    out.push('}');
-    out
 }
 
 fn write_array<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
@@ -221,27 +207,38 @@ pub(crate) fn write_logprobs_f64(out: &mut String, values: &[f32]) {
     out.push(']');
 }
 
-fn write_ids(out: &mut String, ids: &[u32]) {
-    out.push('[');
-    for (i, id) in ids.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
+/// JSON equality where numbers compare by value (Python's `==` on the
+/// decoded dicts: `12 == 12.0`).
+pub(crate) fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value as V;
+    match (a, b) {
+        (V::Number(x), V::Number(y)) => x == y || (x.as_f64().is_some() && x.as_f64() == y.as_f64()),
+        (V::Array(x), V::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same_json(a, b)),
+        (V::Object(x), V::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
         }
-        let _ = write!(out, "{id}");
+        _ => a == b,
     }
-    out.push(']');
-}
-
-fn json_string(s: &str) -> String {
-    let mut out = String::new();
-    write_json_str(&mut out, s);
-    out
 }
 
 fn check_json(field: &str, text: &str) -> Result<()> {
     serde_json::from_str::<&RawValue>(text)
         .map(drop)
         .map_err(|e| Error::invalid(field, format!("not valid JSON ({e}); NaN and Infinity are not JSON")))
+}
+
+/// Take the first list at `paths` that `parse` accepts out of `data`; returns
+/// it and its dotted path.
+fn move_first<T>(data: &mut String, paths: &[&[&str]], parse: impl Fn(&str) -> Option<T>) -> Option<(T, String)> {
+    for path in paths {
+        if let Some(value) = get_path(data, path).and_then(&parse) {
+            if let Some((rest, _)) = take_path(data, path) {
+                *data = rest;
+            }
+            return Some((value, path.join(".")));
+        }
+    }
+    None
 }
 
 /// The call that stores an SDK trace exactly (see the module docs).
@@ -260,31 +257,18 @@ pub fn sdk_to_call(t: &SdkTrace) -> Result<Call> {
         timestamp: t.created_at,
         ..Default::default()
     };
-    for path in PROMPT_PATHS {
-        if let Some(ids) = get_path(&data, path).and_then(exact_ids) {
-            data = take_path(&data, path).map(|(rest, _)| rest).unwrap_or(data);
-            call.prompt_token_ids = ids;
-            moved.push(("prompt_token_ids", path.join(".")));
-            break;
-        }
+    if let Some((ids, path)) = move_first(&mut data, PROMPT_PATHS, exact_ids) {
+        call.prompt_token_ids = ids;
+        moved.push(("prompt_token_ids", path));
     }
-    for path in COMPLETION_PATHS {
-        if let Some(ids) = get_path(&data, path).and_then(exact_ids) {
-            data = take_path(&data, path).map(|(rest, _)| rest).unwrap_or(data);
-            call.completion_token_ids = ids;
-            moved.push(("completion_token_ids", path.join(".")));
-            break;
-        }
+    if let Some((ids, path)) = move_first(&mut data, COMPLETION_PATHS, exact_ids) {
+        call.completion_token_ids = ids;
+        moved.push(("completion_token_ids", path));
     }
-    for path in LOGPROB_PATHS {
-        if let Some(lp) = get_path(&data, path).and_then(exact_logprobs) {
-            if lp.len() == call.completion_token_ids.len() {
-                data = take_path(&data, path).map(|(rest, _)| rest).unwrap_or(data);
-                call.logprobs = Some(lp);
-                moved.push(("logprobs", path.join(".")));
-                break;
-            }
-        }
+    let n = call.completion_token_ids.len();
+    if let Some((lp, path)) = move_first(&mut data, LOGPROB_PATHS, |t| exact_logprobs(t).filter(|lp| lp.len() == n)) {
+        call.logprobs = Some(lp);
+        moved.push(("logprobs", path));
     }
     if call.logprobs.is_none() {
         // Copied, not moved: the content list stays in `data` as written.

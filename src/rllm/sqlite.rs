@@ -13,11 +13,11 @@
 //! from the store and compared with its row, field by field. Importing twice
 //! is harmless: a trace id appended again replaces the earlier call.
 
-use super::{call_to_sdk, get_path, put_path, sdk_to_call, take_path, SdkTrace, UNSCOPED_SESSION};
+use super::{call_to_sdk, get_path, put_path, same_json, sdk_to_call, take_path, SdkTrace, UNSCOPED_SESSION};
 use crate::error::{Error, Result};
 use crate::record::Call;
 use crate::store::Store;
-use crate::trace_json::{export_call, parse_gateway_exact};
+use crate::trace_json::{export_call, json_string, parse_gateway_exact};
 use rusqlite::{Connection, OpenFlags};
 use std::collections::HashMap;
 use std::path::Path;
@@ -157,12 +157,6 @@ fn in_trace(trace_id: &str, e: Error) -> Error {
     Error::invalid(field, e.message())
 }
 
-fn json_string(s: &str) -> String {
-    let mut out = String::new();
-    crate::trace_json::write_json_str(&mut out, s);
-    out
-}
-
 /// A call as Python's `Call.to_dict()` shows it: the gateway dict with
 /// logprobs widened to the `f64` values of the stored `f32`s.
 pub fn python_view(call: &Call) -> String {
@@ -171,20 +165,6 @@ pub fn python_view(call: &Call) -> String {
     let mut widened = String::new();
     super::write_logprobs_f64(&mut widened, lp);
     take_path(&text, &["logprobs"]).and_then(|(rest, _)| put_path(&rest, &["logprobs"], &widened)).unwrap_or(text)
-}
-
-/// JSON equality where numbers compare by value (Python's `==` on the
-/// decoded dicts: `12 == 12.0`).
-fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
-    use serde_json::Value as V;
-    match (a, b) {
-        (V::Number(x), V::Number(y)) => x == y || (x.as_f64().is_some() && x.as_f64() == y.as_f64()),
-        (V::Array(x), V::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same_json(a, b)),
-        (V::Object(x), V::Object(y)) => {
-            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
-        }
-        _ => a == b,
-    }
 }
 
 fn parse_value(what: &str, text: &str) -> Result<serde_json::Value> {
