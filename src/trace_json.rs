@@ -317,14 +317,33 @@ pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
 }
 
 /// Export a call as one JSON line in the rLLM gateway trace shape.
+///
+/// Every key is written once. A column is written under its name unless
+/// `extra` holds that key as `null` where the column only carries a default:
+/// a trace ingested with `"timestamp": null` (stamped with the ingest time)
+/// or `"prompt_token_ids": null` / `"completion_token_ids": null` (empty
+/// lists) exports as it came in, with the `null`. A key of `extra` that a
+/// column already wrote is left out (only a caller building a [`Call`] by
+/// hand can put one there), so the column's value is what readers see.
 pub fn export_call(call: &Call) -> String {
+    let extra: RawMap<'_> = call.extra.as_deref().and_then(|e| serde_json::from_slice(e).ok()).unwrap_or_default();
+    let null_in_extra = |key: &str| extra.get(key).is_some_and(|v| is_null(v));
+    // Keys written from columns, so that `extra` never repeats one.
+    let mut written: Vec<&str> = Vec::with_capacity(GATEWAY_FIELDS.len());
     let mut out = String::with_capacity(64 + 8 * (call.prompt_token_ids.len() + call.completion_token_ids.len()));
-    out.push_str("{\"trace_id\":");
+    let mut key = |out: &mut String, name: &'static str| {
+        out.push(if written.is_empty() { '{' } else { ',' });
+        write_json_str(out, name);
+        out.push(':');
+        written.push(name);
+    };
+    key(&mut out, "trace_id");
     write_json_str(&mut out, &call.trace_id);
-    out.push_str(",\"session_id\":");
+    key(&mut out, "session_id");
     write_json_str(&mut out, &call.session_id);
     if !call.session_uids.is_empty() {
-        out.push_str(",\"session_uids\":[");
+        key(&mut out, "session_uids");
+        out.push('[');
         for (i, u) in call.session_uids.iter().enumerate() {
             if i > 0 {
                 out.push(',');
@@ -333,21 +352,29 @@ pub fn export_call(call: &Call) -> String {
         }
         out.push(']');
     }
-    out.push_str(",\"timestamp\":");
-    write_f64(&mut out, call.timestamp);
+    if !null_in_extra("timestamp") {
+        key(&mut out, "timestamp");
+        write_f64(&mut out, call.timestamp);
+    }
     if let Some(m) = &call.model {
-        out.push_str(",\"model\":");
+        key(&mut out, "model");
         write_json_str(&mut out, m);
     }
     if let Some(w) = call.weight_version {
-        let _ = write!(out, ",\"weight_version\":{w}");
+        key(&mut out, "weight_version");
+        let _ = write!(out, "{w}");
     }
-    out.push_str(",\"prompt_token_ids\":");
-    write_ids(&mut out, &call.prompt_token_ids);
-    out.push_str(",\"completion_token_ids\":");
-    write_ids(&mut out, &call.completion_token_ids);
+    for (name, ids) in
+        [("prompt_token_ids", &call.prompt_token_ids), ("completion_token_ids", &call.completion_token_ids)]
+    {
+        if !(ids.is_empty() && null_in_extra(name)) {
+            key(&mut out, name);
+            write_ids(&mut out, ids);
+        }
+    }
     if let Some(lp) = &call.logprobs {
-        out.push_str(",\"logprobs\":[");
+        key(&mut out, "logprobs");
+        out.push('[');
         for (i, v) in lp.iter().enumerate() {
             if i > 0 {
                 out.push(',');
@@ -357,37 +384,131 @@ pub fn export_call(call: &Call) -> String {
         out.push(']');
     }
     if let Some(f) = &call.finish_reason {
-        out.push_str(",\"finish_reason\":");
+        key(&mut out, "finish_reason");
         write_json_str(&mut out, f);
     }
     if let Some(l) = call.latency_ms {
-        out.push_str(",\"latency_ms\":");
+        key(&mut out, "latency_ms");
         write_f64(&mut out, l);
     }
     for (name, doc) in
         [("messages", &call.messages), ("response_message", &call.response_message), ("metadata", &call.metadata)]
     {
         if let Some(doc) = doc {
-            let _ = write!(out, ",\"{name}\":{}", String::from_utf8_lossy(doc));
+            key(&mut out, name);
+            out.push_str(&String::from_utf8_lossy(doc));
         }
     }
     if let Some(r) = &call.routing_matrices {
-        out.push_str(",\"routing_matrices\":");
+        key(&mut out, "routing_matrices");
         match std::str::from_utf8(r).ok().filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()) {
             Some(json) => out.push_str(json),
             None => write_ids(&mut out, &r.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()),
         }
     }
-    if let Some(extra) = &call.extra {
-        if let Ok(map) = serde_json::from_slice::<RawMap<'_>>(extra) {
-            for (k, v) in map {
-                out.push(',');
-                write_json_str(&mut out, &k);
-                out.push(':');
-                out.push_str(v.get());
-            }
+    for (k, v) in &extra {
+        if written.iter().any(|w| w == k) {
+            continue;
         }
+        out.push(',');
+        write_json_str(&mut out, k);
+        out.push(':');
+        out.push_str(v.get());
     }
     out.push('}');
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+
+    /// The keys of a JSON object in the order written, repeats included
+    /// (`serde_json::Value` would keep only the last of a repeated key).
+    fn keys(line: &str) -> Vec<String> {
+        struct Keys;
+        impl<'de> Visitor<'de> for Keys {
+            type Value = Vec<String>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Vec<String>, A::Error> {
+                let mut keys = Vec::new();
+                while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
+                    keys.push(k);
+                }
+                Ok(keys)
+            }
+        }
+        let mut de = serde_json::Deserializer::from_str(line);
+        de.deserialize_map(Keys).expect("a JSON object")
+    }
+
+    fn assert_unique_keys(line: &str) {
+        let mut keys = keys(line);
+        let n = keys.len();
+        keys.sort();
+        keys.dedup();
+        assert_eq!(keys.len(), n, "a key is repeated in {line}");
+    }
+
+    fn value(text: &str) -> serde_json::Value {
+        serde_json::from_str(text).expect("JSON")
+    }
+
+    #[test]
+    fn null_fields_export_once_and_parse_back_to_the_same_call() {
+        let traces = [
+            // No logprobs, every optional column null.
+            r#"{"trace_id":"t1","session_id":"s","timestamp":1.5,"prompt_token_ids":[1,2],"completion_token_ids":[3],"logprobs":null,"model":null,"weight_version":null,"finish_reason":null,"latency_ms":null,"messages":null,"response_message":null,"metadata":null,"routing_matrices":null,"session_uids":null,"token_counts":null}"#,
+            // Columns that are always written, null in the trace.
+            r#"{"trace_id":"t2","session_id":"s","timestamp":null,"prompt_token_ids":null,"completion_token_ids":null,"logprobs":null}"#,
+            r#"{"trace_id":"t3","session_id":"s","prompt_token_ids":null,"completion_token_ids":[5],"logprobs":[-0.5]}"#,
+        ];
+        for trace in traces {
+            let call = parse_trace(trace, 7.25).expect("valid trace");
+            let line = export_call(&call);
+            assert_unique_keys(&line);
+            let again = parse_trace(&line, 7.25).expect("the export parses");
+            assert_eq!(again, call, "export of {trace} parses to another call: {line}");
+            assert_eq!(export_call(&again), line);
+        }
+        // The trace comes back as it went in (a missing timestamp is filled in).
+        let t1 = export_call(&parse_trace(traces[0], 0.0).expect("valid"));
+        assert_eq!(value(&t1), value(traces[0]));
+        let t2 = export_call(&parse_trace(traces[1], 0.0).expect("valid"));
+        assert_eq!(value(&t2), value(traces[1]));
+        let t3 = value(&export_call(&parse_trace(traces[2], 7.25).expect("valid")));
+        assert_eq!(t3["prompt_token_ids"], serde_json::Value::Null);
+        assert_eq!(t3["timestamp"], serde_json::json!(7.25));
+    }
+
+    #[test]
+    fn extra_never_repeats_a_key_a_column_wrote() {
+        // A hand-built call whose `extra` shadows columns: the columns win.
+        let call = Call {
+            trace_id: "t".into(),
+            session_id: "s".into(),
+            timestamp: 2.0,
+            model: Some("m".into()),
+            prompt_token_ids: vec![1],
+            completion_token_ids: vec![2],
+            logprobs: Some(vec![-0.25]),
+            extra: Some(
+                br#"{"logprobs":null,"model":"other","trace_id":"x","prompt_token_ids":null,"timestamp":3,"k":1}"#
+                    .to_vec(),
+            ),
+            ..Default::default()
+        };
+        let line = export_call(&call);
+        assert_unique_keys(&line);
+        let v = value(&line);
+        assert_eq!(v["trace_id"], "t");
+        assert_eq!(v["model"], "m");
+        assert_eq!(v["logprobs"], serde_json::json!([-0.25]));
+        assert_eq!(v["prompt_token_ids"], serde_json::json!([1]));
+        assert_eq!(v["timestamp"], serde_json::json!(2.0));
+        assert_eq!(v["k"], 1);
+    }
 }

@@ -193,3 +193,206 @@ fn bench_compares_three_backends_on_the_same_calls() {
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("trajlog vs sqlite-rllm:") && text.contains("trajlog vs sqlite-blob:"), "{text}");
 }
+
+/// The keys of a JSON object line in the order written, repeats included
+/// (`serde_json::Value` keeps only the last of a repeated key).
+fn object_keys(line: &str) -> Vec<String> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Vec<String>, A::Error> {
+            let mut keys = Vec::new();
+            while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
+                keys.push(k);
+            }
+            Ok(keys)
+        }
+    }
+    serde_json::Deserializer::from_str(line).deserialize_map(Keys).expect("a JSON object")
+}
+
+fn lines(bytes: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(bytes).lines().map(str::to_owned).collect()
+}
+
+#[test]
+fn ingest_refuses_a_line_the_store_refuses_and_stores_every_later_line() {
+    let dir = common::tempdir();
+    let store_dir = dir.path().join("s");
+    {
+        let store = trajlog::Store::open(&store_dir, trajlog::Options::default()).unwrap();
+        let done = trajlog::Call {
+            trace_id: "d0".into(),
+            session_id: "done".into(),
+            timestamp: 1.0,
+            prompt_token_ids: vec![1],
+            ..Default::default()
+        };
+        store.append(done).unwrap().wait().unwrap();
+        store.seal_session("done").unwrap();
+        store.close().unwrap();
+    }
+    let input = [
+        r#"{"trace_id":"l1","session_id":"live","timestamp":1,"prompt_token_ids":[1]}"#,
+        r#"{"trace_id":"d1","session_id":"done","timestamp":2,"prompt_token_ids":[2]}"#,
+        r#"{"trace_id":"d0","session_id":"live","timestamp":3,"prompt_token_ids":[3]}"#,
+        r#"{"trace_id":"l2","session_id":"live","timestamp":4,"prompt_token_ids":[4]}"#,
+        r#"{"trace_id":"x","session_id":"live","prompt_token_ids":[1],"completion_token_ids":[1],"logprobs":[]}"#,
+        r#"{"trace_id":"l3","session_id":"live","timestamp":5,"prompt_token_ids":[5]}"#,
+    ]
+    .join("\n");
+    let out = trajlog(&["ingest", "--store", s(&store_dir)], &input);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "refused lines exit 1 at the end: {stderr}");
+    assert_eq!(lines(&out.stdout), [r#"{"ack":"l1"}"#, r#"{"ack":"l2"}"#, r#"{"ack":"l3"}"#], "{stderr}");
+    let refusals: Vec<&str> = stderr.lines().filter(|l| l.contains("refused (not stored)")).collect();
+    assert_eq!(refusals.len(), 3, "{stderr}");
+    assert!(refusals[0].contains("line 2 ") && refusals[0].contains("sealed"), "{stderr}");
+    assert!(refusals[1].contains("line 3 ") && refusals[1].contains("trace_id"), "{stderr}");
+    assert!(refusals[2].contains("line 5 ") && refusals[2].contains("logprobs"), "{stderr}");
+    assert!(stderr.contains("ingested 3, refused 3 (see above)"), "{stderr}");
+    // Every line after a refused one is stored; the refused ones are not.
+    let snap = trajlog::Store::open_read_only(&store_dir).unwrap().snapshot();
+    let live: Vec<String> = snap.session("live", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(live, ["l1", "l2", "l3"]);
+    let done: Vec<String> = snap.session("done", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(done, ["d0"]);
+    assert!(snap.get("d1").unwrap().is_none() && snap.get("x").unwrap().is_none());
+}
+
+#[test]
+fn export_writes_each_key_once_and_reingests_to_the_same_records() {
+    // Null column fields in the original traces: a call without logprobs and
+    // every optional column null; the always-written lists null; a null timestamp.
+    let traces = [
+        r#"{"trace_id":"n1","session_id":"s","timestamp":1.0,"prompt_token_ids":[1,2],"completion_token_ids":[3],"logprobs":null,"model":null,"weight_version":null,"finish_reason":null,"latency_ms":null,"messages":null,"response_message":null,"metadata":null,"routing_matrices":null,"session_uids":null,"token_counts":null}"#,
+        r#"{"trace_id":"n2","session_id":"s","timestamp":2.0,"prompt_token_ids":null,"completion_token_ids":null,"logprobs":null}"#,
+        r#"{"trace_id":"n3","session_id":"s","timestamp":3.0,"prompt_token_ids":[1],"completion_token_ids":[4],"logprobs":[-0.5],"model":"m","raw_response":null}"#,
+        r#"{"trace_id":"n4","session_id":"t","timestamp":null,"prompt_token_ids":[9],"completion_token_ids":[]}"#,
+    ];
+    let dir = common::tempdir();
+    let (first, second) = (dir.path().join("first"), dir.path().join("second"));
+    let out = trajlog(&["ingest", "--store", s(&first)], &traces.join("\n"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let export = trajlog(&["export", "--store", s(&first)], "");
+    assert!(export.status.success());
+    let exported = lines(&export.stdout);
+    assert_eq!(exported.len(), traces.len());
+    for line in &exported {
+        let keys = object_keys(line);
+        let mut unique = keys.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), keys.len(), "a key is written twice: {line}");
+    }
+    // Each trace comes back as it went in.
+    let mut got: Vec<serde_json::Value> = exported.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut want: Vec<serde_json::Value> = traces.iter().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let by_id = |v: &serde_json::Value| v["trace_id"].as_str().unwrap_or_default().to_owned();
+    got.sort_by_key(by_id);
+    want.sort_by_key(by_id);
+    assert_eq!(got, want);
+    // Ingesting the export gives the same records, and the same export.
+    let out = trajlog(&["ingest", "--store", s(&second)], &(exported.join("\n") + "\n"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let again = trajlog(&["export", "--store", s(&second)], "");
+    assert_eq!(lines(&again.stdout), exported);
+    let (a, b) = (
+        trajlog::Store::open_read_only(&first).unwrap().snapshot(),
+        trajlog::Store::open_read_only(&second).unwrap().snapshot(),
+    );
+    for id in ["n1", "n2", "n3", "n4"] {
+        let want = a.get(id).unwrap().unwrap().to_call().unwrap();
+        let mut got = b.get(id).unwrap().unwrap().to_call().unwrap();
+        if id == "n4" {
+            // `"timestamp": null` is stamped with the time of each ingest.
+            assert!(got.timestamp >= want.timestamp);
+            got.timestamp = want.timestamp;
+        }
+        assert_eq!(got, want, "{id}");
+    }
+}
+
+/// Run `trajlog ARGS` with stdout on a pipe that is read for one line and
+/// then closed while the command still has far more than a pipe buffer
+/// (64 KiB) to write, so its next write fails with EPIPE whatever the timing.
+fn run_with_stdout_closed_early(args: &[&str], stdin: Option<String>) -> Output {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Feed stdin from a thread: the child stops reading once its stdout is gone.
+    let feeder = stdin.map(|text| {
+        let mut pipe = child.stdin.take().unwrap();
+        std::thread::spawn(move || drop(pipe.write_all(text.as_bytes())))
+    });
+    let mut first = String::new();
+    let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+    reader.read_line(&mut first).unwrap();
+    assert!(!first.is_empty(), "{args:?} printed nothing");
+    drop(reader);
+    let out = child.wait_with_output().unwrap();
+    if let Some(feeder) = feeder {
+        feeder.join().unwrap();
+    }
+    out
+}
+
+#[test]
+fn every_command_exits_quietly_when_stdout_is_closed_early() {
+    let dir = common::tempdir();
+    let store = dir.path().join("s");
+    // 5,000 one-call sessions: `ls` prints ~0.5 MB, `audit --json` ~1 MB, `export` ~30 MB.
+    let out =
+        trajlog(&["generate", "--store", s(&store), "--sessions", "5000", "--steps", "1", "--prompt-tokens", "8"], "");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let commands = [
+        vec!["ls", "--store", s(&store)],
+        vec!["audit", "--json", "--store", s(&store)],
+        vec!["export", "--store", s(&store)],
+    ];
+    for args in commands {
+        let out = run_with_stdout_closed_early(&args, None);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(0), "{args:?} exits 0 on a closed pipe: {stderr}");
+    }
+    // `ingest`: 30,000 acks (~0.5 MB) for a reader that stops after one.
+    let input: String = (0..30_000)
+        .map(|i| format!("{{\"trace_id\":\"p{i}\",\"session_id\":\"q{}\",\"prompt_token_ids\":[1]}}\n", i % 100))
+        .collect();
+    let ingest = dir.path().join("i");
+    let out = run_with_stdout_closed_early(&["ingest", "--store", s(&ingest), "--durability", "buffered"], Some(input));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("stdout closed"), "{stderr}");
+    // What it stored is intact, and the store opens again for writing.
+    let store = trajlog::Store::open(&ingest, trajlog::Options::default()).unwrap();
+    assert!(store.snapshot().call_count() >= 1);
+    store.close().unwrap();
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_failed_write_to_stdout_other_than_a_closed_pipe_is_an_error() {
+    let dir = common::tempdir();
+    let out = trajlog(&["ingest", "--store", s(dir.path())], TRACES);
+    assert!(out.status.success());
+    // /dev/full fails every write with ENOSPC, as a full disk behind `> file` does.
+    for args in [["export", "--store", s(dir.path())], ["ls", "--store", s(dir.path())]] {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_trajlog")).args(args).stdout(full).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("cannot write to standard output") && !stderr.contains("panicked"), "{stderr}");
+    }
+}
