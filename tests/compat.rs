@@ -1,7 +1,10 @@
 //! Compatibility fixtures: stores written by earlier builds, committed and never
 //! rewritten. Every later build must read them exactly.
 //!
-//! `tests/fixtures/store-v1` was written by format version 1 with
+//! `tests/fixtures/store-v1` was written by format version 1,
+//! `tests/fixtures/store-v2` by store format 2 (manifest 2, shard format 1) and
+//! `tests/fixtures/store-v3` by store format 3 (manifest 3 with shard
+//! checksums, shard format 2), each with
 //! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
 //! overwrite an existing fixture).
 
@@ -167,4 +170,76 @@ fn reads_the_v2_fixture_with_shards_exactly() {
     assert!(snap.is_sealed("task-1:0"));
     assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
     assert_eq!(snap.shard_paths().len(), 1);
+    // Manifest 2 and shard format 1: no checksums, decoded unchecked, intact.
+    let manifest = read_manifest(&fixture_v2_dir());
+    assert_eq!(manifest.0, 2);
+    assert!(manifest.1.shards.iter().all(|s| s.checksum.is_none()));
+    for s in &manifest.1.shards {
+        let path = fixture_v2_dir().join("shards").join(&s.path);
+        assert!(trajlog::compact::reader::verify_shard(&path, None).is_empty(), "{}", s.path);
+    }
+    let shard = trajlog::compact::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
+    assert!(!shard.has_checksums());
+}
+
+/// The manifest's version field and its decoded content.
+fn read_manifest(dir: &std::path::Path) -> (u32, trajlog::format::manifest::Manifest) {
+    let bytes = std::fs::read(dir.join("MANIFEST")).unwrap();
+    let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+    (version, trajlog::format::manifest::decode_manifest(&bytes).unwrap())
+}
+
+fn fixture_v3_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v3")
+}
+
+/// Store format 3: the v2 content, with shard checksums (shard format 2 files,
+/// manifest 3 entries with length and footer crc32).
+fn write_fixture_v3() {
+    let dir = fixture_v3_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let calls = fixture_calls();
+    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    for c in &calls {
+        store.append(c.clone()).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    // Two row groups in the steps shard.
+    store.compact(&trajlog::CompactOptions { steps_row_group_rows: 2, ..Default::default() }).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v3_fixture_with_shard_checksums_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v3_dir().exists() {
+        write_fixture_v3();
+    }
+    let store = Store::open_read_only(fixture_v3_dir()).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls = fixture_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "task-1:0", "{}", c.trace_id);
+        assert_exact(&v, c);
+    }
+    assert_eq!(snap.get("a/2").unwrap().unwrap().relation(), Relation::TitoBreak);
+    assert_eq!(snap.get("a/2").unwrap().unwrap().divergence_position(), Some(40 + 10 + 3 + 5));
+    assert!(snap.is_sealed("task-1:0"));
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    assert_eq!(snap.shard_paths().len(), 1);
+    let (version, manifest) = read_manifest(&fixture_v3_dir());
+    assert_eq!(version, 3);
+    assert_eq!(manifest.shards.len(), 2, "a steps and a trajectories shard");
+    for s in &manifest.shards {
+        let path = fixture_v3_dir().join("shards").join(&s.path);
+        let checksum = s.checksum.expect("manifest 3 records every shard's checksum");
+        assert_eq!(checksum.len, std::fs::metadata(&path).unwrap().len());
+        assert!(trajlog::compact::reader::verify_shard(&path, Some(checksum)).is_empty(), "{}", s.path);
+    }
+    let shard = trajlog::compact::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
+    assert!(shard.has_checksums());
+    assert_eq!(shard.row_groups(), 2);
 }

@@ -1,24 +1,50 @@
 //! Reading shards back: the per-row index entries the store needs at open
 //! (`index_rows`), and whole row groups for serving compacted calls.
+//!
+//! Checked on use (format-spec/shard.md §7): `open` checks the file length and
+//! the footer's crc32 against the manifest entry when it has them, before the
+//! footer is parsed, and parses exactly the bytes it checked; a format 2 file's
+//! column chunks are read into memory, checked against their crc32s, and decoded
+//! from those same bytes. A damaged byte is an `ErrorKind::Corrupt` naming the
+//! file, the offset and the row group, never a different value. Format 1 files
+//! (and their manifests) carry no checksums and are decoded unchecked.
 
-use super::schema::{steps_schema, META_FORMAT_VERSION, SHARD_FORMAT_VERSION};
+use super::schema::{
+    chunk_range, decode_chunk_crcs, steps_schema, trajectories_schema, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION,
+    META_TABLE, SHARD_FORMAT_VERSION, SHARD_FORMAT_VERSION_MIN,
+};
 use super::writer::parquet_err;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::manifest::ShardChecksum;
 use crate::format::record::{CallRecord, Loc, Relation};
+use crate::verify::Problem;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, Int64Type, UInt32Type, UInt64Type};
 use arrow_array::{Array, RecordBatch};
-use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder};
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder,
+};
 use parquet::arrow::ProjectionMask;
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
+use parquet::file::reader::ChunkReader;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// An open `steps` shard.
+/// Parquet files start and end with this magic.
+const PARQUET_MAGIC: &[u8; 4] = b"PAR1";
+
+/// An open shard (the store opens `steps` shards; [`verify_shard`] either table).
 #[derive(Debug, Clone)]
 pub struct ShardFile {
     pub id: u32,
     pub path: PathBuf,
     meta: ArrowReaderMetadata,
+    /// Format 2: per row group, its column chunks' ranges and crc32s, checked
+    /// at open to match the metadata and to cover the file from byte 4 to the
+    /// footer. `None` for format 1 files.
+    chunks: Option<Vec<Vec<ChunkCrc>>>,
 }
 
 /// What the store's index needs of one `steps` row.
@@ -45,30 +71,160 @@ fn corrupt(path: &Path, what: impl std::fmt::Display) -> Error {
     Error::corrupt(path, 0, format!("parquet shard: {what}"))
 }
 
+fn corrupt_at(path: &Path, offset: u64, what: impl std::fmt::Display) -> Error {
+    Error::corrupt(path, offset, format!("parquet shard: {what}"))
+}
+
+fn read_at(file: &File, path: &Path, offset: u64, len: u64) -> Result<Vec<u8>> {
+    let mut buf = vec![0; usize::try_from(len).map_err(|_| corrupt_at(path, offset, "range too large"))?];
+    file.read_exact_at(&mut buf, offset)
+        .map_err(|e| Error::io(format!("read shard {} at offset {offset}", path.display()), e))?;
+    Ok(buf)
+}
+
+/// One buffer of the parts' bytes, in order. (`B` is parquet's `bytes::Bytes`,
+/// which it hands out but does not re-export: the type is inferred.)
+fn concat<B: AsRef<[u8]> + From<Vec<u8>>>(mut parts: Vec<B>) -> B {
+    if parts.len() == 1 {
+        if let Some(one) = parts.pop() {
+            return one;
+        }
+    }
+    let mut all = Vec::with_capacity(parts.iter().map(|p| p.as_ref().len()).sum());
+    for p in &parts {
+        all.extend_from_slice(p.as_ref());
+    }
+    B::from(all)
+}
+
+/// The key-value metadata value of `key`, if any.
+fn kv_value<'a>(meta: &'a ParquetMetaData, key: &str) -> Option<&'a str> {
+    meta.file_metadata().key_value_metadata()?.iter().find(|k| k.key == key)?.value.as_deref()
+}
+
+/// Every column chunk lies between the leading magic and the footer (so that
+/// no reader reads outside the file, and none panics on negative offsets).
+fn check_chunk_bounds(meta: &ParquetMetaData, path: &Path, footer_start: u64) -> Result<()> {
+    for (i, rg) in meta.row_groups().iter().enumerate() {
+        for (j, col) in rg.columns().iter().enumerate() {
+            let ok =
+                chunk_range(col).and_then(|(o, l)| Some(o >= 4 && o.checked_add(l)? <= footer_start)).unwrap_or(false);
+            if !ok {
+                return Err(corrupt_at(
+                    path,
+                    footer_start,
+                    format!("row group {i}, column chunk {j}: byte range outside the file's data"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Format 2: the recorded chunk checksums, checked against the metadata: one
+/// entry per column chunk, the same ranges, back to back from byte 4 to the
+/// footer (format-spec/shard.md §7).
+fn chunk_crcs(meta: &ParquetMetaData, path: &Path, footer_start: u64) -> Result<Vec<Vec<ChunkCrc>>> {
+    let bad = |what: String| corrupt_at(path, footer_start, format!("{META_CHUNK_CRC32}: {what}"));
+    let text = kv_value(meta, META_CHUNK_CRC32).ok_or_else(|| bad("missing (shard format 2 requires it)".into()))?;
+    let rgs = decode_chunk_crcs(text)
+        .ok_or_else(|| bad("not a JSON array of [offset, len, crc32] per column chunk per row group".into()))?;
+    if rgs.len() != meta.num_row_groups() {
+        return Err(bad(format!("{} row groups listed, the file has {}", rgs.len(), meta.num_row_groups())));
+    }
+    let mut at = PARQUET_MAGIC.len() as u64;
+    for (i, (rg, crcs)) in meta.row_groups().iter().zip(&rgs).enumerate() {
+        if crcs.len() != rg.columns().len() {
+            return Err(bad(format!("row group {i}: {} chunks listed, it has {}", crcs.len(), rg.columns().len())));
+        }
+        for (j, (col, c)) in rg.columns().iter().zip(crcs).enumerate() {
+            if chunk_range(col) != Some((c.offset, c.len)) || c.offset != at {
+                return Err(bad(format!(
+                    "row group {i}, column chunk {j}: listed at {}+{}, expected {at}+{:?}",
+                    c.offset,
+                    c.len,
+                    chunk_range(col).map(|r| r.1)
+                )));
+            }
+            at = c.offset.checked_add(c.len).ok_or_else(|| bad("range overflows".into()))?;
+        }
+    }
+    if at != footer_start {
+        return Err(bad(format!("column chunks end at byte {at}, the footer starts at {footer_start}")));
+    }
+    Ok(rgs)
+}
+
 impl ShardFile {
-    /// Open a `steps` shard and check its schema and format version.
-    pub fn open(path: &Path, id: u32) -> Result<Self> {
+    /// Open a `steps` shard and check its schema and format version; with
+    /// `expected` (from the manifest entry), check the file's length and its
+    /// footer's crc32 first.
+    pub fn open(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
+        let f = Self::open_any(path, id, expected)?;
+        if f.meta.schema().fields() != steps_schema().fields() {
+            return Err(corrupt(path, "schema is not the steps schema of format-spec/shard.md"));
+        }
+        Ok(f)
+    }
+
+    /// Open a shard of either table (no schema check).
+    fn open_any(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
         let file = File::open(path).map_err(|e| Error::io(format!("open shard {}", path.display()), e))?;
-        let meta = ArrowReaderMetadata::load(&file, ArrowReaderOptions::new()).map_err(|e| corrupt(path, e))?;
-        let kv = meta.metadata().file_metadata().key_value_metadata();
-        let version = kv
-            .and_then(|kv| kv.iter().find(|k| k.key == META_FORMAT_VERSION))
-            .and_then(|k| k.value.as_deref())
-            .and_then(|v| v.parse::<u32>().ok());
+        let len = file.metadata().map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?.len();
+        if let Some(want) = expected {
+            if len != want.len {
+                return Err(corrupt_at(
+                    path,
+                    len.min(want.len),
+                    format!("the file is {len} bytes, the manifest says {}", want.len),
+                ));
+            }
+        }
+        // format-spec/shard.md §7: ... footer, u32 footer_len, "PAR1".
+        if len < 12 {
+            return Err(corrupt_at(path, 0, format!("{len} bytes is too short for a parquet file")));
+        }
+        let end = read_at(&file, path, len - 8, 8)?;
+        let footer_len = end.get(..4).and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        if end.get(4..) != Some(PARQUET_MAGIC.as_slice()) || u64::from(footer_len) + 12 > len {
+            return Err(corrupt_at(path, len - 8, format!("no valid parquet footer (length {footer_len}) at the end")));
+        }
+        let footer_start = len - 8 - u64::from(footer_len);
+        let tail = read_at(&file, path, footer_start, u64::from(footer_len) + 8)?;
+        if let Some(want) = expected {
+            let got = crc32fast::hash(&tail);
+            if got != want.footer_crc32 {
+                return Err(corrupt_at(
+                    path,
+                    footer_start,
+                    format!(
+                        "the footer (bytes {footer_start}..{len}) fails its crc32: the manifest says {:08x}, the file has {got:08x}",
+                        want.footer_crc32
+                    ),
+                ));
+            }
+        }
+        let footer = tail.get(..footer_len as usize).unwrap_or_default();
+        let metadata = ParquetMetaDataReader::decode_metadata(footer).map_err(|e| corrupt_at(path, footer_start, e))?;
+        let version = kv_value(&metadata, META_FORMAT_VERSION).and_then(|v| v.parse::<u32>().ok());
         match version {
-            Some(v) if v <= SHARD_FORMAT_VERSION => {}
+            Some(v) if (SHARD_FORMAT_VERSION_MIN..=SHARD_FORMAT_VERSION).contains(&v) => {}
             Some(v) => {
                 return Err(Error::new(
                     ErrorKind::Incompatible,
-                    format!("{} has shard format {v}, this build reads up to {SHARD_FORMAT_VERSION}", path.display()),
+                    format!(
+                        "{} has shard format {v}, this build reads {SHARD_FORMAT_VERSION_MIN} to {SHARD_FORMAT_VERSION}; use a matching trajlog",
+                        path.display()
+                    ),
                 ))
             }
-            None => return Err(corrupt(path, "no trajlog shard format version in its metadata")),
+            None => return Err(corrupt_at(path, footer_start, "no trajlog shard format version in its metadata")),
         }
-        if meta.schema().fields() != steps_schema().fields() {
-            return Err(corrupt(path, "schema is not the steps schema of format-spec/shard.md"));
-        }
-        Ok(Self { id, path: path.to_path_buf(), meta })
+        check_chunk_bounds(&metadata, path, footer_start)?;
+        let chunks = if version == Some(1) { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
+        let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
+            .map_err(|e| corrupt_at(path, footer_start, e))?;
+        Ok(Self { id, path: path.to_path_buf(), meta, chunks })
     }
 
     /// Number of row groups.
@@ -76,9 +232,133 @@ impl ShardFile {
         self.meta.metadata().num_row_groups()
     }
 
-    fn builder(&self) -> Result<ParquetRecordBatchReaderBuilder<File>> {
-        let file = File::open(&self.path).map_err(|e| Error::io(format!("open shard {}", self.path.display()), e))?;
-        Ok(ParquetRecordBatchReaderBuilder::new_with_metadata(file, self.meta.clone()))
+    /// Whether the file carries column chunk checksums (shard format 2).
+    pub fn has_checksums(&self) -> bool {
+        self.chunks.is_some()
+    }
+
+    fn open_file(&self) -> Result<File> {
+        File::open(&self.path).map_err(|e| Error::io(format!("open shard {}", self.path.display()), e))
+    }
+
+    /// A reader of row group `rg`, of the columns under `roots` (all if `None`).
+    /// Format 2: the needed column chunks are read, checked against their
+    /// crc32s, and decoded from those same bytes.
+    fn row_group_reader(
+        &self,
+        rg: usize,
+        roots: Option<&[usize]>,
+        batch_size: usize,
+    ) -> Result<ParquetRecordBatchReader> {
+        let schema = self.meta.parquet_schema();
+        let mask = match roots {
+            Some(r) => ProjectionMask::roots(schema, r.iter().copied()),
+            None => ProjectionMask::all(),
+        };
+        let Some(chunks) = &self.chunks else {
+            return ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, self.meta.clone())
+                .with_row_groups(vec![rg])
+                .with_projection(mask)
+                .with_batch_size(batch_size)
+                .build()
+                .map_err(|e| parquet_err("read a shard row group", e));
+        };
+        let no_rg = || corrupt(&self.path, format!("no row group {rg}"));
+        let crcs = chunks.get(rg).ok_or_else(no_rg)?;
+        let rg_meta = self.meta.metadata().row_groups().get(rg).ok_or_else(no_rg)?;
+        let wanted = |leaf: usize| {
+            leaf < schema.num_columns() && roots.is_none_or(|r| r.contains(&schema.get_column_root_idx(leaf)))
+        };
+        // Runs of wanted leaves: their chunks are contiguous (checked at open).
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for leaf in (0..crcs.len()).filter(|&l| wanted(l)) {
+            match runs.last_mut() {
+                Some((_, end)) if *end == leaf => *end = leaf + 1,
+                _ => runs.push((leaf, leaf + 1)),
+            }
+        }
+        let file = self.open_file()?;
+        let mut parts = Vec::with_capacity(runs.len());
+        // Where each wanted chunk starts in the concatenated buffer.
+        let mut moved_to: Vec<Option<u64>> = vec![None; crcs.len()];
+        let mut pos = 0u64;
+        for &(first, end) in &runs {
+            let (Some(a), Some(b)) = (crcs.get(first), crcs.get(end - 1)) else { return Err(no_rg()) };
+            let run_len = b.offset + b.len - a.offset;
+            let bytes = file
+                .get_bytes(a.offset, usize::try_from(run_len).unwrap_or(usize::MAX))
+                .map_err(|e| corrupt_at(&self.path, a.offset, format!("row group {rg}: {e}")))?;
+            for (leaf, c) in crcs.iter().enumerate().take(end).skip(first) {
+                let at = (c.offset - a.offset) as usize;
+                let got = bytes.get(at..at + c.len as usize).map(crc32fast::hash);
+                if got != Some(c.crc32) {
+                    let column = schema.columns().get(leaf).map(|d| d.path().string()).unwrap_or_default();
+                    return Err(corrupt_at(
+                        &self.path,
+                        c.offset,
+                        format!(
+                            "row group {rg}, column {column}: bytes {}..{} fail their crc32 (recorded {:08x}, read {:08x})",
+                            c.offset,
+                            c.offset + c.len,
+                            c.crc32,
+                            got.unwrap_or(0)
+                        ),
+                    ));
+                }
+                moved_to[leaf] = Some(pos + (c.offset - a.offset));
+            }
+            pos += run_len;
+            parts.push(bytes);
+        }
+        let data = concat(parts);
+        // The row group's metadata with the wanted chunks' offsets moved into `data`.
+        let shifted = |col: &parquet::file::metadata::ColumnChunkMetaData, c: &ChunkCrc, to: u64| {
+            let shift = |o: i64| o.checked_sub(c.offset as i64)?.checked_add(to as i64);
+            let data_page = shift(col.data_page_offset())?;
+            let dictionary_page = match col.dictionary_page_offset() {
+                Some(d) => Some(shift(d)?),
+                None => None,
+            };
+            col.clone()
+                .into_builder()
+                .set_data_page_offset(data_page)
+                .set_dictionary_page_offset(dictionary_page)
+                .set_index_page_offset(None)
+                .set_column_index_offset(None)
+                .set_offset_index_offset(None)
+                .set_bloom_filter_offset(None)
+                .build()
+                .ok()
+        };
+        let mut columns = Vec::with_capacity(crcs.len());
+        for (leaf, (col, c)) in rg_meta.columns().iter().zip(crcs).enumerate() {
+            columns.push(match moved_to[leaf] {
+                Some(to) => shifted(col, c, to)
+                    .ok_or_else(|| corrupt_at(&self.path, c.offset, format!("row group {rg}: bad page offsets")))?,
+                None => col.clone(),
+            });
+        }
+        let rg_meta = rg_meta
+            .clone()
+            .into_builder()
+            .set_column_metadata(columns)
+            .build()
+            .map_err(|e| corrupt(&self.path, format!("row group {rg}: {e}")))?;
+        let metadata = ParquetMetaData::new(self.meta.metadata().file_metadata().clone(), vec![rg_meta]);
+        let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
+            .map_err(|e| corrupt(&self.path, e))?;
+        ParquetRecordBatchReaderBuilder::new_with_metadata(data, meta)
+            .with_row_groups(vec![0])
+            .with_projection(mask)
+            .with_batch_size(batch_size)
+            .build()
+            .map_err(|e| parquet_err("read a shard row group", e))
+    }
+
+    /// Where row group `rg` starts, for error messages.
+    fn row_group_offset(&self, rg: usize) -> u64 {
+        let rgs = self.meta.metadata().row_groups();
+        rgs.get(rg).and_then(|g| g.columns().first()).and_then(chunk_range).map_or(0, |r| r.0)
     }
 
     /// The index entries of every row, in row order.
@@ -86,18 +366,12 @@ impl ShardFile {
         let schema = steps_schema();
         let names = ["trace_id", "session_id", "timestamp", "session_uids", "source_segment", "source_offset"];
         let idx: Vec<usize> = names.iter().filter_map(|n| schema.index_of(n).ok()).collect();
-        let mask = ProjectionMask::roots(self.meta.parquet_schema(), idx);
         for rg in 0..self.row_groups() {
-            let reader = self
-                .builder()?
-                .with_row_groups(vec![rg])
-                .with_projection(mask.clone())
-                .with_batch_size(1 << 16)
-                .build()
-                .map_err(|e| parquet_err("read a shard", e))?;
+            let reader = self.row_group_reader(rg, Some(&idx), 1 << 16)?;
             let mut row = 0u32;
             for batch in reader {
-                let batch = batch.map_err(|e| corrupt(&self.path, e))?;
+                let batch = batch
+                    .map_err(|e| corrupt_at(&self.path, self.row_group_offset(rg), format!("row group {rg}: {e}")))?;
                 let col =
                     |name: &str| batch.column_by_name(name).ok_or_else(|| corrupt(&self.path, format!("no {name}")));
                 let trace =
@@ -136,18 +410,73 @@ impl ShardFile {
 
     /// Decode one whole row group.
     pub fn read_row_group(&self, rg: u32) -> Result<RecordBatch> {
-        let reader = self
-            .builder()?
-            .with_row_groups(vec![rg as usize])
-            .with_batch_size(usize::MAX >> 1)
-            .build()
-            .map_err(|e| parquet_err("read a shard row group", e))?;
+        let rg = rg as usize;
+        let reader = self.row_group_reader(rg, None, usize::MAX >> 1)?;
         let mut batches = Vec::new();
         for b in reader {
-            batches.push(b.map_err(|e| corrupt(&self.path, e))?);
+            batches.push(
+                b.map_err(|e| corrupt_at(&self.path, self.row_group_offset(rg), format!("row group {rg}: {e}")))?,
+            );
         }
         arrow_select_concat(&batches, &self.path)
     }
+}
+
+/// Check a whole shard of either table (format-spec/shard.md §7): with
+/// `expected` (the manifest entry's), its length and footer crc32; its format
+/// version and schema; the leading magic; every column chunk's crc32 (format
+/// 2); that every row group decodes, and for `steps`, that every row is a call.
+/// Each problem names the file and the offset; an empty list means intact.
+pub fn verify_shard(path: &Path, expected: Option<ShardChecksum>) -> Vec<Problem> {
+    let problem = |e: Error| {
+        let offset = match e.kind() {
+            ErrorKind::Corrupt { offset, .. } => *offset,
+            _ => 0,
+        };
+        Problem { path: path.to_path_buf(), offset, what: e.message().to_owned() }
+    };
+    let shard = match ShardFile::open_any(path, 0, expected) {
+        Ok(f) => f,
+        Err(e) => return vec![problem(e)],
+    };
+    let mut problems = Vec::new();
+    match shard.open_file().and_then(|f| read_at(&f, path, 0, 4)) {
+        Ok(magic) if magic == PARQUET_MAGIC => {}
+        Ok(_) => problems.push(problem(corrupt_at(path, 0, "the file does not start with PAR1"))),
+        Err(e) => problems.push(problem(e)),
+    }
+    let table = kv_value(shard.meta.metadata(), META_TABLE).unwrap_or_default().to_owned();
+    let schema = match table.as_str() {
+        "steps" => steps_schema(),
+        "trajectories" => trajectories_schema(),
+        other => {
+            problems.push(problem(corrupt(path, format!("unknown table {other:?} in {META_TABLE}"))));
+            return problems;
+        }
+    };
+    if shard.meta.schema().fields() != schema.fields() {
+        problems.push(problem(corrupt(path, format!("schema is not the {table} schema of format-spec/shard.md"))));
+        return problems;
+    }
+    for rg in 0..shard.row_groups() {
+        let batch = match shard.read_row_group(rg as u32) {
+            Ok(b) => b,
+            Err(e) => {
+                problems.push(problem(e));
+                continue;
+            }
+        };
+        if table == "steps" {
+            for row in 0..batch.num_rows() {
+                if let Err(e) = call_from_row(&batch, row, path) {
+                    let at = shard.row_group_offset(rg);
+                    problems.push(problem(corrupt_at(path, at, format!("row group {rg}: {}", e.message()))));
+                    break;
+                }
+            }
+        }
+    }
+    problems
 }
 
 fn arrow_select_concat(batches: &[RecordBatch], path: &Path) -> Result<RecordBatch> {

@@ -4,10 +4,15 @@
 use arrow_schema::{DataType, Field, Schema};
 use std::sync::Arc;
 
-/// Version of the shard schema (format-spec/shard.md); stored in each file's
-/// key-value metadata under [`META_FORMAT_VERSION`].
-pub const SHARD_FORMAT_VERSION: u32 = 1;
+/// Version of the shard format (format-spec/shard.md) this build writes; stored
+/// in each file's key-value metadata under [`META_FORMAT_VERSION`]. Version 2
+/// adds the column chunk checksums ([`META_CHUNK_CRC32`], shard.md §7).
+pub const SHARD_FORMAT_VERSION: u32 = 2;
+/// The oldest shard format this build reads (version 1: no checksums).
+pub const SHARD_FORMAT_VERSION_MIN: u32 = 1;
 pub const META_FORMAT_VERSION: &str = "trajlog.shard_format_version";
+/// Format 2: the byte range and crc32 of every column chunk (shard.md §7).
+pub const META_CHUNK_CRC32: &str = "trajlog.chunk_crc32";
 pub const META_TABLE: &str = "trajlog.table";
 pub const META_SCHEMA_DOC: &str = "trajlog.schema";
 
@@ -61,4 +66,70 @@ pub fn trajectories_schema() -> Arc<Schema> {
         Field::new("weight_version_min", DataType::Int64, true),
         Field::new("weight_version_max", DataType::Int64, true),
     ]))
+}
+
+/// One column chunk's byte range and crc32 (format-spec/shard.md §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkCrc {
+    pub offset: u64,
+    pub len: u64,
+    pub crc32: u32,
+}
+
+/// The value of [`META_CHUNK_CRC32`]: a JSON array with one element per row
+/// group, each an array of `[offset, len, crc32]` per column chunk in leaf
+/// column order, as decimal integers without spaces (shard.md §7).
+pub fn encode_chunk_crcs(row_groups: &[Vec<ChunkCrc>]) -> String {
+    let mut out = String::from("[");
+    for (i, rg) in row_groups.iter().enumerate() {
+        out.push_str(if i == 0 { "[" } else { ",[" });
+        for (j, c) in rg.iter().enumerate() {
+            if j > 0 {
+                out.push(',');
+            }
+            out.push_str(&format!("[{},{},{}]", c.offset, c.len, c.crc32));
+        }
+        out.push(']');
+    }
+    out.push(']');
+    out
+}
+
+/// Parse [`encode_chunk_crcs`]'s text; `None` if it is not that shape.
+pub fn decode_chunk_crcs(text: &str) -> Option<Vec<Vec<ChunkCrc>>> {
+    let raw: Vec<Vec<(u64, u64, u32)>> = serde_json::from_str(text).ok()?;
+    Some(
+        raw.into_iter()
+            .map(|rg| rg.into_iter().map(|(offset, len, crc32)| ChunkCrc { offset, len, crc32 }).collect())
+            .collect(),
+    )
+}
+
+/// A column chunk's byte range as its metadata gives it (the dictionary page
+/// if any, else the first data page, and the compressed size); `None` if the
+/// metadata holds negative numbers. (`ColumnChunkMetaData::byte_range` panics
+/// on those; metadata read from disk must never make a reader panic.)
+pub fn chunk_range(col: &parquet::file::metadata::ColumnChunkMetaData) -> Option<(u64, u64)> {
+    let start = col.dictionary_page_offset().unwrap_or(col.data_page_offset());
+    Some((u64::try_from(start).ok()?, u64::try_from(col.compressed_size()).ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_crcs_golden_text_and_round_trip() {
+        let rgs = vec![
+            vec![ChunkCrc { offset: 4, len: 10, crc32: 0 }, ChunkCrc { offset: 14, len: 6, crc32: u32::MAX }],
+            vec![ChunkCrc { offset: 20, len: 1, crc32: 7 }],
+        ];
+        let text = encode_chunk_crcs(&rgs);
+        assert_eq!(text, "[[[4,10,0],[14,6,4294967295]],[[20,1,7]]]");
+        assert_eq!(decode_chunk_crcs(&text), Some(rgs));
+        assert_eq!(encode_chunk_crcs(&[]), "[]");
+        for bad in ["", "[[[1,2]]]", "[[[1,2,4294967296]]]", "[[[-1,2,3]]]", "{}", "[[[1,2,3,4]]]", "[[[1,2,3]]"] {
+            assert_eq!(decode_chunk_crcs(bad), None, "{bad}");
+        }
+    }
 }

@@ -1,18 +1,30 @@
 //! Writing one table's shards: files are staged under a hidden `_tmp-` name
 //! (invisible to `pyarrow.dataset`, DuckDB globs of `*.parquet` files named
 //! `part-*`, and HF datasets), fsynced, and renamed by the publisher.
+//!
+//! Checksums (format-spec/shard.md §7): the file under the `ArrowWriter` sees
+//! every byte written; once a row group is flushed its column chunks' ranges are
+//! known, and their crc32s go into the key-value metadata when the file is
+//! closed. The footer's own crc32 and the file length go into the manifest entry
+//! ([`ShardChecksum`]). No page index and no bloom filters are written, so the
+//! file is exactly `"PAR1"`, the column chunks back to back, and the footer:
+//! every byte after the leading magic is under a checksum.
 
-use super::schema::{META_FORMAT_VERSION, META_SCHEMA_DOC, META_TABLE, SHARD_FORMAT_VERSION};
+use super::schema::{
+    chunk_range, encode_chunk_crcs, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION, META_SCHEMA_DOC, META_TABLE,
+    SHARD_FORMAT_VERSION,
+};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::manifest::{ManifestShard, PendingRename};
+use crate::format::manifest::{ManifestShard, PendingRename, ShardChecksum};
 use arrow_array::RecordBatch;
 use arrow_schema::Schema;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
-use parquet::file::properties::WriterProperties;
+use parquet::file::properties::{EnabledStatistics, WriterProperties};
 use parquet::schema::types::ColumnPath;
 use std::fs::File;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -51,13 +63,79 @@ pub(crate) fn parquet_err(what: &str, e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Io, format!("{what}: {e}"))
 }
 
+/// Parquet files start and end with this magic.
+const PARQUET_MAGIC: &[u8; 4] = b"PAR1";
+
+/// The file under an `ArrowWriter`: counts the bytes written and holds those
+/// not yet checksummed (at most one row group's compressed column chunks,
+/// which the `ArrowWriter` held in memory anyway just before).
+struct HashingFile {
+    file: File,
+    /// Bytes written so far: the offset of the next byte.
+    pos: u64,
+    /// The bytes `pos - held.len() .. pos`.
+    held: Vec<u8>,
+}
+
+impl Write for HashingFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.held.extend_from_slice(buf.get(..n).unwrap_or(buf));
+        self.pos += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+fn internal(path: &Path, what: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Io, format!("writing shard {}: {what} (a bug in trajlog's shard writer)", path.display()))
+}
+
 struct OpenFile {
-    writer: ArrowWriter<File>,
+    writer: ArrowWriter<HashingFile>,
     staged: String,
     final_name: String,
     path: PathBuf,
     rows: u64,
     bytes: usize,
+    /// Per flushed row group, its column chunks' ranges and crc32s.
+    chunks: Vec<Vec<ChunkCrc>>,
+}
+
+impl OpenFile {
+    /// Checksum the column chunks of the row group just flushed: they are the
+    /// held bytes, back to back, in leaf column order.
+    fn checksum_last_row_group(&mut self) -> Result<()> {
+        self.writer.sync().map_err(|e| Error::io(format!("write {}", self.path.display()), e))?;
+        let Some(rg) = self.writer.flushed_row_groups().last() else {
+            return Err(internal(&self.path, "no flushed row group"));
+        };
+        let ranges: Vec<Option<(u64, u64)>> = rg.columns().iter().map(chunk_range).collect();
+        let w = self.writer.inner_mut();
+        let start = w.pos - w.held.len() as u64;
+        let mut at = start;
+        let mut crcs = Vec::with_capacity(ranges.len());
+        for (i, range) in ranges.into_iter().enumerate() {
+            let Some((offset, len)) = range.filter(|&(o, _)| o == at) else {
+                return Err(internal(&self.path, format!("column chunk {i} does not start at byte {at}")));
+            };
+            let bytes = w.held.get((offset - start) as usize..(offset - start + len) as usize);
+            let Some(bytes) = bytes else {
+                return Err(internal(&self.path, format!("column chunk {i} ends past byte {}", w.pos)));
+            };
+            crcs.push(ChunkCrc { offset, len, crc32: crc32fast::hash(bytes) });
+            at = offset + len;
+        }
+        if at != w.pos {
+            return Err(internal(&self.path, format!("{} bytes after the row group's column chunks", w.pos - at)));
+        }
+        w.held.clear();
+        self.chunks.push(crcs);
+        Ok(())
+    }
 }
 
 /// Writes row groups of one table, rolling to a new file past `shard_bytes`.
@@ -100,6 +178,11 @@ impl TableWriter {
         }
         let props = builder
             .set_compression(compression)
+            // No page index and no bloom filters between the row groups and the
+            // footer: the checksums then cover every byte (module docs).
+            .set_statistics_enabled(EnabledStatistics::Chunk)
+            .set_offset_index_disabled(true)
+            .set_bloom_filter_enabled(false)
             // Row groups are cut explicitly by the caller (one flush per group).
             .set_max_row_group_row_count(None)
             .set_key_value_metadata(Some(vec![
@@ -132,13 +215,21 @@ impl TableWriter {
             self.part += 1;
             let path = self.shards_dir.join(&staged);
             let file = File::create(&path).map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-            let writer = ArrowWriter::try_new(file, self.schema.clone(), Some(self.props.clone()))
+            let file = HashingFile { file, pos: 0, held: Vec::new() };
+            let mut writer = ArrowWriter::try_new(file, self.schema.clone(), Some(self.props.clone()))
                 .map_err(|e| parquet_err("start a parquet shard", e))?;
-            self.current = Some(OpenFile { writer, staged, final_name, path, rows: 0, bytes: 0 });
+            writer.sync().map_err(|e| Error::io(format!("write {}", path.display()), e))?;
+            let w = writer.inner_mut();
+            if w.held != PARQUET_MAGIC {
+                return Err(internal(&path, "the file does not start with PAR1"));
+            }
+            w.held.clear();
+            self.current = Some(OpenFile { writer, staged, final_name, path, rows: 0, bytes: 0, chunks: Vec::new() });
         }
         let Some(cur) = self.current.as_mut() else { return Err(Error::closed()) };
         cur.writer.write(batch).map_err(|e| parquet_err("write a parquet row group", e))?;
         cur.writer.flush().map_err(|e| parquet_err("flush a parquet row group", e))?;
+        cur.checksum_last_row_group()?;
         cur.rows += batch.num_rows() as u64;
         cur.bytes += approx_bytes;
         if cur.bytes >= self.shard_bytes {
@@ -148,11 +239,26 @@ impl TableWriter {
     }
 
     fn close_current(&mut self) -> Result<()> {
-        let Some(cur) = self.current.take() else { return Ok(()) };
-        let file = cur.writer.into_inner().map_err(|e| parquet_err("finish a parquet shard", e))?;
-        file.sync_all().map_err(|e| Error::io(format!("fsync {}", cur.path.display()), e))?;
-        self.finished
-            .push(PendingRename { staged: cur.staged, shard: ManifestShard { path: cur.final_name, rows: cur.rows } });
+        let Some(mut cur) = self.current.take() else { return Ok(()) };
+        cur.writer
+            .append_key_value_metadata(KeyValue::new(META_CHUNK_CRC32.to_owned(), encode_chunk_crcs(&cur.chunks)));
+        let w = cur.writer.into_inner().map_err(|e| parquet_err("finish a parquet shard", e))?;
+        // What is left is the footer, its length and the closing magic (§7).
+        let n = w.held.len();
+        let footer_len = w.held.get(n.wrapping_sub(8)..n.wrapping_sub(4)).and_then(|b| b.try_into().ok());
+        let footer_len = footer_len.map(u32::from_le_bytes);
+        if footer_len.map(|l| l as usize + 8) != Some(n) || !w.held.ends_with(PARQUET_MAGIC) {
+            return Err(internal(
+                &cur.path,
+                format!("the {n} bytes after the last row group are not exactly the footer"),
+            ));
+        }
+        let checksum = ShardChecksum { len: w.pos, footer_crc32: crc32fast::hash(&w.held) };
+        w.file.sync_all().map_err(|e| Error::io(format!("fsync {}", cur.path.display()), e))?;
+        self.finished.push(PendingRename {
+            staged: cur.staged,
+            shard: ManifestShard { path: cur.final_name, rows: cur.rows, checksum: Some(checksum) },
+        });
         Ok(())
     }
 
