@@ -71,6 +71,9 @@ pub struct AuditReport {
     /// have trained on wrongly.
     pub tokens_wrong: u64,
     pub sessions: Vec<SessionAudit>,
+    /// Sessions that could not be audited because a call of theirs is damaged
+    /// (session id, the error naming file and offset); the others were.
+    pub sessions_damaged: Vec<(String, String)>,
 }
 
 fn around(ids: &[u32], pos: usize) -> Vec<u32> {
@@ -81,72 +84,84 @@ fn around(ids: &[u32], pos: usize) -> Vec<u32> {
 pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
     let mut report = AuditReport::default();
     for info in snapshot.sessions() {
-        let calls = snapshot.session(&info.session_id, None, None)?;
-        let own: Vec<_> = calls.iter().filter(|c| c.session_id() == info.session_id).collect();
-        if own.is_empty() {
-            continue;
-        }
-        let mut s = SessionAudit {
-            session_id: info.session_id.clone(),
-            calls: own.len(),
-            extends_previous: Vec::with_capacity(own.len()),
-            breaks: 0,
-            diverges_earlier: 0,
-            tokens_wrong: 0,
-            divergences: Vec::new(),
-        };
-        // Recent calls, newest last.
-        let mut recent: VecDeque<Recent> = VecDeque::new();
-        for (i, c) in own.iter().enumerate() {
-            let prompt = c.prompt()?;
-            s.extends_previous.push(recent.back().is_none_or(|r| prompt.starts_with(&r.context)));
-            let mut best: Option<(&Recent, usize)> = None;
-            for r in recent.iter().rev() {
-                let shared = common_prefix_len(&prompt, &r.context);
-                if best.is_none_or(|(_, b)| shared > b) {
-                    best = Some((r, shared));
+        match audit_session(snapshot, &info.session_id) {
+            Ok(None) => {}
+            Ok(Some(s)) => {
+                report.sessions_checked += 1;
+                report.calls_checked += s.calls;
+                report.breaks += s.breaks;
+                report.diverges_earlier += s.diverges_earlier;
+                report.tokens_wrong += s.tokens_wrong;
+                if s.breaks > 0 {
+                    report.sessions_with_breaks += 1;
                 }
+                report.sessions.push(s);
             }
-            if let Some((parent, shared)) = best {
-                let ctx = &parent.context;
-                let relation = classify(shared, parent.prompt_len, ctx.len());
-                if relation != Relation::Extends {
-                    let tokens_wrong = if relation == Relation::TitoBreak { (ctx.len() - shared) as u64 } else { 0 };
-                    if relation == Relation::TitoBreak {
-                        s.breaks += 1;
-                        s.tokens_wrong += tokens_wrong;
-                    } else {
-                        s.diverges_earlier += 1;
-                    }
-                    s.divergences.push(Divergence {
-                        trace_id: c.trace_id().to_owned(),
-                        call_index: i,
-                        relation: relation.name(),
-                        parent_trace_id: parent.trace_id.clone(),
-                        position: shared,
-                        prompt_ids_around: around(&prompt, shared),
-                        parent_ids_around: around(ctx, shared),
-                        tokens_wrong,
-                    });
-                }
-            }
-            let mut ctx = prompt;
-            let prompt_len = ctx.len();
-            ctx.extend_from_slice(c.completion_token_ids());
-            recent.push_back(Recent { trace_id: c.trace_id().to_owned(), prompt_len, context: ctx });
-            if recent.len() > DELTA_LOOKBACK_CALLS {
-                recent.pop_front();
-            }
+            // Damage stays confined to the session it touches.
+            Err(e) => report.sessions_damaged.push((info.session_id.clone(), e.to_string())),
         }
-        report.sessions_checked += 1;
-        report.calls_checked += s.calls;
-        report.breaks += s.breaks;
-        report.diverges_earlier += s.diverges_earlier;
-        report.tokens_wrong += s.tokens_wrong;
-        if s.breaks > 0 {
-            report.sessions_with_breaks += 1;
-        }
-        report.sessions.push(s);
     }
     Ok(report)
+}
+
+/// Audit one session (None if it has no call of its own).
+fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<SessionAudit>> {
+    let calls = snapshot.session(session_id, None, None)?;
+    let own: Vec<_> = calls.iter().filter(|c| c.session_id() == session_id).collect();
+    if own.is_empty() {
+        return Ok(None);
+    }
+    let mut s = SessionAudit {
+        session_id: session_id.to_owned(),
+        calls: own.len(),
+        extends_previous: Vec::with_capacity(own.len()),
+        breaks: 0,
+        diverges_earlier: 0,
+        tokens_wrong: 0,
+        divergences: Vec::new(),
+    };
+    // Recent calls, newest last.
+    let mut recent: VecDeque<Recent> = VecDeque::new();
+    for (i, c) in own.iter().enumerate() {
+        let prompt = c.prompt()?;
+        s.extends_previous.push(recent.back().is_none_or(|r| prompt.starts_with(&r.context)));
+        let mut best: Option<(&Recent, usize)> = None;
+        for r in recent.iter().rev() {
+            let shared = common_prefix_len(&prompt, &r.context);
+            if best.is_none_or(|(_, b)| shared > b) {
+                best = Some((r, shared));
+            }
+        }
+        if let Some((parent, shared)) = best {
+            let ctx = &parent.context;
+            let relation = classify(shared, parent.prompt_len, ctx.len());
+            if relation != Relation::Extends {
+                let tokens_wrong = if relation == Relation::TitoBreak { (ctx.len() - shared) as u64 } else { 0 };
+                if relation == Relation::TitoBreak {
+                    s.breaks += 1;
+                    s.tokens_wrong += tokens_wrong;
+                } else {
+                    s.diverges_earlier += 1;
+                }
+                s.divergences.push(Divergence {
+                    trace_id: c.trace_id().to_owned(),
+                    call_index: i,
+                    relation: relation.name(),
+                    parent_trace_id: parent.trace_id.clone(),
+                    position: shared,
+                    prompt_ids_around: around(&prompt, shared),
+                    parent_ids_around: around(ctx, shared),
+                    tokens_wrong,
+                });
+            }
+        }
+        let mut ctx = prompt;
+        let prompt_len = ctx.len();
+        ctx.extend_from_slice(c.completion_token_ids());
+        recent.push_back(Recent { trace_id: c.trace_id().to_owned(), prompt_len, context: ctx });
+        if recent.len() > DELTA_LOOKBACK_CALLS {
+            recent.pop_front();
+        }
+    }
+    Ok(Some(s))
 }

@@ -33,6 +33,7 @@ pub fn record_decode(data: &[u8]) {
 pub fn segment_scan(data: &[u8]) {
     let _ = segment::decode_header(data);
     let _ = crate::segment::recovery::scan_frames(data);
+    let _ = crate::segment::recovery::scan_frames_past_damage(data);
     let _ = frame::read_frame(data, 0);
 }
 

@@ -41,6 +41,7 @@ pub mod index;
 pub mod limits;
 pub mod progress;
 pub mod record;
+pub mod repair;
 pub mod rllm;
 pub mod segment;
 pub mod sim;

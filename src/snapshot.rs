@@ -7,9 +7,7 @@
 
 use crate::compact::reader::{call_from_row, ShardFile, ShardPos};
 use crate::error::{Error, Result};
-use crate::format::frame::{read_frame, FrameRead};
-use crate::format::record::{body_kind, decode_call, CallRecord, Loc, Relation, KIND_CALL};
-use crate::format::segment::HEADER_BYTES;
+use crate::format::record::{decode_call, CallRecord, Loc, Relation};
 use crate::index::{CallMeta, Index};
 use crate::record::Call;
 use crate::segment::SegmentRef;
@@ -22,6 +20,8 @@ pub struct View {
     pub(crate) segments: imbl::OrdMap<u64, SegmentRef>,
     /// Published `steps` shards, by shard id.
     pub(crate) shards: Arc<Vec<Arc<ShardFile>>>,
+    /// Damage found and confined when the store was opened.
+    pub(crate) damage: Arc<Vec<crate::verify::Problem>>,
 }
 
 /// Decoded shard row groups, kept for the life of one snapshot so that views
@@ -216,9 +216,22 @@ impl Snapshot {
     }
 
     /// A session's calls, oldest first (by timestamp, then append order), with
-    /// timestamp strictly greater than `since`, at most `limit` of them.
+    /// timestamp strictly greater than `since`, at most `limit` of them. A
+    /// damaged call makes the whole read fail; see [`Snapshot::session_each`].
     pub fn session(&self, session_id: &str, since: Option<f64>, limit: Option<usize>) -> Result<Vec<CallView<'_>>> {
-        let Some(entry) = self.view.index.sessions.get(session_id) else { return Ok(Vec::new()) };
+        self.session_each(session_id, since, limit).into_iter().collect()
+    }
+
+    /// Like [`Snapshot::session`], one result per call: a damaged call (or one
+    /// whose prefix-delta parent is damaged) is an error naming the file and
+    /// offset, and the session's other calls still read.
+    pub fn session_each(
+        &self,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+    ) -> Vec<Result<CallView<'_>>> {
+        let Some(entry) = self.view.index.sessions.get(session_id) else { return Vec::new() };
         let start = match since {
             None => 0,
             Some(t) => entry
@@ -268,6 +281,14 @@ impl Snapshot {
         out
     }
 
+    /// Damage found when the store was opened and confined to the records it
+    /// touches (a sealed segment's footer rebuilt from its frames, frames
+    /// skipped, a damaged annotation). Empty for an intact store; `trajlog
+    /// verify` gives the full picture.
+    pub fn damage(&self) -> &[crate::verify::Problem] {
+        &self.view.damage
+    }
+
     /// Whether a session is sealed.
     pub fn is_sealed(&self, session_id: &str) -> bool {
         self.view.index.sessions.get(session_id).is_some_and(|e| e.sealed)
@@ -309,24 +330,46 @@ impl Snapshot {
     /// Visit every live call: first those still in segments, in log order, then
     /// the compacted ones, in shard order. Shard row groups are decoded one at a
     /// time and dropped after their calls were visited, so memory stays bounded.
+    /// Stops at the first damaged call; see [`Snapshot::for_each_call_each`].
     pub fn for_each_call(&self, mut f: impl FnMut(&CallView<'_>) -> Result<()>) -> Result<()> {
-        for seg in self.view.segments.values() {
-            for call in (LiveCalls { snapshot: self, seg, at: HEADER_BYTES, done: false }) {
-                f(&call?)?;
-            }
+        self.for_each_call_each(|call| f(&call?))
+    }
+
+    /// Like [`Snapshot::for_each_call`], but damage stays confined: a damaged
+    /// call (or shard row group) is handed to `f` as an error naming the file
+    /// and offset, and the scan goes on; `f` decides whether to stop.
+    pub fn for_each_call_each(&self, mut f: impl FnMut(Result<CallView<'_>>) -> Result<()>) -> Result<()> {
+        // Live calls still in segments, in log order, from the index (not by
+        // scanning frames: a damaged frame must not hide the ones after it).
+        let mut locs: Vec<Loc> = self.view.index.traces.values().filter(|m| m.shard.is_none()).map(|m| m.loc).collect();
+        locs.sort_unstable();
+        for loc in locs {
+            f(self.call_at(loc))?;
         }
         for file in self.view.shards.iter() {
             for rg in 0..file.row_groups() as u32 {
-                let batch = file.read_row_group(rg)?;
+                let batch = match file.read_row_group(rg) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        f(Err(e))?;
+                        continue;
+                    }
+                };
                 for row in 0..batch.num_rows() {
-                    let (record, divergence) = call_from_row(&batch, row, &file.path)?;
+                    let (record, divergence) = match call_from_row(&batch, row, &file.path) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            f(Err(e))?;
+                            continue;
+                        }
+                    };
                     let pos = ShardPos { shard: file.id, row_group: rg, row: row as u32 };
                     let Some(meta) = self.view.index.traces.get(record.trace_id) else { continue };
                     if meta.shard != Some(pos) {
                         continue;
                     }
                     let divergence = divergence.map(|d| d as usize);
-                    f(&CallView { loc: meta.loc, record, shard: Some(pos), divergence, snapshot: self })?;
+                    f(Ok(CallView { loc: meta.loc, record, shard: Some(pos), divergence, snapshot: self }))?;
                 }
             }
         }
@@ -392,51 +435,5 @@ impl Snapshot {
         let path =
             self.view.segments.get(&call.loc.segment).map(|s| s.path.as_path().to_path_buf()).unwrap_or_default();
         Error::corrupt(path, call.loc.offset, what)
-    }
-}
-
-/// Live calls of one segment in log order.
-struct LiveCalls<'a> {
-    snapshot: &'a Snapshot,
-    seg: &'a SegmentRef,
-    at: u64,
-    done: bool,
-}
-
-impl<'a> Iterator for LiveCalls<'a> {
-    type Item = Result<CallView<'a>>;
-    fn next(&mut self) -> Option<Self::Item> {
-        while !self.done {
-            let offset = self.at;
-            match read_frame(self.seg.bytes(), offset) {
-                Ok(FrameRead::End) => self.done = true,
-                Err(e) => {
-                    self.done = true;
-                    return Some(Err(Error::corrupt(self.seg.path.as_path(), offset, e.what)));
-                }
-                Ok(FrameRead::Frame { body, next }) => {
-                    self.at = next;
-                    if body_kind(body) != Some(KIND_CALL) {
-                        continue;
-                    }
-                    let loc = Loc { segment: self.seg.id, offset };
-                    let record = match decode_call(body) {
-                        Ok(r) => r,
-                        Err(e) => return Some(Err(Error::corrupt(self.seg.path.as_path(), offset, e.what))),
-                    };
-                    let live = self
-                        .snapshot
-                        .view
-                        .index
-                        .traces
-                        .get(record.trace_id)
-                        .is_some_and(|m| m.loc == loc && m.shard.is_none());
-                    if live {
-                        return Some(Ok(self.snapshot.segment_view(loc, record)));
-                    }
-                }
-            }
-        }
-        None
     }
 }

@@ -21,10 +21,10 @@ use crate::delta::{Context, DeltaCache};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::frame::{frame_bytes, write_frame};
 use crate::format::manifest::{
-    decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState,
+    decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState, ShardChecksum,
 };
 use crate::format::record::{
-    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION,
+    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL,
 };
 use crate::format::segment::FooterEntry;
 use crate::index::{sessions_of, CallMeta, Index};
@@ -34,6 +34,7 @@ use crate::segment::recovery::load_segment;
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
 use crate::snapshot::{Snapshot, View};
+use crate::verify::Problem;
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
@@ -155,11 +156,79 @@ pub(crate) struct PublishOutcome {
     pub retired_segments: Vec<u64>,
 }
 
+/// An append not yet durable: its sequence number and its sessions.
+type InFlightCall = (u64, Arc<[Arc<str>]>);
+
 struct SendState {
     next_seq: u64,
     tx: Option<Sender<Cmd>>,
     /// Sealed sessions: appends to them are refused at the boundary.
     sealed: HashSet<String>,
+    /// Appends not yet durable (so not yet in the published view), by trace id:
+    /// their sequence number and sessions. Checked with the view for the trace
+    /// id rule; pruned once durable.
+    calls_in_flight: std::collections::HashMap<String, InFlightCall>,
+    /// Session deletions not yet durable: (sequence number, session).
+    deletes_in_flight: Vec<(u64, String)>,
+    /// Prune `calls_in_flight` when it grows past this (amortized O(1)).
+    prune_at: usize,
+}
+
+impl SendState {
+    fn new(tx: Option<Sender<Cmd>>, sealed: HashSet<String>) -> Self {
+        Self {
+            next_seq: 0,
+            tx,
+            sealed,
+            calls_in_flight: std::collections::HashMap::new(),
+            deletes_in_flight: Vec::new(),
+            prune_at: 1024,
+        }
+    }
+
+    /// Forget in-flight entries the published view now covers.
+    fn prune(&mut self, durable_seq: u64) {
+        if self.calls_in_flight.len() > self.prune_at {
+            self.calls_in_flight.retain(|_, (seq, _)| *seq > durable_seq);
+            self.prune_at = (2 * self.calls_in_flight.len()).max(1024);
+        }
+        if self.deletes_in_flight.len() > 64 {
+            self.deletes_in_flight.retain(|(seq, _)| *seq > durable_seq);
+        }
+    }
+
+    /// Whether `session` is deleted by a deletion appended after `seq`.
+    fn deleted_after(&self, session: &str, seq: u64) -> bool {
+        self.deletes_in_flight.iter().any(|(s, id)| *s > seq && id == session)
+    }
+}
+
+/// The trace id rule (format-spec/record.md §6): trace ids are unique per store.
+/// Re-appending a live trace id replaces that call only within the same session
+/// (`session_id`), and never takes it out of a sealed session.
+fn check_trace_id(call: &Call, current: &[Arc<str>], sealed: &HashSet<String>) -> Result<()> {
+    let Some(primary) = current.first() else { return Ok(()) };
+    if **primary != *call.session_id {
+        return Err(Error::invalid(
+            "trace_id",
+            format!(
+                "trace {:?} already belongs to session {:?}, so it cannot be appended to session {:?}: trace ids are unique per store (re-appending one replaces the call only within its own session); use a new trace id, or delete session {:?} first",
+                call.trace_id, &**primary, call.session_id, &**primary
+            ),
+        ));
+    }
+    for s in current.iter().skip(1) {
+        if sealed.contains(&**s) && !call.session_uids.iter().any(|u| u == &**s) {
+            return Err(Error::invalid(
+                "session_uids",
+                format!(
+                    "trace {:?} belongs to the sealed session {:?}; replacing it without that session uid would take it out of a sealed session",
+                    call.trace_id, &**s
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 struct Durable {
@@ -275,7 +344,7 @@ pub struct Store {
     _lock: Option<File>,
 }
 
-const MANIFEST_NAME: &str = "MANIFEST";
+pub(crate) const MANIFEST_NAME: &str = "MANIFEST";
 /// Shards live under `DIR/shards/{steps,trajectories}/`.
 pub(crate) const SHARDS_DIR: &str = "shards";
 pub(crate) const SHARD_TABLES: [&str; 2] = ["steps", "trajectories"];
@@ -309,10 +378,16 @@ struct Loaded {
     shard_traces: HashSet<Arc<str>>,
     /// The last segment, if unsealed: its entries and valid end.
     active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
+    /// Damage found and confined while loading (see [`Snapshot::damage`]).
+    damage: Vec<Problem>,
 }
 
 /// Apply one footer entry (and, for annotations, the record) to `index`.
-fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry) -> Result<()> {
+///
+/// A damaged annotation stays confined: seals and deletions are applied from
+/// the footer entry (kind and target), which is all they hold; a damaged
+/// reward is skipped. Either way the damage is reported in `damage`.
+fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry, damage: &mut Vec<Problem>) {
     let loc = Loc { segment: seg.id, offset: e.frame_offset };
     if e.kind == KIND_CALL {
         index.apply_call(CallMeta {
@@ -322,12 +397,31 @@ fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry) -> Result<(
             trace_id: Arc::from(e.id.as_str()),
             sessions: sessions_of(&e.session_id, &e.session_uids),
         });
-        return Ok(());
+        return;
     }
-    let body = seg.body_at(e.frame_offset)?;
-    let ann = decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?;
+    let decoded = seg.body_at(e.frame_offset).and_then(|body| {
+        decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))
+    });
+    let ann = match decoded {
+        Ok(ann) => ann,
+        Err(err) => {
+            let from_footer = match e.kind {
+                KIND_SEAL => Some(Annotation::Seal { session_id: e.id.clone() }),
+                KIND_DELETE_SESSION => Some(Annotation::DeleteSession { session_id: e.id.clone() }),
+                _ => None,
+            };
+            let what = match &from_footer {
+                Some(_) => format!("damaged annotation, applied from the footer entry: {}", err.message()),
+                None => format!("damaged reward annotation skipped (target {:?}): {}", e.id, err.message()),
+            };
+            damage.push(Problem { path: seg.path.as_path().to_path_buf(), offset: e.frame_offset, what });
+            match from_footer {
+                Some(ann) => ann,
+                None => return,
+            }
+        }
+    };
     apply_annotation(index, &ann);
-    Ok(())
 }
 
 fn apply_shard_row(index: &mut Index, row: &ShardRow) {
@@ -353,32 +447,49 @@ fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
 /// The `steps` shards of a manifest, in publication order (their shard ids).
 /// `pending` publications count too, at their final path if the rename
 /// happened, else at their staged path (read-only opens do not rename).
-fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<PathBuf> {
+/// Each with the manifest entry's checksum, if it has one.
+fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<(PathBuf, Option<ShardChecksum>)> {
     let shards = dir.join(SHARDS_DIR);
-    let published = manifest.shards.iter().map(|s| shards.join(&s.path));
+    let published = manifest.shards.iter().map(|s| (shards.join(&s.path), s.checksum));
     let pending = manifest.pending.iter().map(|p| {
         let done = shards.join(&p.shard.path);
         if done.exists() {
-            done
+            (done, p.shard.checksum)
         } else {
-            shards.join(&p.staged)
+            (shards.join(&p.staged), p.shard.checksum)
         }
     });
-    let steps = |p: &PathBuf| p.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "steps");
+    let steps = |(p, _): &(PathBuf, _)| p.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "steps");
     published.chain(pending).filter(steps).collect()
 }
 
 /// Open shards and read their index rows (sorted by log position).
-fn load_shards(paths: &[PathBuf]) -> Result<(Vec<Arc<ShardFile>>, Vec<ShardRow>)> {
+fn load_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<(Vec<Arc<ShardFile>>, Vec<ShardRow>)> {
     let mut files = Vec::with_capacity(paths.len());
     let mut rows = Vec::new();
-    for (i, path) in paths.iter().enumerate() {
-        let f = ShardFile::open(path, i as u32)?;
+    for (i, (path, expected)) in paths.iter().enumerate() {
+        if !path.exists() {
+            let dir = path.parent().and_then(Path::parent).and_then(Path::parent).unwrap_or(Path::new("."));
+            return Err(missing_listed_file(dir, path));
+        }
+        let f = ShardFile::open(path, i as u32, *expected)?;
         f.index_rows(&mut rows)?;
         files.push(Arc::new(f));
     }
     rows.sort_by_key(|r| r.loc);
     Ok((files, rows))
+}
+
+/// A file the manifest lists is gone.
+fn missing_listed_file(dir: &Path, path: &Path) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!(
+            "{} is listed in the MANIFEST but missing. Restore it if you can; otherwise `trajlog repair --store {}` rebuilds the MANIFEST from the files that exist (the records only that file held are lost)",
+            path.display(),
+            dir.display()
+        ),
+    )
 }
 
 /// Load every segment and shard of the manifest and rebuild the indexes by
@@ -398,8 +509,18 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     }
     let mut rows = rows.into_iter().peekable();
     let last = manifest.segments.last().map(|s| s.id);
+    let mut damage = Vec::new();
     for ms in &manifest.segments {
+        let path = crate::storage::segment_path(dir, ms.id);
+        if !path.exists() {
+            return Err(missing_listed_file(dir, &path));
+        }
         let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed)?;
+        damage.extend(seg.damage.iter().map(|d| Problem {
+            path: seg.path.as_path().to_path_buf(),
+            offset: d.offset,
+            what: d.what.clone(),
+        }));
         if !seg.sealed && Some(ms.id) != last {
             return Err(Error::corrupt(
                 seg.path.as_path(),
@@ -418,7 +539,7 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
                 apply_shard_row(&mut index, &row);
                 continue;
             }
-            apply_entry(&mut index, &r, e)?;
+            apply_entry(&mut index, &r, e, &mut damage);
         }
         if !seg.sealed {
             active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
@@ -428,7 +549,7 @@ fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     for row in rows {
         apply_shard_row(&mut index, &row);
     }
-    Ok(Loaded { manifest, index, segments, shards, shard_sessions, shard_traces, active })
+    Ok(Loaded { manifest, index, segments, shards, shard_sessions, shard_traces, active, damage })
 }
 
 /// Finish a shard publication that was decided (listed as pending in the
@@ -455,25 +576,34 @@ fn finish_pending(dir: &Path, manifest: &mut Manifest, faults: &crate::storage::
     crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
 }
 
-/// Remove shard files no manifest entry names: staged files of a compaction
-/// that never reached its commit point.
-fn remove_orphan_shards(dir: &Path, manifest: &Manifest) -> Result<()> {
-    let listed: HashSet<&str> = manifest.shards.iter().map(|s| s.path.as_str()).collect();
-    for table in SHARD_TABLES {
-        let tdir = dir.join(SHARDS_DIR).join(table);
-        let Ok(entries) = fs::read_dir(&tdir) else { continue };
-        for entry in entries {
-            let entry = entry.map_err(|e| Error::io(format!("list {}", tdir.display()), e))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let rel = format!("{table}/{name}");
-            if name.ends_with(".parquet") && !listed.contains(rel.as_str()) {
-                fs::remove_file(entry.path())
-                    .map_err(|e| Error::io(format!("remove orphan shard {}", entry.path().display()), e))?;
-            }
-        }
+/// Take the single-writer lock of a store directory (its `LOCK` file).
+pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
+    let lock_path = dir.join(LOCK_NAME);
+    let lock_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| Error::io(format!("open {}", lock_path.display()), e))?;
+    match lock_file.try_lock() {
+        Ok(()) => Ok(lock_file),
+        Err(fs::TryLockError::WouldBlock) => Err(Error::new(
+            ErrorKind::Locked,
+            format!(
+                "{} is locked by another writer (its LOCK file is held); stop that process or open the store read-only",
+                dir.display()
+            ),
+        )),
+        Err(fs::TryLockError::Error(e)) => Err(Error::io(format!("lock {}", lock_path.display()), e)),
     }
-    Ok(())
+}
+
+/// Load the store `manifest` describes (read-only): the live call count and
+/// the damage confined, for `trajlog repair` to check a manifest before
+/// writing it.
+pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, Vec<Problem>)> {
+    let loaded = load_dir(dir, manifest)?;
+    Ok((loaded.index.call_count(), loaded.damage))
 }
 
 impl Store {
@@ -483,26 +613,16 @@ impl Store {
         options.validate()?;
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create store directory {}", dir.display()), e))?;
-        let lock_path = dir.join(LOCK_NAME);
-        let lock_file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| Error::io(format!("open {}", lock_path.display()), e))?;
-        match lock_file.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(Error::new(
-                    ErrorKind::Locked,
-                    format!("{} is locked by another writer (its LOCK file is held); stop that process or open the store read-only", dir.display()),
-                ))
-            }
-            Err(fs::TryLockError::Error(e)) => return Err(Error::io(format!("lock {}", lock_path.display()), e)),
-        }
+        let lock_file = lock_dir(&dir)?;
         let manifest = match read_manifest(&dir)? {
             Some(m) => m,
             None => {
+                // A new store — unless there are data files: never start an
+                // empty manifest over them (it would make them orphans).
+                let inv = crate::repair::inventory(&dir)?;
+                if inv.holds_data()? {
+                    return Err(crate::repair::no_manifest_error(&dir, &inv));
+                }
                 let m = Manifest { next_segment_id: 1, next_shard_generation: 1, ..Manifest::default() };
                 crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m), &options.faults)?;
                 m
@@ -510,9 +630,13 @@ impl Store {
         };
         let mut manifest = manifest;
         finish_pending(&dir, &mut manifest, &options.faults)?;
-        remove_orphans(&dir, &manifest)?;
-        remove_orphan_shards(&dir, &manifest)?;
+        // Every unlisted data file must be the leftover of an interrupted
+        // operation (else refuse); they are deleted once the store loaded.
+        let leftovers = crate::repair::leftovers(&dir, &manifest, &crate::repair::inventory(&dir)?)?;
         let mut loaded = load_dir(&dir, manifest)?;
+        for leftover in &leftovers {
+            leftover.dispose(&dir)?;
+        }
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
         // that no manifest ever lists two active segments.
@@ -546,12 +670,14 @@ impl Store {
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
         let shards = Arc::new(loaded.shards);
-        let view = Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone() });
+        let damage = Arc::new(std::mem::take(&mut loaded.damage));
+        let view =
+            Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone(), damage: damage.clone() });
         let (tx, rx) = bounded(options.queue_depth);
         let inner = Arc::new(Inner {
             dir: dir.clone(),
             options: options.clone(),
-            send: Mutex::new(SendState { next_seq: 0, tx: Some(tx), sealed }),
+            send: Mutex::new(SendState::new(Some(tx), sealed)),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: false }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -570,6 +696,7 @@ impl Store {
             shards,
             shard_sessions: loaded.shard_sessions,
             shard_traces: loaded.shard_traces,
+            damage,
             retiring: Vec::new(),
             old_maps: std::collections::HashMap::new(),
             delta: DeltaCache::new(inner.options.delta_cache_bytes),
@@ -594,7 +721,7 @@ impl Store {
         let inner = Arc::new(Inner {
             dir,
             options: Options::default(),
-            send: Mutex::new(SendState { next_seq: 0, tx: None, sealed: HashSet::new() }),
+            send: Mutex::new(SendState::new(None, HashSet::new())),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -652,8 +779,27 @@ impl Store {
                 ));
             }
         }
+        let durable_seq = self.inner.durable_seq.load(Ordering::Acquire);
+        s.prune(durable_seq);
+        let current: Option<Arc<[Arc<str>]>> = match s.calls_in_flight.get(call.trace_id.as_str()) {
+            Some((seq, sessions)) if *seq > durable_seq => {
+                (!sessions.first().is_some_and(|p| s.deleted_after(p, *seq))).then(|| sessions.clone())
+            }
+            _ => {
+                let view = lock(&self.inner.view).clone();
+                view.index
+                    .traces
+                    .get(call.trace_id.as_str())
+                    .filter(|m| !m.sessions.first().is_some_and(|p| s.deleted_after(p, durable_seq)))
+                    .map(|m| m.sessions.clone())
+            }
+        };
+        if let Some(current) = current {
+            check_trace_id(&call, &current, &s.sealed)?;
+        }
         s.next_seq += 1;
         let seq = s.next_seq;
+        s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
         Self::send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
@@ -677,6 +823,9 @@ impl Store {
         }
         s.next_seq += 1;
         let seq = s.next_seq;
+        if let Annotation::DeleteSession { session_id } = &ann {
+            s.deletes_in_flight.push((seq, session_id.clone()));
+        }
         Self::send(&mut s, Cmd::Annotate { seq, ann, reply })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
@@ -790,42 +939,37 @@ impl Drop for Store {
     }
 }
 
-/// Delete segment files the manifest does not list (a crash between creating a
-/// segment and publishing it leaves one; it holds no acknowledged record).
-fn remove_orphans(dir: &Path, manifest: &Manifest) -> Result<()> {
-    let listed: HashSet<u64> = manifest.segments.iter().map(|s| s.id).collect();
-    let entries = fs::read_dir(dir).map_err(|e| Error::io(format!("list {}", dir.display()), e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io(format!("list {}", dir.display()), e))?;
-        let name = entry.file_name();
-        let Some(id) = name.to_str().and_then(crate::storage::parse_segment_file_name) else { continue };
-        if !listed.contains(&id) {
-            fs::remove_file(entry.path())
-                .map_err(|e| Error::io(format!("remove orphan segment {}", entry.path().display()), e))?;
-        }
-    }
-    Ok(())
-}
-
 fn load_read_only(dir: &Path) -> Result<View> {
     // The writer may replace the manifest (and, later, retire segments) while we
     // read; retry a few times on a vanished file.
     let mut last_err = None;
     for _ in 0..5 {
-        let manifest = read_manifest(dir)?.ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotFound,
-                format!(
-                    "no trajlog store at {} (no MANIFEST); create one with `trajlog ingest` or Store::open",
-                    dir.display()
-                ),
-            )
-        })?;
+        let manifest = match read_manifest(dir)? {
+            Some(m) => m,
+            None => {
+                let inv = crate::repair::inventory(dir).unwrap_or_default();
+                if inv.holds_data().unwrap_or(true) {
+                    return Err(crate::repair::no_manifest_error(dir, &inv));
+                }
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "no trajlog store at {} (no MANIFEST); create one with `trajlog ingest` or Store::open",
+                        dir.display()
+                    ),
+                ));
+            }
+        };
         match load_dir(dir, manifest) {
             Ok(loaded) => {
-                return Ok(View { index: loaded.index, segments: loaded.segments, shards: Arc::new(loaded.shards) })
+                return Ok(View {
+                    index: loaded.index,
+                    segments: loaded.segments,
+                    shards: Arc::new(loaded.shards),
+                    damage: Arc::new(loaded.damage),
+                })
             }
-            Err(e) if e.kind() == &ErrorKind::Io && e.message().contains("No such file") => last_err = Some(e),
+            Err(e) if e.kind() == &ErrorKind::NotFound => last_err = Some(e),
             Err(e) => return Err(e),
         }
     }
@@ -844,6 +988,8 @@ struct Writer {
     shards: Arc<Vec<Arc<ShardFile>>>,
     shard_sessions: HashSet<Arc<str>>,
     shard_traces: HashSet<Arc<str>>,
+    /// Damage confined at open (published with every view).
+    damage: Arc<Vec<Problem>>,
     /// Retired segment files, deleted once no snapshot maps them any more.
     retiring: Vec<(PathBuf, Vec<Weak<crate::storage::mmap::Mapping>>)>,
     /// Mappings sealed segments had while they were active.
@@ -1085,11 +1231,13 @@ impl Writer {
         let snap = Snapshot::new(Arc::new(self.view()?));
         let session_arc: Arc<str> = Arc::from(session);
         for loc in keys {
-            let call = snap.call_at(loc)?;
+            // A damaged call (or one built on a damaged parent) cannot be a
+            // parent: skip it rather than fail the append (and poison the store).
+            let Ok(call) = snap.call_at(loc) else { continue };
             if call.record.session_id != session {
                 continue;
             }
-            let mut tokens = call.prompt()?;
+            let Ok(mut tokens) = call.prompt() else { continue };
             let prompt_len = tokens.len();
             tokens.extend_from_slice(call.record.completion);
             self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens) });
@@ -1133,7 +1281,7 @@ impl Writer {
         let mut segments = self.sealed_segments.clone();
         let a = self.active()?;
         segments.insert(a.id, SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false));
-        Ok(View { index: self.index.clone(), segments, shards: self.shards.clone() })
+        Ok(View { index: self.index.clone(), segments, shards: self.shards.clone(), damage: self.damage.clone() })
     }
 
     /// Write what is buffered; fsync if `fsync` (or keep waiting for the group
@@ -1211,7 +1359,7 @@ impl Writer {
         let mut files: Vec<Arc<ShardFile>> = self.shards.as_ref().clone();
         let mut rows = Vec::new();
         for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
-            let f = ShardFile::open(&shards_dir.join(&p.shard.path), first_id + i as u32)?;
+            let f = ShardFile::open(&shards_dir.join(&p.shard.path), first_id + i as u32, p.shard.checksum)?;
             f.index_rows(&mut rows)?;
             files.push(Arc::new(f));
         }

@@ -1,13 +1,19 @@
 //! `trajlog verify`: a full scan of every segment the manifest lists — header,
 //! every frame's CRC, every record's decoding, footer against frames, and every
-//! prefix-delta parent link. Read-only; safe beside a running writer (whose
-//! active tail may then show as torn).
+//! prefix-delta parent link — plus the files around them: a missing MANIFEST,
+//! listed files that are gone, data files the manifest does not list.
+//! Read-only; safe beside a running writer (whose active tail may then show as
+//! a torn tail).
+//!
+//! A torn tail (an invalid frame at the end of the active segment with no
+//! valid frame after it: an interrupted write, cut off by the next writable
+//! open, format-spec/segment.md §6) is reported apart from damage.
 
 use crate::error::{Error, Result};
 use crate::format::manifest::{decode_manifest, SegmentState};
 use crate::format::record::{decode_call, Loc, KIND_CALL};
 use crate::format::segment::{decode_footer, decode_header, read_trailer};
-use crate::segment::recovery::scan_frames;
+use crate::segment::recovery::{next_valid_frame, scan_frames, scan_frames_past_damage};
 use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -26,14 +32,32 @@ pub struct VerifyReport {
     pub segments: usize,
     pub records: u64,
     pub bytes: u64,
+    /// Damage: bytes that fail validation, missing or unexplained files.
     pub problems: Vec<Problem>,
+    /// An interrupted write at the end of the active segment (not damage).
+    pub torn_tail: Option<Problem>,
 }
 
 /// Verify the store in `dir`.
 pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     let manifest_path = dir.join("MANIFEST");
-    let bytes = std::fs::read(&manifest_path).map_err(|e| Error::io(format!("read {}", manifest_path.display()), e))?;
     let mut report = VerifyReport::default();
+    let bytes = match std::fs::read(&manifest_path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let inv = crate::repair::inventory(dir)?;
+            if inv.is_empty() {
+                return Err(Error::new(
+                    crate::error::ErrorKind::NotFound,
+                    format!("no trajlog store at {} (no MANIFEST, no data files)", dir.display()),
+                ));
+            }
+            let e = crate::repair::no_manifest_error(dir, &inv);
+            report.problems.push(Problem { path: manifest_path, offset: 0, what: e.message().to_owned() });
+            return Ok(report);
+        }
+        Err(e) => return Err(Error::io(format!("read {}", manifest_path.display()), e)),
+    };
     let manifest = match decode_manifest(&bytes) {
         Ok(m) => m,
         Err(e) => {
@@ -41,6 +65,17 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             return Ok(report);
         }
     };
+    match crate::repair::inventory(dir).and_then(|inv| crate::repair::leftovers(dir, &manifest, &inv)) {
+        Ok(_) => {}
+        Err(e) => {
+            let path = match e.kind() {
+                crate::error::ErrorKind::Corrupt { path, .. } => path.clone(),
+                _ => dir.to_path_buf(),
+            };
+            report.problems.push(Problem { path, offset: 0, what: e.message().to_owned() });
+        }
+    }
+    let last = manifest.segments.last().map(|s| s.id);
     let mut frames: HashSet<Loc> = HashSet::new();
     let mut parents: Vec<(PathBuf, Loc, Loc)> = Vec::new();
     for ms in &manifest.segments {
@@ -50,7 +85,7 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) => {
-                problem(0, format!("cannot open: {e}"));
+                problem(0, format!("listed in the MANIFEST but cannot be opened: {e}"));
                 continue;
             }
         };
@@ -70,23 +105,52 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             Some(t) => match decode_footer(data, &t) {
                 Ok(entries) => (t.footer_offset as usize, Some(entries)),
                 Err(e) => {
-                    problem(e.offset, e.what);
-                    continue;
+                    problem(e.offset, format!("{} (the footer is rebuilt from the frames at open)", e.what));
+                    (t.footer_offset as usize, None)
                 }
             },
             None if ms.state == SegmentState::Sealed => {
-                problem(len, "sealed segment has no valid footer".into());
-                continue;
+                problem(
+                    len,
+                    "sealed segment has no valid trailer (its index is rebuilt from the frames at open)".into(),
+                );
+                (data.len(), None)
             }
             None => (data.len(), None),
         };
-        let scan = scan_frames(data.get(..limit).unwrap_or(data));
+        let frames_bytes = data.get(..limit).unwrap_or(data);
+        let scan = scan_frames(frames_bytes);
+        let active = ms.state == SegmentState::Active && Some(ms.id) == last && trailer.is_none();
         if let Some(e) = &scan.stopped_by {
-            problem(e.offset, e.what.clone());
+            let later = next_valid_frame(frames_bytes, e.offset).is_some();
+            if active && !later {
+                report.torn_tail = Some(Problem {
+                    path: path.clone(),
+                    offset: e.offset,
+                    what: format!("{} (an interrupted write; the next writable open cuts it off)", e.what),
+                });
+            } else {
+                // Report every damaged frame, not only the first.
+                let all = scan_frames_past_damage(frames_bytes);
+                for d in &all.skipped {
+                    report.problems.push(Problem { path: path.clone(), offset: d.offset, what: d.what.clone() });
+                }
+                if let Some(d) = all.stopped_by.filter(|d| !active || d.offset < all.valid_end) {
+                    report.problems.push(Problem { path: path.clone(), offset: d.offset, what: d.what });
+                }
+            }
         }
+        let scan = if scan.stopped_by.is_some() { scan_frames_past_damage(frames_bytes) } else { scan };
         if let Some(entries) = footer {
-            if scan.stopped_by.is_none() && (scan.valid_end != limit as u64 || entries != scan.entries) {
-                problem(limit as u64, "footer index does not match the frames".into());
+            if scan.stopped_by.is_none()
+                && scan.skipped.is_empty()
+                && (scan.valid_end != limit as u64 || entries != scan.entries)
+            {
+                report.problems.push(Problem {
+                    path: path.clone(),
+                    offset: limit as u64,
+                    what: "footer index does not match the frames".into(),
+                });
             }
         }
         report.records += scan.entries.len() as u64;
@@ -105,7 +169,30 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             }
         }
     }
+    // Shards: every byte checked against its checksums; the calls they hold
+    // no longer need their prefix-delta parents in the log.
+    let mut compacted: HashSet<Loc> = HashSet::new();
+    let shards_dir = dir.join(crate::store::SHARDS_DIR);
+    for shard in &manifest.shards {
+        let path = shards_dir.join(&shard.path);
+        report.bytes += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let found = crate::compact::reader::verify_shard(&path, shard.checksum);
+        let clean = found.is_empty();
+        report.problems.extend(found);
+        if clean && shard.path.starts_with("steps/") {
+            let mut rows = Vec::new();
+            let read =
+                crate::compact::reader::ShardFile::open(&path, 0, shard.checksum).and_then(|f| f.index_rows(&mut rows));
+            if let Err(e) = read {
+                report.problems.push(Problem { path: path.clone(), offset: 0, what: e.message().to_owned() });
+            }
+            compacted.extend(rows.iter().map(|r| r.loc));
+        }
+    }
     for (path, loc, parent) in parents {
+        if compacted.contains(&loc) {
+            continue;
+        }
         if parent >= loc || !frames.contains(&parent) {
             report.problems.push(Problem {
                 path,

@@ -126,8 +126,11 @@ proptest! {
                         ..Default::default()
                     };
                     let result = store.append(call.clone());
-                    if model.sealed.contains(&sid) {
-                        let err = result.err().expect("append to a sealed session is refused");
+                    // Trace ids are unique per store: one live in another
+                    // session is refused, like an append to a sealed session.
+                    let elsewhere = model.calls.get(&call.trace_id).is_some_and(|(_, c)| c.session_id != sid);
+                    if model.sealed.contains(&sid) || elsewhere {
+                        let err = result.err().expect("append to a sealed session or of a trace id of another session is refused");
                         let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
                         prop_assert!(invalid, "{}", err);
                     } else {

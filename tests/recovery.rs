@@ -130,12 +130,22 @@ fn flipped_bits_in_the_tail_never_serve_corrupt_records() {
         let mut bytes = full.clone();
         bytes[pos] ^= 1 << bit;
         fs::write(work.path().join(seg), &bytes).unwrap();
-        let n = check_prefix(work.path(), &all);
-        // Everything before the damaged record survives. A flip in a frame's
-        // zero padding (not covered by the CRC) damages no data.
         let damaged = ends.iter().position(|&e| e as usize > pos).unwrap();
         let start = ends[damaged - 1] as usize;
         let body_len = u32::from_le_bytes(full[start..start + 4].try_into().unwrap()) as usize;
+        // Damage before the last record: valid records follow it, so it is
+        // not a torn tail — open refuses (cutting there would drop them) and
+        // leaves the file as it was. (A flip that makes the frame look longer
+        // can hide the records after it: then it reads as a torn tail.)
+        if let Err(e) = Store::open(work.path(), opts()) {
+            assert!(e.message().contains("valid records follow"), "flip at {pos}: {e}");
+            assert!(damaged < all.len() - 1, "flip at {pos} in the last record refused: {e}");
+            assert_eq!(fs::read(work.path().join(seg)).unwrap(), bytes, "a refused open changed the segment");
+            continue;
+        }
+        let n = check_prefix(work.path(), &all);
+        // Everything before the damaged record survives. A flip in a frame's
+        // zero padding (not covered by the CRC) damages no data.
         if pos >= start + 8 + body_len {
             assert_eq!(n, all.len(), "flip in padding at {pos} lost records");
             continue;

@@ -1,4 +1,4 @@
-//! Read-side subcommands: `export`, `ls`, `show`, `verify`. They open the store
+//! Read-side subcommands: `export`, `ls`, `show`. They open the store
 //! read-only, so they work beside a running writer.
 
 use std::io::Write;
@@ -17,20 +17,42 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
         Some(s) => vec![s.to_owned()],
         None => snap.sessions().into_iter().map(|s| s.session_id).collect(),
     };
+    // A damaged record is reported on stderr and skipped; every other call is
+    // exported (damage stays confined to the records it touches).
+    let mut damaged = 0u64;
     for id in sessions {
-        for call in snap.session(&id, None, None)? {
-            // Exporting everything: a call is printed under its own session only
-            // (not again under each of its extra session uids).
-            if session.is_none() && call.session_id() != id {
-                continue;
-            }
-            let line = trajlog::trace_json::export_call(&call.to_call()?);
-            if writeln!(out, "{line}").is_err() {
-                return Ok(0); // closed pipe (e.g. `| head`)
+        for call in snap.session_each(&id, None, None) {
+            let call = match call.and_then(|c| Ok((c.session_id() == id, c.to_call()?))) {
+                Ok((own, call)) => {
+                    // Exporting everything: a call is printed under its own
+                    // session only (not again under each of its extra uids).
+                    if session.is_none() && !own {
+                        continue;
+                    }
+                    call
+                }
+                Err(e) => {
+                    damaged += 1;
+                    eprintln!("trajlog export: session {id:?}: a call was not exported: {e}");
+                    continue;
+                }
+            };
+            let line = trajlog::trace_json::export_call(&call);
+            if let Err(e) = writeln!(out, "{line}") {
+                return Ok(crate::stdout_failed(&e));
             }
         }
     }
-    let _ = out.flush();
+    // The last buffered lines are written here: a failure is an error too.
+    if let Err(e) = out.flush() {
+        return Ok(crate::stdout_failed(&e));
+    }
+    if damaged > 0 {
+        eprintln!(
+            "trajlog export: {damaged} damaged calls not exported (see above; `trajlog verify` lists the damage)"
+        );
+        return Ok(1);
+    }
     Ok(0)
 }
 
@@ -94,19 +116,4 @@ pub fn show(dir: &Path, session: &str) -> trajlog::Result<i32> {
         );
     }
     Ok(0)
-}
-
-pub fn verify(dir: &Path) -> trajlog::Result<i32> {
-    let report = trajlog::verify::verify_dir(dir)?;
-    for p in &report.problems {
-        println!("CORRUPT {} at offset {}: {}", p.path.display(), p.offset, p.what);
-    }
-    println!(
-        "verified {} segments, {} records, {}: {}",
-        report.segments,
-        report.records,
-        super::human_bytes(report.bytes),
-        if report.problems.is_empty() { "ok".to_owned() } else { format!("{} problems", report.problems.len()) }
-    );
-    Ok(if report.problems.is_empty() { 0 } else { 1 })
 }

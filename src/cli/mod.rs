@@ -4,6 +4,7 @@ mod bench;
 mod demo;
 mod ingest;
 mod inspect;
+mod repair;
 mod shards;
 
 use clap::{Parser, Subcommand};
@@ -60,10 +61,22 @@ enum Command {
         store: PathBuf,
         session: String,
     },
-    /// Full CRC scan of every segment; exits non-zero on any corruption.
+    /// Check every byte of the store: the MANIFEST, every segment frame's CRC,
+    /// footers, parent links, shards, unlisted files. Exit 0 intact, 1 damaged,
+    /// 3 only a torn tail (an interrupted write the next writable open cuts off).
     Verify {
         #[arg(long)]
         store: PathBuf,
+    },
+    /// Rebuild a lost, damaged or outdated MANIFEST from the segment and shard
+    /// files in the directory (files that cannot belong move to DIR/lost+found/;
+    /// nothing is deleted; the old MANIFEST is kept beside it).
+    Repair {
+        #[arg(long)]
+        store: PathBuf,
+        /// Only report what would be done.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Turn finished sessions into Parquet shards (DIR/shards/{steps,trajectories}) and retire their segments.
     Compact {
@@ -156,7 +169,8 @@ pub fn main() -> i32 {
         Command::Export { store, session } => inspect::export(&store, session.as_deref()),
         Command::Ls { store } => inspect::ls(&store),
         Command::Show { store, session } => inspect::show(&store, &session),
-        Command::Verify { store } => inspect::verify(&store),
+        Command::Verify { store } => repair::verify(&store),
+        Command::Repair { store, dry_run } => repair::repair(&store, dry_run),
         Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
             shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
         }

@@ -50,6 +50,16 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
     for s in &r.shards {
         println!("  {}", s.display());
     }
+    for (session, why) in &r.sessions_damaged {
+        eprintln!("trajlog compact: session {session:?} left in the log, a call of it is damaged: {why}");
+    }
+    if !r.sessions_damaged.is_empty() {
+        eprintln!(
+            "trajlog compact: {} sessions with damaged calls were not compacted (`trajlog verify` lists the damage)",
+            r.sessions_damaged.len()
+        );
+        return Ok(1);
+    }
     Ok(0)
 }
 
@@ -86,6 +96,12 @@ pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
             report.diverges_earlier,
             report.tokens_wrong
         );
+    }
+    for (session, why) in &report.sessions_damaged {
+        eprintln!("trajlog audit: session {session:?} not audited, a call of it is damaged: {why}");
+    }
+    if !report.sessions_damaged.is_empty() {
+        return Ok(1);
     }
     if strict && report.breaks > 0 {
         eprintln!("trajlog audit: --strict: {} TI/TO breaks found", report.breaks);

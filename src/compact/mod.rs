@@ -82,6 +82,9 @@ pub struct CompactReport {
     pub shard_bytes: u64,
     pub retired_segments: usize,
     pub elapsed: Duration,
+    /// Sessions left in the log because a call of theirs is damaged (session
+    /// id, the error naming file and offset).
+    pub sessions_damaged: Vec<(String, String)>,
 }
 
 fn text(field: &str, bytes: Option<&[u8]>) -> Result<Option<String>> {
@@ -125,6 +128,53 @@ impl Contexts {
             }
         }
     }
+}
+
+/// The steps of one session's calls not yet compacted (None if there are none).
+fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> Result<Option<Vec<StepInput>>> {
+    let calls = snap.session(sid, None, None)?;
+    let own: Vec<&CallView<'_>> = calls.iter().filter(|c| c.session_id() == sid).collect();
+    if own.iter().all(|c| c.is_compacted()) {
+        return Ok(None);
+    }
+    let mut ctx = Contexts { map: HashMap::new(), order: VecDeque::new() };
+    let mut inputs = Vec::with_capacity(own.len());
+    let mut bytes = 0;
+    for (i, c) in own.iter().enumerate() {
+        if c.is_compacted() {
+            continue;
+        }
+        let prompt = ctx.prompt(c)?;
+        ctx.remember(c.loc, &prompt, c.completion_token_ids());
+        let r = &c.record;
+        bytes += 4 * (prompt.len() + r.completion.len() + r.logprobs.map_or(0, <[f32]>::len)) as u64;
+        inputs.push(StepInput {
+            loc: c.loc,
+            parent: r.parent,
+            relation: r.relation,
+            divergence_position: c.divergence_position().map(|d| d as u32),
+            call_index: i as u32,
+            trace_id: r.trace_id.to_owned(),
+            session_id: r.session_id.to_owned(),
+            session_uids: r.session_uids.iter().map(|s| (*s).to_owned()).collect(),
+            timestamp: r.timestamp,
+            model: r.model.map(str::to_owned),
+            weight_version: r.weight_version,
+            prompt,
+            completion: r.completion.to_vec(),
+            logprobs: r.logprobs.map(<[f32]>::to_vec),
+            finish_reason: r.finish_reason.map(str::to_owned),
+            reward: snap.trace_reward(r.trace_id),
+            messages: text("messages", r.messages)?,
+            response_message: text("response_message", r.response_message)?,
+            metadata: text("metadata", r.metadata)?,
+            latency_ms: r.latency_ms,
+            routing_matrices: r.routing_matrices.map(<[u8]>::to_vec),
+            extra: text("extra", r.extra)?,
+        });
+    }
+    *token_bytes += bytes;
+    Ok(Some(inputs))
 }
 
 fn progress_bar(n: usize, enabled: bool) -> Option<indicatif::ProgressBar> {
@@ -179,47 +229,16 @@ pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport>
             if let Some(bar) = &bar {
                 bar.inc(1);
             }
-            let calls = snap.session(sid, None, None)?;
-            let own: Vec<&CallView<'_>> = calls.iter().filter(|c| c.session_id() == sid).collect();
-            if own.iter().all(|c| c.is_compacted()) {
-                continue;
-            }
-            let mut ctx = Contexts { map: HashMap::new(), order: VecDeque::new() };
-            let mut inputs = Vec::with_capacity(own.len());
-            for (i, c) in own.iter().enumerate() {
-                if c.is_compacted() {
+            // A session with a damaged call stays in the log, whole, and is
+            // reported; the others are compacted.
+            let inputs = match session_inputs(&snap, sid, &mut report.token_bytes) {
+                Ok(Some(inputs)) => inputs,
+                Ok(None) => continue,
+                Err(e) => {
+                    report.sessions_damaged.push((sid.clone(), e.to_string()));
                     continue;
                 }
-                let prompt = ctx.prompt(c)?;
-                ctx.remember(c.loc, &prompt, c.completion_token_ids());
-                let r = &c.record;
-                report.token_bytes +=
-                    4 * (prompt.len() + r.completion.len() + r.logprobs.map_or(0, <[f32]>::len)) as u64;
-                inputs.push(StepInput {
-                    loc: c.loc,
-                    parent: r.parent,
-                    relation: r.relation,
-                    divergence_position: c.divergence_position().map(|d| d as u32),
-                    call_index: i as u32,
-                    trace_id: r.trace_id.to_owned(),
-                    session_id: r.session_id.to_owned(),
-                    session_uids: r.session_uids.iter().map(|s| (*s).to_owned()).collect(),
-                    timestamp: r.timestamp,
-                    model: r.model.map(str::to_owned),
-                    weight_version: r.weight_version,
-                    prompt,
-                    completion: r.completion.to_vec(),
-                    logprobs: r.logprobs.map(<[f32]>::to_vec),
-                    finish_reason: r.finish_reason.map(str::to_owned),
-                    reward: snap.trace_reward(r.trace_id),
-                    messages: text("messages", r.messages)?,
-                    response_message: text("response_message", r.response_message)?,
-                    metadata: text("metadata", r.metadata)?,
-                    latency_ms: r.latency_ms,
-                    routing_matrices: r.routing_matrices.map(<[u8]>::to_vec),
-                    extra: text("extra", r.extra)?,
-                });
-            }
+            };
             for s in &inputs {
                 steps.push(s);
                 if steps.rows >= opts.steps_row_group_rows {

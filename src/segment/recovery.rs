@@ -45,7 +45,7 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
     })
 }
 
-/// Result of scanning frames from the header to the first invalid one.
+/// Result of scanning frames from the header.
 #[derive(Debug)]
 pub struct Scan {
     pub entries: Vec<FooterEntry>,
@@ -53,28 +53,83 @@ pub struct Scan {
     pub valid_end: u64,
     /// Why the scan stopped before a clean end, if it did.
     pub stopped_by: Option<DecodeError>,
+    /// [`scan_frames_past_damage`] only: invalid frames it went past (where
+    /// and why), each followed by valid frames.
+    pub skipped: Vec<DecodeError>,
 }
 
-/// Scan frames of `bytes` starting after the header.
+/// The frame at `at` as a footer entry, or why it is invalid.
+fn frame_entry(bytes: &[u8], at: u64) -> Result<Option<(FooterEntry, u64)>, DecodeError> {
+    match read_frame(bytes, at) {
+        Ok(FrameRead::End) => Ok(None),
+        Err(e) => Err(DecodeError { offset: at, what: e.what }),
+        Ok(FrameRead::Frame { body, next }) => match entry_of_body(at, body) {
+            Ok(entry) => Ok(Some((entry, next))),
+            Err(e) => Err(DecodeError { offset: at, what: format!("record does not decode: {}", e.what) }),
+        },
+    }
+}
+
+/// Scan frames of `bytes` starting after the header, up to the first invalid one.
 pub fn scan_frames(bytes: &[u8]) -> Scan {
     let mut entries = Vec::new();
     let mut at = HEADER_BYTES;
     loop {
-        match read_frame(bytes, at) {
-            Ok(FrameRead::End) => return Scan { entries, valid_end: at, stopped_by: None },
-            Err(e) => {
-                return Scan { entries, valid_end: at, stopped_by: Some(DecodeError { offset: at, what: e.what }) }
+        match frame_entry(bytes, at) {
+            Ok(None) => return Scan { entries, valid_end: at, stopped_by: None, skipped: Vec::new() },
+            Err(e) => return Scan { entries, valid_end: at, stopped_by: Some(e), skipped: Vec::new() },
+            Ok(Some((entry, next))) => {
+                entries.push(entry);
+                at = next;
             }
-            Ok(FrameRead::Frame { body, next }) => match entry_of_body(at, body) {
-                Ok(entry) => {
-                    entries.push(entry);
-                    at = next;
+        }
+    }
+}
+
+/// The next 8-aligned offset after `from` where a valid frame (CRC and record
+/// decoding) starts, if any. Frames are CRC-checked, so a false match in
+/// damaged bytes takes a 1-in-2^32 accident.
+pub fn next_valid_frame(bytes: &[u8], from: u64) -> Option<u64> {
+    let mut at = (from + 8) & !7;
+    while at + 8 <= bytes.len() as u64 {
+        if let Ok(Some(_)) = frame_entry(bytes, at) {
+            return Some(at);
+        }
+        at += 8;
+    }
+    None
+}
+
+/// Scan every valid frame of `bytes` (a segment whose footer cannot be used),
+/// going past invalid ones: damage stays confined to the frames it touches.
+/// `valid_end` is the end of the last valid frame.
+pub fn scan_frames_past_damage(bytes: &[u8]) -> Scan {
+    let mut entries = Vec::new();
+    let mut skipped = Vec::new();
+    let mut at = HEADER_BYTES;
+    let mut valid_end = HEADER_BYTES;
+    loop {
+        match frame_entry(bytes, at) {
+            Ok(Some((entry, next))) => {
+                entries.push(entry);
+                at = next;
+                valid_end = next;
+            }
+            Ok(None) | Err(_) => {
+                let why = frame_entry(bytes, at).err();
+                match next_valid_frame(bytes, at) {
+                    Some(next) => {
+                        skipped.push(
+                            why.unwrap_or(DecodeError {
+                                offset: at,
+                                what: "zero bytes where a frame should be".into(),
+                            }),
+                        );
+                        at = next;
+                    }
+                    None => return Scan { entries, valid_end, stopped_by: why, skipped },
                 }
-                Err(e) => {
-                    let what = format!("record does not decode: {}", e.what);
-                    return Scan { entries, valid_end: at, stopped_by: Some(DecodeError { offset: at, what }) };
-                }
-            },
+            }
         }
     }
 }
@@ -89,8 +144,11 @@ pub struct LoadedSegment {
     /// End of the last valid frame.
     pub data_end: u64,
     pub sealed: bool,
-    /// For an unsealed segment: why the scan stopped early (a torn or corrupt tail).
+    /// For an unsealed segment: why the scan stopped early (a torn tail).
     pub torn: Option<DecodeError>,
+    /// For a sealed segment whose footer or trailer was unusable: what was
+    /// found wrong (the index was rebuilt from the frames, past damaged ones).
+    pub damage: Vec<DecodeError>,
 }
 
 /// Read a whole file into an 8-aligned buffer (so token columns in it can be
@@ -147,16 +205,60 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedS
     };
     if let Some(trailer) = trailer {
         let map = Arc::new(Mapping::map(&file, len, &path)?);
-        let entries = decode_footer(map.bytes(), &trailer).map_err(|e| Error::corrupt(&path, e.offset, e.what))?;
+        let (entries, damage) = match decode_footer(map.bytes(), &trailer) {
+            Ok(entries) => (entries, Vec::new()),
+            Err(e) => {
+                // The footer is an index of the frames: rebuild it from them
+                // (format-spec/segment.md §6).
+                let frames = map.bytes().get(..trailer.footer_offset as usize).unwrap_or(map.bytes());
+                let scan = scan_frames_past_damage(frames);
+                let mut damage = vec![DecodeError {
+                    offset: e.offset,
+                    what: format!("footer unusable ({}); its index was rebuilt from the frames", e.what),
+                }];
+                damage.extend(scan.skipped);
+                damage.extend(scan.stopped_by.filter(|s| s.offset < trailer.footer_offset));
+                (scan.entries, damage)
+            }
+        };
         let path = Arc::new(path);
-        return Ok(LoadedSegment { id, path, map, entries, data_end: trailer.footer_offset, sealed: true, torn: None });
+        let data_end = trailer.footer_offset;
+        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, torn: None, damage });
     }
     if must_be_sealed {
-        return Err(Error::corrupt(&path, len, "sealed segment has no valid footer"));
+        // The manifest says sealed, but the trailer is damaged: the frames are
+        // all there is to go by.
+        let map = Arc::new(Mapping::map(&file, len, &path)?);
+        let scan = scan_frames_past_damage(map.bytes());
+        let mut damage = vec![DecodeError {
+            offset: len,
+            what: "sealed segment has no valid trailer; its index was rebuilt from the frames".into(),
+        }];
+        damage.extend(scan.skipped);
+        let path = Arc::new(path);
+        let data_end = scan.valid_end;
+        return Ok(LoadedSegment { id, path, map, entries: scan.entries, data_end, sealed: true, torn: None, damage });
     }
     let buf = read_aligned(&file, len, &path)?;
     let bytes: &[u8] = bytemuck::cast_slice(&buf);
-    let scan = scan_frames(bytes.get(..len as usize).unwrap_or(bytes));
+    let bytes = bytes.get(..len as usize).unwrap_or(bytes);
+    let scan = scan_frames(bytes);
+    if let Some(stop) = &scan.stopped_by {
+        // A torn tail has nothing valid after it. Valid frames after an
+        // invalid one mean damage in the middle of the log: cutting the log
+        // there would drop acknowledged records, so refuse.
+        if next_valid_frame(bytes, stop.offset).is_some() {
+            let later = scan_frames_past_damage(bytes).entries.iter().filter(|e| e.frame_offset > stop.offset).count();
+            return Err(Error::corrupt(
+                &path,
+                stop.offset,
+                format!(
+                    "{}; {later} valid records follow it, so this is damage in the middle of the log, not a torn tail. trajlog refuses to cut them off: copy the store aside, and see README \"When files are damaged or missing\"",
+                    stop.what
+                ),
+            ));
+        }
+    }
     drop(buf);
     let map = Arc::new(Mapping::map(&file, scan.valid_end, &path)?);
     Ok(LoadedSegment {
@@ -167,5 +269,6 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedS
         data_end: scan.valid_end,
         sealed: false,
         torn: scan.stopped_by,
+        damage: Vec::new(),
     })
 }

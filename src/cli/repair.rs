@@ -1,0 +1,66 @@
+//! `trajlog verify` and `trajlog repair`: what is wrong with a store's files,
+//! and rebuilding its manifest from them.
+
+use std::path::Path;
+
+/// Exit code of `verify` for damage (bytes that fail validation, missing or
+/// unexplained files).
+pub const EXIT_DAMAGED: i32 = 1;
+/// Exit code of `verify` when the only finding is a torn tail.
+pub const EXIT_TORN_TAIL: i32 = 3;
+
+pub fn verify(dir: &Path) -> trajlog::Result<i32> {
+    let report = trajlog::verify::verify_dir(dir)?;
+    for p in &report.problems {
+        println!("CORRUPT {} at offset {}: {}", p.path.display(), p.offset, p.what);
+    }
+    if let Some(t) = &report.torn_tail {
+        println!("TORN TAIL {} at offset {}: {}", t.path.display(), t.offset, t.what);
+    }
+    let verdict = match (report.problems.len(), &report.torn_tail) {
+        (0, None) => "ok".to_owned(),
+        (0, Some(_)) => "ok but for a torn tail (an interrupted write, no acknowledged record lost)".to_owned(),
+        (n, _) => format!("{n} problems; see README \"When files are damaged or missing\""),
+    };
+    println!(
+        "verified {} segments, {} records, {}: {verdict}",
+        report.segments,
+        report.records,
+        super::human_bytes(report.bytes),
+    );
+    Ok(match (report.problems.is_empty(), report.torn_tail.is_some()) {
+        (false, _) => EXIT_DAMAGED,
+        (true, true) => EXIT_TORN_TAIL,
+        (true, false) => 0,
+    })
+}
+
+pub fn repair(dir: &Path, dry_run: bool) -> trajlog::Result<i32> {
+    let r = trajlog::repair::repair(dir, dry_run)?;
+    let would = if dry_run { "would " } else { "" };
+    for (path, why) in &r.moved_aside {
+        println!("{would}move aside {} to {}/: {why}", path.display(), trajlog::repair::LOST_AND_FOUND);
+    }
+    for id in &r.sealed_now {
+        println!("{would}seal segment {id} (unsealed, but not the last)");
+    }
+    for p in &r.damage {
+        println!("damaged {} at offset {}: {}", p.path.display(), p.offset, p.what);
+    }
+    let sealed = r.segments.iter().filter(|s| s.1).count();
+    println!(
+        "{}: {} segments ({sealed} sealed), {} shards, next segment id {}{}",
+        if r.written { "MANIFEST rebuilt" } else { "MANIFEST not written (dry run)" },
+        r.segments.len(),
+        r.shards.len(),
+        r.next_segment_id,
+        if r.sealed_now.is_empty() || r.written { format!(", {} live calls", r.calls) } else { String::new() },
+    );
+    if let Some(prev) = &r.previous_manifest {
+        println!("the MANIFEST found before is kept as {}", prev.display());
+    }
+    if r.written {
+        println!("next: trajlog verify --store {}", dir.display());
+    }
+    Ok(0)
+}

@@ -1,0 +1,503 @@
+//! What trajlog does when files are damaged or missing, or ids are reused
+//! (issue "No data lost, no bad value stored"): open refuses with a clear
+//! error or serves every intact record exactly; nothing it did not create is
+//! deleted; damage stays confined to the records it touches.
+
+mod common;
+
+use common::{assert_same, tempdir};
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use trajlog::{Call, CompactOptions, ErrorKind, Options, Store, Target};
+
+fn opts() -> Options {
+    Options { segment_bytes: 64 * 1024, ..Options::default() }
+}
+
+/// `sessions` sessions of `steps` calls, each prompt extending the previous
+/// context (prefix-delta chains), logprobs with special values.
+fn calls(sessions: usize, steps: usize) -> Vec<Call> {
+    let mut out = Vec::new();
+    for s in 0..sessions {
+        let mut context: Vec<u32> = (0..200).map(|i| (s * 1000 + i) as u32).collect();
+        for k in 0..steps {
+            let completion: Vec<u32> = (0..300).map(|i| (s * 7 + k * 13 + i) as u32 + 50_000).collect();
+            let mut lp: Vec<f32> = (0..300).map(|i| -(i as f32) / 7.0).collect();
+            lp[0] = -0.0;
+            lp[1] = f32::NEG_INFINITY;
+            lp[2] = f32::from_bits(0x7fc0_0123);
+            out.push(Call {
+                trace_id: format!("t{s}-{k}"),
+                session_id: format!("s{s}"),
+                timestamp: (s * 100 + k) as f64,
+                prompt_token_ids: context.clone(),
+                completion_token_ids: completion.clone(),
+                logprobs: Some(lp),
+                messages: Some(format!(r#"[{{"role":"user","content":"turn {k}"}}]"#).into_bytes()),
+                ..Default::default()
+            });
+            context.extend_from_slice(&completion);
+            context.extend((0..300).map(|i| (900 + i) as u32));
+        }
+    }
+    out
+}
+
+/// A store with sealed segments, shards (half the sessions compacted) and an
+/// active segment; returns the calls appended.
+fn build(dir: &Path) -> Vec<Call> {
+    let all = calls(12, 6);
+    let store = Store::open(dir, opts()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    for s in 0..6 {
+        store.seal_session(&format!("s{s}")).expect("seal");
+        store.set_reward(Target::Session(format!("s{s}")), s as f64).expect("reward");
+    }
+    let report = store.compact(&CompactOptions::default()).expect("compact");
+    assert_eq!(report.sessions, 6);
+    store.close().expect("close");
+    all
+}
+
+/// Every file under `dir` with its bytes.
+fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).expect("list") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(p.clone(), fs::read(&p).expect("read"));
+            }
+        }
+    }
+    out
+}
+
+fn data_files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    files(dir)
+        .into_iter()
+        .filter(|(p, _)| {
+            let n = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            n.ends_with(".tlog") || n.ends_with(".parquet")
+        })
+        .collect()
+}
+
+fn assert_all(store: &Store, all: &[Call]) {
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), all.len());
+    for c in all {
+        let v = snap.get(&c.trace_id).expect("read").expect("present");
+        assert_same(&v, c);
+    }
+}
+
+fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .expect("list")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "tlog"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_missing_manifest_is_refused_and_repair_rebuilds_it() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    fs::remove_file(dir.path().join("MANIFEST")).expect("remove manifest");
+    let before = data_files(dir.path());
+    assert!(before.keys().any(|p| p.extension().is_some_and(|e| e == "parquet")));
+
+    let err = Store::open(dir.path(), opts()).err().expect("writable open must refuse");
+    assert!(matches!(err.kind(), ErrorKind::Corrupt { .. }), "{err}");
+    assert!(err.message().contains("no MANIFEST") && err.message().contains("trajlog repair"), "{err}");
+    let err = Store::open_read_only(dir.path()).err().expect("read-only open must refuse");
+    assert!(err.message().contains("trajlog repair"), "{err}");
+    assert_eq!(data_files(dir.path()), before, "a refused open changed the files");
+    let report = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(!report.problems.is_empty());
+
+    let dry = trajlog::repair::repair(dir.path(), true).expect("dry run");
+    assert!(!dry.written);
+    assert!(!dir.path().join("MANIFEST").exists());
+    let r = trajlog::repair::repair(dir.path(), false).expect("repair");
+    assert!(r.written && r.moved_aside.is_empty() && r.damage.is_empty(), "{r:?}");
+    assert_eq!(r.calls, all.len());
+    assert_eq!(data_files(dir.path()), before, "repair changed a data file");
+
+    let store = Store::open(dir.path(), opts()).expect("open after repair");
+    assert_all(&store, &all);
+    let snap = store.snapshot();
+    assert!(snap.is_sealed("s0") && snap.session_reward("s3") == Some(3.0));
+    // New appends go to a new segment id, after every id the shards refer to.
+    store.append(Call { trace_id: "new".into(), session_id: "s99".into(), ..Default::default() }).expect("append");
+    store.close().expect("close");
+    let store = Store::open(dir.path(), opts()).expect("reopen");
+    assert_eq!(store.snapshot().call_count(), all.len() + 1);
+    store.close().expect("close");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+}
+
+#[test]
+fn an_old_manifest_restored_over_newer_files_is_refused() {
+    let dir = tempdir();
+    let all = calls(4, 6);
+    let store = Store::open(dir.path(), opts()).expect("open");
+    for c in &all[..6] {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let old = fs::read(dir.path().join("MANIFEST")).expect("manifest");
+    for c in &all[6..] {
+        store.append(c.clone()).expect("append");
+    }
+    store.roll().expect("roll");
+    store.close().expect("close");
+    fs::write(dir.path().join("MANIFEST"), &old).expect("restore old manifest");
+    let before = data_files(dir.path());
+    let err = Store::open(dir.path(), opts()).err().expect("must refuse");
+    assert!(err.message().contains("not listed in the MANIFEST"), "{err}");
+    assert_eq!(data_files(dir.path()), before, "nothing may be deleted or cut");
+    let r = trajlog::repair::repair(dir.path(), false).expect("repair");
+    assert!(r.previous_manifest.as_ref().is_some_and(|p| p.exists()));
+    let store = Store::open(dir.path(), opts()).expect("open after repair");
+    assert_all(&store, &all);
+}
+
+#[test]
+fn a_missing_listed_segment_is_refused_not_forgotten() {
+    let dir = tempdir();
+    let all = calls(6, 6);
+    let store = Store::open(dir.path(), opts()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.close().expect("close");
+    let segs = segment_files(dir.path());
+    assert!(segs.len() >= 3, "{segs:?}");
+    let gone = &segs[1];
+    fs::rename(gone, dir.path().join("aside.bin")).expect("move");
+    let err = Store::open(dir.path(), opts()).err().expect("must refuse");
+    assert_eq!(err.kind(), &ErrorKind::NotFound, "{err}");
+    assert!(err.message().contains("listed in the MANIFEST but missing"), "{err}");
+    // Repair keeps what exists; calls whose prefix-delta parent was in the
+    // missing segment are refused on read, the others read exactly.
+    trajlog::repair::repair(dir.path(), false).expect("repair");
+    let store = Store::open_read_only(dir.path()).expect("open");
+    let snap = store.snapshot();
+    let mut exact = 0;
+    for c in &all {
+        match snap.get(&c.trace_id) {
+            Ok(Some(v)) => match v.to_call() {
+                Ok(_) => {
+                    assert_same(&v, c);
+                    exact += 1;
+                }
+                Err(e) => assert!(matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Corrupt { .. }), "{e}"),
+            },
+            Ok(None) => {}
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(exact > 0 && exact < all.len(), "{exact}");
+}
+
+#[test]
+fn a_trace_id_is_unique_per_store() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), opts()).expect("open");
+    let call = |t: &str, s: &str, n: u32| Call {
+        trace_id: t.into(),
+        session_id: s.into(),
+        prompt_token_ids: vec![n],
+        ..Default::default()
+    };
+    store.append_durable(call("t", "a", 1)).expect("append");
+    store.seal_session("a").expect("seal");
+    store.set_reward(Target::Session("a".into()), 1.0).expect("reward");
+    let err = store.append(call("t", "b", 2)).err().expect("reused in another session");
+    assert!(matches!(err.kind(), ErrorKind::InvalidInput { .. }), "{err}");
+    assert!(err.message().contains("\"a\"") && err.message().contains("\"b\""), "{err}");
+    store.flush().expect("flush");
+    let snap = store.snapshot();
+    assert_eq!(snap.session("a", None, None).expect("read").len(), 1);
+    assert_eq!(snap.get("t").expect("get").expect("present").session_id(), "a");
+
+    // Within its own (open) session an id is replaced: last write wins.
+    store.append(call("u", "c", 1)).expect("append");
+    store.append(call("u", "c", 2)).expect("replace");
+    // Not yet durable: the rule also holds against appends in flight.
+    let err = store.append(call("u", "d", 3)).err().expect("in flight, other session");
+    assert!(err.message().contains("\"c\""), "{err}");
+    store.flush().expect("flush");
+    assert_eq!(store.snapshot().get("u").expect("get").expect("present").record.prompt_suffix, &[2]);
+
+    // Once its session is deleted, the id is free again — also in flight.
+    store.append(call("v", "e", 1)).expect("append");
+    store.delete_session("e").expect("delete");
+    store.append(call("v", "f", 2)).expect("free after deletion");
+    // A call of a sealed outer session cannot be replaced out of it.
+    let mut nested = call("w", "g", 1);
+    nested.session_uids = vec!["outer".into()];
+    store.append_durable(nested).expect("append");
+    store.seal_session("outer").expect("seal");
+    let err = store.append(call("w", "g", 2)).err().expect("would leave a sealed session");
+    assert!(err.message().contains("outer"), "{err}");
+    store.close().expect("close");
+
+    let store = Store::open(dir.path(), opts()).expect("reopen");
+    let snap = store.snapshot();
+    assert_eq!(snap.get("t").expect("get").expect("present").session_id(), "a");
+    assert_eq!(snap.get("v").expect("get").expect("present").session_id(), "f");
+    assert_eq!(snap.session("outer", None, None).expect("read").len(), 1);
+    assert!(store.append(call("t", "b", 2)).is_err(), "the rule holds after reopen");
+}
+
+/// Byte offset of the footer of a sealed segment (from its trailer).
+fn footer_offset(bytes: &[u8]) -> usize {
+    let t = &bytes[bytes.len() - 32..];
+    u64::from_le_bytes(t[..8].try_into().expect("8 bytes")) as usize
+}
+
+#[test]
+fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
+    let dir = tempdir();
+    let all = calls(6, 6);
+    let store = Store::open(dir.path(), opts()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.close().expect("close");
+    let seg = segment_files(dir.path())[0].clone();
+    let mut bytes = fs::read(&seg).expect("read");
+    let at = footer_offset(&bytes) + 40;
+    bytes[at] ^= 0x10;
+    fs::write(&seg, &bytes).expect("write");
+
+    let store = Store::open(dir.path(), opts()).expect("open succeeds");
+    assert_all(&store, &all);
+    let damage = store.snapshot().damage().to_vec();
+    assert!(damage.iter().any(|d| d.what.contains("rebuilt from the frames")), "{damage:?}");
+    store.close().expect("close");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.iter().any(|p| p.path == seg), "{:?}", v.problems);
+    // Trailer damaged too: the frames still carry the index.
+    let mut bytes = fs::read(&seg).expect("read");
+    let n = bytes.len();
+    bytes[n - 10] ^= 0x01;
+    fs::write(&seg, &bytes).expect("write");
+    let store = Store::open_read_only(dir.path()).expect("open succeeds");
+    assert_all(&store, &all);
+}
+
+#[test]
+fn a_flipped_payload_byte_is_confined_to_its_records() {
+    let dir = tempdir();
+    let all = calls(6, 6);
+    let store = Store::open(dir.path(), opts()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let damaged = "t0-2";
+    let loc = store.snapshot().get(damaged).expect("get").expect("present").loc;
+    store.close().expect("close");
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let mut bytes = fs::read(&seg).expect("read");
+    bytes[loc.offset as usize + 200] ^= 0x04; // inside the body
+    fs::write(&seg, &bytes).expect("write");
+    let last = segment_files(dir.path()).last().cloned().expect("a segment");
+    assert_ne!(last, seg, "the damaged record must be in a sealed segment for this test");
+
+    // The CLI goes on past the damage and says so.
+    let d = dir.path().to_str().expect("utf-8 path");
+    let out = trajlog(&["export", "--store", d]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let exported = String::from_utf8_lossy(&out.stdout).lines().count();
+    assert!(exported >= all.len() - 4 && exported < all.len(), "{exported}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&seg.display().to_string()));
+    let out = trajlog(&["audit", "--store", d]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"s0\" not audited"));
+
+    let store = Store::open(dir.path(), opts()).expect("open succeeds");
+    let snap = store.snapshot();
+    let err = snap.get(damaged).map(|v| v.map(|v| v.loc)).expect_err("a damaged record is refused");
+    match err.kind() {
+        ErrorKind::Corrupt { path, offset } => assert_eq!((path, *offset), (&seg, loc.offset), "{err}"),
+        k => panic!("{k:?}: {err}"),
+    }
+    // Calls of s0 after it have it as prefix-delta parent: refused too, never wrong.
+    let mut exact = 0;
+    for c in &all {
+        let read = snap.get(&c.trace_id).and_then(|v| v.expect("present").to_call());
+        match read {
+            Ok(_) => {
+                assert_same(&snap.get(&c.trace_id).expect("read").expect("present"), c);
+                exact += 1;
+            }
+            Err(e) => {
+                assert!(c.session_id == "s0", "{} refused: {e}", c.trace_id);
+                assert!(matches!(e.kind(), ErrorKind::Corrupt { .. }));
+            }
+        }
+    }
+    assert!(exact >= all.len() - 4, "{exact}");
+    // A full scan goes on past the damage.
+    let (mut ok, mut bad) = (0, 0);
+    snap.for_each_call_each(|r| {
+        match r {
+            Ok(_) => ok += 1,
+            Err(_) => bad += 1,
+        }
+        Ok(())
+    })
+    .expect("scan");
+    assert_eq!((ok, bad), (all.len() - 1, 1));
+    // Audit and compaction skip s0 (reported) and handle the rest.
+    let audit = trajlog::audit::audit(&snap).expect("audit");
+    assert_eq!(audit.sessions_damaged.len(), 1, "{:?}", audit.sessions_damaged);
+    assert_eq!(audit.sessions_checked, 5);
+    // Appending to the damaged session works (the damaged call is no parent).
+    let mut next = all[5].clone();
+    next.trace_id = "t0-next".into();
+    next.timestamp = 99.0;
+    store.append_durable(next.clone()).expect("append after damage");
+    store.flush().expect("the store is not poisoned");
+    assert_same(&store.snapshot().get("t0-next").expect("read").expect("present"), &next);
+    for s in 0..6 {
+        store.seal_session(&format!("s{s}")).expect("seal");
+    }
+    let report = store.compact(&CompactOptions::default()).expect("compaction goes on");
+    assert_eq!(report.sessions, 5);
+    assert_eq!(report.sessions_damaged.len(), 1);
+    assert_eq!(report.sessions_damaged[0].0, "s0");
+    drop(snap);
+    for c in all.iter().filter(|c| c.session_id != "s0") {
+        assert_same(&store.snapshot().get(&c.trace_id).expect("read").expect("present"), c);
+    }
+    store.close().expect("close");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.iter().any(|p| p.path == seg && p.offset == loc.offset), "{:?}", v.problems);
+}
+
+#[test]
+fn damage_in_the_middle_of_the_active_segment_is_refused_not_cut() {
+    let dir = tempdir();
+    let all = calls(2, 4);
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let loc = store.snapshot().get("t0-1").expect("get").expect("present").loc;
+    store.close().expect("close");
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let mut bytes = fs::read(&seg).expect("read");
+    bytes[loc.offset as usize + 300] ^= 0x80;
+    fs::write(&seg, &bytes).expect("write");
+    for open in [|d: &Path| Store::open(d, Options::default()).map(drop), |d: &Path| Store::open_read_only(d).map(drop)]
+    {
+        let err = open(dir.path()).expect_err("must refuse");
+        assert!(matches!(err.kind(), ErrorKind::Corrupt { .. }), "{err}");
+        assert!(err.message().contains("valid records follow"), "{err}");
+    }
+    assert_eq!(fs::read(&seg).expect("read"), bytes, "the segment must not be cut");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.torn_tail.is_none() && v.problems.iter().any(|p| p.offset == loc.offset), "{v:?}");
+}
+
+#[test]
+fn verify_tells_a_torn_tail_from_damage() {
+    let dir = tempdir();
+    let all = calls(2, 4);
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let loc = store.snapshot().get("t1-3").expect("get").expect("present").loc;
+    store.close().expect("close");
+    // An interrupted write of the last record: cut it in the middle.
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let f = fs::OpenOptions::new().write(true).open(&seg).expect("open");
+    f.set_len(loc.offset + 100).expect("cut");
+    drop(f);
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+    assert_eq!(v.torn_tail.as_ref().map(|t| t.offset), Some(loc.offset));
+    let store = Store::open(dir.path(), Options::default()).expect("open cuts the torn tail");
+    assert_eq!(store.snapshot().call_count(), all.len() - 1);
+    store.close().expect("close");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.is_empty() && v.torn_tail.is_none(), "{v:?}");
+}
+
+fn trajlog(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_trajlog")).args(args).output().expect("run trajlog")
+}
+
+#[test]
+fn cli_verify_exit_codes_and_repair() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    let d = dir.path().to_str().expect("utf-8 path");
+    let out = trajlog(&["verify", "--store", d]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+
+    // A torn tail alone: exit 3, reported as such.
+    let store = Store::open(dir.path(), opts()).expect("open");
+    store
+        .append(Call {
+            trace_id: "tail".into(),
+            session_id: "z".into(),
+            prompt_token_ids: vec![1; 300],
+            ..Default::default()
+        })
+        .expect("append");
+    store.flush().expect("flush");
+    let loc = store.snapshot().get("tail").expect("get").expect("present").loc;
+    store.close().expect("close");
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let f = fs::OpenOptions::new().write(true).open(&seg).expect("open");
+    f.set_len(loc.offset + 64).expect("cut");
+    drop(f);
+    let out = trajlog(&["verify", "--store", d]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(text.contains("TORN TAIL") && !text.contains("CORRUPT"), "{text}");
+
+    // No manifest: verify says so (exit 1), ingest refuses, repair rebuilds.
+    fs::remove_file(dir.path().join("MANIFEST")).expect("remove");
+    let out = trajlog(&["verify", "--store", d]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("no MANIFEST"));
+    let ingest = std::process::Command::new(env!("CARGO_BIN_EXE_trajlog"))
+        .args(["ingest", "--store", d])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run ingest");
+    assert_eq!(ingest.status.code(), Some(2), "{}", String::from_utf8_lossy(&ingest.stderr));
+    assert!(String::from_utf8_lossy(&ingest.stderr).contains("trajlog repair"));
+    assert!(data_files(dir.path()).len() > 3, "ingest must not delete anything");
+    let out = trajlog(&["repair", "--store", d, "--dry-run"]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("dry run"));
+    assert!(!dir.path().join("MANIFEST").exists());
+    let out = trajlog(&["repair", "--store", d]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("MANIFEST rebuilt"), "{text}");
+    let store = Store::open(dir.path(), opts()).expect("open after repair");
+    assert_all(&store, &all);
+}
