@@ -1,0 +1,412 @@
+//! `Store`: owns the writer thread, the segments and the published indexes —
+//! the only place in the crate with locks and threads.
+//!
+//! # Write path
+//! `append` validates the call (nothing is written if that fails), takes a
+//! sequence number and hands the call over a bounded channel to the writer
+//! thread (a full channel makes the caller wait: back-pressure, never a drop).
+//! The writer drains the channel in batches, chooses each call's prefix-delta
+//! parent, frames and CRCs it, writes the batch with one positional write, and
+//! makes it durable according to [`Durability`]. Only then does it publish a new
+//! index view and advance the durable sequence number that [`Receipt`]s wait on.
+//! Any failed write or fsync poisons the store.
+//!
+//! # Read path
+//! [`Store::snapshot`] clones an `Arc` of the last published view. A view holds
+//! persistent maps and `Arc`s of the segment mappings, so it stays consistent
+//! and valid however long it is held, while the writer appends, seals and rolls.
+
+mod admission;
+mod options;
+mod protocol;
+mod publish;
+mod receipt;
+mod recovery;
+mod retire;
+mod writer;
+
+pub use options::{Durability, Options};
+pub(crate) use protocol::PublishOutcome;
+pub use receipt::Receipt;
+pub(crate) use recovery::{load_for_repair, lock_dir};
+
+use admission::{check_trace_id, SendState};
+use protocol::Cmd;
+use receipt::{lock, Durable, Inner};
+use recovery::{apply_annotation, finish_pending, load_dir, load_read_only, read_manifest};
+use writer::Writer;
+
+use crate::compact::reader::{ShardFile, ShardRow};
+use crate::delta::{Context, DeltaCache};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::frame::{frame_bytes, write_frame};
+use crate::format::manifest::{
+    decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState, ShardChecksum,
+};
+use crate::format::record::{
+    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL,
+};
+use crate::format::segment::FooterEntry;
+use crate::index::{sessions_of, CallMeta, Index};
+use crate::limits::*;
+use crate::record::{Annotation, Call, Target};
+use crate::segment::recovery::load_segment;
+use crate::segment::writer::ActiveSegment;
+use crate::segment::SegmentRef;
+use crate::snapshot::{Snapshot, View};
+use crate::verify::Problem;
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use std::collections::HashSet;
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// An open trajlog store directory.
+pub struct Store {
+    inner: Arc<Inner>,
+    writer: Option<JoinHandle<()>>,
+    read_only: bool,
+    _lock: Option<File>,
+}
+
+pub(crate) const MANIFEST_NAME: &str = "MANIFEST";
+/// Shards live under `DIR/shards/{steps,trajectories}/`.
+pub(crate) const SHARDS_DIR: &str = "shards";
+pub(crate) const SHARD_TABLES: [&str; 2] = ["steps", "trajectories"];
+const LOCK_NAME: &str = "LOCK";
+
+impl Store {
+    /// Open (or create) a store for writing. Only one writer per directory: a
+    /// second one gets `ErrorKind::Locked`.
+    pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Self> {
+        options.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create store directory {}", dir.display()), e))?;
+        let lock_file = lock_dir(&dir)?;
+        let manifest = match read_manifest(&dir)? {
+            Some(m) => m,
+            None => {
+                // A new store — unless there are data files: never start an
+                // empty manifest over them (it would make them orphans).
+                let inv = crate::repair::inventory(&dir)?;
+                if inv.holds_data()? {
+                    return Err(crate::repair::no_manifest_error(&dir, &inv));
+                }
+                let m = Manifest { next_segment_id: 1, next_shard_generation: 1, ..Manifest::default() };
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m), &options.faults)?;
+                m
+            }
+        };
+        let mut manifest = manifest;
+        finish_pending(&dir, &mut manifest, &options.faults)?;
+        // Every unlisted data file must be the leftover of an interrupted
+        // operation (else refuse); they are deleted once the store loaded.
+        let leftovers = crate::repair::leftovers(&dir, &manifest, &crate::repair::inventory(&dir)?)?;
+        let mut loaded = load_dir(&dir, manifest)?;
+        for leftover in &leftovers {
+            leftover.dispose(&dir)?;
+        }
+        // A segment found sealed on disk but listed as active (a crash between
+        // a seal and the manifest update) is written back as sealed first, so
+        // that no manifest ever lists two active segments.
+        let mut manifest_fixed = false;
+        for ms in &mut loaded.manifest.segments {
+            if ms.state == SegmentState::Active && loaded.segments.get(&ms.id).is_some_and(|s| s.sealed) {
+                ms.state = SegmentState::Sealed;
+                manifest_fixed = true;
+            }
+        }
+        if manifest_fixed {
+            crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest), &options.faults)?;
+        }
+        let active = match loaded.active.take() {
+            Some((id, path, valid_end, entries)) => {
+                ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries, options.faults.clone())?
+            }
+            None => {
+                let id = loaded.manifest.next_segment_id;
+                let seg = ActiveSegment::create(&dir, id, options.segment_bytes, options.faults.clone())?;
+                loaded.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
+                loaded.manifest.next_segment_id = id + 1;
+                crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest), &options.faults)?;
+                seg
+            }
+        };
+        loaded.segments.remove(&active.id);
+        let sealed: HashSet<String> =
+            loaded.index.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| k.to_string()).collect();
+        let mut segments = loaded.segments.clone();
+        segments
+            .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
+        let shards = Arc::new(loaded.shards);
+        let damage = Arc::new(std::mem::take(&mut loaded.damage));
+        let view =
+            Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone(), damage: damage.clone() });
+        let (tx, rx) = bounded(options.queue_depth);
+        let inner = Arc::new(Inner {
+            dir: dir.clone(),
+            options: options.clone(),
+            send: Mutex::new(SendState::new(Some(tx), sealed)),
+            durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: false }),
+            durable_cv: Condvar::new(),
+            durable_seq: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+            view: Mutex::new(view),
+            compacting: Mutex::new(()),
+        });
+        let writer = Writer {
+            inner: inner.clone(),
+            dir,
+            options,
+            manifest: loaded.manifest,
+            sealed_segments: loaded.segments,
+            active: Some(active),
+            index: loaded.index,
+            shards,
+            shard_sessions: loaded.shard_sessions,
+            shard_traces: loaded.shard_traces,
+            damage,
+            retiring: Vec::new(),
+            old_maps: std::collections::HashMap::new(),
+            delta: DeltaCache::new(inner.options.delta_cache_bytes),
+            buf: Vec::with_capacity(1 << 20),
+            pending: Vec::new(),
+            written_seq: 0,
+            unsynced_since: None,
+            last_sync: Instant::now() - Duration::from_secs(3600),
+        };
+        let handle = std::thread::Builder::new()
+            .name("trajlog-writer".into())
+            .spawn(move || writer.run(rx))
+            .map_err(|e| Error::io("spawn the writer thread", e))?;
+        Ok(Store { inner, writer: Some(handle), read_only: false, _lock: Some(lock_file) })
+    }
+
+    /// Open a store read-only: no lock, no writer thread. It sees everything
+    /// that was flushed when it was opened; call [`Store::refresh`] to see more.
+    pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let view = load_read_only(&dir)?;
+        let inner = Arc::new(Inner {
+            dir,
+            options: Options::default(),
+            send: Mutex::new(SendState::new(None, HashSet::new())),
+            durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
+            durable_cv: Condvar::new(),
+            durable_seq: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+            view: Mutex::new(Arc::new(view)),
+            compacting: Mutex::new(()),
+        });
+        Ok(Store { inner, writer: None, read_only: true, _lock: None })
+    }
+
+    /// Read-only stores: reload what the writer has flushed since. Writable
+    /// stores always see their own acknowledged writes; this is a no-op there.
+    pub fn refresh(&self) -> Result<()> {
+        if self.read_only {
+            *lock(&self.inner.view) = Arc::new(load_read_only(&self.inner.dir)?);
+        }
+        Ok(())
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// The options the store was opened with.
+    pub fn options(&self) -> &Options {
+        &self.inner.options
+    }
+
+    fn sender(&self) -> Result<MutexGuard<'_, SendState>> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::Closed, "store is open read-only; open it with Store::open to write"));
+        }
+        if let Some(e) = self.inner.poisoned_error() {
+            return Err(e);
+        }
+        Ok(lock(&self.inner.send))
+    }
+
+    fn send(state: &mut SendState, cmd: Cmd) -> Result<()> {
+        let tx = state.tx.as_ref().ok_or_else(Error::closed)?;
+        tx.send(cmd).map_err(|_| Error::closed())
+    }
+
+    /// Append a call. Returns once the writer has it (waiting if the queue is
+    /// full); [`Receipt::wait`] or [`Store::flush`] make it durable.
+    pub fn append(&self, call: Call) -> Result<Receipt> {
+        call.validate()?;
+        let mut s = self.sender()?;
+        for id in std::iter::once(&call.session_id).chain(&call.session_uids) {
+            if s.sealed.contains(id) {
+                return Err(Error::invalid(
+                    "session_id",
+                    format!("session {id:?} is sealed (all its calls are in); append to a new session id, or delete the session first"),
+                ));
+            }
+        }
+        let durable_seq = self.inner.durable_seq.load(Ordering::Acquire);
+        s.prune(durable_seq);
+        let current: Option<Arc<[Arc<str>]>> = match s.calls_in_flight.get(call.trace_id.as_str()) {
+            Some((seq, sessions)) if *seq > durable_seq => {
+                (!sessions.first().is_some_and(|p| s.deleted_after(p, *seq))).then(|| sessions.clone())
+            }
+            _ => {
+                let view = lock(&self.inner.view).clone();
+                view.index
+                    .traces
+                    .get(call.trace_id.as_str())
+                    .filter(|m| !m.sessions.first().is_some_and(|p| s.deleted_after(p, durable_seq)))
+                    .map(|m| m.sessions.clone())
+            }
+        };
+        if let Some(current) = current {
+            check_trace_id(&call, &current, &s.sealed)?;
+        }
+        s.next_seq += 1;
+        let seq = s.next_seq;
+        s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
+        Self::send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
+        Ok(Receipt { seq, inner: self.inner.clone() })
+    }
+
+    /// Append and wait until durable.
+    pub fn append_durable(&self, call: Call) -> Result<()> {
+        self.append(call)?.wait()
+    }
+
+    fn annotate(&self, ann: Annotation, reply: Option<Sender<u64>>) -> Result<Receipt> {
+        ann.validate()?;
+        let mut s = self.sender()?;
+        match &ann {
+            Annotation::Seal { session_id } => {
+                s.sealed.insert(session_id.clone());
+            }
+            Annotation::DeleteSession { session_id } => {
+                s.sealed.remove(session_id);
+            }
+            Annotation::Reward { .. } => {}
+        }
+        s.next_seq += 1;
+        let seq = s.next_seq;
+        if let Annotation::DeleteSession { session_id } = &ann {
+            s.deletes_in_flight.push((seq, session_id.clone()));
+        }
+        Self::send(&mut s, Cmd::Annotate { seq, ann, reply })?;
+        Ok(Receipt { seq, inner: self.inner.clone() })
+    }
+
+    /// Record a reward on a trace or a session (last one wins); durable on return.
+    pub fn set_reward(&self, target: Target, value: f64) -> Result<()> {
+        self.annotate(Annotation::Reward { target, value }, None)?.wait()
+    }
+
+    /// Mark a session complete: later appends to it are refused. Durable on return.
+    pub fn seal_session(&self, session_id: &str) -> Result<()> {
+        self.annotate(Annotation::Seal { session_id: session_id.to_owned() }, None)?.wait()
+    }
+
+    /// Delete every call of a session; returns how many were deleted. Durable on return.
+    pub fn delete_session(&self, session_id: &str) -> Result<u64> {
+        let (tx, rx) = bounded(1);
+        let receipt = self.annotate(Annotation::DeleteSession { session_id: session_id.to_owned() }, Some(tx))?;
+        receipt.wait()?;
+        rx.recv().map_err(|_| Error::closed())
+    }
+
+    fn control(&self, make: impl FnOnce(Sender<Result<()>>) -> Cmd) -> Result<()> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, make(tx))?;
+        }
+        rx.recv().map_err(|_| Error::closed())?
+    }
+
+    /// Barrier: returns once everything appended before it is durable at the
+    /// store's level, or the error that prevented it.
+    pub fn flush(&self) -> Result<()> {
+        let fsync = self.inner.options.durability != Durability::Buffered;
+        self.control(|reply| Cmd::Flush { fsync, reply })
+    }
+
+    /// Like [`Store::flush`], but always fsyncs (also for `Buffered`).
+    pub fn sync(&self) -> Result<()> {
+        self.control(|reply| Cmd::Flush { fsync: true, reply })
+    }
+
+    /// Seal the active segment now and start a new one.
+    pub fn roll(&self) -> Result<()> {
+        self.control(|reply| Cmd::Roll { reply })
+    }
+
+    /// Compact finished sessions into Parquet shards under `DIR/shards/`
+    /// (format-spec/shard.md), then retire the segments nothing needs any more.
+    /// Reads keep answering for compacted calls, now from the shards.
+    pub fn compact(&self, options: &crate::compact::CompactOptions) -> Result<crate::compact::CompactReport> {
+        let _one_at_a_time = lock(&self.inner.compacting);
+        crate::compact::run(self, options)
+    }
+
+    pub(crate) fn reserve_generation(&self) -> Result<u64> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, Cmd::ReserveGeneration { reply: tx })?;
+        }
+        rx.recv().map_err(|_| Error::closed())
+    }
+
+    pub(crate) fn publish_compaction(
+        &self,
+        staged: Vec<PendingRename>,
+        sessions: Vec<String>,
+    ) -> Result<PublishOutcome> {
+        let (tx, rx) = bounded(1);
+        {
+            let mut s = self.sender()?;
+            Self::send(&mut s, Cmd::Publish { staged, sessions, reply: tx })?;
+        }
+        rx.recv().map_err(|_| Error::closed())?
+    }
+
+    /// A consistent view of everything acknowledged so far; cheap, and safe to
+    /// hold while the writer goes on.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot::new(lock(&self.inner.view).clone())
+    }
+
+    /// Flush, stop the writer thread and release the lock. Dropping the store
+    /// does the same but cannot report errors.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        let Some(handle) = self.writer.take() else { return Ok(()) };
+        let flushed = self.sync();
+        lock(&self.inner.send).tx = None;
+        let joined = handle.join();
+        {
+            let mut d = lock(&self.inner.durable);
+            d.closed = true;
+            self.inner.durable_cv.notify_all();
+        }
+        if joined.is_err() {
+            return Err(Error::new(ErrorKind::Io, "the writer thread panicked; reopen the store to recover"));
+        }
+        flushed
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}

@@ -1,0 +1,109 @@
+//! Receipts and durability waits: the durable sequence number, poisoning,
+//! and the condition variable waiters sleep on.
+
+use super::*;
+
+pub(super) struct Durable {
+    pub(super) seq: u64,
+    pub(super) poisoned: Option<String>,
+    pub(super) closed: bool,
+}
+
+pub(super) struct Inner {
+    pub(super) dir: PathBuf,
+    pub(super) options: Options,
+    pub(super) send: Mutex<SendState>,
+    pub(super) durable: Mutex<Durable>,
+    pub(super) durable_cv: Condvar,
+    pub(super) durable_seq: AtomicU64,
+    pub(super) poisoned: AtomicBool,
+    pub(super) view: Mutex<Arc<View>>,
+    /// One compaction at a time (two would compact the same sessions twice).
+    pub(super) compacting: Mutex<()>,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain data behind; keep going.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    pub(super) fn wait_durable(&self, seq: u64) -> Result<()> {
+        if self.durable_seq.load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        let mut d = lock(&self.durable);
+        loop {
+            if d.seq >= seq {
+                return Ok(());
+            }
+            if let Some(p) = &d.poisoned {
+                return Err(Error::poisoned(p));
+            }
+            if d.closed {
+                return Err(Error::closed());
+            }
+            d = self.durable_cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    pub(super) fn poison(&self, cause: &Error) {
+        let mut d = lock(&self.durable);
+        if d.poisoned.is_none() {
+            d.poisoned = Some(cause.to_string());
+        }
+        self.poisoned.store(true, Ordering::Release);
+        self.durable_cv.notify_all();
+    }
+
+    pub(super) fn poisoned_error(&self) -> Option<Error> {
+        if !self.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
+        let d = lock(&self.durable);
+        d.poisoned.as_deref().map(Error::poisoned)
+    }
+
+    pub(super) fn set_view(&self, view: Arc<View>) {
+        *lock(&self.view) = view;
+    }
+
+    pub(super) fn advance(&self, seq: u64) {
+        let mut d = lock(&self.durable);
+        d.seq = d.seq.max(seq);
+        self.durable_seq.store(d.seq, Ordering::Release);
+        self.durable_cv.notify_all();
+    }
+}
+
+/// Proof that an append was accepted; [`Receipt::wait`] blocks until it is
+/// durable at the store's level.
+#[derive(Clone)]
+pub struct Receipt {
+    pub(super) seq: u64,
+    pub(super) inner: Arc<Inner>,
+}
+
+impl Receipt {
+    /// Wait until the record is durable; an error if the store was poisoned or
+    /// closed before that.
+    pub fn wait(&self) -> Result<()> {
+        if self.inner.durable_seq.load(Ordering::Acquire) >= self.seq {
+            return Ok(());
+        }
+        if self.inner.options.durability == Durability::Group {
+            // Someone waits: commit after the writer's current batch rather than
+            // at the group-commit timer. Waiters queued together share the fsync.
+            let s = lock(&self.inner.send);
+            if let Some(tx) = &s.tx {
+                let _ = tx.send(Cmd::SyncSoon);
+            }
+        }
+        self.inner.wait_durable(self.seq)
+    }
+
+    /// The record's sequence number in this store session (1-based, in append order).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}

@@ -1,0 +1,302 @@
+//! Opening a directory: the manifest, finishing a decided publication,
+//! loading segments and shards and replaying them into the indexes
+//! (format-spec/segment.md §6, shard.md §4), read-only loads.
+
+use super::*;
+
+pub(super) fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
+    let path = dir.join(MANIFEST_NAME);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(format!("read {}", path.display()), e)),
+    };
+    decode_manifest(&bytes).map(Some).map_err(|e| {
+        if e.what.contains("unsupported format version") {
+            Error::new(ErrorKind::Incompatible, format!("{}: {}; use a matching trajlog", path.display(), e.what))
+        } else {
+            Error::corrupt(&path, e.offset, e.what)
+        }
+    })
+}
+
+/// Everything recovered from a directory.
+pub(super) struct Loaded {
+    pub(super) manifest: Manifest,
+    pub(super) index: Index,
+    pub(super) segments: imbl::OrdMap<u64, SegmentRef>,
+    pub(super) shards: Vec<Arc<ShardFile>>,
+    /// Every session name that appears in a shard row (live or not).
+    pub(super) shard_sessions: HashSet<Arc<str>>,
+    /// Every trace id that appears in a shard row (live or not).
+    pub(super) shard_traces: HashSet<Arc<str>>,
+    /// The last segment, if unsealed: its entries and valid end.
+    pub(super) active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
+    /// Damage found and confined while loading (see [`Snapshot::damage`]).
+    pub(super) damage: Vec<Problem>,
+}
+
+/// Apply one footer entry (and, for annotations, the record) to `index`.
+///
+/// A damaged annotation stays confined: seals and deletions are applied from
+/// the footer entry (kind and target), which is all they hold; a damaged
+/// reward is skipped. Either way the damage is reported in `damage`.
+pub(super) fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry, damage: &mut Vec<Problem>) {
+    let loc = Loc { segment: seg.id, offset: e.frame_offset };
+    if e.kind == KIND_CALL {
+        index.apply_call(CallMeta {
+            loc,
+            shard: None,
+            timestamp: e.timestamp,
+            trace_id: Arc::from(e.id.as_str()),
+            sessions: sessions_of(&e.session_id, &e.session_uids),
+        });
+        return;
+    }
+    let decoded = seg.body_at(e.frame_offset).and_then(|body| {
+        decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))
+    });
+    let ann = match decoded {
+        Ok(ann) => ann,
+        Err(err) => {
+            let from_footer = match e.kind {
+                KIND_SEAL => Some(Annotation::Seal { session_id: e.id.clone() }),
+                KIND_DELETE_SESSION => Some(Annotation::DeleteSession { session_id: e.id.clone() }),
+                _ => None,
+            };
+            let what = match &from_footer {
+                Some(_) => format!("damaged annotation, applied from the footer entry: {}", err.message()),
+                None => format!("damaged reward annotation skipped (target {:?}): {}", e.id, err.message()),
+            };
+            damage.push(Problem { path: seg.path.as_path().to_path_buf(), offset: e.frame_offset, what });
+            match from_footer {
+                Some(ann) => ann,
+                None => return,
+            }
+        }
+    };
+    apply_annotation(index, &ann);
+}
+
+pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
+    index.apply_call(CallMeta {
+        loc: row.loc,
+        shard: Some(row.pos),
+        timestamp: row.timestamp,
+        trace_id: Arc::from(row.trace_id.as_str()),
+        sessions: sessions_of(&row.session_id, &row.session_uids),
+    });
+}
+
+pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
+    match ann {
+        Annotation::Reward { target: Target::Trace(t), value } => index.set_trace_reward(t, *value),
+        Annotation::Reward { target: Target::Session(s), value } => index.set_session_reward(s, *value),
+        Annotation::Seal { session_id } => index.seal(session_id),
+        Annotation::DeleteSession { session_id } => return index.delete_session(session_id),
+    }
+    0
+}
+
+/// The `steps` shards of a manifest, in publication order (their shard ids).
+/// `pending` publications count too, at their final path if the rename
+/// happened, else at their staged path (read-only opens do not rename).
+/// Each with the manifest entry's checksum, if it has one.
+pub(super) fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<(PathBuf, Option<ShardChecksum>)> {
+    let shards = dir.join(SHARDS_DIR);
+    let published = manifest.shards.iter().map(|s| (shards.join(&s.path), s.checksum));
+    let pending = manifest.pending.iter().map(|p| {
+        let done = shards.join(&p.shard.path);
+        if done.exists() {
+            (done, p.shard.checksum)
+        } else {
+            (shards.join(&p.staged), p.shard.checksum)
+        }
+    });
+    let steps = |(p, _): &(PathBuf, _)| p.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "steps");
+    published.chain(pending).filter(steps).collect()
+}
+
+/// Open shards and read their index rows (sorted by log position).
+pub(super) fn load_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<(Vec<Arc<ShardFile>>, Vec<ShardRow>)> {
+    let mut files = Vec::with_capacity(paths.len());
+    let mut rows = Vec::new();
+    for (i, (path, expected)) in paths.iter().enumerate() {
+        if !path.exists() {
+            let dir = path.parent().and_then(Path::parent).and_then(Path::parent).unwrap_or(Path::new("."));
+            return Err(missing_listed_file(dir, path));
+        }
+        let f = ShardFile::open(path, i as u32, *expected)?;
+        f.index_rows(&mut rows)?;
+        files.push(Arc::new(f));
+    }
+    rows.sort_by_key(|r| r.loc);
+    Ok((files, rows))
+}
+
+/// A file the manifest lists is gone.
+pub(super) fn missing_listed_file(dir: &Path, path: &Path) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!(
+            "{} is listed in the MANIFEST but missing. Restore it if you can; otherwise `trajlog repair --store {}` rebuilds the MANIFEST from the files that exist (the records only that file held are lost)",
+            path.display(),
+            dir.display()
+        ),
+    )
+}
+
+/// Load every segment and shard of the manifest and rebuild the indexes by
+/// replaying records in log order; a shard row stands at the log position of
+/// the call it was compacted from (format-spec/shard.md §4).
+pub(super) fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
+    let mut index = Index::default();
+    let mut segments = imbl::OrdMap::new();
+    let mut active = None;
+    let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
+    let mut shard_sessions = HashSet::new();
+    let shard_traces: HashSet<Arc<str>> = rows.iter().map(|r| Arc::from(r.trace_id.as_str())).collect();
+    for r in &rows {
+        for s in sessions_of(&r.session_id, &r.session_uids).iter() {
+            shard_sessions.insert(s.clone());
+        }
+    }
+    let mut rows = rows.into_iter().peekable();
+    let last = manifest.segments.last().map(|s| s.id);
+    let mut damage = Vec::new();
+    for ms in &manifest.segments {
+        let path = crate::storage::segment_path(dir, ms.id);
+        if !path.exists() {
+            return Err(missing_listed_file(dir, &path));
+        }
+        let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed)?;
+        damage.extend(seg.damage.iter().map(|d| Problem {
+            path: seg.path.as_path().to_path_buf(),
+            offset: d.offset,
+            what: d.what.clone(),
+        }));
+        if !seg.sealed && Some(ms.id) != last {
+            return Err(Error::corrupt(
+                seg.path.as_path(),
+                seg.data_end,
+                "a segment before the last one is not sealed",
+            ));
+        }
+        let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
+        for e in &seg.entries {
+            let loc = Loc { segment: seg.id, offset: e.frame_offset };
+            while let Some(row) = rows.next_if(|row| row.loc < loc) {
+                apply_shard_row(&mut index, &row);
+            }
+            if let Some(row) = rows.next_if(|row| row.loc == loc) {
+                // The call was compacted: its shard row stands for its record.
+                apply_shard_row(&mut index, &row);
+                continue;
+            }
+            apply_entry(&mut index, &r, e, &mut damage);
+        }
+        if !seg.sealed {
+            active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
+        }
+        segments.insert(seg.id, r);
+    }
+    for row in rows {
+        apply_shard_row(&mut index, &row);
+    }
+    Ok(Loaded { manifest, index, segments, shards, shard_sessions, shard_traces, active, damage })
+}
+
+/// Finish a shard publication that was decided (listed as pending in the
+/// manifest) but maybe not completed: rename what is still staged, then list
+/// the shards as published.
+pub(super) fn finish_pending(
+    dir: &Path,
+    manifest: &mut Manifest,
+    faults: &crate::storage::fault::Faults,
+) -> Result<()> {
+    if manifest.pending.is_empty() {
+        return Ok(());
+    }
+    let shards = dir.join(SHARDS_DIR);
+    for p in &manifest.pending {
+        let (from, to) = (shards.join(&p.staged), shards.join(&p.shard.path));
+        if from.exists() {
+            fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
+        } else if !to.exists() {
+            return Err(Error::corrupt(&to, 0, "a shard being published has neither its staged nor its final file"));
+        }
+    }
+    for table in SHARD_TABLES {
+        crate::storage::sync_dir(&shards.join(table), faults)?;
+    }
+    let pending = std::mem::take(&mut manifest.pending);
+    manifest.shards.extend(pending.into_iter().map(|p| p.shard));
+    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
+}
+
+/// Take the single-writer lock of a store directory (its `LOCK` file).
+pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
+    let lock_path = dir.join(LOCK_NAME);
+    let lock_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| Error::io(format!("open {}", lock_path.display()), e))?;
+    match lock_file.try_lock() {
+        Ok(()) => Ok(lock_file),
+        Err(fs::TryLockError::WouldBlock) => Err(Error::new(
+            ErrorKind::Locked,
+            format!(
+                "{} is locked by another writer (its LOCK file is held); stop that process or open the store read-only",
+                dir.display()
+            ),
+        )),
+        Err(fs::TryLockError::Error(e)) => Err(Error::io(format!("lock {}", lock_path.display()), e)),
+    }
+}
+
+/// Load the store `manifest` describes (read-only): the live call count and
+/// the damage confined, for `trajlog repair` to check a manifest before
+/// writing it.
+pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, Vec<Problem>)> {
+    let loaded = load_dir(dir, manifest)?;
+    Ok((loaded.index.call_count(), loaded.damage))
+}
+
+pub(super) fn load_read_only(dir: &Path) -> Result<View> {
+    // The writer may replace the manifest (and, later, retire segments) while we
+    // read; retry a few times on a vanished file.
+    let mut last_err = None;
+    for _ in 0..5 {
+        let manifest = match read_manifest(dir)? {
+            Some(m) => m,
+            None => {
+                let inv = crate::repair::inventory(dir).unwrap_or_default();
+                if inv.holds_data().unwrap_or(true) {
+                    return Err(crate::repair::no_manifest_error(dir, &inv));
+                }
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "no trajlog store at {} (no MANIFEST); create one with `trajlog ingest` or Store::open",
+                        dir.display()
+                    ),
+                ));
+            }
+        };
+        match load_dir(dir, manifest) {
+            Ok(loaded) => {
+                return Ok(View {
+                    index: loaded.index,
+                    segments: loaded.segments,
+                    shards: Arc::new(loaded.shards),
+                    damage: Arc::new(loaded.damage),
+                })
+            }
+            Err(e) if e.kind() == &ErrorKind::NotFound => last_err = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| Error::new(ErrorKind::Io, "store changed too often while opening")))
+}

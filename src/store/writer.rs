@@ -1,0 +1,391 @@
+//! The writer thread: batches appends, chooses prefix-delta parents, frames
+//! and writes records, group-commits (fsync per durability level), publishes
+//! views, rolls segments.
+
+use super::*;
+
+/// The writer thread's state.
+pub(super) struct Writer {
+    pub(super) inner: Arc<Inner>,
+    pub(super) dir: PathBuf,
+    pub(super) options: Options,
+    pub(super) manifest: Manifest,
+    pub(super) sealed_segments: imbl::OrdMap<u64, SegmentRef>,
+    pub(super) active: Option<ActiveSegment>,
+    pub(super) index: Index,
+    pub(super) shards: Arc<Vec<Arc<ShardFile>>>,
+    pub(super) shard_sessions: HashSet<Arc<str>>,
+    pub(super) shard_traces: HashSet<Arc<str>>,
+    /// Damage confined at open (published with every view).
+    pub(super) damage: Arc<Vec<Problem>>,
+    /// Retired segment files, deleted once no snapshot maps them any more.
+    pub(super) retiring: Vec<(PathBuf, Vec<Weak<crate::storage::mmap::Mapping>>)>,
+    /// Mappings sealed segments had while they were active.
+    pub(super) old_maps: std::collections::HashMap<u64, Vec<Weak<crate::storage::mmap::Mapping>>>,
+    pub(super) delta: DeltaCache,
+    /// Frames encoded but not yet written.
+    pub(super) buf: Vec<u8>,
+    /// Footer entries of the frames in `buf`.
+    pub(super) pending: Vec<FooterEntry>,
+    pub(super) written_seq: u64,
+    pub(super) unsynced_since: Option<Instant>,
+    pub(super) last_sync: Instant,
+}
+
+const BATCH_RECORDS_MAX: usize = 1024;
+const BATCH_BYTES_MAX: usize = 16 << 20;
+
+impl Writer {
+    pub(super) fn run(mut self, rx: Receiver<Cmd>) {
+        loop {
+            let first = match self.group_deadline() {
+                Some(deadline) => match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                    Ok(cmd) => cmd,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.commit(true);
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => break,
+                },
+            };
+            // A batch is bounded in records here and in bytes by `append_call`,
+            // which writes the buffer out whenever it passes BATCH_BYTES_MAX.
+            let mut batch = vec![first];
+            while batch.len() < BATCH_RECORDS_MAX {
+                match rx.try_recv() {
+                    Ok(cmd) => batch.push(cmd),
+                    Err(_) => break,
+                }
+            }
+            let mut sync_soon = false;
+            for cmd in batch {
+                match cmd {
+                    Cmd::SyncSoon => sync_soon = true,
+                    cmd => self.handle(cmd),
+                }
+            }
+            let force = match self.options.durability {
+                Durability::Buffered => false,
+                Durability::Sync => true,
+                Durability::Group => {
+                    sync_soon || self.last_sync.elapsed() >= Duration::from_millis(self.options.group_commit_ms)
+                }
+            };
+            self.commit(force);
+        }
+        // Channel closed: the store is shutting down (it flushed first).
+        self.commit(true);
+        if !self.poisoned() {
+            if let Some(active) = self.active.as_mut() {
+                if let Err(e) = active.trim() {
+                    self.inner.poison(&e);
+                }
+            }
+        }
+    }
+
+    /// When the group-commit timer fires, if records wait for an fsync.
+    pub(super) fn group_deadline(&self) -> Option<Instant> {
+        if self.options.durability != Durability::Group {
+            return None;
+        }
+        self.unsynced_since.map(|_| self.last_sync + Duration::from_millis(self.options.group_commit_ms))
+    }
+
+    pub(super) fn poisoned(&self) -> bool {
+        self.inner.poisoned.load(Ordering::Acquire)
+    }
+
+    pub(super) fn fail(&mut self, e: &Error) {
+        self.inner.poison(e);
+        self.buf.clear();
+        self.pending.clear();
+    }
+
+    pub(super) fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Append { seq, call } => {
+                if !self.poisoned() {
+                    if let Err(e) = self.append_call(*call) {
+                        self.fail(&e);
+                    }
+                }
+                self.written_seq = seq;
+            }
+            Cmd::Annotate { seq, ann, reply } => {
+                if !self.poisoned() {
+                    match self.append_annotation(&ann) {
+                        Ok(count) => {
+                            if let Some(reply) = reply {
+                                let _ = reply.send(count);
+                            }
+                        }
+                        Err(e) => self.fail(&e),
+                    }
+                }
+                self.written_seq = seq;
+            }
+            Cmd::Flush { fsync, reply } => {
+                self.commit(fsync);
+                let result = match self.inner.poisoned_error() {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+                let _ = reply.send(result);
+            }
+            // Taken by `run`, which decides when to commit.
+            Cmd::SyncSoon => {}
+            Cmd::ReserveGeneration { reply } => {
+                let generation = self.manifest.next_shard_generation.max(1);
+                self.manifest.next_shard_generation = generation + 1;
+                let _ = reply.send(generation);
+            }
+            Cmd::Publish { staged, sessions, reply } => {
+                let result = match self.inner.poisoned_error() {
+                    Some(e) => Err(e),
+                    None => self.publish(staged, &sessions),
+                };
+                if let Err(e) = &result {
+                    if !matches!(e.kind(), ErrorKind::Poisoned) {
+                        self.fail(e);
+                    }
+                }
+                self.commit(true);
+                let _ = reply.send(result);
+            }
+            Cmd::Roll { reply } => {
+                let result = if self.poisoned() {
+                    Err(self.inner.poisoned_error().unwrap_or_else(Error::closed))
+                } else {
+                    self.roll()
+                };
+                if let Err(e) = &result {
+                    self.fail(e);
+                }
+                self.commit(false);
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    pub(super) fn active(&mut self) -> Result<&mut ActiveSegment> {
+        self.active
+            .as_mut()
+            .ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment (an earlier roll failed)"))
+    }
+
+    /// Make room for a frame of `frame_len` bytes: roll if the active segment
+    /// would pass its size (and already holds something).
+    pub(super) fn reserve(&mut self, frame_len: u64) -> Result<Loc> {
+        let segment_bytes = self.options.segment_bytes;
+        let (len, has_records) = {
+            let a = self.active()?;
+            (a.len, !a.entries.is_empty())
+        };
+        let pending = self.buf.len() as u64;
+        if len + pending + frame_len > segment_bytes && (has_records || pending > 0) {
+            self.roll()?;
+        }
+        let pending = self.buf.len() as u64;
+        let a = self.active()?;
+        Ok(Loc { segment: a.id, offset: a.len + pending })
+    }
+
+    pub(super) fn append_call(&mut self, call: Call) -> Result<()> {
+        if !self.delta.knows(&call.session_id) {
+            self.load_contexts(&call.session_id)?;
+        }
+        let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
+        let body_len = call_body_len(&call, &delta);
+        if frame_bytes(body_len) > RECORD_BYTES_MAX {
+            // Unreachable with validated input (the per-field limits sum below it).
+            return Err(Error::limit("RECORD_BYTES_MAX", "record bytes", body_len, RECORD_BYTES_MAX));
+        }
+        let loc = self.reserve(frame_bytes(body_len))?;
+        let mut body = Vec::with_capacity(body_len as usize);
+        encode_call(&mut body, &call, &delta);
+        write_frame(&mut self.buf, &body);
+        self.pending.push(FooterEntry {
+            frame_offset: loc.offset,
+            body_len: body.len() as u32,
+            kind: KIND_CALL,
+            timestamp: call.timestamp,
+            id: call.trace_id.clone(),
+            session_id: call.session_id.clone(),
+            session_uids: call.session_uids.clone(),
+        });
+        let session: Arc<str> = Arc::from(call.session_id.as_str());
+        self.index.apply_call(CallMeta {
+            loc,
+            shard: None,
+            timestamp: call.timestamp,
+            trace_id: Arc::from(call.trace_id.as_str()),
+            sessions: sessions_of(&call.session_id, &call.session_uids),
+        });
+        let prompt_len = call.prompt_token_ids.len();
+        let mut tokens = call.prompt_token_ids;
+        tokens.extend_from_slice(&call.completion_token_ids);
+        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        if self.buf.len() >= BATCH_BYTES_MAX {
+            // Bound the writer's memory: write now, make durable at batch end.
+            self.write_buf()?;
+        }
+        Ok(())
+    }
+
+    /// A session the delta cache does not know may still have calls on disk
+    /// (after a reopen, or after eviction): load its most recent contexts.
+    pub(super) fn load_contexts(&mut self, session: &str) -> Result<()> {
+        let Some(entry) = self.index.sessions.get(session) else { return Ok(()) };
+        let keys: Vec<Loc> = {
+            // Only calls still in segments can be parents (compacted ones may
+            // have had their segment retired).
+            let in_segments = |k: &&crate::index::CallKey| {
+                self.index.traces.get(&k.trace_id).is_some_and(|m| m.loc == k.loc && m.shard.is_none())
+            };
+            let mut locs: Vec<Loc> = entry.calls.iter().filter(in_segments).map(|k| k.loc).collect();
+            locs.sort();
+            locs.into_iter().rev().take(DELTA_LOOKBACK_CALLS).rev().collect()
+        };
+        if keys.is_empty() {
+            return Ok(());
+        }
+        // Parents must be readable: write what is buffered first.
+        self.write_buf()?;
+        let snap = Snapshot::new(Arc::new(self.view()?));
+        let session_arc: Arc<str> = Arc::from(session);
+        for loc in keys {
+            // A damaged call (or one built on a damaged parent) cannot be a
+            // parent: skip it rather than fail the append (and poison the store).
+            let Ok(call) = snap.call_at(loc) else { continue };
+            if call.record.session_id != session {
+                continue;
+            }
+            let Ok(mut tokens) = call.prompt() else { continue };
+            let prompt_len = tokens.len();
+            tokens.extend_from_slice(call.record.completion);
+            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        }
+        Ok(())
+    }
+
+    pub(super) fn append_annotation(&mut self, ann: &Annotation) -> Result<u64> {
+        let mut body = Vec::with_capacity(64);
+        encode_annotation(&mut body, ann);
+        let loc = self.reserve(frame_bytes(body.len() as u64))?;
+        write_frame(&mut self.buf, &body);
+        let entry = crate::segment::recovery::entry_of_body(loc.offset, &body)
+            .map_err(|e| Error::new(ErrorKind::Io, format!("internal: annotation does not decode: {e}")))?;
+        self.pending.push(entry);
+        match ann {
+            Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => self.delta.forget(session_id),
+            Annotation::Reward { .. } => {}
+        }
+        Ok(apply_annotation(&mut self.index, ann))
+    }
+
+    pub(super) fn write_buf(&mut self) -> Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let pending = std::mem::take(&mut self.pending);
+        let active = self.active()?;
+        active.write(&buf)?;
+        active.entries.extend(pending);
+        self.buf = buf;
+        self.buf.clear();
+        if self.unsynced_since.is_none() {
+            self.unsynced_since = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    pub(super) fn view(&mut self) -> Result<View> {
+        let mut segments = self.sealed_segments.clone();
+        let a = self.active()?;
+        segments.insert(a.id, SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false));
+        Ok(View { index: self.index.clone(), segments, shards: self.shards.clone(), damage: self.damage.clone() })
+    }
+
+    /// Write what is buffered; fsync if `fsync` (or keep waiting for the group
+    /// timer); publish what became durable.
+    pub(super) fn commit(&mut self, fsync: bool) {
+        if self.poisoned() {
+            return;
+        }
+        if let Err(e) = self.write_buf() {
+            self.fail(&e);
+            return;
+        }
+        let durable = match self.options.durability {
+            Durability::Buffered => true,
+            _ => fsync || self.unsynced_since.is_none(),
+        };
+        if fsync && self.unsynced_since.is_some() {
+            let synced = self.active().and_then(|a| a.sync());
+            if let Err(e) = synced {
+                self.fail(&e);
+                return;
+            }
+            self.unsynced_since = None;
+            self.last_sync = Instant::now();
+        }
+        if durable {
+            match self.view() {
+                Ok(view) => {
+                    // Publish the view, drop retired files the old one was the
+                    // last to map, then acknowledge.
+                    self.inner.set_view(Arc::new(view));
+                    self.reap();
+                    self.inner.advance(self.written_seq);
+                }
+                Err(e) => self.fail(&e),
+            }
+        }
+    }
+
+    /// Delete retired segment files no snapshot maps any more.
+    pub(super) fn reap(&mut self) {
+        self.retiring.retain(|(path, maps)| {
+            if maps.iter().any(|m| m.strong_count() > 0) {
+                return true;
+            }
+            // Best effort: a file left behind is removed as an orphan at the next open.
+            let _ = fs::remove_file(path);
+            false
+        });
+    }
+
+    /// Seal the active segment, start the next one, publish both in the manifest.
+    pub(super) fn roll(&mut self) -> Result<()> {
+        self.write_buf()?;
+        if self.active.as_ref().is_some_and(|a| a.entries.is_empty()) {
+            return Ok(()); // nothing to seal
+        }
+        let old = self.active.take().ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment"))?;
+        let old_id = old.id;
+        let sealed = old.seal()?;
+        self.old_maps.insert(old_id, sealed.old_maps);
+        let (path, map, data_end) = (sealed.path, sealed.map, sealed.data_end);
+        self.unsynced_since = None;
+        self.last_sync = Instant::now();
+        self.sealed_segments.insert(old_id, SegmentRef::new(old_id, path, map, data_end, true));
+        let id = self.manifest.next_segment_id;
+        let new = ActiveSegment::create(&self.dir, id, self.options.segment_bytes, self.options.faults.clone())?;
+        for ms in &mut self.manifest.segments {
+            if ms.id == old_id {
+                ms.state = SegmentState::Sealed;
+            }
+        }
+        self.manifest.segments.push(ManifestSegment { id, state: SegmentState::Active });
+        self.manifest.next_segment_id = id + 1;
+        crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
+        self.active = Some(new);
+        Ok(())
+    }
+}
