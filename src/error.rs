@@ -14,8 +14,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum ErrorKind {
-    /// The operating system failed an I/O call; retrying may help.
+    /// The operating system failed an I/O call; retrying may help. The
+    /// `io::Error` is kept: see [`Error::io_error`] (EIO, EACCES, …).
     Io,
+    /// The disk (or the user's quota) is full: ENOSPC or EDQUOT. Free space,
+    /// then reopen the store (a failed write poisons it).
+    StorageFull,
     /// Bytes on disk failed validation (CRC, magic, bounds). Run `trajlog verify`.
     Corrupt { path: PathBuf, offset: u64 },
     /// The directory was written by an incompatible format version.
@@ -35,16 +39,35 @@ pub enum ErrorKind {
     NotFound,
 }
 
-/// The crate's error: a kind to match on and a message for people.
-#[derive(Debug, Clone, PartialEq)]
+/// The crate's error: a kind to match on, a message for people, and the
+/// operating system's error when one caused it ([`std::error::Error::source`]).
+#[derive(Debug, Clone)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    source: Option<std::sync::Arc<std::io::Error>>,
 }
+
+/// Errors compare by kind and message (an `io::Error` has no equality).
+impl PartialEq for Error {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+
+/// ENOSPC and EDQUOT on Linux.
+const ENOSPC: i32 = 28;
+const EDQUOT: i32 = 122;
 
 impl Error {
     pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into() }
+        Self { kind, message: message.into(), source: None }
+    }
+
+    /// The operating system's error behind this one, if any (also through a
+    /// poisoned store: the error that poisoned it).
+    pub fn io_error(&self) -> Option<&std::io::Error> {
+        self.source.as_deref()
     }
 
     /// What went wrong, by what to do about it.
@@ -58,7 +81,10 @@ impl Error {
     }
 
     pub(crate) fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
-        Self::new(ErrorKind::Io, format!("{context}: {err}"))
+        let full = matches!(err.raw_os_error(), Some(ENOSPC | EDQUOT))
+            || matches!(err.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded);
+        let kind = if full { ErrorKind::StorageFull } else { ErrorKind::Io };
+        Self { kind, message: format!("{context}: {err}"), source: Some(std::sync::Arc::new(err)) }
     }
 
     pub(crate) fn corrupt(path: impl Into<PathBuf>, offset: u64, what: impl fmt::Display) -> Self {
@@ -81,11 +107,13 @@ impl Error {
         )
     }
 
-    pub(crate) fn poisoned(cause: &str) -> Self {
-        Self::new(
-            ErrorKind::Poisoned,
-            format!("store is poisoned by an earlier write failure ({cause}); no further writes are accepted — reopen the store to recover"),
-        )
+    /// The error of a store poisoned by `cause`; keeps `cause`'s `io::Error`.
+    pub(crate) fn poisoned(cause: &Error) -> Self {
+        Self {
+            kind: ErrorKind::Poisoned,
+            message: format!("store is poisoned by an earlier write failure ({cause}); no further writes are accepted — reopen the store to recover"),
+            source: cause.source.clone(),
+        }
     }
 
     /// The error every call on a closed store returns.
@@ -100,4 +128,28 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_keep_their_cause_and_a_full_disk_has_its_own_kind() {
+        let full = Error::io("write seg", std::io::Error::from_raw_os_error(ENOSPC));
+        assert_eq!(full.kind(), &ErrorKind::StorageFull);
+        assert_eq!(full.io_error().and_then(std::io::Error::raw_os_error), Some(ENOSPC));
+        let eio = Error::io("write seg", std::io::Error::from_raw_os_error(5));
+        assert_eq!(eio.kind(), &ErrorKind::Io);
+        assert_eq!(eio.io_error().and_then(std::io::Error::raw_os_error), Some(5));
+        let poisoned = Error::poisoned(&full);
+        assert_eq!(poisoned.kind(), &ErrorKind::Poisoned);
+        assert_eq!(poisoned.io_error().and_then(std::io::Error::raw_os_error), Some(ENOSPC));
+        assert!(std::error::Error::source(&poisoned).is_some());
+        assert!(Error::closed().io_error().is_none());
+    }
+}

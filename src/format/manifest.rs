@@ -145,6 +145,21 @@ fn check_shard_path(path: &str, at: usize) -> Result<(), DecodeError> {
     }
 }
 
+/// The version field of a manifest with a valid magic (read before decoding,
+/// so an unknown version is told apart from corruption by value, not text).
+pub fn manifest_version(buf: &[u8]) -> Option<u32> {
+    let mut c = Cursor::new(buf);
+    if c.bytes(8, "manifest magic").ok()? != MANIFEST_MAGIC {
+        return None;
+    }
+    c.u32("format version").ok()
+}
+
+/// Whether this build reads manifests of `version`.
+pub fn reads_version(version: u32) -> bool {
+    (MANIFEST_VERSION_MIN..=MANIFEST_VERSION).contains(&version)
+}
+
 /// Decode a manifest of version 1, 2 or 3. An unknown version is reported as
 /// such (the caller turns it into `ErrorKind::Incompatible`).
 pub fn decode_manifest(buf: &[u8]) -> Result<Manifest, DecodeError> {

@@ -5,7 +5,7 @@ use super::*;
 
 pub(super) struct Durable {
     pub(super) seq: u64,
-    pub(super) poisoned: Option<String>,
+    pub(super) poisoned: Option<Error>,
     pub(super) closed: bool,
 }
 
@@ -50,7 +50,7 @@ impl Inner {
     pub(super) fn poison(&self, cause: &Error) {
         let mut d = lock(&self.durable);
         if d.poisoned.is_none() {
-            d.poisoned = Some(cause.to_string());
+            d.poisoned = Some(cause.clone());
         }
         self.poisoned.store(true, Ordering::Release);
         self.durable_cv.notify_all();
@@ -61,7 +61,7 @@ impl Inner {
             return None;
         }
         let d = lock(&self.durable);
-        d.poisoned.as_deref().map(Error::poisoned)
+        d.poisoned.as_ref().map(Error::poisoned)
     }
 
     pub(super) fn set_view(&self, view: Arc<View>) {

@@ -11,12 +11,11 @@ pub(super) fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(format!("read {}", path.display()), e)),
     };
-    decode_manifest(&bytes).map(Some).map_err(|e| {
-        if e.what.contains("unsupported format version") {
+    decode_manifest(&bytes).map(Some).map_err(|e| match crate::format::manifest::manifest_version(&bytes) {
+        Some(v) if !crate::format::manifest::reads_version(v) => {
             Error::new(ErrorKind::Incompatible, format!("{}: {}; use a matching trajlog", path.display(), e.what))
-        } else {
-            Error::corrupt(&path, e.offset, e.what)
         }
+        _ => Error::corrupt(&path, e.offset, e.what),
     })
 }
 
