@@ -233,9 +233,9 @@ impl Store {
         Ok(lock(&self.inner.send))
     }
 
-    fn send(state: &mut SendState, cmd: Cmd) -> Result<()> {
+    fn send(&self, state: &mut SendState, cmd: Cmd) -> Result<()> {
         let tx = state.tx.as_ref().ok_or_else(Error::closed)?;
-        tx.send(cmd).map_err(|_| Error::closed())
+        tx.send(cmd).map_err(|_| self.inner.dead_error())
     }
 
     /// Append a call. Returns once the writer has it (waiting if the queue is
@@ -272,7 +272,7 @@ impl Store {
         s.next_seq += 1;
         let seq = s.next_seq;
         s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
-        Self::send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
+        self.send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 
@@ -298,7 +298,7 @@ impl Store {
         if let Annotation::DeleteSession { session_id } = &ann {
             s.deletes_in_flight.push((seq, session_id.clone()));
         }
-        Self::send(&mut s, Cmd::Annotate { seq, ann, reply })?;
+        self.send(&mut s, Cmd::Annotate { seq, ann, reply })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 
@@ -317,16 +317,16 @@ impl Store {
         let (tx, rx) = bounded(1);
         let receipt = self.annotate(Annotation::DeleteSession { session_id: session_id.to_owned() }, Some(tx))?;
         receipt.wait()?;
-        rx.recv().map_err(|_| Error::closed())
+        rx.recv().map_err(|_| self.inner.dead_error())
     }
 
     fn control(&self, make: impl FnOnce(Sender<Result<()>>) -> Cmd) -> Result<()> {
         let (tx, rx) = bounded(1);
         {
             let mut s = self.sender()?;
-            Self::send(&mut s, make(tx))?;
+            self.send(&mut s, make(tx))?;
         }
-        rx.recv().map_err(|_| Error::closed())?
+        rx.recv().map_err(|_| self.inner.dead_error())?
     }
 
     /// Barrier: returns once everything appended before it is durable at the
@@ -358,9 +358,9 @@ impl Store {
         let (tx, rx) = bounded(1);
         {
             let mut s = self.sender()?;
-            Self::send(&mut s, Cmd::ReserveGeneration { reply: tx })?;
+            self.send(&mut s, Cmd::ReserveGeneration { reply: tx })?;
         }
-        rx.recv().map_err(|_| Error::closed())
+        rx.recv().map_err(|_| self.inner.dead_error())
     }
 
     pub(crate) fn publish_compaction(
@@ -371,9 +371,17 @@ impl Store {
         let (tx, rx) = bounded(1);
         {
             let mut s = self.sender()?;
-            Self::send(&mut s, Cmd::Publish { staged, sessions, reply: tx })?;
+            self.send(&mut s, Cmd::Publish { staged, sessions, reply: tx })?;
         }
-        rx.recv().map_err(|_| Error::closed())?
+        rx.recv().map_err(|_| self.inner.dead_error())?
+    }
+
+    /// Test hook: make the writer thread panic, as a bug would. Every pending
+    /// and later call then fails with `ErrorKind::Poisoned` (none hangs).
+    #[doc(hidden)]
+    pub fn inject_writer_panic(&self) -> Result<()> {
+        let mut s = self.sender()?;
+        self.send(&mut s, Cmd::Panic)
     }
 
     /// A consistent view of everything acknowledged so far; cheap, and safe to

@@ -26,6 +26,8 @@ pub(super) enum Cmd {
     ReserveGeneration {
         reply: Sender<u64>,
     },
+    /// Test hook ([`Store::inject_writer_panic`]): the writer thread panics.
+    Panic,
     /// Publish staged shards, switch compacted calls to them, retire segments.
     Publish {
         staged: Vec<PendingRename>,

@@ -47,6 +47,22 @@ impl Inner {
         }
     }
 
+    /// The error for a caller whose command the writer thread will never
+    /// answer (its channel or reply is gone): the thread has ended, poisoned
+    /// (a failure or a panic) or closed. Waits until the thread says which.
+    pub(super) fn dead_error(&self) -> Error {
+        let mut d = lock(&self.durable);
+        loop {
+            if let Some(p) = &d.poisoned {
+                return Error::poisoned(p);
+            }
+            if d.closed {
+                return Error::closed();
+            }
+            d = self.durable_cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     pub(super) fn poison(&self, cause: &Error) {
         let mut d = lock(&self.durable);
         if d.poisoned.is_none() {

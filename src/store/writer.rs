@@ -35,8 +35,25 @@ pub(super) struct Writer {
 const BATCH_RECORDS_MAX: usize = 1024;
 const BATCH_BYTES_MAX: usize = 16 << 20;
 
+/// Poisons the store if the writer thread unwinds from a panic, so that every
+/// waiter wakes with an error instead of waiting for ever (its `Drop` runs
+/// during the unwinding, after the writer's locals are gone).
+struct PanicGuard(Arc<Inner>);
+
+impl Drop for PanicGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.poison(&Error::new(
+                ErrorKind::Io,
+                "the writer thread panicked (a bug in trajlog: please report it with the panic message printed above); records not yet acknowledged were not written",
+            ));
+        }
+    }
+}
+
 impl Writer {
     pub(super) fn run(mut self, rx: Receiver<Cmd>) {
+        let _poison_on_panic = PanicGuard(self.inner.clone());
         loop {
             let first = match self.group_deadline() {
                 Some(deadline) => match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
@@ -139,6 +156,7 @@ impl Writer {
             }
             // Taken by `run`, which decides when to commit.
             Cmd::SyncSoon => {}
+            Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
             Cmd::ReserveGeneration { reply } => {
                 let generation = self.manifest.next_shard_generation.max(1);
                 self.manifest.next_shard_generation = generation + 1;
