@@ -46,7 +46,11 @@ fn reader_thread_reads_exactly_while_the_writer_appends_seals_and_rolls() {
             let mut reads = 0usize;
             let mut last_count = 0;
             let mut held = None;
-            while !done.load(Ordering::Acquire) || reads == 0 {
+            // Until the writer is done, and at least once after a snapshot was
+            // held: a reader starved by the scheduler may first look when the
+            // appender has finished (the held snapshot is then a late one; the
+            // appending thread holds an early one of its own, below).
+            while !done.load(Ordering::Acquire) || held.is_none() {
                 let snap = store.snapshot();
                 assert!(snap.call_count() >= last_count, "a snapshot went back in time");
                 last_count = snap.call_count();
@@ -72,12 +76,17 @@ fn reader_thread_reads_exactly_while_the_writer_appends_seals_and_rolls() {
             reads
         })
     };
+    // An early snapshot taken at a known point, read after every later roll.
+    let mut early = None;
     for step in 0..steps {
         for s in 0..sessions {
             store.append(call(s, step)).unwrap();
         }
         if step % 7 == 0 {
             store.flush().unwrap();
+            if early.is_none() && step > 0 {
+                early = Some(store.snapshot());
+            }
         }
     }
     for s in 0..sessions {
@@ -90,6 +99,16 @@ fn reader_thread_reads_exactly_while_the_writer_appends_seals_and_rolls() {
     let snap = store.snapshot();
     assert!(snap.segments().len() > 3, "the test must cross several rolls");
     assert_eq!(snap.call_count(), sessions * steps);
+    let early = early.expect("an early snapshot");
+    assert_eq!(early.call_count(), 8 * sessions, "the early snapshot holds what was flushed at step 7");
+    assert!(early.segments().len() + 2 < snap.segments().len(), "segments rolled after the early snapshot");
+    early
+        .for_each_call(|v| {
+            let (s, step) = v.trace_id()[1..].split_once('/').unwrap();
+            assert_same(v, &call(s.parse().unwrap(), step.parse().unwrap()));
+            Ok(())
+        })
+        .unwrap();
 }
 
 fn inside(range: &std::ops::Range<usize>, s: &[u32]) -> bool {

@@ -189,6 +189,11 @@ impl CrashAt {
     }
 
     /// Sync points seen so far (to size a sweep: run once with no crash).
+    /// Another run has the same count only if the writer batches the same
+    /// way: under `Durability::Sync` every batch is an fsync, and a batch is
+    /// whatever the channel held when the writer woke. A sweep must fix the
+    /// batching (`tests/faults.rs` holds the writer through the plan while a
+    /// batch is queued), not hope for it.
     pub fn sync_points(&self) -> u64 {
         self.state().sync_points
     }
