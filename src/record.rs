@@ -17,7 +17,7 @@ pub struct Call {
     pub session_id: String,
     /// Extra (nested) sessions this call also belongs to.
     pub session_uids: Vec<String>,
-    /// Seconds since the Unix epoch (finite).
+    /// Seconds since the Unix epoch (finite, not negative).
     pub timestamp: f64,
     pub model: Option<String>,
     pub weight_version: Option<i64>,
@@ -101,8 +101,11 @@ impl Call {
         for (i, uid) in self.session_uids.iter().enumerate() {
             check_id(&format!("session_uids[{i}]"), uid)?;
         }
-        if !self.timestamp.is_finite() {
-            return Err(Error::invalid("timestamp", format!("{} is not a finite number of seconds", self.timestamp)));
+        if !self.timestamp.is_finite() || self.timestamp < 0.0 {
+            return Err(Error::invalid(
+                "timestamp",
+                format!("{:?} is not a finite, non-negative number of seconds since the Unix epoch", self.timestamp),
+            ));
         }
         if let Some(l) = self.latency_ms {
             if !l.is_finite() || l < 0.0 {

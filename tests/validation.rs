@@ -45,6 +45,9 @@ fn each_violation_names_its_field_and_writes_nothing() {
         ("session_uids count", Box::new(|c| c.session_uids = (0..=SESSION_UIDS_MAX).map(|i| i.to_string()).collect())),
         ("timestamp", Box::new(|c| c.timestamp = f64::NAN)),
         ("timestamp", Box::new(|c| c.timestamp = f64::INFINITY)),
+        ("timestamp", Box::new(|c| c.timestamp = -1.0)),
+        ("timestamp", Box::new(|c| c.timestamp = -f64::MIN_POSITIVE)),
+        ("timestamp", Box::new(|c| c.timestamp = f64::NEG_INFINITY)),
         ("latency_ms", Box::new(|c| c.latency_ms = Some(f64::NAN))),
         ("latency_ms", Box::new(|c| c.latency_ms = Some(-1.0))),
         ("logprobs", Box::new(|c| c.logprobs = Some(vec![-1.0, -2.0]))),
@@ -112,6 +115,8 @@ fn json_traces_with_bad_fields_are_refused_with_the_field_named() {
         (r#"{"trace_id":"t","session_id":"s","completion_token_ids":[1],"logprobs":[1e39]}"#, "logprobs[0]"),
         (r#"{"trace_id":"t","session_id":"s","completion_token_ids":[1,2],"logprobs":[-1]}"#, "logprobs"),
         (r#"{"trace_id":"t","session_id":"s","timestamp":"now"}"#, "timestamp"),
+        (r#"{"trace_id":"t","session_id":"s","timestamp":-1.5}"#, "timestamp"),
+        (r#"{"id":"k","session_name":"s","input":{},"start_time":-3}"#, "timestamp"),
         (r#"{"trace_id":7,"session_id":"s"}"#, "trace_id"),
         (r#"[1,2]"#, "trace"),
         (r#"{"trace_id":"t","#, "trace"),
@@ -151,4 +156,23 @@ fn gateway_and_sdk_shapes_parse() {
     assert_eq!(c.timestamp, 3.0);
     let extra: serde_json::Value = serde_json::from_slice(c.extra.as_ref().unwrap()).unwrap();
     assert_eq!(extra, serde_json::json!({"output":{"usage":{"x":1}}}));
+}
+
+#[test]
+fn timestamps_must_be_finite_and_not_negative() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for ts in [-1.0, -1e-300, -f64::MAX, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let err = store.append(Call { timestamp: ts, ..good() }).err().unwrap_or_else(|| panic!("{ts}: accepted"));
+        assert!(matches!(err.kind(), ErrorKind::InvalidInput { field } if field == "timestamp"), "{ts}: {err}");
+        assert!(err.to_string().contains("non-negative"), "{err}");
+    }
+    // Zero (either sign), the smallest positive and large values are kept, bit for bit.
+    for (i, ts) in [0.0, -0.0, f64::MIN_POSITIVE, 5e-324, 1.795356919117e9, 1e300].into_iter().enumerate() {
+        let trace_id = format!("t{i}");
+        store.append_durable(Call { trace_id: trace_id.clone(), timestamp: ts, ..good() }).unwrap();
+        let snap = store.snapshot();
+        let got = snap.get(&trace_id).unwrap().expect("stored").timestamp();
+        assert_eq!(got.to_bits(), ts.to_bits(), "{ts}");
+    }
 }

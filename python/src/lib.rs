@@ -3,9 +3,10 @@
 //! The Python package (`trajlog/`) converts inputs and adds the rLLM adapters.
 
 use numpy::ndarray::ArrayView1;
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
 use std::sync::Arc;
 
 mod arrow_export;
@@ -18,6 +19,7 @@ use trajlog::{Call as RCall, CompactOptions, Durability, ErrorKind, Options, Sel
 pub(crate) fn to_py(e: trajlog::Error) -> PyErr {
     let name = match e.kind() {
         ErrorKind::Io => "IOFailure",
+        ErrorKind::StorageFull => "StorageFullError",
         ErrorKind::Corrupt { .. } => "CorruptError",
         ErrorKind::Incompatible => "IncompatibleError",
         ErrorKind::InvalidInput { .. } => "InvalidInputError",
@@ -28,16 +30,255 @@ pub(crate) fn to_py(e: trajlog::Error) -> PyErr {
         ErrorKind::NotFound => "NotFoundError",
         _ => "TrajlogError",
     };
+    py_error(name, e.message().to_owned())
+}
+
+/// The exception `trajlog.errors.<name>(message)`.
+fn py_error(name: &str, message: String) -> PyErr {
     Python::attach(|py| {
         let class = py.import("trajlog.errors").and_then(|m| m.getattr(name));
         match class {
-            Ok(class) => match class.call1((e.message().to_owned(),)) {
+            Ok(class) => match class.call1((message,)) {
                 Ok(instance) => PyErr::from_value(instance),
                 Err(err) => err,
             },
             Err(err) => err,
         }
     })
+}
+
+/// `trajlog.InvalidInputError(message)`; nothing has been written.
+fn invalid_input(message: String) -> PyErr {
+    py_error("InvalidInputError", message)
+}
+
+// ---- Input conversion: token ids and logprobs given as Python sequences ----
+//
+// Each element is checked (a bool is never a number here; numpy scalars are
+// accepted like the Python numbers they stand for) and a refusal names the
+// field and the index. Nothing is written before every element passed.
+
+/// A Python number, as the element checks see it.
+enum Number {
+    Bool,
+    Int(i64),
+    /// An integer outside `i64`.
+    BigInt,
+    Float(f64),
+    Other,
+}
+
+fn classify(item: &Bound<'_, PyAny>) -> PyResult<Number> {
+    if item.is_exact_instance_of::<PyBool>() {
+        return Ok(Number::Bool);
+    }
+    if item.is_instance_of::<PyInt>() {
+        return Ok(item.extract::<i64>().map_or(Number::BigInt, Number::Int));
+    }
+    if let Ok(f) = item.cast::<PyFloat>() {
+        return Ok(Number::Float(f.value()));
+    }
+    // numpy scalars (numpy.float32, numpy.int64, numpy.bool_, ...).
+    let ty = item.get_type();
+    if ty.module().is_ok_and(|m| m.to_str().is_ok_and(|m| m == "numpy")) {
+        if let Ok(kind) = item.getattr(intern!(item.py(), "dtype")).and_then(|d| d.getattr(intern!(item.py(), "kind")))
+        {
+            match kind.extract::<String>()?.as_str() {
+                "b" => return Ok(Number::Bool),
+                "i" | "u" => return Ok(item.extract::<i64>().map_or(Number::BigInt, Number::Int)),
+                "f" => return Ok(item.extract::<f64>().map_or(Number::Other, Number::Float)),
+                _ => {}
+            }
+        }
+    }
+    Ok(Number::Other)
+}
+
+fn repr(item: &Bound<'_, PyAny>) -> String {
+    item.repr().map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string_lossy().into_owned())
+}
+
+/// The elements of a list, a tuple or any other iterable.
+fn for_each_item<'py>(
+    values: &Bound<'py, PyAny>,
+    mut f: impl FnMut(usize, &Bound<'py, PyAny>) -> PyResult<()>,
+) -> PyResult<()> {
+    if let Ok(list) = values.cast::<PyList>() {
+        for (i, item) in list.iter().enumerate() {
+            f(i, &item)?;
+        }
+    } else if let Ok(tuple) = values.cast::<PyTuple>() {
+        for (i, item) in tuple.iter().enumerate() {
+            f(i, &item)?;
+        }
+    } else {
+        for (i, item) in values.try_iter()?.enumerate() {
+            f(i, &item?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Token ids from a Python sequence of ints, as a uint32 array; refuses a
+/// bool, a float, or an int outside `0..=u32::MAX`, naming `field[index]`.
+#[pyfunction]
+fn u32_array<'py>(py: Python<'py>, field: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    let mut out = Vec::with_capacity(values.len().unwrap_or(0));
+    for_each_item(values, |i, item| {
+        // The common case first: a plain int that fits.
+        if item.is_exact_instance_of::<PyInt>() {
+            // SAFETY: `item` is a live `int` object (checked just above), which
+            // is what PyLong_AsUnsignedLong takes; it returns (unsigned long)-1
+            // with an exception set on overflow, handled below.
+            let v = unsafe { pyo3::ffi::PyLong_AsUnsignedLong(item.as_ptr()) };
+            if v != std::ffi::c_ulong::MAX {
+                if let Ok(id) = u32::try_from(v) {
+                    out.push(id);
+                    return Ok(());
+                }
+            } else if let Some(err) = PyErr::take(item.py()) {
+                drop(err); // negative or too large: refused below, naming the element
+            } else if let Ok(id) = u32::try_from(v) {
+                out.push(id);
+                return Ok(());
+            }
+        }
+        match classify(item)? {
+            Number::Int(v) if (0..=i64::from(u32::MAX)).contains(&v) => {
+                out.push(v as u32);
+                Ok(())
+            }
+            Number::Bool => Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is a bool, not a token id (an integer in 0..=4294967295)",
+                repr(item)
+            ))),
+            _ => Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is not a token id (an integer in 0..=4294967295)",
+                repr(item)
+            ))),
+        }
+    })?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+/// One logprob as a float32 and whether it is exactly the value given.
+/// Refuses what is not a number (bools included) and finite values beyond
+/// the float32 range (they would become infinite).
+fn logprob(field: &str, i: usize, item: &Bound<'_, PyAny>) -> PyResult<(f32, bool)> {
+    let (narrow, exact) = match classify(item)? {
+        Number::Float(v) => {
+            let narrow = v as f32;
+            if v.is_finite() && !narrow.is_finite() {
+                return Err(invalid_input(format!(
+                    "invalid {field}[{i}]: {} is outside the float32 range (magnitude at most 3.4028235e38); a logprob is stored as a float32",
+                    repr(item)
+                )));
+            }
+            (narrow, f64::from(narrow).to_bits() == v.to_bits())
+        }
+        Number::Int(v) => {
+            let narrow = v as f32;
+            (narrow, f64::from(narrow) as i128 == i128::from(v))
+        }
+        Number::BigInt => {
+            return Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is not a logprob (an integer beyond 64 bits)",
+                repr(item)
+            )))
+        }
+        Number::Bool => {
+            return Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is a bool, not a logprob (a float)",
+                repr(item)
+            )))
+        }
+        Number::Other => {
+            return Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is not a number; logprobs are floats",
+                repr(item)
+            )))
+        }
+    };
+    Ok((narrow, exact))
+}
+
+/// Logprobs from a Python sequence of numbers as a float32 array, and
+/// whether every value was exactly a float32. With `exact`, a value that is
+/// not is refused naming `field[index]`; otherwise it becomes the nearest
+/// float32 (the caller keeps the value given elsewhere).
+#[pyfunction]
+fn f32_array<'py>(
+    py: Python<'py>,
+    field: &str,
+    values: &Bound<'py, PyAny>,
+    exact: bool,
+) -> PyResult<(Bound<'py, PyArray1<f32>>, bool)> {
+    let mut out = Vec::with_capacity(values.len().unwrap_or(0));
+    let mut all_exact = true;
+    for_each_item(values, |i, item| {
+        let (v, is_exact) = logprob(field, i, item)?;
+        if exact && !is_exact {
+            return Err(invalid_input(format!(
+                "invalid {field}[{i}]: {} is not exactly representable as float32; pass float32 values (e.g. a numpy float32 array)",
+                repr(item)
+            )));
+        }
+        all_exact &= is_exact;
+        out.push(v);
+        Ok(())
+    })?;
+    Ok((PyArray1::from_vec(py, out), all_exact))
+}
+
+/// How deeply containers nest in a JSON text (`1` for `[]`, `0` for a scalar);
+/// brackets inside strings do not count.
+#[pyfunction]
+fn json_depth(text: &str) -> usize {
+    let (mut depth, mut max) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in text.as_bytes() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// The elements of a one-dimensional numpy array as a `Vec`. The binding's
+/// Python side passes contiguous, aligned arrays; anything else is refused
+/// rather than read through a misaligned pointer.
+fn array_vec<T: numpy::Element + Copy>(field: &str, arr: &PyReadonlyArray1<'_, T>) -> PyResult<Vec<T>> {
+    let array: &Bound<'_, PyArray1<T>> = arr;
+    if PyUntypedArrayMethods::len(array) == 0 {
+        return Ok(Vec::new());
+    }
+    let aligned = (PyArrayMethods::data(array) as usize).is_multiple_of(std::mem::align_of::<T>());
+    match (aligned, arr.as_slice()) {
+        (true, Ok(slice)) => Ok(slice.to_vec()),
+        _ => Err(invalid_input(format!("invalid {field}: the array must be contiguous and aligned"))),
+    }
+}
+
+/// Whether `extra` holds a `logprobs` value of its own (not null): the
+/// values as the caller gave them, kept because they are not all float32.
+fn has_verbatim_logprobs(extra: &[u8]) -> bool {
+    serde_json::from_slice::<std::collections::BTreeMap<String, &serde_json::value::RawValue>>(extra)
+        .is_ok_and(|m| m.get("logprobs").is_some_and(|v| v.get() != "null"))
 }
 
 /// Keeps a snapshot — and through it the segment mappings and decoded shard
@@ -165,16 +406,29 @@ impl Call {
     }
 
     /// The gateway-shaped trace as JSON text without the token arrays (their
-    /// keys hold empty lists), for `to_dict`, which fills them from the views.
-    fn to_json_without_tokens(&self) -> PyResult<String> {
+    /// keys hold empty lists), for `to_dict`, which fills them from the views;
+    /// and whether `logprobs` is to be filled from the column. It is not when
+    /// the caller's values were kept verbatim beside the column (they were
+    /// not all float32; the column holds the nearest float32 values): the
+    /// text then carries them.
+    fn to_json_without_tokens(&self) -> PyResult<(String, bool)> {
         let v = view(self.snap.get(), &self.trace_id)?;
-        Ok(trajlog::trace_json::export_call(&v.to_call_without_tokens()))
+        let mut call = v.to_call_without_tokens();
+        if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
+            call.logprobs = None;
+        }
+        Ok((trajlog::trace_json::export_call(&call), call.logprobs.is_some()))
     }
 
-    /// The gateway-shaped trace as JSON text.
+    /// The gateway-shaped trace as JSON text (logprobs kept verbatim beside
+    /// the column are written as given, as in `to_dict`).
     fn to_json(&self) -> PyResult<String> {
         let v = view(self.snap.get(), &self.trace_id)?;
-        Ok(trajlog::trace_json::export_call(&v.to_call().map_err(to_py)?))
+        let mut call = v.to_call().map_err(to_py)?;
+        if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
+            call.logprobs = None;
+        }
+        Ok(trajlog::trace_json::export_call(&call))
     }
     fn __repr__(&self) -> PyResult<String> {
         let v = view(self.snap.get(), &self.trace_id)?;
@@ -188,6 +442,9 @@ impl Call {
         ))
     }
 }
+
+/// An SDK record as the Python side passes it to `append_sdk_batch`.
+type SdkRecord = (String, String, String, String, String, Vec<String>, f64, f64);
 
 type SdkTuple = (String, String, String, String, f64, f64, Vec<String>);
 
@@ -237,7 +494,13 @@ impl NativeStore {
             ..d
         };
         let store = py
-            .detach(|| if read_only { trajlog::Store::open_read_only(&path) } else { trajlog::Store::open(&path, options) })
+            .detach(|| {
+                if read_only {
+                    trajlog::Store::open_read_only(&path)
+                } else {
+                    trajlog::Store::open(&path, options)
+                }
+            })
             .map_err(to_py)?;
         Ok(Self { store: Some(Arc::new(store)) })
     }
@@ -274,9 +537,9 @@ impl NativeStore {
             timestamp,
             model,
             weight_version,
-            prompt_token_ids: prompt_token_ids.as_array().to_vec(),
-            completion_token_ids: completion_token_ids.as_array().to_vec(),
-            logprobs: logprobs.map(|l| l.as_array().to_vec()),
+            prompt_token_ids: array_vec("prompt_token_ids", &prompt_token_ids)?,
+            completion_token_ids: array_vec("completion_token_ids", &completion_token_ids)?,
+            logprobs: logprobs.map(|l| array_vec("logprobs", &l)).transpose()?,
             routing_matrices,
             finish_reason,
             latency_ms,
@@ -330,7 +593,13 @@ impl NativeStore {
     }
 
     #[pyo3(signature = (session_id, since = None, limit = None))]
-    fn session(&self, py: Python<'_>, session_id: &str, since: Option<f64>, limit: Option<usize>) -> PyResult<Vec<Call>> {
+    fn session(
+        &self,
+        py: Python<'_>,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+    ) -> PyResult<Vec<Call>> {
         let store = self.get()?;
         let snap = snapshot_obj(py, &store)?;
         let ids: Vec<String> = snap
@@ -390,6 +659,43 @@ impl NativeStore {
         .map_err(to_py)
     }
 
+    /// Append records of the older rLLM SDK store, all or none: every record
+    /// is converted and validated before the first is handed to the writer.
+    /// Each is (trace_id, data, namespace, context_type, metadata,
+    /// session_uids, created_at, updated_at). With `durable`, returns once all
+    /// are durable.
+    fn append_sdk_batch(&self, py: Python<'_>, records: Vec<SdkRecord>, durable: bool) -> PyResult<()> {
+        let store = self.get()?;
+        py.detach(|| {
+            let calls = records
+                .into_iter()
+                .map(|(trace_id, data, namespace, context_type, metadata, session_uids, created_at, updated_at)| {
+                    let t = SdkTrace {
+                        trace_id,
+                        data,
+                        namespace,
+                        context_type,
+                        metadata,
+                        created_at,
+                        updated_at,
+                        session_uids,
+                    };
+                    trajlog::rllm::sdk_to_call(&t)
+                })
+                .collect::<trajlog::Result<Vec<_>>>()?;
+            let mut last = None;
+            for call in calls {
+                last = Some(store.append(call)?);
+            }
+            match last {
+                // One wait covers every earlier append.
+                Some(receipt) if durable => receipt.wait(),
+                _ => Ok(()),
+            }
+        })
+        .map_err(to_py)
+    }
+
     /// SDK records by trace id (None where absent or not an SDK record), as
     /// (data, namespace, context_type, metadata, created_at, updated_at, session_uids).
     fn get_sdk(&self, py: Python<'_>, trace_ids: Vec<String>) -> PyResult<Vec<Option<SdkTuple>>> {
@@ -436,9 +742,8 @@ impl NativeStore {
     ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
         let schema = schema.map(str::parse::<trajlog::rllm::sqlite::Schema>).transpose().map_err(to_py)?;
-        let r = py
-            .detach(|| trajlog::rllm::sqlite::import(&db, &store, schema, verify, &mut |_, _| {}))
-            .map_err(to_py)?;
+        let r =
+            py.detach(|| trajlog::rllm::sqlite::import(&db, &store, schema, verify, &mut |_, _| {})).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("schema", r.schema.name())?;
         d.set_item("traces", r.traces)?;
@@ -481,6 +786,8 @@ impl NativeStore {
         d.set_item("token_bytes", r.token_bytes)?;
         d.set_item("shards", r.shards.iter().map(|p| p.display().to_string()).collect::<Vec<_>>())?;
         d.set_item("retired_segments", r.retired_segments)?;
+        // Sessions left in the log because a call of theirs is damaged: (session id, error).
+        d.set_item("sessions_damaged", r.sessions_damaged)?;
         Ok(d)
     }
 
@@ -513,5 +820,8 @@ fn _trajlog(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeStore>()?;
     m.add_class::<Call>()?;
     m.add_class::<Snapshot>()?;
+    m.add_function(wrap_pyfunction!(u32_array, m)?)?;
+    m.add_function(wrap_pyfunction!(f32_array, m)?)?;
+    m.add_function(wrap_pyfunction!(json_depth, m)?)?;
     Ok(())
 }

@@ -4,7 +4,7 @@
     with trajlog.Store("traces") as store:
         store.append(trace_id="t1", session_id="task:0",
                      prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5],
-                     logprobs=[-0.1, -0.2])
+                     logprobs=np.array([-0.1, -0.2], dtype=np.float32))
         store.flush()
         call = store.get("t1")
         call.completion_token_ids   # numpy uint32 view into the mapped segment
@@ -15,11 +15,18 @@ keeps the mapping alive, even after the store is closed); `Call.prompt_token_ids
 is a view when the prompt is stored whole (a session's first call, or a
 compacted call) and otherwise materialized from the prefix-delta chain
 (`Call.prompt_is_view` tells which; `Call.prompt_suffix` is always a view).
+
+Bad input is refused before anything is written, with a trajlog exception
+(`InvalidInputError` is a `ValueError`, `LimitExceededError` one of those)
+whose message names the field and index: token ids must be ints in
+0..=4294967295 (never bools); `Store.append` logprobs must be float32 values
+(a float32 array, or floats exactly representable as float32); session uids
+a list of str; timestamps finite and >= 0; JSON documents at most
+`JSON_DEPTH_MAX` containers deep.
 """
 
 from __future__ import annotations
 
-import array
 import json
 import math
 import time
@@ -27,6 +34,7 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from . import _trajlog as _native
 from . import errors
 from ._trajlog import Call, NativeStore
 from .errors import (
@@ -39,6 +47,7 @@ from .errors import (
     LockedError,
     NotFoundError,
     PoisonedError,
+    StorageFullError,
     TrajlogError,
 )
 
@@ -48,6 +57,7 @@ __all__ = [
     "errors",
     "TrajlogError",
     "IOFailure",
+    "StorageFullError",
     "CorruptError",
     "IncompatibleError",
     "InvalidInputError",
@@ -56,11 +66,19 @@ __all__ = [
     "ClosedError",
     "PoisonedError",
     "NotFoundError",
+    "JSON_DEPTH_MAX",
 ]
 
+# How deeply the containers (lists, dicts) of one JSON document given to
+# trajlog may nest: `messages`, `response_message`, `metadata`, each extra
+# field of a call, an SDK record's `data` and `metadata`. Deeper documents are
+# refused with LimitExceededError before anything is written (Python's own
+# JSON codec gives up near 1000 levels, and a document must read back too).
+JSON_DEPTH_MAX = 128
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _U32_MAX = 0xFFFFFFFF
-# The array.array type code of a 4-byte unsigned int, where there is one.
-_U32_CODE = next((c for c in "IL" if array.array(c).itemsize == 4), None)
+_EMPTY_U32 = np.empty(0, dtype=np.uint32)
 
 # Trace keys stored in columns or typed fields; every other key is kept verbatim.
 _COLUMNS = (
@@ -70,99 +88,225 @@ _COLUMNS = (
 )
 
 
-def _as_array(values: Any) -> np.ndarray:
-    """A numpy array of any sequence, numpy array, array.array or buffer."""
-    if isinstance(values, (list, tuple, np.ndarray)):
-        return np.asarray(values)
+def _text(field: str, value: Any) -> str:
+    """A str that UTF-8 can encode (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"invalid {field}: {value!r} is not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(
+            f"invalid {field}: not valid UTF-8 text (a lone surrogate {value[e.start]!r} at position {e.start}); "
+            "pass text without unpaired surrogates"
+        ) from None
+    return value
+
+
+def _optional_text(field: str, value: Any) -> Optional[str]:
+    return None if value is None else _text(field, value)
+
+
+def _session_uids(values: Any) -> list:
+    if values is None:
+        return []
+    if not isinstance(values, (list, tuple)):
+        raise InvalidInputError(f"invalid session_uids: {values!r} is not a list of strings; pass e.g. [\"outer\", \"inner\"]")
+    return [_text(f"session_uids[{i}]", v) for i, v in enumerate(values)]
+
+
+def _as_array(field: str, values: Any) -> Any:
+    """A numpy array of a numpy array, array.array or other buffer; a list
+    of any other iterable (its elements are checked one by one)."""
+    if isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, (str, dict, set, frozenset)):
+        raise InvalidInputError(f"invalid {field}: a {type(values).__name__} is not a sequence of numbers")
     try:
         return np.asarray(memoryview(values))
     except TypeError:
-        return np.asarray(list(values))
+        pass
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidInputError(f"invalid {field}: {values!r} is not a sequence of numbers") from None
+
+
+def _one_dimensional(field: str, arr: np.ndarray) -> None:
+    if arr.ndim != 1:
+        raise InvalidInputError(f"invalid {field}: must be one-dimensional, got shape {arr.shape}")
 
 
 def _token_ids(field: str, values: Any) -> np.ndarray:
-    """Any sequence, numpy array, array.array or buffer of integer ids →
-    contiguous uint32, refusing (never wrapping) what does not fit."""
+    """Token ids (a list, tuple, numpy array, array.array or buffer) as a
+    contiguous, aligned uint32 array. Each must be an int in 0..=u32::MAX;
+    a bool, a float or anything else is refused naming `field[index]`."""
     if values is None:
-        return np.empty(0, dtype=np.uint32)
-    if isinstance(values, np.ndarray) and values.dtype == np.uint32 and values.ndim == 1:
-        return np.ascontiguousarray(values)
-    if _U32_CODE and isinstance(values, list):
-        # Fast path for lists of ints (3x faster than numpy's conversion);
-        # anything it refuses takes the checked path below, which names the bad element.
-        try:
-            return np.frombuffer(array.array(_U32_CODE, values), dtype=np.uint32)
-        except (OverflowError, TypeError):
-            pass
-    arr = _as_array(values)
-    if arr.ndim != 1:
-        raise InvalidInputError(f"invalid {field}: must be one-dimensional, got shape {arr.shape}")
+        return _EMPTY_U32
+    if isinstance(values, (list, tuple)):
+        return _native.u32_array(field, values)
+    arr = _as_array(field, values)
+    if isinstance(arr, list):
+        return _native.u32_array(field, arr)
+    _one_dimensional(field, arr)
     if arr.size == 0:
-        return np.empty(0, dtype=np.uint32)
-    if arr.dtype == object or arr.dtype.kind not in "iu":
-        for i, v in enumerate(arr.tolist()):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidInputError(f"invalid {field}[{i}]: {v!r} is not a token id (an integer in 0..=4294967295)")
-        arr = np.asarray(arr.tolist(), dtype=np.int64) if max(arr.tolist()) < 2**63 else np.asarray(arr.tolist(), dtype=object)
-    if arr.dtype == object:
-        bad = next(i for i, v in enumerate(arr.tolist()) if not 0 <= v <= _U32_MAX)
-        raise InvalidInputError(f"invalid {field}[{bad}]: {arr[bad]} is not a token id (an integer in 0..=4294967295)")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > _U32_MAX:
-        bad = int(np.argmax((arr < 0) | (arr > _U32_MAX)))
-        raise InvalidInputError(f"invalid {field}[{bad}]: {arr[bad]} is not a token id (an integer in 0..=4294967295)")
-    return np.ascontiguousarray(arr, dtype=np.uint32)
+        return _EMPTY_U32
+    if arr.dtype.kind not in "iu":
+        # Bools, floats, objects: the element check names the first bad one.
+        return _native.u32_array(field, arr.tolist())
+    if arr.dtype != np.uint32:
+        bad = (arr < 0) | (arr > _U32_MAX)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise InvalidInputError(f"invalid {field}[{i}]: {arr[i]} is not a token id (an integer in 0..=4294967295)")
+    return np.require(arr, dtype=np.uint32, requirements=["C", "A"])
+
+
+def _f32_of_array(field: str, arr: np.ndarray, exact: bool):
+    """(float32 array, every value exactly a float32) for a numpy array; see
+    `_logprobs`."""
+    _one_dimensional(field, arr)
+    if arr.dtype.kind == "f" and arr.dtype.itemsize <= 4:
+        # float16 and float32 (any byte order) widen exactly.
+        return np.require(arr, dtype=np.float32, requirements=["C", "A"]), True
+    if arr.dtype.kind != "f" or arr.dtype.itemsize != 8:
+        # Ints, bools, objects, long doubles: element by element.
+        return _native.f32_array(field, arr.tolist(), exact)
+    wide = np.require(arr, dtype=np.float64, requirements=["C", "A"])
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(np.float32)
+    inexact = narrow.astype(np.float64).view(np.uint64) != wide.view(np.uint64)
+    if not inexact.any():
+        return narrow, True
+    if exact or (np.isfinite(wide) & ~np.isfinite(narrow)).any():
+        # The element check raises, naming the first value refused.
+        return _native.f32_array(field, wide.tolist(), exact)
+    return narrow, False
 
 
 def _logprobs(values: Any) -> Optional[np.ndarray]:
-    """float32 stays bit-exact; other floats are rounded to float32 (the
-    precision inference engines produce)."""
+    """Logprobs as a contiguous float32 array. Each value must be exactly
+    representable as a float32 (float32 arrays always are; float64 arrays
+    and Python floats are checked, bit for bit): anything else — an inexact
+    value, one outside the float32 range, a bool, a non-number — is refused
+    naming `logprobs[index]`, so what reads back is what was given."""
     if values is None:
         return None
-    if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim == 1:
-        return np.ascontiguousarray(values)
-    arr = _as_array(values)
-    if arr.ndim != 1:
-        raise InvalidInputError(f"invalid logprobs: must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.dtype == object or arr.dtype.kind not in "fiu"):
-        for i, v in enumerate(arr.tolist()):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise InvalidInputError(f"invalid logprobs[{i}]: {v!r} is not a number")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    if isinstance(values, (list, tuple)):
+        return _native.f32_array("logprobs", values, True)[0]
+    arr = _as_array("logprobs", values)
+    if isinstance(arr, list):
+        return _native.f32_array("logprobs", arr, True)[0]
+    return _f32_of_array("logprobs", arr, True)[0]
 
 
-def _exact_f32(values: Any) -> Optional[np.ndarray]:
-    """`values` as float32 when every one is a number exactly representable
-    as float32 (so widening gives the same Python floats back); else None."""
-    if isinstance(values, np.ndarray):
-        return values if values.dtype == np.float32 and values.ndim == 1 else None
-    try:
-        if any(isinstance(v, bool) for v in values):
-            return None
-        wide = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        return None
-    if wide.ndim != 1:
-        return None
-    narrow = wide.astype(np.float32)
-    return narrow if np.array_equal(narrow.astype(np.float64), wide) else None
+def _trace_logprobs(values: Any):
+    """Logprobs of a trace dict: (float32 array for the column, the values
+    to keep verbatim or None). Values that are not all float32 go to the
+    column as the nearest float32 and are also kept as given, so the dict
+    reads back equal; values beyond the float32 range, bools and
+    non-numbers are refused naming `logprobs[index]`."""
+    if isinstance(values, (list, tuple)):
+        column, exact = _native.f32_array("logprobs", values, False)
+        given = values
+    else:
+        arr = _as_array("logprobs", values)
+        if isinstance(arr, list):
+            column, exact = _native.f32_array("logprobs", arr, False)
+        else:
+            column, exact = _f32_of_array("logprobs", arr, False)
+        given = arr if isinstance(arr, list) else arr.tolist()
+    if exact:
+        return column, None
+    verbatim = [v if isinstance(v, (int, float)) else float(v) for v in given]
+    for i, v in enumerate(verbatim):
+        if not math.isfinite(v):
+            raise InvalidInputError(
+                f"invalid logprobs[{i}]: {v!r} cannot be kept verbatim beside values that are not float32 "
+                "(JSON has no NaN or Infinity); pass float32 values"
+            )
+    return column, verbatim
 
 
-def _json_text(field: str, value: Any) -> Optional[str]:
+def _depth_error(field: str, depth: Optional[int]) -> LimitExceededError:
+    how = "nested too deeply" if depth is None else f"nested {depth} containers deep"
+    return LimitExceededError(
+        f"invalid {field}: {how}, over JSON_DEPTH_MAX ({JSON_DEPTH_MAX} nested lists/dicts); flatten the document"
+    )
+
+
+def _json_text(field: str, value: Any, *, allow_nan: bool = False) -> Optional[str]:
+    """The JSON text of a document, refused (naming `field`) when it is not
+    JSON-serializable or nests deeper than JSON_DEPTH_MAX."""
     if value is None:
         return None
     try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(value, allow_nan=allow_nan, separators=(",", ":"))
+    except RecursionError:
+        raise _depth_error(field, None) from None
     except (TypeError, ValueError) as e:
         raise InvalidInputError(f"invalid {field}: not JSON-serializable ({e})") from None
+    depth = _native.json_depth(text)
+    if depth > JSON_DEPTH_MAX:
+        raise _depth_error(field, depth)
+    return text
 
 
-def _finite(field: str, value: Any) -> Optional[float]:
+def _extra_text(extra: dict) -> Optional[str]:
+    """The JSON object of a call's extra fields; a refusal names the key."""
+    if not extra:
+        return None
+    try:
+        text = json.dumps(extra, allow_nan=False, separators=(",", ":"))
+        depth = _native.json_depth(text) - 1  # the object around the fields
+    except (RecursionError, TypeError, ValueError):
+        text, depth = None, None
+    if text is None or depth > JSON_DEPTH_MAX:
+        for key, value in extra.items():
+            _json_text(str(key), value)
+        raise InvalidInputError("invalid extra fields: not JSON-serializable")
+    return text
+
+
+def _since(value: Any) -> Optional[float]:
+    return None if value is None else _number("since", value)
+
+
+def _number(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInputError(f"invalid {field}: {value!r} is not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidInputError(f"invalid {field}: {value!r} is too large for a float") from None
+
+
+def _finite(field: str, value: Any, *, non_negative: bool = False) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidInputError(f"invalid {field}: {value!r} is not a finite number")
-    return float(value)
+    v = _number(field, value)
+    if not math.isfinite(v) or (non_negative and v < 0):
+        kind = "a finite, non-negative number" if non_negative else "a finite number"
+        raise InvalidInputError(f"invalid {field}: {value!r} is not {kind}")
+    return v
+
+
+def _count(field: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > _I64_MAX:
+        raise InvalidInputError(f"invalid {field}: {value!r} is not a non-negative integer")
+    return value
+
+
+def _routing(value: Any) -> Optional[bytes]:
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, str)):
+        raise InvalidInputError(f"invalid routing_matrices: a {type(value).__name__} is not bytes; pass bytes or a buffer")
+    try:
+        return bytes(value)
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"invalid routing_matrices: {e}; pass bytes or a buffer") from None
 
 
 class Store:
@@ -185,13 +329,15 @@ class Store:
         queue_depth: Optional[int] = None,
     ):
         self.path = str(path)
+        if not isinstance(durability, str):
+            raise InvalidInputError(f"invalid durability: {durability!r} is not one of \"buffered\", \"group\", \"sync\"")
         self._native = NativeStore(
             self.path,
             durability=durability,
-            read_only=read_only,
-            segment_bytes=segment_bytes,
-            group_commit_ms=group_commit_ms,
-            queue_depth=queue_depth,
+            read_only=bool(read_only),
+            segment_bytes=_count("segment_bytes", segment_bytes),
+            group_commit_ms=_count("group_commit_ms", group_commit_ms),
+            queue_depth=_count("queue_depth", queue_depth),
         )
 
     def __enter__(self) -> "Store":
@@ -237,48 +383,59 @@ class Store:
         weight_version, messages, response_message, metadata, finish_reason, latency_ms, routing_matrices,
         durable, extra,
     ) -> None:
-        if not isinstance(trace_id, str) or not isinstance(session_id, str):
-            raise InvalidInputError("invalid trace_id/session_id: must be strings")
-        if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)):
-            raise InvalidInputError(f"invalid weight_version: {weight_version!r} is not an integer")
-        self._native.append(
-            trace_id,
-            session_id,
+        # Every field is converted and checked here, before the call is handed
+        # to the store: a refusal writes nothing.
+        if weight_version is not None and (
+            isinstance(weight_version, bool) or not isinstance(weight_version, int)
+            or not _I64_MIN <= weight_version <= _I64_MAX
+        ):
+            raise InvalidInputError(f"invalid weight_version: {weight_version!r} is not an integer in the int64 range")
+        args = (
+            _text("trace_id", trace_id),
+            _text("session_id", session_id),
             _token_ids("prompt_token_ids", prompt_token_ids),
             _token_ids("completion_token_ids", completion_token_ids),
             _logprobs(logprobs),
-            list(session_uids or []),
-            time.time() if timestamp is None else _finite("timestamp", timestamp),
-            model,
+            _session_uids(session_uids),
+            time.time() if timestamp is None else _finite("timestamp", timestamp, non_negative=True),
+            _optional_text("model", model),
             weight_version,
-            finish_reason,
-            _finite("latency_ms", latency_ms),
+            _optional_text("finish_reason", finish_reason),
+            _finite("latency_ms", latency_ms, non_negative=True),
             _json_text("messages", messages),
             _json_text("response_message", response_message),
             _json_text("metadata", metadata),
-            _json_text("extra", extra) if extra else None,
-            None if routing_matrices is None else bytes(routing_matrices),
-            durable,
+            _extra_text(extra),
+            _routing(routing_matrices),
+            bool(durable),
         )
+        try:
+            self._native.append(*args)
+        except (TypeError, OverflowError, UnicodeError) as e:  # a guard: the checks above should catch these
+            raise InvalidInputError(f"invalid call: {e}") from e
 
     def append_trace(self, trace: dict, *, durable: bool = False) -> None:
         """Append a whole gateway-shaped trace dict (`trace_id`, `session_id`,
         `prompt_token_ids`, `completion_token_ids`, `logprobs`, `messages`, …).
         Every key without a column is kept verbatim; `Call.to_dict()` gives the
-        same dict back."""
-        d = dict(trace)
+        same dict back. Logprobs always go to the float32 column (and their
+        length must match the completion's); values that are not all float32
+        are stored there as the nearest float32 and also kept as given, so
+        the dict still reads back equal."""
+        try:
+            d = dict(trace)
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"invalid trace: a {type(trace).__name__} is not a dict") from None
         known = {}
         for key in _COLUMNS:
             # A known field holding None stays in `d`: kept verbatim, it comes back as None.
             if key in d and d[key] is not None:
                 known[key] = d.pop(key)
         if "logprobs" in known:
-            exact = _exact_f32(known["logprobs"])
-            if exact is not None:
-                known["logprobs"] = exact
-            else:
-                # Not representable as float32: keep the original values verbatim.
-                d["logprobs"] = known.pop("logprobs")
+            known["logprobs"], verbatim = _trace_logprobs(known["logprobs"])
+            if verbatim is not None:
+                # The caller's values, for `to_dict`; the column holds the nearest float32.
+                d["logprobs"] = verbatim
         for key in ("trace_id", "session_id"):
             if key not in known:
                 raise InvalidInputError(f"invalid {key}: missing; every trace needs a {key} string")
@@ -299,25 +456,26 @@ class Store:
 
     def seal(self, session_id: str) -> None:
         """Mark a session complete (all its calls are in)."""
-        self._native.seal(session_id)
+        self._native.seal(_text("session_id", session_id))
 
     def set_reward(self, value: float, *, trace_id: Optional[str] = None, session_id: Optional[str] = None) -> None:
         if (trace_id is None) == (session_id is None):
             raise InvalidInputError("invalid reward target: give exactly one of trace_id, session_id")
+        reward = _number("reward", value)
         if session_id is not None:
-            self._native.set_reward("session", session_id, float(value))
+            self._native.set_reward("session", _text("session_id", session_id), reward)
         else:
-            self._native.set_reward("trace", trace_id, float(value))
+            self._native.set_reward("trace", _text("trace_id", trace_id), reward)
 
     def delete_session(self, session_id: str) -> int:
-        return self._native.delete_session(session_id)
+        return self._native.delete_session(_text("session_id", session_id))
 
     def get(self, trace_id: str) -> Optional[Call]:
-        return self._native.get_call(trace_id)
+        return self._native.get_call(_text("trace_id", trace_id))
 
     def session(self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None) -> list:
         """A session's calls, oldest first (timestamp > since; at most limit)."""
-        return self._native.session(session_id, since, limit)
+        return self._native.session(_text("session_id", session_id), _since(since), _count("limit", limit))
 
     def session_arrow(self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None):
         """A session's calls as a `pyarrow.Table`, oldest first, imported
@@ -338,14 +496,14 @@ class Store:
         """
         import pyarrow as pa
 
-        batches = [
-            pa.record_batch(_CArray(pair)) for pair in self._native.session_arrow_capsules(session_id, since, limit)
-        ]
+        pairs = self._native.session_arrow_capsules(_text("session_id", session_id), _since(since), _count("limit", limit))
+        batches = [pa.record_batch(_CArray(pair)) for pair in pairs]
         return pa.Table.from_batches(batches)
 
     def sessions(self, since: Optional[float] = None, limit: Optional[int] = None) -> list:
         """Sessions with counts and time range, by first call time; `since`
         keeps those with a call after it."""
+        since, limit = _since(since), _count("limit", limit)
         out = self._native.sessions()
         if since is not None:
             out = [s for s in out if s["last_trace_at"] > since]
@@ -357,12 +515,14 @@ class Store:
         "sdk") into this store, exactly; with `verify`, every imported trace is
         read back and compared with its row. Same as `trajlog
         import-rllm-sqlite DB --store DIR`."""
-        return self._native.import_rllm_sqlite(str(db), schema, verify)
+        if schema is not None and not isinstance(schema, str):
+            raise InvalidInputError(f"invalid schema: {schema!r} is not \"gateway\" or \"sdk\"")
+        return self._native.import_rllm_sqlite(str(db), schema, bool(verify))
 
     def compact(self, *, older_than: Optional[float] = None) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`."""
-        return self._native.compact(older_than)
+        return self._native.compact(_finite("older_than", older_than, non_negative=True))
 
     def audit(self) -> dict:
         """The TI/TO audit (see `trajlog audit`)."""
@@ -388,11 +548,12 @@ class _CArray:
 def _call_to_dict(self: Call) -> dict:
     """The gateway-shaped trace dict with plain lists: token ids as ints,
     logprobs as the exact float32 values."""
-    d = json.loads(self.to_json_without_tokens())
+    text, fill_logprobs = self.to_json_without_tokens()
+    d = json.loads(text)
     d["prompt_token_ids"] = self.prompt_token_ids.tolist()
     d["completion_token_ids"] = self.completion_token_ids.tolist()
-    lp = self.logprobs
-    if lp is not None:
-        d["logprobs"] = lp.astype(np.float64).tolist()
+    if fill_logprobs:
+        d["logprobs"] = self.logprobs.astype(np.float64).tolist()
+    # else: no logprobs, or the values as given (not all float32) are in the text.
     return d
 

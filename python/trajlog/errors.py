@@ -9,6 +9,10 @@ class IOFailure(TrajlogError, OSError):
     """The operating system failed an I/O call; retrying may help."""
 
 
+class StorageFullError(IOFailure):
+    """The disk (or quota) is full (ENOSPC/EDQUOT); free space, then reopen the store."""
+
+
 class CorruptError(TrajlogError):
     """Bytes on disk failed validation; run `trajlog verify`."""
 

@@ -5,29 +5,41 @@ its async `TraceStore` protocol.
     from trajlog.rllm import TrajlogTraceStore
     app = create_app(config, store=TrajlogTraceStore("/data/traces"))
 
-Any trace dict round-trips unchanged: token fields that are lists of ints (and
-logprobs exactly representable as float32, which is what inference engines
-produce) go to the typed columns and come back as plain lists; every other
-field is kept as verbatim JSON. A trace is durable when `store_trace` returns
-(group commit); nothing is dropped when the writer is behind — callers wait.
+Any trace dict round-trips unchanged: token fields go to the typed columns
+and come back as plain lists; logprobs always go to the float32 column (as
+the nearest float32 when a value is not one, the values given being kept
+too); every other field is kept as verbatim JSON. A trace is durable when
+`store_trace` returns (group commit); nothing is dropped when the writer is
+behind — callers wait. A read sees every `store_trace` called before it,
+also one nobody awaits (the gateway's `sync_traces=False`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import os
 import threading
 import time
 import uuid
 from typing import Any, Optional
 
-from . import InvalidInputError, Store
+from . import InvalidInputError, Store, _json_text, _session_uids, _text
 
 
 class _LazyStore:
     """A trajlog store opened on first use. Concurrent first use from many
-    coroutines or threads opens it once; `flush` and `close` are async."""
+    coroutines or threads opens it once; `flush` and `close` are async.
+
+    Reads see every store called before them, in every mode: a store handed
+    to a worker thread is in flight from the moment `store_trace` (or
+    `store`) is called — also when the caller does not await it, as rLLM's
+    gateway does with `sync_traces=False` — and a read first waits for the
+    stores in flight when it was called; appends not yet durable (the
+    tracer's) are flushed before a read. Nothing here depends on timing.
+    """
 
     def __init__(self, path: str, durability: str, options: dict):
         self._path = str(path)
@@ -35,6 +47,13 @@ class _LazyStore:
         self._options = options
         self._store: Optional[Store] = None
         self._lock = threading.Lock()
+        # Stores handed to `_executor` and not finished (concurrent futures).
+        self._in_flight: set = set()
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # Non-durable appends made (the tracer's), and how many of them a
+        # flush has covered: a read flushes when the first is ahead.
+        self._appended = 0
+        self._visible = 0
 
     def _get(self) -> Store:
         store = self._store
@@ -45,7 +64,78 @@ class _LazyStore:
                 store = self._store
         return store
 
+    # -- stores --
+
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        """Run a store in a worker thread; it is in flight (reads wait for
+        it) from now until it finishes, whether or not anyone awaits it."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="trajlog-store"
+                )
+            future = self._executor.submit(fn, *args)
+            self._in_flight.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future) -> None:
+        with self._lock:
+            self._in_flight.discard(future)
+
+    async def _run_store(self, fn, *args):
+        """Submit a store and wait for it. Cancelling the caller does not
+        cancel the store: it was called, so it completes."""
+        inner = asyncio.wrap_future(self._submit(fn, *args))
+        inner.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
+        return await asyncio.shield(inner)
+
+    def _note_append(self) -> None:
+        """Count an append that is not yet durable (and so not yet visible)."""
+        with self._lock:
+            self._appended += 1
+
+    # -- reads --
+
+    def _make_visible(self) -> None:
+        """Flush if an append counted by `_note_append` may not be visible yet."""
+        with self._lock:
+            target = self._appended
+            if target <= self._visible:
+                return
+        self._get().flush()
+        with self._lock:
+            self._visible = max(self._visible, target)
+
+    async def _after_stores(self) -> None:
+        """Wait (without holding a thread) for the stores in flight now."""
+        # A store scheduled just before (`asyncio.create_task(...store_trace(...))`)
+        # takes its first step now and is then in flight.
+        await asyncio.sleep(0)
+        with self._lock:
+            pending = list(self._in_flight)
+        if pending:
+            waits = asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
+            await asyncio.shield(waits)
+
+    def _read_sync(self, fn, *args):
+        self._make_visible()
+        return fn(*args)
+
+    async def _read(self, fn, *args):
+        """`fn(*args)` in a thread, seeing every store called before."""
+        await self._after_stores()
+        return await asyncio.to_thread(self._read_sync, fn, *args)
+
+    # -- lifecycle --
+
     def _close_sync(self) -> None:
+        with self._lock:
+            pending = list(self._in_flight)
+            executor, self._executor = self._executor, None
+        concurrent.futures.wait(pending)
+        if executor is not None:
+            executor.shutdown(wait=True)
         with self._lock:
             store, self._store = self._store, None
         if store is not None:
@@ -53,23 +143,38 @@ class _LazyStore:
 
     async def flush(self) -> None:
         """Barrier: everything stored before is durable; raises on failure."""
+        await self._after_stores()
         await asyncio.to_thread(lambda: self._get().flush())
 
     async def close(self) -> None:
+        """Wait for the stores in flight, then close the store."""
         await asyncio.to_thread(self._close_sync)
 
 
+def _check_ids(trace_id: Any, session_id: Any, data: Any) -> None:
+    if not isinstance(trace_id, str):
+        raise InvalidInputError(f"invalid trace_id: {trace_id!r} is not a string")
+    if not isinstance(session_id, str):
+        raise InvalidInputError(f"invalid session_id: {session_id!r} is not a string")
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"invalid data: a {type(data).__name__} is not a dict")
+
+
 class TrajlogTraceStore(_LazyStore):
-    """rLLM gateway `TraceStore` backed by a trajlog store directory."""
+    """rLLM gateway `TraceStore` backed by a trajlog store directory.
+
+    `store_trace` returns once the trace is durable. A read
+    (`get_trace`, `get_session_traces`, `list_sessions`) and
+    `delete_session` see every `store_trace` called before them, awaited or
+    not (rLLM's gateway does not await it with `sync_traces=False`).
+    """
 
     def __init__(self, path: str, *, durability: str = "group", **options: Any):
         super().__init__(path, durability, options)
         self.path = str(path)
 
-    async def _run(self, fn, *args, **kwargs):
-        return await asyncio.to_thread(fn, *args, **kwargs)
-
     def _store_sync(self, trace_id: str, session_id: str, data: dict) -> None:
+        _check_ids(trace_id, session_id, data)
         trace = dict(data)
         trace["trace_id"] = trace_id
         trace["session_id"] = session_id
@@ -77,14 +182,14 @@ class TrajlogTraceStore(_LazyStore):
 
     async def store_trace(self, trace_id: str, session_id: str, data: dict) -> None:
         """Insert or replace (upsert) a trace; durable on return."""
-        await self._run(self._store_sync, trace_id, session_id, data)
+        await self._run_store(self._store_sync, trace_id, session_id, data)
 
     def _get_sync(self, trace_id: str) -> Optional[dict]:
         call = self._get().get(trace_id)
         return None if call is None else call.to_dict()
 
     async def get_trace(self, trace_id: str) -> Optional[dict]:
-        return await self._run(self._get_sync, trace_id)
+        return await self._read(self._get_sync, trace_id)
 
     def _session_sync(self, session_id: str, since: Optional[float], limit: Optional[int]) -> list:
         return [c.to_dict() for c in self._get().session(session_id, since=since, limit=limit)]
@@ -93,17 +198,17 @@ class TrajlogTraceStore(_LazyStore):
         self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None
     ) -> list:
         """A session's traces, oldest first (timestamp > since, at most limit)."""
-        return await self._run(self._session_sync, session_id, since, limit)
+        return await self._read(self._session_sync, session_id, since, limit)
 
     async def delete_session(self, session_id: str) -> int:
-        return await self._run(lambda: self._get().delete_session(session_id))
+        return await self._read(lambda: self._get().delete_session(session_id))
 
     def _list_sync(self, since: Optional[float], limit: Optional[int]) -> list:
         keys = ("session_id", "trace_count", "first_trace_at", "last_trace_at")
         return [{k: s[k] for k in keys} for s in self._get().sessions(since=since, limit=limit)]
 
     async def list_sessions(self, since: Optional[float] = None, limit: Optional[int] = None) -> list:
-        return await self._run(self._list_sync, since, limit)
+        return await self._read(self._list_sync, since, limit)
 
 
 # ---------------------------------------------------------------------------
@@ -178,25 +283,36 @@ class TrajlogSdkTraceStore(_LazyStore):
 
     # -- sync core, shared with the tracer --
 
-    def _store_sync(self, trace_id, data, namespace, context_type, metadata, session_uids, durable, now=None):
+    def _record(self, store, trace_id, data, namespace, context_type, metadata, session_uids, now) -> tuple:
+        """One record checked and serialized for `append_sdk`/`append_sdk_batch`:
+        (trace_id, data, namespace, context_type, metadata, session_uids,
+        created_at, updated_at). Raises before anything is written."""
         if not isinstance(trace_id, str) or not trace_id:
             raise InvalidInputError(f"invalid trace_id: {trace_id!r} is not a non-empty string")
-        store = self._get()
-        now = time.time() if now is None else now
+        _text("trace_id", trace_id)
+        if not isinstance(data, dict):
+            raise InvalidInputError(f"invalid data: a {type(data).__name__} is not a dict")
+        uids = _active_session_uids() if session_uids is None else _session_uids(session_uids)
+        data_json = _json_text("data", data)
+        metadata_json = "null" if metadata is None else _json_text("metadata", metadata)
         # created_at survives an upsert; it is the call's timestamp (a cheap
         # index lookup, no decoding of the stored record).
         existing = store.get(trace_id)
         created_at = existing.timestamp if existing is not None else now
-        uids = _active_session_uids() if session_uids is None else list(session_uids)
-        try:
-            data_json = json.dumps(data)
-            metadata_json = json.dumps(metadata)
-        except (TypeError, ValueError) as e:
-            raise InvalidInputError(f"invalid data: not JSON-serializable ({e})") from None
-        store._native.append_sdk(
-            trace_id, data_json, namespace, context_type, metadata_json, uids, created_at, now, durable
+        return (
+            trace_id, data_json, _text("namespace", namespace), _text("context_type", context_type), metadata_json,
+            uids, created_at, now,
         )
-        return created_at
+
+    def _store_sync(self, trace_id, data, namespace, context_type, metadata, session_uids, durable, now=None):
+        store = self._get()
+        record = self._record(
+            store, trace_id, data, namespace, context_type, metadata, session_uids, time.time() if now is None else now
+        )
+        store._native.append_sdk(*record, durable)
+        if not durable:
+            self._note_append()
+        return record[6]
 
     def _rows(self, trace_ids):
         rows = self._get()._native.get_sdk(list(trace_ids))
@@ -217,32 +333,35 @@ class TrajlogSdkTraceStore(_LazyStore):
         defaults to the active rLLM sessions."""
         if session_uids is None:
             session_uids = _active_session_uids()
-        await asyncio.to_thread(
-            self._store_sync, trace_id, data, namespace, context_type, metadata, session_uids, True
-        )
+        await self._run_store(self._store_sync, trace_id, data, namespace, context_type, metadata, session_uids, True)
 
     async def store_batch(self, traces: list, preserve_order: bool = True) -> list:
         """Store `{"id", "data", "namespace"?, "type"?, "metadata"?}` records
         under the active sessions with one durability wait; returns their
-        `TraceContext`s in order."""
+        `TraceContext`s in order. All or nothing: every record is checked
+        before the first is written."""
         session_uids = _active_session_uids()
 
         def run():
+            store = self._get()
             now = time.time()
-            out = []
-            for t in traces:
+            records, out = [], []
+            for i, t in enumerate(traces):
+                if not isinstance(t, dict) or "id" not in t or "data" not in t:
+                    raise InvalidInputError(f"invalid traces[{i}]: must be a dict with \"id\" and \"data\"")
                 namespace = t.get("namespace", "default")
                 context_type = t.get("type", "llm_trace")
                 metadata = t.get("metadata", {})
-                created = self._store_sync(t["id"], t["data"], namespace, context_type, metadata, session_uids, False, now)
-                out.append(TraceContext(t["id"], t["data"], namespace, context_type, metadata, created, now))
-            self._get().flush()
+                record = self._record(store, t["id"], t["data"], namespace, context_type, metadata, session_uids, now)
+                records.append(record)
+                out.append(TraceContext(t["id"], t["data"], namespace, context_type, metadata, record[6], now))
+            store._native.append_sdk_batch(records, True)
             return out
 
-        return await asyncio.to_thread(run)
+        return await self._run_store(run)
 
     async def get(self, trace_id: str) -> Optional[TraceContext]:
-        rows = await asyncio.to_thread(self._rows, [trace_id])
+        rows = await self._read(self._rows, [trace_id])
         return _context(*rows[0]) if rows else None
 
     def _by_uid_sync(self, session_uid, since, limit):
@@ -255,7 +374,7 @@ class TrajlogSdkTraceStore(_LazyStore):
 
     async def get_by_session_uid(self, session_uid: str, since: Optional[float] = None, limit: Optional[int] = None) -> list:
         """A session uid's records, newest first (`created_at >= since`, at most `limit`)."""
-        return await asyncio.to_thread(self._by_uid_sync, session_uid, since, limit)
+        return await self._read(self._by_uid_sync, session_uid, since, limit)
 
     def _query_sync(self, session_uids, context_types, namespaces, since, limit):
         if session_uids:
@@ -286,10 +405,10 @@ class TrajlogSdkTraceStore(_LazyStore):
         limit: Optional[int] = None,
     ) -> list:
         """Records matching every given filter, newest first, each once."""
-        return await asyncio.to_thread(self._query_sync, session_uids, context_types, namespaces, since, limit)
+        return await self._read(self._query_sync, session_uids, context_types, namespaces, since, limit)
 
     async def get_session_uids_for_trace(self, trace_id: str) -> list:
-        rows = await asyncio.to_thread(self._rows, [trace_id])
+        rows = await self._read(self._rows, [trace_id])
         return list(rows[0][1][6]) if rows else []
 
 

@@ -12,7 +12,11 @@
 //! `f32`) — records where it came from, and keeps the rest of `data` as its
 //! JSON text under the call's `extra["rllm_sdk"]`. [`call_to_sdk`] puts the
 //! columns back at the same places, so the data comes back equal to what went
-//! in (key order inside a changed object aside).
+//! in (key order inside a changed object aside). Logprobs that are not all
+//! `f32` are copied to the column as the nearest `f32` values and left in
+//! `data` as written, so the column is filled whenever the data has logprobs
+//! for the completion; a logprob list of another length than the completion,
+//! or a value beyond the `f32` range, refuses the trace.
 
 pub mod sqlite;
 
@@ -182,6 +186,46 @@ pub(crate) fn exact_logprobs(text: &str) -> Option<Vec<f32>> {
     elements(text)?.iter().map(|v| exact_f32(v.get())).collect()
 }
 
+/// One JSON number literal as an `f64` (as Python reads it); None for
+/// anything else.
+fn number(text: &str) -> Option<f64> {
+    text.starts_with(|c: char| c == '-' || c.is_ascii_digit()).then(|| text.parse::<f64>().ok()).flatten()
+}
+
+/// The values of a JSON list of numbers; None when `text` is not a list or
+/// holds anything else (then it is not a logprob list: it stays data).
+fn numbers(text: &str) -> Option<Vec<f64>> {
+    elements(text)?.iter().map(|v| number(v.get())).collect()
+}
+
+/// Logprobs for the column: each value as the nearest `f32`. A value beyond
+/// the `f32` range cannot be stored as a logprob and is refused, naming
+/// `field[index]`.
+fn nearest_logprobs(field: &str, values: &[f64]) -> Result<Vec<f32>> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let narrow = v as f32;
+            if narrow.is_finite() {
+                Ok(narrow)
+            } else {
+                Err(Error::invalid(
+                    format!("{field}[{i}]"),
+                    format!("{v:e} is outside the float32 range (magnitude at most 3.4028235e38); a logprob is stored as a float32"),
+                ))
+            }
+        })
+        .collect()
+}
+
+fn logprob_count_error(field: &str, got: usize, n: usize) -> Error {
+    Error::invalid(
+        field,
+        format!("has {got} logprobs but the completion has {n} token ids; they must be the same length"),
+    )
+}
+
 fn exact_f32(text: &str) -> Option<f32> {
     if !text.contains(['.', 'e', 'E']) {
         return None;
@@ -265,20 +309,41 @@ pub fn sdk_to_call(t: &SdkTrace) -> Result<Call> {
         call.completion_token_ids = ids;
         moved.push(("completion_token_ids", path));
     }
+    // Logprobs always reach the column when the data has them for the
+    // completion: moved when every value is a float32 float literal (put
+    // back on read), else copied as the nearest float32 values, the data
+    // keeping them as written. A list for a different number of tokens, or
+    // a value beyond the float32 range, refuses the trace.
     let n = call.completion_token_ids.len();
-    if let Some((lp, path)) = move_first(&mut data, LOGPROB_PATHS, |t| exact_logprobs(t).filter(|lp| lp.len() == n)) {
-        call.logprobs = Some(lp);
-        moved.push(("logprobs", path));
+    if let Some((path, values)) = LOGPROB_PATHS.iter().find_map(|p| Some((*p, numbers(get_path(&data, p)?)?))) {
+        let dotted = path.join(".");
+        let lp = nearest_logprobs(&dotted, &values)?;
+        if lp.len() == n {
+            match move_first(&mut data, &[path], exact_logprobs) {
+                Some((exact, _)) => {
+                    call.logprobs = Some(exact);
+                    moved.push(("logprobs", dotted));
+                }
+                None => call.logprobs = Some(lp),
+            }
+        } else if n > 0 && !lp.is_empty() {
+            return Err(logprob_count_error(&dotted, lp.len(), n));
+        }
     }
     if call.logprobs.is_none() {
         // Copied, not moved: the content list stays in `data` as written.
-        let copied = get_path(&data, LOGPROB_CONTENT_PATH).and_then(elements).and_then(|items| {
-            items
-                .iter()
-                .map(|item| get_path(item.get(), &["logprob"]).and_then(exact_f32))
-                .collect::<Option<Vec<f32>>>()
+        let values = get_path(&data, LOGPROB_CONTENT_PATH).and_then(elements).and_then(|items| {
+            items.iter().map(|item| get_path(item.get(), &["logprob"]).and_then(number)).collect::<Option<Vec<f64>>>()
         });
-        call.logprobs = copied.filter(|lp| lp.len() == call.completion_token_ids.len() && !lp.is_empty());
+        if let Some(values) = values.filter(|v| !v.is_empty()) {
+            let dotted = LOGPROB_CONTENT_PATH.join(".");
+            let lp = nearest_logprobs(&dotted, &values)?;
+            if lp.len() == n {
+                call.logprobs = Some(lp);
+            } else if n > 0 {
+                return Err(logprob_count_error(&dotted, lp.len(), n));
+            }
+        }
     }
     call.model = get_path(&data, &["model"]).and_then(|m| serde_json::from_str::<String>(m).ok());
     call.latency_ms = get_path(&data, &["latency_ms"]).and_then(|v| v.parse::<f64>().ok()).filter(|v| v.is_finite());
@@ -415,6 +480,51 @@ mod tests {
         let back = call_to_sdk(&call).expect("decodes").expect("an SDK call");
         assert_eq!(value(&back.data), value(&t.data));
         assert_eq!(back.metadata, "null");
+    }
+
+    #[test]
+    fn inexact_logprobs_fill_the_column_and_stay_in_the_data() {
+        let t = |data: &str| SdkTrace {
+            trace_id: "t".into(),
+            data: data.into(),
+            namespace: "n".into(),
+            context_type: "c".into(),
+            metadata: "{}".into(),
+            created_at: 1.0,
+            updated_at: 1.0,
+            session_uids: vec![],
+        };
+        // Not float32 values: the nearest float32 in the column, the data as written.
+        let data = r#"{"output":{"output_token_ids":[3,4],"rollout_logprobs":[-0.1,-2]}}"#;
+        let call = sdk_to_call(&t(data)).expect("valid");
+        assert_eq!(call.logprobs.as_deref(), Some(&[-0.1f32, -2.0][..]));
+        let extra = String::from_utf8(call.extra.clone().expect("the SDK record")).expect("UTF-8");
+        assert!(extra.contains(r#""rollout_logprobs":[-0.1,-2]"#), "kept as written: {extra}");
+        assert!(!extra.contains(r#""logprobs":"output"#), "not moved: {extra}");
+        let back = call_to_sdk(&call).expect("decodes").expect("an SDK call");
+        assert_eq!(value(&back.data), value(data));
+        // OpenAI `logprobs.content`, inexact: copied as the nearest float32.
+        let data = r#"{"output":{"choices":[{"token_ids":[5],"logprobs":{"content":[{"logprob":-0.3}]}}]}}"#;
+        assert_eq!(sdk_to_call(&t(data)).expect("valid").logprobs.as_deref(), Some(&[-0.3f32][..]));
+        // No completion ids: nothing to align logprobs with; they stay data.
+        let call = sdk_to_call(&t(r#"{"output":{"rollout_logprobs":[-0.5]}}"#)).expect("valid");
+        assert_eq!(call.logprobs, None);
+        // An empty list beside a completion means none were recorded.
+        let call = sdk_to_call(&t(r#"{"output":{"output_token_ids":[3],"rollout_logprobs":[]}}"#)).expect("valid");
+        assert_eq!(call.logprobs, None);
+        for (data, field) in [
+            (r#"{"output":{"output_token_ids":[3],"rollout_logprobs":[-0.5,-0.25]}}"#, "output.rollout_logprobs"),
+            (r#"{"output":{"output_token_ids":[3,4],"rollout_logprobs":[-0.5,-1e39]}}"#, "output.rollout_logprobs[1]"),
+            (r#"{"output":{"output_token_ids":[3],"rollout_logprobs":[1e400]}}"#, "output.rollout_logprobs[0]"),
+            (r#"{"completion_token_ids":[3],"logprobs":[-0.5,-0.5]}"#, "logprobs"),
+            (
+                r#"{"output":{"choices":[{"token_ids":[5,6],"logprobs":{"content":[{"logprob":-0.5}]}}]}}"#,
+                "output.choices.0.logprobs.content",
+            ),
+        ] {
+            let e = sdk_to_call(&t(data)).expect_err(data);
+            assert!(e.message().contains(&format!("invalid {field}")), "{data}: {e}");
+        }
     }
 
     #[test]

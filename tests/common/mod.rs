@@ -59,7 +59,7 @@ pub fn any_call(session: &'static str) -> impl Strategy<Value = Call> {
         prop::collection::vec(any::<u32>(), 0..100),
         any::<bool>(),
         prop::collection::vec(any_logprob(), 100),
-        (any::<Option<i64>>(), any::<f64>().prop_filter("finite", |t| t.is_finite())),
+        (any::<Option<i64>>(), any::<f64>().prop_filter("finite, not negative", |t| t.is_finite() && *t >= 0.0)),
         (json_doc(), json_doc(), json_doc()),
         (prop::option::of(prop::collection::vec(any::<u8>(), 0..64)), prop::collection::vec("[a-z]{1,4}", 0..3)),
         (prop::option::of("[a-zA-Z/0-9-]{0,20}"), prop::option::of("stop|length"), prop::option::of(0.0f64..1e6)),
