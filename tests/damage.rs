@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same, tempdir};
+use common::{assert_same, chained_calls as calls, tempdir};
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -15,33 +15,13 @@ fn opts() -> Options {
     Options { segment_bytes: 64 * 1024, ..Options::default() }
 }
 
-/// `sessions` sessions of `steps` calls, each prompt extending the previous
-/// context (prefix-delta chains), logprobs with special values.
-fn calls(sessions: usize, steps: usize) -> Vec<Call> {
-    let mut out = Vec::new();
-    for s in 0..sessions {
-        let mut context: Vec<u32> = (0..200).map(|i| (s * 1000 + i) as u32).collect();
-        for k in 0..steps {
-            let completion: Vec<u32> = (0..300).map(|i| (s * 7 + k * 13 + i) as u32 + 50_000).collect();
-            let mut lp: Vec<f32> = (0..300).map(|i| -(i as f32) / 7.0).collect();
-            lp[0] = -0.0;
-            lp[1] = f32::NEG_INFINITY;
-            lp[2] = f32::from_bits(0x7fc0_0123);
-            out.push(Call {
-                trace_id: format!("t{s}-{k}"),
-                session_id: format!("s{s}"),
-                timestamp: (s * 100 + k) as f64,
-                prompt_token_ids: context.clone(),
-                completion_token_ids: completion.clone(),
-                logprobs: Some(lp),
-                messages: Some(format!(r#"[{{"role":"user","content":"turn {k}"}}]"#).into_bytes()),
-                ..Default::default()
-            });
-            context.extend_from_slice(&completion);
-            context.extend((0..300).map(|i| (900 + i) as u32));
-        }
+/// A store in `dir` holding `calls` (appended, not yet flushed).
+fn filled(dir: &Path, calls: &[Call], options: Options) -> Store {
+    let store = Store::open(dir, options).expect("open");
+    for c in calls {
+        store.append(c.clone()).expect("append");
     }
-    out
+    store
 }
 
 /// A store with sealed segments, shards (half the sessions compacted) and an
@@ -178,10 +158,7 @@ fn an_old_manifest_restored_over_newer_files_is_refused() {
 fn a_missing_listed_segment_is_refused_not_forgotten() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = Store::open(dir.path(), opts()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
+    let store = filled(dir.path(), &all, opts());
     store.close().expect("close");
     let segs = segment_files(dir.path());
     assert!(segs.len() >= 3, "{segs:?}");
@@ -273,10 +250,7 @@ fn footer_offset(bytes: &[u8]) -> usize {
 fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = Store::open(dir.path(), opts()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
+    let store = filled(dir.path(), &all, opts());
     store.close().expect("close");
     let seg = segment_files(dir.path())[0].clone();
     let mut bytes = fs::read(&seg).expect("read");
@@ -304,10 +278,7 @@ fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
 fn a_flipped_payload_byte_is_confined_to_its_records() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = Store::open(dir.path(), opts()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
+    let store = filled(dir.path(), &all, opts());
     store.flush().expect("flush");
     let damaged = "t0-2";
     let loc = store.snapshot().get(damaged).expect("get").expect("present").loc;
@@ -395,10 +366,7 @@ fn a_flipped_payload_byte_is_confined_to_its_records() {
 fn damage_in_the_middle_of_the_active_segment_is_refused_not_cut() {
     let dir = tempdir();
     let all = calls(2, 4);
-    let store = Store::open(dir.path(), Options::default()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
+    let store = filled(dir.path(), &all, Options::default());
     store.flush().expect("flush");
     let loc = store.snapshot().get("t0-1").expect("get").expect("present").loc;
     store.close().expect("close");
@@ -421,10 +389,7 @@ fn damage_in_the_middle_of_the_active_segment_is_refused_not_cut() {
 fn verify_tells_a_torn_tail_from_damage() {
     let dir = tempdir();
     let all = calls(2, 4);
-    let store = Store::open(dir.path(), Options::default()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
+    let store = filled(dir.path(), &all, Options::default());
     store.flush().expect("flush");
     let loc = store.snapshot().get("t1-3").expect("get").expect("present").loc;
     store.close().expect("close");

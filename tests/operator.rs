@@ -18,32 +18,6 @@ fn opts() -> Options {
     Options { segment_bytes: 64 * 1024, ..Options::default() }
 }
 
-fn calls() -> Vec<Call> {
-    let mut out = Vec::new();
-    for s in 0..10usize {
-        let mut context: Vec<u32> = (0..150).map(|i| (s * 1000 + i) as u32).collect();
-        for k in 0..5usize {
-            let completion: Vec<u32> = (0..250).map(|i| (s * 7 + k * 13 + i) as u32 + 50_000).collect();
-            let mut lp: Vec<f32> = (0..250).map(|i| -(i as f32) / 9.0).collect();
-            lp[0] = -0.0;
-            lp[1] = f32::from_bits(0xffa0_beef);
-            out.push(Call {
-                trace_id: format!("t{s}-{k}"),
-                session_id: format!("s{s}"),
-                timestamp: (s * 100 + k) as f64,
-                prompt_token_ids: context.clone(),
-                completion_token_ids: completion.clone(),
-                logprobs: Some(lp),
-                metadata: Some(format!(r#"{{"step":{k}}}"#).into_bytes()),
-                ..Default::default()
-            });
-            context.extend_from_slice(&completion);
-            context.extend((0..250).map(|i| (700 + i) as u32));
-        }
-    }
-    out
-}
-
 struct Base {
     dir: tempfile::TempDir,
     calls: Vec<Call>,
@@ -57,7 +31,7 @@ fn base() -> &'static Base {
     static BASE: OnceLock<Base> = OnceLock::new();
     BASE.get_or_init(|| {
         let dir = common::tempdir();
-        let all = calls();
+        let all = common::chained_calls(10, 5);
         let store = Store::open(dir.path(), opts()).expect("open");
         for c in &all[..25] {
             store.append(c.clone()).expect("append");

@@ -102,3 +102,32 @@ pub fn any_call(session: &'static str) -> impl Strategy<Value = Call> {
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
+
+/// `sessions` sessions of `steps` calls, each prompt extending the previous
+/// context (prefix-delta chains), logprobs with special values.
+pub fn chained_calls(sessions: usize, steps: usize) -> Vec<Call> {
+    let mut out = Vec::new();
+    for s in 0..sessions {
+        let mut context: Vec<u32> = (0..200).map(|i| (s * 1000 + i) as u32).collect();
+        for k in 0..steps {
+            let completion: Vec<u32> = (0..300).map(|i| (s * 7 + k * 13 + i) as u32 + 50_000).collect();
+            let mut lp: Vec<f32> = (0..300).map(|i| -(i as f32) / 7.0).collect();
+            lp[0] = -0.0;
+            lp[1] = f32::NEG_INFINITY;
+            lp[2] = f32::from_bits(0x7fc0_0123);
+            out.push(Call {
+                trace_id: format!("t{s}-{k}"),
+                session_id: format!("s{s}"),
+                timestamp: (s * 100 + k) as f64,
+                prompt_token_ids: context.clone(),
+                completion_token_ids: completion.clone(),
+                logprobs: Some(lp),
+                messages: Some(format!(r#"[{{"role":"user","content":"turn {k}"}}]"#).into_bytes()),
+                ..Default::default()
+            });
+            context.extend_from_slice(&completion);
+            context.extend((0..300).map(|i| (900 + i) as u32));
+        }
+    }
+    out
+}
