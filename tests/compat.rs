@@ -151,12 +151,10 @@ fn write_fixture_v2() {
     std::fs::remove_file(dir.join("LOCK")).unwrap();
 }
 
-#[test]
-fn reads_the_v2_fixture_with_shards_exactly() {
-    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v2_dir().exists() {
-        write_fixture_v2();
-    }
-    let store = Store::open_read_only(fixture_v2_dir()).expect("fixture opens");
+/// Open a fixture with shards (v2 and later) read-only and check every call,
+/// the TI/TO break, the seal and the reward; returns its snapshot.
+fn check_shard_fixture(dir: &std::path::Path) -> trajlog::Snapshot {
+    let store = Store::open_read_only(dir).expect("fixture opens");
     let snap = store.snapshot();
     let calls = fixture_calls();
     assert_eq!(snap.call_count(), calls.len());
@@ -170,6 +168,15 @@ fn reads_the_v2_fixture_with_shards_exactly() {
     assert!(snap.is_sealed("task-1:0"));
     assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
     assert_eq!(snap.shard_paths().len(), 1);
+    snap
+}
+
+#[test]
+fn reads_the_v2_fixture_with_shards_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v2_dir().exists() {
+        write_fixture_v2();
+    }
+    let snap = check_shard_fixture(&fixture_v2_dir());
     // Manifest 2 and shard format 1: no checksums, decoded unchecked, intact.
     let manifest = read_manifest(&fixture_v2_dir());
     assert_eq!(manifest.0, 2);
@@ -216,20 +223,7 @@ fn reads_the_v3_fixture_with_shard_checksums_exactly() {
     if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v3_dir().exists() {
         write_fixture_v3();
     }
-    let store = Store::open_read_only(fixture_v3_dir()).expect("fixture opens");
-    let snap = store.snapshot();
-    let calls = fixture_calls();
-    assert_eq!(snap.call_count(), calls.len());
-    for c in &calls {
-        let v = snap.get(&c.trace_id).unwrap().unwrap();
-        assert_eq!(v.is_compacted(), c.session_id == "task-1:0", "{}", c.trace_id);
-        assert_exact(&v, c);
-    }
-    assert_eq!(snap.get("a/2").unwrap().unwrap().relation(), Relation::TitoBreak);
-    assert_eq!(snap.get("a/2").unwrap().unwrap().divergence_position(), Some(40 + 10 + 3 + 5));
-    assert!(snap.is_sealed("task-1:0"));
-    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
-    assert_eq!(snap.shard_paths().len(), 1);
+    let snap = check_shard_fixture(&fixture_v3_dir());
     let (version, manifest) = read_manifest(&fixture_v3_dir());
     assert_eq!(version, 3);
     assert_eq!(manifest.shards.len(), 2, "a steps and a trajectories shard");

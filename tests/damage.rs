@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_same, chained_calls as calls, tempdir};
+use common::{assert_same, chained_calls as calls, files, tempdir};
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -41,23 +41,6 @@ fn build(dir: &Path) -> Vec<Call> {
     assert_eq!(report.sessions, 6);
     store.close().expect("close");
     all
-}
-
-/// Every file under `dir` with its bytes.
-fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).expect("list") {
-            let p = e.expect("entry").path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.insert(p.clone(), fs::read(&p).expect("read"));
-            }
-        }
-    }
-    out
 }
 
 fn data_files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {

@@ -6,9 +6,8 @@
 
 mod common;
 
-use common::assert_same;
+use common::{assert_same, files};
 use proptest::prelude::*;
-use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -64,22 +63,6 @@ fn copy_dir(from: &Path, to: &Path) {
             fs::copy(&src, &dst).expect("copy");
         }
     }
-}
-
-fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in fs::read_dir(&d).expect("list") {
-            let p = e.expect("entry").path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.file_name().is_some_and(|n| n != "LOCK") {
-                out.insert(p.clone(), fs::read(&p).expect("read"));
-            }
-        }
-    }
-    out
 }
 
 /// The files an operator could touch: MANIFEST, segments, shards.

@@ -482,9 +482,9 @@ mod tests {
         assert_eq!(back.metadata, "null");
     }
 
-    #[test]
-    fn inexact_logprobs_fill_the_column_and_stay_in_the_data() {
-        let t = |data: &str| SdkTrace {
+    /// A minimal SDK record holding `data`.
+    fn sdk_trace(data: &str) -> SdkTrace {
+        SdkTrace {
             trace_id: "t".into(),
             data: data.into(),
             namespace: "n".into(),
@@ -493,7 +493,12 @@ mod tests {
             created_at: 1.0,
             updated_at: 1.0,
             session_uids: vec![],
-        };
+        }
+    }
+
+    #[test]
+    fn inexact_logprobs_fill_the_column_and_stay_in_the_data() {
+        let t = sdk_trace;
         // Not float32 values: the nearest float32 in the column, the data as written.
         let data = r#"{"output":{"output_token_ids":[3,4],"rollout_logprobs":[-0.1,-2]}}"#;
         let call = sdk_to_call(&t(data)).expect("valid");
@@ -529,16 +534,7 @@ mod tests {
 
     #[test]
     fn bad_data_is_refused_with_the_field() {
-        let t = SdkTrace {
-            trace_id: "t".into(),
-            data: "[1]".into(),
-            namespace: "n".into(),
-            context_type: "c".into(),
-            metadata: "{}".into(),
-            created_at: 1.0,
-            updated_at: 1.0,
-            session_uids: vec![],
-        };
+        let t = sdk_trace("[1]");
         let e = sdk_to_call(&t).expect_err("not an object");
         assert!(e.message().contains("invalid data"), "{e}");
         let e = sdk_to_call(&SdkTrace { data: r#"{"x":NaN}"#.into(), ..t.clone() }).expect_err("NaN");

@@ -131,3 +131,20 @@ pub fn chained_calls(sessions: usize, steps: usize) -> Vec<Call> {
     }
     out
 }
+
+/// Every file under `dir` (recursively, but for the `LOCK` file) with its bytes.
+pub fn files(dir: &std::path::Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("list") {
+            let p = e.expect("entry").path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.file_name().is_some_and(|n| n != "LOCK") {
+                out.insert(p.clone(), std::fs::read(&p).expect("read"));
+            }
+        }
+    }
+    out
+}
