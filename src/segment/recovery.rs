@@ -115,8 +115,8 @@ pub fn scan_frames_past_damage(bytes: &[u8]) -> Scan {
                 at = next;
                 valid_end = next;
             }
-            Ok(None) | Err(_) => {
-                let why = frame_entry(bytes, at).err();
+            invalid => {
+                let why = invalid.err();
                 match next_valid_frame(bytes, at) {
                     Some(next) => {
                         skipped.push(
