@@ -8,8 +8,8 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::time::Duration;
-use trajlog::sim::{simulate, SimConfig};
 use trajlog::{Call, Durability, Options, Store};
+use trajlog_sim::{simulate, SimConfig};
 
 fn payload_bytes(calls: &[Call]) -> u64 {
     calls.iter().map(|c| 4 * (c.prompt_token_ids.len() + 2 * c.completion_token_ids.len()) as u64).sum()
@@ -53,7 +53,7 @@ fn bench_append(c: &mut Criterion) {
         for durability in [Durability::Buffered, Durability::Group, Durability::Sync] {
             for per_flush in [1usize, 128] {
                 let dir = tempfile::tempdir().expect("tempdir");
-                let store = Store::open(dir.path(), Options { durability, ..Options::default() }).expect("open");
+                let store = Store::open(dir.path(), Options::default().durability(durability)).expect("open");
                 let chunk: Vec<Call> = calls.iter().take(per_flush).cloned().collect();
                 group.throughput(Throughput::Bytes(payload_bytes(&chunk)));
                 let mut round = 0u64;

@@ -6,8 +6,8 @@
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::path::Path;
 use std::time::Duration;
-use trajlog::sim::{simulate_session, SimConfig};
 use trajlog::{CompactOptions, Durability, Options, ShardCompression, Store};
+use trajlog_sim::{simulate_session, SimConfig};
 
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).expect("mkdir");
@@ -24,8 +24,7 @@ fn bench_compact(c: &mut Criterion) {
     let cfg = SimConfig { sessions: 300, ..SimConfig::default() };
     let (mut payload, mut calls) = (0u64, 0u64);
     {
-        let store = Store::open(template.path(), Options { durability: Durability::Buffered, ..Options::default() })
-            .expect("open");
+        let store = Store::open(template.path(), Options::default().durability(Durability::Buffered)).expect("open");
         for s in 0..cfg.sessions {
             let session = simulate_session(&cfg, s);
             for call in session.calls {
@@ -54,8 +53,7 @@ fn bench_compact(c: &mut Criterion) {
                 },
                 |dir| {
                     let store = Store::open(dir.path(), Options::default()).expect("open");
-                    let report =
-                        store.compact(&CompactOptions { compression, ..CompactOptions::default() }).expect("compact");
+                    let report = store.compact(&CompactOptions::default().compression(compression)).expect("compact");
                     assert_eq!(report.calls, calls);
                     dir
                 },

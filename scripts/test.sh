@@ -10,17 +10,24 @@ step() { printf '\n== %s\n' "$*"; }
 step "format check"
 cargo fmt --all -- --check
 
-step "clippy (deny warnings)"
-cargo clippy --all-targets --locked -- -D warnings
+step "clippy (deny warnings), the workspace and the lean library"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy -p trajlog --lib --no-default-features --locked -- -D warnings
 
-step "tests (unit, property, recovery, crash, integration, doc)"
-cargo test --locked
+step "the library alone pulls in no SQLite, clap or indicatif"
+if cargo tree -p trajlog --no-default-features -e normal --locked | grep -E "rusqlite|libsqlite3|clap|indicatif"; then
+    echo "error: the core library depends on what only the CLI or the migration needs" >&2
+    exit 1
+fi
+
+step "tests (unit, property, recovery, crash, integration, doc; every crate)"
+cargo test --workspace --locked
 
 step "fuzz (each target ${FUZZ_SECONDS:-10} s over its seed corpus; stable toolchain)"
 FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash scripts/fuzz.sh
 
 step "benches compile"
-cargo bench --locked --no-run
+cargo bench --workspace --locked --no-run
 
 step "python tests (the binding; pyarrow, DuckDB, HF datasets read the shards)"
 cargo build --release --locked --quiet

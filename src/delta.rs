@@ -176,11 +176,6 @@ impl DeltaCache {
             self.forget(&s);
         }
     }
-
-    /// Bytes currently remembered.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
 }
 
 #[cfg(test)]
@@ -225,7 +220,7 @@ mod tests {
             let s: Arc<str> = Arc::from(format!("s{i}").as_str());
             cache.remember(&s, ctx(64 * (i + 1), &[0; 50], &[1; 10]));
         }
-        assert!(cache.bytes() <= 1000);
+        assert!(cache.bytes <= 1000);
         assert!(cache.knows("s19") && !cache.knows("s0"));
     }
 }

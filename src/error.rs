@@ -80,7 +80,9 @@ impl Error {
         &self.message
     }
 
-    pub(crate) fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
+    /// An I/O error, with what was being done; ENOSPC and EDQUOT get the kind
+    /// [`ErrorKind::StorageFull`], and the `io::Error` stays the source.
+    pub fn io(context: impl fmt::Display, err: std::io::Error) -> Self {
         let full = matches!(err.raw_os_error(), Some(ENOSPC | EDQUOT))
             || matches!(err.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded);
         let kind = if full { ErrorKind::StorageFull } else { ErrorKind::Io };
@@ -94,7 +96,9 @@ impl Error {
         Self::new(ErrorKind::Corrupt { path, offset }, message)
     }
 
-    pub(crate) fn invalid(field: impl Into<String>, what: impl fmt::Display) -> Self {
+    /// Bad input in `field` (for adapters that validate on trajlog's behalf:
+    /// the CLI, the Python binding).
+    pub fn invalid(field: impl Into<String>, what: impl fmt::Display) -> Self {
         let field = field.into();
         let message = format!("invalid {field}: {what}");
         Self::new(ErrorKind::InvalidInput { field }, message)

@@ -28,26 +28,49 @@
 //! ```
 //!
 //! See `ARCHITECTURE.md` for the map of modules and `format-spec/` for the bytes.
+//!
+//! ## The public API
+//!
+//! The types re-exported here ([`Store`], [`Options`], [`Snapshot`],
+//! [`CallView`], [`Call`], …) and the modules [`audit`], [`limits`],
+//! [`repair`], [`rllm`], [`trace_json`] and [`verify`] are the API. Everything
+//! else is crate-private.
+//!
+//! ## Features
+//!
+//! - `sqlite`: the rLLM SQLite migration, [`rllm::sqlite`] (a bundled SQLite).
+//! - `internals`: unstable and hidden from the docs; the codecs, the fault
+//!   injection and the fuzz targets' bodies, for this repository's test suite
+//!   and `fuzz/`. No semver promise.
 
-pub mod audit;
-pub mod bench;
-pub mod compact;
-pub mod delta;
-pub mod error;
-pub mod format;
+/// A module that is crate-private, and public (hidden, unstable) with the
+/// `internals` feature for the test suite and the fuzz targets.
+macro_rules! internal_mod {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        mod $name;
+    )*};
+}
+
+internal_mod!(compact, format, segment, storage);
+
+#[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod index;
+
+pub mod audit;
+mod delta;
+mod error;
+mod index;
 pub mod limits;
-pub mod progress;
-pub mod record;
+mod record;
 pub mod repair;
 pub mod rllm;
-pub mod segment;
-pub mod sim;
-pub mod snapshot;
-pub mod storage;
-pub mod store;
+mod snapshot;
+mod store;
 pub mod trace_json;
 pub mod verify;
 

@@ -33,3 +33,9 @@ pub const DEFAULT_GROUP_COMMIT_MS: u64 = 5;
 /// Default memory the writer spends remembering recent session contexts for
 /// prefix-delta encoding; least recently used sessions are forgotten first.
 pub const DEFAULT_DELTA_CACHE_BYTES: u64 = 256 * 1024 * 1024;
+/// Default rows per `steps` row group of a shard.
+pub const DEFAULT_STEPS_ROW_GROUP_ROWS: usize = 256;
+/// Default rows per `trajectories` row group (each row is a whole sequence).
+pub const DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS: usize = 64;
+/// Default size (uncompressed estimate) at which a shard file is closed.
+pub const DEFAULT_SHARD_BYTES: usize = 256 * 1024 * 1024;

@@ -12,8 +12,8 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
-use trajlog::sim::{simulate, SimConfig};
 use trajlog::{Call, CompactOptions, Options, Selection, Store, Target};
+use trajlog_sim::{simulate, SimConfig};
 
 pub fn read_table(dir: &Path, table: &str) -> Vec<RecordBatch> {
     let mut out = Vec::new();
@@ -77,7 +77,7 @@ fn check_trajectories(dir: &Path, calls: &BTreeMap<String, Call>) -> usize {
     covered
 }
 
-fn all_calls(sessions: &[trajlog::sim::SimSession]) -> BTreeMap<String, Call> {
+fn all_calls(sessions: &[trajlog_sim::SimSession]) -> BTreeMap<String, Call> {
     sessions.iter().flat_map(|s| s.calls.iter().map(|c| (c.trace_id.clone(), c.clone()))).collect()
 }
 
@@ -114,7 +114,7 @@ fn compaction_is_transparent_to_reads_and_retires_segments() {
     let dir = tempdir();
     let batch = simulate(&SimConfig { sessions: 24, steps: 6, ..SimConfig::default() });
     let calls = all_calls(&batch);
-    let store = Store::open(dir.path(), Options { segment_bytes: 256 * 1024, ..Options::default() }).unwrap();
+    let store = Store::open(dir.path(), Options::default().segment_bytes(256 * 1024)).unwrap();
     for s in &batch {
         for c in &s.calls {
             store.append(c.clone()).unwrap();
@@ -179,7 +179,7 @@ fn older_than_selects_by_last_call_time_and_later_calls_compact_again() {
         ..Default::default()
     };
     store.append(fresh.clone()).unwrap();
-    let r = store.compact(&CompactOptions { selection: Selection::OlderThan(60.0), ..Default::default() }).unwrap();
+    let r = store.compact(&CompactOptions::default().selection(Selection::OlderThan(60.0))).unwrap();
     assert_eq!((r.sessions, r.calls), (3, 6));
     // The rest of the rollouts arrive after compaction: appended, read, compacted again.
     for s in &batch {
@@ -188,7 +188,7 @@ fn older_than_selects_by_last_call_time_and_later_calls_compact_again() {
         }
     }
     store.flush().unwrap();
-    let r = store.compact(&CompactOptions { selection: Selection::OlderThan(60.0), ..Default::default() }).unwrap();
+    let r = store.compact(&CompactOptions::default().selection(Selection::OlderThan(60.0))).unwrap();
     assert_eq!((r.sessions, r.calls), (3, 6));
     calls.retain(|_, c| batch.iter().any(|s| s.session_id == c.session_id));
     calls.insert("fresh".into(), fresh);
@@ -206,7 +206,7 @@ fn older_than_selects_by_last_call_time_and_later_calls_compact_again() {
 #[test]
 fn a_snapshot_keeps_reading_while_segments_are_retired() {
     let dir = tempdir();
-    let store = Store::open(dir.path(), Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 * 1024)).unwrap();
     let batch = simulate(&SimConfig { sessions: 8, steps: 5, ..SimConfig::default() });
     let calls = all_calls(&batch);
     for s in &batch {
@@ -256,7 +256,7 @@ proptest! {
             }
             store.seal_session(&s.session_id).unwrap();
         }
-        let opts = CompactOptions { steps_row_group_rows: rg_rows, trajectories_row_group_rows: rg_rows, shard_bytes: 4096, ..Default::default() };
+        let opts = CompactOptions::default().steps_row_group_rows(rg_rows).trajectories_row_group_rows(rg_rows).shard_bytes(4096);
         let r = store.compact(&opts).unwrap();
         prop_assert_eq!(r.calls as usize, calls.len());
         check_reads(&store, &calls);
@@ -300,7 +300,7 @@ fn a_crash_at_any_step_of_a_compaction_leaves_the_old_or_the_new_state() {
     let root = tempdir();
     let before = root.path().join("before");
     {
-        let store = Store::open(&before, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+        let store = Store::open(&before, Options::default().segment_bytes(64 * 1024)).unwrap();
         for s in &batch {
             for c in &s.calls {
                 store.append(c.clone()).unwrap();

@@ -79,7 +79,7 @@ fn assert_exact(v: &trajlog::CallView<'_>, c: &Call) {
 fn write_fixture() {
     let dir = fixture_dir();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
-    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     let calls = fixture_calls();
     for c in &calls[..2] {
         store.append(c.clone()).unwrap();
@@ -140,7 +140,7 @@ fn write_fixture_v2() {
     let dir = fixture_v2_dir();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
     let calls = fixture_calls();
-    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     for c in &calls {
         store.append(c.clone()).unwrap();
     }
@@ -206,14 +206,14 @@ fn write_fixture_v3() {
     let dir = fixture_v3_dir();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
     let calls = fixture_calls();
-    let store = Store::open(&dir, Options { segment_bytes: 64 * 1024, ..Options::default() }).unwrap();
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     for c in &calls {
         store.append(c.clone()).unwrap();
     }
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
     store.seal_session("task-1:0").unwrap();
     // Two row groups in the steps shard.
-    store.compact(&trajlog::CompactOptions { steps_row_group_rows: 2, ..Default::default() }).unwrap();
+    store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
     store.close().unwrap();
     std::fs::remove_file(dir.join("LOCK")).unwrap();
 }

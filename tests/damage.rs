@@ -5,15 +5,10 @@
 
 mod common;
 
-use common::{assert_same, chained_calls as calls, files, tempdir};
-use std::collections::BTreeMap;
+use common::{assert_all, assert_same, build, chained_calls as calls, data_files, small_segments, tempdir};
 use std::fs;
 use std::path::{Path, PathBuf};
 use trajlog::{Call, CompactOptions, ErrorKind, Options, Store, Target};
-
-fn opts() -> Options {
-    Options { segment_bytes: 64 * 1024, ..Options::default() }
-}
 
 /// A store in `dir` holding `calls` (appended, not yet flushed).
 fn filled(dir: &Path, calls: &[Call], options: Options) -> Store {
@@ -22,44 +17,6 @@ fn filled(dir: &Path, calls: &[Call], options: Options) -> Store {
         store.append(c.clone()).expect("append");
     }
     store
-}
-
-/// A store with sealed segments, shards (half the sessions compacted) and an
-/// active segment; returns the calls appended.
-fn build(dir: &Path) -> Vec<Call> {
-    let all = calls(12, 6);
-    let store = Store::open(dir, opts()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
-    store.flush().expect("flush");
-    for s in 0..6 {
-        store.seal_session(&format!("s{s}")).expect("seal");
-        store.set_reward(Target::Session(format!("s{s}")), s as f64).expect("reward");
-    }
-    let report = store.compact(&CompactOptions::default()).expect("compact");
-    assert_eq!(report.sessions, 6);
-    store.close().expect("close");
-    all
-}
-
-fn data_files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    files(dir)
-        .into_iter()
-        .filter(|(p, _)| {
-            let n = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            n.ends_with(".tlog") || n.ends_with(".parquet")
-        })
-        .collect()
-}
-
-fn assert_all(store: &Store, all: &[Call]) {
-    let snap = store.snapshot();
-    assert_eq!(snap.call_count(), all.len());
-    for c in all {
-        let v = snap.get(&c.trace_id).expect("read").expect("present");
-        assert_same(&v, c);
-    }
 }
 
 fn segment_files(dir: &Path) -> Vec<PathBuf> {
@@ -80,7 +37,7 @@ fn a_missing_manifest_is_refused_and_repair_rebuilds_it() {
     let before = data_files(dir.path());
     assert!(before.keys().any(|p| p.extension().is_some_and(|e| e == "parquet")));
 
-    let err = Store::open(dir.path(), opts()).err().expect("writable open must refuse");
+    let err = Store::open(dir.path(), small_segments()).err().expect("writable open must refuse");
     assert!(matches!(err.kind(), ErrorKind::Corrupt { .. }), "{err}");
     assert!(err.message().contains("no MANIFEST") && err.message().contains("trajlog repair"), "{err}");
     let err = Store::open_read_only(dir.path()).err().expect("read-only open must refuse");
@@ -97,14 +54,14 @@ fn a_missing_manifest_is_refused_and_repair_rebuilds_it() {
     assert_eq!(r.calls, all.len());
     assert_eq!(data_files(dir.path()), before, "repair changed a data file");
 
-    let store = Store::open(dir.path(), opts()).expect("open after repair");
+    let store = Store::open(dir.path(), small_segments()).expect("open after repair");
     assert_all(&store, &all);
     let snap = store.snapshot();
     assert!(snap.is_sealed("s0") && snap.session_reward("s3") == Some(3.0));
     // New appends go to a new segment id, after every id the shards refer to.
     store.append(Call { trace_id: "new".into(), session_id: "s99".into(), ..Default::default() }).expect("append");
     store.close().expect("close");
-    let store = Store::open(dir.path(), opts()).expect("reopen");
+    let store = Store::open(dir.path(), small_segments()).expect("reopen");
     assert_eq!(store.snapshot().call_count(), all.len() + 1);
     store.close().expect("close");
     let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
@@ -115,7 +72,7 @@ fn a_missing_manifest_is_refused_and_repair_rebuilds_it() {
 fn an_old_manifest_restored_over_newer_files_is_refused() {
     let dir = tempdir();
     let all = calls(4, 6);
-    let store = Store::open(dir.path(), opts()).expect("open");
+    let store = Store::open(dir.path(), small_segments()).expect("open");
     for c in &all[..6] {
         store.append(c.clone()).expect("append");
     }
@@ -128,12 +85,12 @@ fn an_old_manifest_restored_over_newer_files_is_refused() {
     store.close().expect("close");
     fs::write(dir.path().join("MANIFEST"), &old).expect("restore old manifest");
     let before = data_files(dir.path());
-    let err = Store::open(dir.path(), opts()).err().expect("must refuse");
+    let err = Store::open(dir.path(), small_segments()).err().expect("must refuse");
     assert!(err.message().contains("not listed in the MANIFEST"), "{err}");
     assert_eq!(data_files(dir.path()), before, "nothing may be deleted or cut");
     let r = trajlog::repair::repair(dir.path(), false).expect("repair");
     assert!(r.previous_manifest.as_ref().is_some_and(|p| p.exists()));
-    let store = Store::open(dir.path(), opts()).expect("open after repair");
+    let store = Store::open(dir.path(), small_segments()).expect("open after repair");
     assert_all(&store, &all);
 }
 
@@ -141,13 +98,13 @@ fn an_old_manifest_restored_over_newer_files_is_refused() {
 fn a_missing_listed_segment_is_refused_not_forgotten() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = filled(dir.path(), &all, opts());
+    let store = filled(dir.path(), &all, small_segments());
     store.close().expect("close");
     let segs = segment_files(dir.path());
     assert!(segs.len() >= 3, "{segs:?}");
     let gone = &segs[1];
     fs::rename(gone, dir.path().join("aside.bin")).expect("move");
-    let err = Store::open(dir.path(), opts()).err().expect("must refuse");
+    let err = Store::open(dir.path(), small_segments()).err().expect("must refuse");
     assert_eq!(err.kind(), &ErrorKind::NotFound, "{err}");
     assert!(err.message().contains("listed in the MANIFEST but missing"), "{err}");
     // Repair keeps what exists; calls whose prefix-delta parent was in the
@@ -175,7 +132,7 @@ fn a_missing_listed_segment_is_refused_not_forgotten() {
 #[test]
 fn a_trace_id_is_unique_per_store() {
     let dir = tempdir();
-    let store = Store::open(dir.path(), opts()).expect("open");
+    let store = Store::open(dir.path(), small_segments()).expect("open");
     let call = |t: &str, s: &str, n: u32| Call {
         trace_id: t.into(),
         session_id: s.into(),
@@ -215,7 +172,7 @@ fn a_trace_id_is_unique_per_store() {
     assert!(err.message().contains("outer"), "{err}");
     store.close().expect("close");
 
-    let store = Store::open(dir.path(), opts()).expect("reopen");
+    let store = Store::open(dir.path(), small_segments()).expect("reopen");
     let snap = store.snapshot();
     assert_eq!(snap.get("t").expect("get").expect("present").session_id(), "a");
     assert_eq!(snap.get("v").expect("get").expect("present").session_id(), "f");
@@ -233,7 +190,7 @@ fn footer_offset(bytes: &[u8]) -> usize {
 fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = filled(dir.path(), &all, opts());
+    let store = filled(dir.path(), &all, small_segments());
     store.close().expect("close");
     let seg = segment_files(dir.path())[0].clone();
     let mut bytes = fs::read(&seg).expect("read");
@@ -241,7 +198,7 @@ fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
     bytes[at] ^= 0x10;
     fs::write(&seg, &bytes).expect("write");
 
-    let store = Store::open(dir.path(), opts()).expect("open succeeds");
+    let store = Store::open(dir.path(), small_segments()).expect("open succeeds");
     assert_all(&store, &all);
     let damage = store.snapshot().damage().to_vec();
     assert!(damage.iter().any(|d| d.what.contains("rebuilt from the frames")), "{damage:?}");
@@ -261,7 +218,7 @@ fn a_flipped_footer_byte_is_rebuilt_from_the_frames() {
 fn a_flipped_payload_byte_is_confined_to_its_records() {
     let dir = tempdir();
     let all = calls(6, 6);
-    let store = filled(dir.path(), &all, opts());
+    let store = filled(dir.path(), &all, small_segments());
     store.flush().expect("flush");
     let damaged = "t0-2";
     let loc = store.snapshot().get(damaged).expect("get").expect("present").loc;
@@ -273,18 +230,7 @@ fn a_flipped_payload_byte_is_confined_to_its_records() {
     let last = segment_files(dir.path()).last().cloned().expect("a segment");
     assert_ne!(last, seg, "the damaged record must be in a sealed segment for this test");
 
-    // The CLI goes on past the damage and says so.
-    let d = dir.path().to_str().expect("utf-8 path");
-    let out = trajlog(&["export", "--store", d]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
-    let exported = String::from_utf8_lossy(&out.stdout).lines().count();
-    assert!(exported >= all.len() - 4 && exported < all.len(), "{exported}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains(&seg.display().to_string()));
-    let out = trajlog(&["audit", "--store", d]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("\"s0\" not audited"));
-
-    let store = Store::open(dir.path(), opts()).expect("open succeeds");
+    let store = Store::open(dir.path(), small_segments()).expect("open succeeds");
     let snap = store.snapshot();
     let err = snap.get(damaged).map(|v| v.map(|v| v.loc)).expect_err("a damaged record is refused");
     match err.kind() {
@@ -389,63 +335,4 @@ fn verify_tells_a_torn_tail_from_damage() {
     store.close().expect("close");
     let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
     assert!(v.problems.is_empty() && v.torn_tail.is_none(), "{v:?}");
-}
-
-fn trajlog(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_trajlog")).args(args).output().expect("run trajlog")
-}
-
-#[test]
-fn cli_verify_exit_codes_and_repair() {
-    let dir = tempdir();
-    let all = build(dir.path());
-    let d = dir.path().to_str().expect("utf-8 path");
-    let out = trajlog(&["verify", "--store", d]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
-
-    // A torn tail alone: exit 3, reported as such.
-    let store = Store::open(dir.path(), opts()).expect("open");
-    store
-        .append(Call {
-            trace_id: "tail".into(),
-            session_id: "z".into(),
-            prompt_token_ids: vec![1; 300],
-            ..Default::default()
-        })
-        .expect("append");
-    store.flush().expect("flush");
-    let loc = store.snapshot().get("tail").expect("get").expect("present").loc;
-    store.close().expect("close");
-    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
-    let f = fs::OpenOptions::new().write(true).open(&seg).expect("open");
-    f.set_len(loc.offset + 64).expect("cut");
-    drop(f);
-    let out = trajlog(&["verify", "--store", d]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(3), "{text}");
-    assert!(text.contains("TORN TAIL") && !text.contains("CORRUPT"), "{text}");
-
-    // No manifest: verify says so (exit 1), ingest refuses, repair rebuilds.
-    fs::remove_file(dir.path().join("MANIFEST")).expect("remove");
-    let out = trajlog(&["verify", "--store", d]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("no MANIFEST"));
-    let ingest = std::process::Command::new(env!("CARGO_BIN_EXE_trajlog"))
-        .args(["ingest", "--store", d])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .expect("run ingest");
-    assert_eq!(ingest.status.code(), Some(2), "{}", String::from_utf8_lossy(&ingest.stderr));
-    assert!(String::from_utf8_lossy(&ingest.stderr).contains("trajlog repair"));
-    assert!(data_files(dir.path()).len() > 3, "ingest must not delete anything");
-    let out = trajlog(&["repair", "--store", d, "--dry-run"]);
-    assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("dry run"));
-    assert!(!dir.path().join("MANIFEST").exists());
-    let out = trajlog(&["repair", "--store", d]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{text}");
-    assert!(text.contains("MANIFEST rebuilt"), "{text}");
-    let store = Store::open(dir.path(), opts()).expect("open after repair");
-    assert_all(&store, &all);
 }

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use trajlog::sim::{simulate, Rng, SimConfig};
 use trajlog::{Call, Options, Relation, Store};
+use trajlog_sim::{simulate, Rng, SimConfig};
 
 fn segment_data_bytes(store: &Store) -> u64 {
     // Header (64 bytes per segment) excluded: it is per segment, not per session.

@@ -24,9 +24,9 @@ use common::{assert_same, tempdir};
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
-use trajlog::sim::{simulate_session, SimConfig};
 use trajlog::storage::fault::{CrashAt, FailAt, Fault, FaultPlan, Op, OpKind, EIO, ENOSPC};
 use trajlog::{Call, Durability, ErrorKind, Options, Store};
+use trajlog_sim::{simulate_session, SimConfig};
 
 /// A fault plan behind a gate that can hold the writer thread at its next disk
 /// operation, so that a test decides which appends share a writer batch.
@@ -111,7 +111,7 @@ fn opts(durability: Durability, faults: Option<Arc<dyn FaultPlan>>) -> Options {
     // The group-commit timer is set out of reach so that every fsync comes
     // from a flush, a roll or the manifest: the sync points are then the same
     // in every run (with a short timer their count depends on timing).
-    Options { durability, segment_bytes: 64 << 10, group_commit_ms: 60_000, faults, ..Options::default() }
+    Options::default().durability(durability).segment_bytes(64 << 10).group_commit_ms(60_000).faults(faults)
 }
 
 /// Append `calls` in steps of `batch`, acknowledging each step with a flush;

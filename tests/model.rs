@@ -98,7 +98,7 @@ fn check(store: &Store, model: &Model) {
 }
 
 fn opts(durability: Durability) -> Options {
-    Options { durability, segment_bytes: 64 * 1024, queue_depth: 8, ..Options::default() }
+    Options::default().durability(durability).segment_bytes(64 * 1024).queue_depth(8)
 }
 
 proptest! {
@@ -162,7 +162,7 @@ proptest! {
                 Op::Roll => store.roll().unwrap(),
                 Op::Compact(all) => {
                     let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
-                    store.compact(&CompactOptions { selection, steps_row_group_rows: 3, ..Default::default() }).unwrap();
+                    store.compact(&CompactOptions::default().selection(selection).steps_row_group_rows(3)).unwrap();
                 }
                 Op::Reopen => {
                     store.close().unwrap();

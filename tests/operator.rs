@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use trajlog::{Call, CompactOptions, ErrorKind, Options, Store, Target};
 
 fn opts() -> Options {
-    Options { segment_bytes: 64 * 1024, ..Options::default() }
+    Options::default().segment_bytes(64 * 1024)
 }
 
 struct Base {

@@ -8,11 +8,11 @@ mod common;
 use common::*;
 use std::fs;
 use std::path::Path;
-use trajlog::sim::Rng;
 use trajlog::{Call, Durability, ErrorKind, Options, Store};
+use trajlog_sim::Rng;
 
 fn opts() -> Options {
-    Options { durability: Durability::Buffered, ..Options::default() }
+    Options::default().durability(Durability::Buffered)
 }
 
 fn calls(n: usize) -> Vec<Call> {

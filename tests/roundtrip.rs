@@ -9,7 +9,7 @@ use trajlog::limits::{COMPLETION_TOKENS_MAX, PROMPT_TOKENS_MAX};
 use trajlog::{Call, Durability, Options, Store};
 
 fn opts() -> Options {
-    Options { durability: Durability::Buffered, segment_bytes: 64 * 1024, ..Options::default() }
+    Options::default().durability(Durability::Buffered).segment_bytes(64 * 1024)
 }
 
 proptest! {

@@ -63,8 +63,7 @@ fn compacted_store(dir: &Path, compression: ShardCompression) -> (Vec<Call>, Pat
     for s in 0..5 {
         store.seal_session(&format!("s{s}")).unwrap();
     }
-    let report =
-        store.compact(&CompactOptions { compression, steps_row_group_rows: 4, ..CompactOptions::default() }).unwrap();
+    let report = store.compact(&CompactOptions::default().compression(compression).steps_row_group_rows(4)).unwrap();
     assert_eq!(report.calls, calls.len() as u64);
     store.close().unwrap();
     let shards = Store::open_read_only(dir).unwrap().snapshot().shard_paths();

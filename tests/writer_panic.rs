@@ -31,7 +31,7 @@ fn a_writer_panic_fails_every_pending_and_later_call() {
         let dir = tempdir();
         // A queue of 1: appenders block in the channel while the writer dies.
         let store = std::sync::Arc::new(
-            Store::open(dir.path(), Options { durability, queue_depth: 1, ..Options::default() }).expect("open"),
+            Store::open(dir.path(), Options::default().durability(durability).queue_depth(1)).expect("open"),
         );
         let mut acked = Vec::new();
         for n in 0..10 {

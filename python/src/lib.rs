@@ -80,7 +80,7 @@ fn classify(item: &Bound<'_, PyAny>) -> PyResult<Number> {
     }
     // numpy scalars (numpy.float32, numpy.int64, numpy.bool_, ...).
     let ty = item.get_type();
-    if ty.module().is_ok_and(|m| m.to_str().is_ok_and(|m| m == "numpy")) {
+    if ty.module().is_ok_and(|m| m.to_cow().is_ok_and(|m| m == "numpy")) {
         if let Ok(kind) = item.getattr(intern!(item.py(), "dtype")).and_then(|d| d.getattr(intern!(item.py(), "kind")))
         {
             match kind.extract::<String>()?.as_str() {
@@ -485,14 +485,16 @@ impl NativeStore {
         group_commit_ms: Option<u64>,
         queue_depth: Option<usize>,
     ) -> PyResult<Self> {
-        let d = Options::default();
-        let options = Options {
-            durability: durability.parse::<Durability>().map_err(to_py)?,
-            segment_bytes: segment_bytes.unwrap_or(d.segment_bytes),
-            group_commit_ms: group_commit_ms.unwrap_or(d.group_commit_ms),
-            queue_depth: queue_depth.unwrap_or(d.queue_depth),
-            ..d
-        };
+        let mut options = Options::default().durability(durability.parse::<Durability>().map_err(to_py)?);
+        if let Some(v) = segment_bytes {
+            options = options.segment_bytes(v);
+        }
+        if let Some(v) = group_commit_ms {
+            options = options.group_commit_ms(v);
+        }
+        if let Some(v) = queue_depth {
+            options = options.queue_depth(v);
+        }
         let store = py
             .detach(|| {
                 if read_only {
@@ -774,10 +776,8 @@ impl NativeStore {
     #[pyo3(signature = (older_than = None))]
     fn compact<'py>(&self, py: Python<'py>, older_than: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
-        let options = CompactOptions {
-            selection: older_than.map_or(Selection::SealedOnly, Selection::OlderThan),
-            ..CompactOptions::default()
-        };
+        let options =
+            CompactOptions::default().selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan));
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;

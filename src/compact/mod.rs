@@ -15,6 +15,7 @@ pub mod writer;
 
 use crate::error::{Error, Result};
 use crate::format::record::Loc;
+use crate::limits::{DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS};
 use crate::snapshot::CallView;
 use crate::store::{Store, SHARDS_DIR};
 use build::{chains, group_id, StepInput, StepsBuilder, TrajectoriesBuilder};
@@ -26,12 +27,6 @@ use std::time::{Duration, Instant};
 pub use writer::ShardCompression;
 use writer::TableWriter;
 
-/// Default rows per `steps` row group.
-pub const DEFAULT_STEPS_ROW_GROUP_ROWS: usize = 256;
-/// Default rows per `trajectories` row group (each row is a whole sequence).
-pub const DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS: usize = 64;
-/// Default size (uncompressed estimate) at which a shard file is closed.
-pub const DEFAULT_SHARD_BYTES: usize = 256 * 1024 * 1024;
 
 /// Which sessions a compaction takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -42,16 +37,46 @@ pub enum Selection {
     OlderThan(f64),
 }
 
-/// Options of [`Store::compact`].
-#[derive(Debug, Clone)]
+/// How a compaction reports progress: called with (sessions done, sessions
+/// selected, calls compacted so far) after each session.
+pub type CompactProgress = Arc<dyn Fn(u64, u64, u64) + Send + Sync>;
+
+/// Options of [`Store::compact`]. Start from `CompactOptions::default()` and
+/// change what you need with the same-named setters:
+///
+/// ```
+/// use trajlog::{CompactOptions, Selection};
+/// let opts = CompactOptions::default().selection(Selection::OlderThan(600.0)).shard_bytes(64 << 20);
+/// assert_eq!(opts.shard_bytes, 64 << 20);
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
 pub struct CompactOptions {
+    /// Which sessions are taken (default: sealed ones).
     pub selection: Selection,
+    /// Rows per `steps` row group.
     pub steps_row_group_rows: usize,
+    /// Rows per `trajectories` row group.
     pub trajectories_row_group_rows: usize,
+    /// Size (uncompressed estimate) at which a shard file is closed.
     pub shard_bytes: usize,
+    /// Page compression of the shards.
     pub compression: ShardCompression,
-    /// Draw a progress bar on stderr when it is a terminal.
-    pub progress: bool,
+    /// Called after each session (the CLI draws a progress bar with it).
+    pub progress: Option<CompactProgress>,
+}
+
+impl std::fmt::Debug for CompactOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompactOptions")
+            .field("selection", &self.selection)
+            .field("steps_row_group_rows", &self.steps_row_group_rows)
+            .field("trajectories_row_group_rows", &self.trajectories_row_group_rows)
+            .field("shard_bytes", &self.shard_bytes)
+            .field("compression", &self.compression)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
 }
 
 impl Default for CompactOptions {
@@ -62,8 +87,47 @@ impl Default for CompactOptions {
             trajectories_row_group_rows: DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS,
             shard_bytes: DEFAULT_SHARD_BYTES,
             compression: ShardCompression::default(),
-            progress: false,
+            progress: None,
         }
+    }
+}
+
+impl CompactOptions {
+    /// Which sessions are taken.
+    #[must_use]
+    pub fn selection(mut self, v: Selection) -> Self {
+        self.selection = v;
+        self
+    }
+    /// Rows per `steps` row group.
+    #[must_use]
+    pub fn steps_row_group_rows(mut self, v: usize) -> Self {
+        self.steps_row_group_rows = v;
+        self
+    }
+    /// Rows per `trajectories` row group.
+    #[must_use]
+    pub fn trajectories_row_group_rows(mut self, v: usize) -> Self {
+        self.trajectories_row_group_rows = v;
+        self
+    }
+    /// Size (uncompressed estimate) at which a shard file is closed.
+    #[must_use]
+    pub fn shard_bytes(mut self, v: usize) -> Self {
+        self.shard_bytes = v;
+        self
+    }
+    /// Page compression of the shards.
+    #[must_use]
+    pub fn compression(mut self, v: ShardCompression) -> Self {
+        self.compression = v;
+        self
+    }
+    /// Called after each session with (sessions done, sessions selected, calls).
+    #[must_use]
+    pub fn progress(mut self, f: impl Fn(u64, u64, u64) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(f));
+        self
     }
 }
 
@@ -177,13 +241,6 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
     Ok(Some(inputs))
 }
 
-fn progress_bar(n: usize, enabled: bool) -> Option<indicatif::ProgressBar> {
-    if !enabled {
-        return None;
-    }
-    crate::progress::bar(n as u64, "compacting", "sessions")
-}
-
 pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
@@ -221,14 +278,10 @@ pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport>
     )?;
     let mut report = CompactReport::default();
     let result = (|| -> Result<Vec<String>> {
-        let bar = progress_bar(selected.len(), opts.progress);
         let mut steps = StepsBuilder::default();
         let mut trajs = TrajectoriesBuilder::default();
         let mut compacted = Vec::new();
-        for sid in &selected {
-            if let Some(bar) = &bar {
-                bar.inc(1);
-            }
+        for (done, sid) in selected.iter().enumerate() {
             // A session with a damaged call stays in the log, whole, and is
             // reported; the others are compacted.
             let inputs = match session_inputs(&snap, sid, &mut report.token_bytes) {
@@ -259,8 +312,8 @@ pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport>
             report.calls += inputs.len() as u64;
             report.sessions += 1;
             compacted.push(sid.clone());
-            if let Some(bar) = &bar {
-                bar.set_message(format!("{} calls", report.calls));
+            if let Some(progress) = &opts.progress {
+                progress(done as u64 + 1, selected.len() as u64, report.calls);
             }
         }
         if steps.rows > 0 {
@@ -270,9 +323,6 @@ pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport>
         if trajs.rows > 0 {
             let bytes = trajs.bytes;
             traj_w.write_row_group(&trajs.finish()?, bytes)?;
-        }
-        if let Some(bar) = bar {
-            bar.finish_and_clear();
         }
         Ok(compacted)
     })();

@@ -233,6 +233,7 @@ impl ShardFile {
     }
 
     /// Whether the file carries column chunk checksums (shard format 2).
+    #[cfg(feature = "internals")]
     pub fn has_checksums(&self) -> bool {
         self.chunks.is_some()
     }

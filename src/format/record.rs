@@ -359,11 +359,6 @@ pub fn decode_annotation(body: &[u8]) -> Result<Annotation, DecodeError> {
     }
 }
 
-/// The kind byte of a body, if it has one.
-pub fn body_kind(body: &[u8]) -> Option<u8> {
-    body.first().copied()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,6 +18,7 @@
 //! for the completion; a logprob list of another length than the completion,
 //! or a value beyond the `f32` range, refuses the trace.
 
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 use crate::error::{Error, Result};
@@ -253,6 +254,7 @@ pub(crate) fn write_logprobs_f64(out: &mut String, values: &[f32]) {
 
 /// JSON equality where numbers compare by value (Python's `==` on the
 /// decoded dicts: `12 == 12.0`).
+#[cfg(any(feature = "sqlite", feature = "internals"))]
 pub(crate) fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
     use serde_json::Value as V;
     match (a, b) {

@@ -29,9 +29,18 @@ impl std::str::FromStr for Durability {
     }
 }
 
-/// How to open a store. `Options::default()` is a sensible start.
+/// How to open a store. Start from `Options::default()` and change what you
+/// need with the same-named setters:
+///
+/// ```
+/// use trajlog::{Durability, Options};
+/// let opts = Options::default().durability(Durability::Sync).segment_bytes(16 << 20);
+/// assert_eq!(opts.durability, Durability::Sync);
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Options {
+    /// When an append counts as done.
     pub durability: Durability,
     /// Group-commit interval for [`Durability::Group`].
     pub group_commit_ms: u64,
@@ -41,8 +50,49 @@ pub struct Options {
     pub queue_depth: usize,
     /// Memory for prefix-delta contexts.
     pub delta_cache_bytes: u64,
-    /// Fault injection for tests (see [`crate::storage::fault`]); None in use.
-    pub faults: crate::storage::fault::Faults,
+    /// Fault injection for the test suite; None in use.
+    pub(crate) faults: crate::storage::fault::Faults,
+}
+
+impl Options {
+    /// When an append counts as done.
+    #[must_use]
+    pub fn durability(mut self, v: Durability) -> Self {
+        self.durability = v;
+        self
+    }
+    /// Group-commit interval for [`Durability::Group`], in milliseconds.
+    #[must_use]
+    pub fn group_commit_ms(mut self, v: u64) -> Self {
+        self.group_commit_ms = v;
+        self
+    }
+    /// Seal and roll to a new segment when the active one reaches this size.
+    #[must_use]
+    pub fn segment_bytes(mut self, v: u64) -> Self {
+        self.segment_bytes = v;
+        self
+    }
+    /// Records in flight between appenders and the writer thread.
+    #[must_use]
+    pub fn queue_depth(mut self, v: usize) -> Self {
+        self.queue_depth = v;
+        self
+    }
+    /// Memory for prefix-delta contexts.
+    #[must_use]
+    pub fn delta_cache_bytes(mut self, v: u64) -> Self {
+        self.delta_cache_bytes = v;
+        self
+    }
+    /// Fault injection (test suite only).
+    #[cfg(feature = "internals")]
+    #[doc(hidden)]
+    #[must_use]
+    pub fn faults(mut self, v: crate::storage::fault::Faults) -> Self {
+        self.faults = v;
+        self
+    }
 }
 
 impl Default for Options {

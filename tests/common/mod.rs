@@ -2,7 +2,9 @@
 #![allow(dead_code)]
 
 use proptest::prelude::*;
-use trajlog::{Call, CallView};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use trajlog::{Call, CallView, CompactOptions, Store, Target};
 
 /// Bits of a logprob column, so NaN payloads and -0.0 compare exactly.
 pub fn bits(v: &[f32]) -> Vec<u32> {
@@ -147,4 +149,47 @@ pub fn files(dir: &std::path::Path) -> std::collections::BTreeMap<std::path::Pat
         }
     }
     out
+}
+
+/// Options with small segments, so a few calls make several.
+pub fn small_segments() -> trajlog::Options {
+    trajlog::Options::default().segment_bytes(64 * 1024)
+}
+
+/// A store with sealed segments, shards (half the sessions compacted) and an
+/// active segment; returns the calls appended.
+pub fn build(dir: &Path) -> Vec<Call> {
+    let all = chained_calls(12, 6);
+    let store = Store::open(dir, small_segments()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    for s in 0..6 {
+        store.seal_session(&format!("s{s}")).expect("seal");
+        store.set_reward(Target::Session(format!("s{s}")), s as f64).expect("reward");
+    }
+    let report = store.compact(&CompactOptions::default()).expect("compact");
+    assert_eq!(report.sessions, 6);
+    store.close().expect("close");
+    all
+}
+
+pub fn data_files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    files(dir)
+        .into_iter()
+        .filter(|(p, _)| {
+            let n = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            n.ends_with(".tlog") || n.ends_with(".parquet")
+        })
+        .collect()
+}
+
+pub fn assert_all(store: &Store, all: &[Call]) {
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), all.len());
+    for c in all {
+        let v = snap.get(&c.trace_id).expect("read").expect("present");
+        assert_same(&v, c);
+    }
 }

@@ -3,8 +3,8 @@
 use super::human_bytes;
 use std::path::PathBuf;
 use std::time::Instant;
-use trajlog::sim::{simulate, SimConfig};
 use trajlog::{CompactOptions, Durability, Options, Relation, Store};
+use trajlog_sim::{simulate, SimConfig};
 
 pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Result<i32> {
     let dir = match dir {
@@ -35,7 +35,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
     let json_bytes: u64 =
         batch.iter().flat_map(|s| &s.calls).map(|c| trajlog::trace_json::export_call(c).len() as u64).sum();
 
-    let store = Store::open(&dir, Options { durability: Durability::Group, ..Options::default() })?;
+    let store = Store::open(&dir, Options::default().durability(Durability::Group))?;
     // Interleave sessions turn by turn, as concurrent rollouts arrive.
     let started = Instant::now();
     let mut last = None;
@@ -128,7 +128,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
     // Compact the (sealed) sessions into Parquet shards, read everything back
     // again — now from the shards — and audit.
     drop(snap);
-    let report = store.compact(&CompactOptions { progress: true, ..CompactOptions::default() })?;
+    let report = store.compact(&crate::progress::compact_progress(CompactOptions::default()))?;
     let snap = store.snapshot();
     let mut exact_after = 0usize;
     for s in &batch {
@@ -193,11 +193,11 @@ pub fn generate(
     seed: u64,
 ) -> trajlog::Result<i32> {
     let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, ..SimConfig::default() };
-    let store = Store::open(dir, Options { durability: Durability::Buffered, ..Options::default() })?;
+    let store = Store::open(dir, Options::default().durability(Durability::Buffered))?;
     let started = Instant::now();
     let (mut calls, mut tokens) = (0u64, 0u64);
     for s in 0..sessions {
-        let session = trajlog::sim::simulate_session(&cfg, s);
+        let session = trajlog_sim::simulate_session(&cfg, s);
         for c in session.calls {
             tokens += (c.prompt_token_ids.len() + c.completion_token_ids.len()) as u64;
             calls += 1;

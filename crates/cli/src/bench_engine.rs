@@ -21,15 +21,13 @@
 //! backend left on disk. Session read reads every session back, oldest first,
 //! into full prompt, completion and logprob vectors.
 
-use crate::error::{Error, Result};
-use crate::record::Call;
-use crate::sim::{simulate_session, SimConfig};
-use crate::store::{Durability, Options, Store};
-use crate::trace_json::export_call;
 use rusqlite::{params, Connection};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use trajlog::trace_json::export_call;
+use trajlog::{Call, Durability, Error, Options, Result, Store};
+use trajlog_sim::{simulate_session, SimConfig};
 
 /// The workload and where to run it.
 #[derive(Debug, Clone)]
@@ -203,7 +201,7 @@ fn run_trajlog(
     payload: u64,
     progress: Progress<'_>,
 ) -> Result<BackendResult> {
-    let store = Store::open(dir, Options { durability, ..Options::default() })?;
+    let store = Store::open(dir, Options::default().durability(durability))?;
     // `append` takes calls by value: copy them before the clock starts (the
     // SQLite baselines encode from a borrow).
     let owned: Vec<Vec<Call>> = sessions.iter().map(|s| s.1.clone()).collect();

@@ -14,3 +14,20 @@ pub fn bar(len: u64, label: &str, unit: &str) -> Option<indicatif::ProgressBar> 
     }
     Some(bar)
 }
+
+/// A compaction's progress bar on a terminal, as [`trajlog::CompactOptions`]
+/// takes it: the bar follows the sessions and shows the calls compacted. The
+/// bar is cleared when the last session is done.
+pub fn compact_progress(opts: trajlog::CompactOptions) -> trajlog::CompactOptions {
+    let Some(bar) = bar(0, "compacting", "sessions") else {
+        return opts;
+    };
+    opts.progress(move |done, total, calls| {
+        bar.set_length(total);
+        bar.set_position(done);
+        bar.set_message(format!("{calls} calls"));
+        if done >= total {
+            bar.finish_and_clear();
+        }
+    })
+}

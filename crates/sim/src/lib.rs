@@ -8,7 +8,7 @@
 //! retokenization: two completion tokens are merged into one in the next
 //! prompt, a TI/TO break at a known position.
 
-use crate::record::Call;
+use trajlog::Call;
 
 /// Small, fast, deterministic PRNG (SplitMix64).
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 //! `trajlog bench`: trajlog against two SQLite baselines, one workload, one table.
 
+use crate::bench_engine::{BackendResult, BenchConfig, BenchReport};
 use std::path::PathBuf;
-use trajlog::bench::{BackendResult, BenchConfig, BenchReport};
 
 pub struct BenchArgs {
     pub sessions: usize,
@@ -30,7 +30,7 @@ pub fn run(args: &BenchArgs) -> trajlog::Result<i32> {
             if let Some((_, b)) = bar.take() {
                 b.finish_and_clear();
             }
-            if let Some(b) = trajlog::progress::bar(total, phase, "") {
+            if let Some(b) = crate::progress::bar(total, phase, "") {
                 bar = Some((phase.to_owned(), b));
             }
         }
@@ -38,7 +38,7 @@ pub fn run(args: &BenchArgs) -> trajlog::Result<i32> {
             b.set_position(done);
         }
     };
-    let report = trajlog::bench::run(&cfg, &mut progress)?;
+    let report = crate::bench_engine::run(&cfg, &mut progress)?;
     if let Some((_, b)) = bar.take() {
         b.finish_and_clear();
     }

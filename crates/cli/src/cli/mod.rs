@@ -89,10 +89,10 @@ enum Command {
         #[arg(long, value_name = "SECONDS")]
         older_than: Option<f64>,
         /// Close a shard file past this many bytes (uncompressed estimate).
-        #[arg(long, default_value_t = trajlog::compact::DEFAULT_SHARD_BYTES)]
+        #[arg(long, default_value_t = trajlog::limits::DEFAULT_SHARD_BYTES)]
         shard_bytes: usize,
         /// Rows per `steps` row group (trajectories get a quarter).
-        #[arg(long, default_value_t = trajlog::compact::DEFAULT_STEPS_ROW_GROUP_ROWS)]
+        #[arg(long, default_value_t = trajlog::limits::DEFAULT_STEPS_ROW_GROUP_ROWS)]
         row_group_rows: usize,
         /// zstd | zstd:LEVEL | none
         #[arg(long, default_value = "zstd")]

@@ -26,7 +26,9 @@ macro_rules! println {
     };
 }
 
+mod bench_engine;
 mod cli;
+mod progress;
 
 fn main() {
     std::process::exit(cli::main());

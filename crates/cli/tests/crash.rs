@@ -3,6 +3,7 @@
 //! durability level. After every round, every acknowledged record must be
 //! present and exact, and every record present must be one that was sent.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use common::*;
@@ -13,9 +14,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
-use trajlog::sim::Rng;
 use trajlog::trace_json::{export_call, parse_trace};
 use trajlog::{Call, Store};
+use trajlog_sim::Rng;
 
 const ROUNDS: usize = 25;
 
@@ -187,7 +188,7 @@ fn traces_round_trip_through_export_text() {
 /// or from the shards), and `verify` finds nothing wrong.
 #[test]
 fn sigkill_during_compaction() {
-    use trajlog::sim::{simulate_session, SimConfig};
+    use trajlog_sim::{simulate_session, SimConfig};
     let dir = tempdir();
     let cfg = SimConfig { sessions: 10_000, steps: 5, system_tokens: 800, ..SimConfig::default() };
     let mut rng = Rng::new(11);

@@ -49,7 +49,7 @@ enum Stop {
 }
 
 pub fn run(dir: &Path, durability: &str, segment_bytes: u64) -> trajlog::Result<i32> {
-    let options = Options { durability: durability.parse()?, segment_bytes, ..Options::default() };
+    let options = Options::default().durability(durability.parse()?).segment_bytes(segment_bytes);
     let store = Store::open(dir, options)?;
     // A reader thread feeds lines so that the main loop can batch whatever has
     // arrived and ack it with one durability wait, without waiting for more input.
@@ -186,7 +186,7 @@ pub fn import_rllm_sqlite(db: &Path, dir: &Path, schema: Option<&str>, verify: b
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut progress = |done: u64, total: u64| {
         let b = bar.get_or_insert_with(|| {
-            trajlog::progress::bar(total, "importing", "traces").unwrap_or_else(indicatif::ProgressBar::hidden)
+            crate::progress::bar(total, "importing", "traces").unwrap_or_else(indicatif::ProgressBar::hidden)
         });
         b.set_position(done);
     };

@@ -1,6 +1,7 @@
 //! The `trajlog` binary end to end: ingest → ack lines, export → the same
 //! traces, ls / show / verify / demo.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use proptest::prelude::*;

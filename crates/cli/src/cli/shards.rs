@@ -23,14 +23,14 @@ pub struct CompactArgs {
 
 pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
     let store = Store::open(dir, Options::default())?;
-    let options = CompactOptions {
-        selection: args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan),
-        steps_row_group_rows: args.row_group_rows,
-        trajectories_row_group_rows: (args.row_group_rows / 4).max(1),
-        shard_bytes: args.shard_bytes,
-        compression: args.compression.parse()?,
-        progress: true,
-    };
+    let options = crate::progress::compact_progress(
+        CompactOptions::default()
+            .selection(args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
+            .steps_row_group_rows(args.row_group_rows)
+            .trajectories_row_group_rows((args.row_group_rows / 4).max(1))
+            .shard_bytes(args.shard_bytes)
+            .compression(args.compression.parse()?),
+    );
     let r = store.compact(&options)?;
     store.close()?;
     let secs = r.elapsed.as_secs_f64().max(1e-9);
