@@ -77,7 +77,8 @@ pub struct AuditReport {
 }
 
 fn around(ids: &[u32], pos: usize) -> Vec<u32> {
-    ids[pos.saturating_sub(AROUND).min(ids.len())..(pos + AROUND).min(ids.len())].to_vec()
+    let end = pos.saturating_add(AROUND).min(ids.len());
+    ids.get(pos.saturating_sub(AROUND).min(end)..end).unwrap_or_default().to_vec()
 }
 
 /// Audit every session of `snapshot` (by primary session id).

@@ -16,15 +16,10 @@ use std::sync::Arc;
 /// Length of the longest common prefix of `a` and `b`.
 pub fn common_prefix_len(a: &[u32], b: &[u32]) -> usize {
     // Compare in chunks first: the common case is a long shared prefix.
-    let n = a.len().min(b.len());
-    let mut i = 0;
-    while i + 16 <= n && a[i..i + 16] == b[i..i + 16] {
-        i += 16;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
+    let chunks = a.chunks_exact(16).zip(b.chunks_exact(16)).take_while(|(x, y)| x == y).count();
+    let i = chunks * 16;
+    let rest = a.get(i..).unwrap_or_default().iter().zip(b.get(i..).unwrap_or_default()).take_while(|(x, y)| x == y);
+    i + rest.count()
 }
 
 /// Classify a prompt against a parent context of `context_len` tokens whose

@@ -23,7 +23,7 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// Call and annotation record bodies (they live 8-aligned in a mapping).
 pub fn record_decode(data: &[u8]) {
     let mut buf = vec![0u64; data.len().div_ceil(8)];
-    let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut buf)[..data.len()];
+    let Some(bytes) = bytemuck::cast_slice_mut::<u64, u8>(&mut buf).get_mut(..data.len()) else { return };
     bytes.copy_from_slice(data);
     let _ = record::decode_call(bytes);
     let _ = record::decode_annotation(bytes);

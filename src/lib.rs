@@ -43,6 +43,11 @@
 //!   injection and the fuzz targets' bodies, for this repository's test suite
 //!   and `fuzz/`. No semver promise.
 
+// The lint wall (STYLE.md): no unwrap, no unchecked indexing, no unsafe block
+// without its safety argument, on every library path; tests may.
+#![deny(clippy::unwrap_used, clippy::indexing_slicing, clippy::undocumented_unsafe_blocks)]
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::indexing_slicing))]
+
 /// A module that is crate-private, and public (hidden, unstable) with the
 /// `internals` feature for the test suite and the fuzz targets.
 macro_rules! internal_mod {

@@ -117,9 +117,9 @@ fn segment_facts(path: &Path) -> std::result::Result<(u64, bool, u64), String> {
     let file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
     let len = file.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
     let mut head = [0u8; HEADER_BYTES as usize];
-    let n = len.min(HEADER_BYTES) as usize;
-    file.read_exact_at(&mut head[..n], 0).map_err(|e| format!("cannot read: {e}"))?;
-    let header = decode_header(&head[..n]).map_err(|e| format!("no valid segment header ({})", e.what))?;
+    let head = head.get_mut(..len.min(HEADER_BYTES) as usize).unwrap_or_default();
+    file.read_exact_at(head, 0).map_err(|e| format!("cannot read: {e}"))?;
+    let header = decode_header(head).map_err(|e| format!("no valid segment header ({})", e.what))?;
     let mut tail = [0u8; TRAILER_BYTES as usize];
     let sealed = len >= HEADER_BYTES + TRAILER_BYTES
         && file.read_exact_at(&mut tail, len - TRAILER_BYTES).is_ok()

@@ -272,14 +272,19 @@ pub fn chains(steps: &[StepInput]) -> Vec<Trajectory> {
         };
         // The chain holds prompt ++ completion of its last call: the new prompt
         // must start with it for the row to stay exact.
-        let idx = match continues {
-            Some(i) if s.prompt.starts_with(&out[i].token_ids) => i,
-            _ => {
-                out.push(Trajectory::default());
+        let chain = continues.and_then(|i| Some(i).zip(out.get_mut(i))).filter(|(_, t)| s.prompt.starts_with(&t.token_ids));
+        let idx = match chain {
+            Some((i, t)) => {
+                t.add_call(s);
+                i
+            }
+            None => {
+                let mut t = Trajectory::default();
+                t.add_call(s);
+                out.push(t);
                 out.len() - 1
             }
         };
-        out[idx].add_call(s);
         tails.insert(s.loc, idx);
     }
     out

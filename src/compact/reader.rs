@@ -306,7 +306,9 @@ impl ShardFile {
                         ),
                     ));
                 }
-                moved_to[leaf] = Some(pos + (c.offset - a.offset));
+                if let Some(m) = moved_to.get_mut(leaf) {
+                    *m = Some(pos + (c.offset - a.offset));
+                }
             }
             pos += run_len;
             parts.push(bytes);
@@ -333,7 +335,7 @@ impl ShardFile {
         };
         let mut columns = Vec::with_capacity(crcs.len());
         for (leaf, (col, c)) in rg_meta.columns().iter().zip(crcs).enumerate() {
-            columns.push(match moved_to[leaf] {
+            columns.push(match moved_to.get(leaf).copied().flatten() {
                 Some(to) => shifted(col, c, to)
                     .ok_or_else(|| corrupt_at(&self.path, c.offset, format!("row group {rg}: bad page offsets")))?,
                 None => col.clone(),
@@ -516,9 +518,8 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
         if l.is_null(row) {
             return Ok(None);
         }
-        let o = l.value_offsets();
         let v = l.values().as_primitive_opt::<UInt32Type>().ok_or_else(|| bad(name))?.values();
-        v.get(o[row] as usize..o[row + 1] as usize).map(Some).ok_or_else(|| bad(name))
+        v.get(list_range(l.value_offsets(), row).ok_or_else(|| bad(name))?).map(Some).ok_or_else(|| bad(name))
     };
     let prompt = u32_list("prompt_ids")?.ok_or_else(|| bad("null prompt_ids"))?;
     let completion = u32_list("completion_ids")?.ok_or_else(|| bad("null completion_ids"))?;
@@ -526,9 +527,8 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
     let logprobs = if lp.is_null(row) {
         None
     } else {
-        let o = lp.value_offsets();
         let v = lp.values().as_primitive_opt::<Float32Type>().ok_or_else(|| bad("logprobs"))?.values();
-        Some(v.get(o[row] as usize..o[row + 1] as usize).ok_or_else(|| bad("logprobs"))?)
+        Some(v.get(list_range(lp.value_offsets(), row).ok_or_else(|| bad("logprobs"))?).ok_or_else(|| bad("logprobs"))?)
     };
     let f64_opt = |name: &str| -> Result<Option<f64>> {
         let c = col(name)?.as_primitive_opt::<Float64Type>().ok_or_else(|| bad(name))?;
@@ -536,9 +536,9 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
     };
     let wv = col("weight_version")?.as_primitive_opt::<Int64Type>().ok_or_else(|| bad("weight_version"))?;
     let uids = col("session_uids")?.as_list_opt::<i32>().ok_or_else(|| bad("session_uids"))?;
-    let uo = uids.value_offsets();
     let uv = uids.values().as_string_opt::<i32>().ok_or_else(|| bad("session_uids"))?;
-    let session_uids: Vec<&'a str> = (uo[row] as usize..uo[row + 1] as usize).map(|j| uv.value(j)).collect();
+    let uid_rows = list_range(uids.value_offsets(), row).filter(|r| r.end <= uv.len()).ok_or_else(|| bad("session_uids"))?;
+    let session_uids: Vec<&'a str> = uid_rows.map(|j| uv.value(j)).collect();
     let routing = col("routing_matrices")?.as_binary_opt::<i32>().ok_or_else(|| bad("routing_matrices"))?;
     let dp = col("divergence_position")?.as_primitive_opt::<UInt32Type>().ok_or_else(|| bad("divergence_position"))?;
     let relation = relation_of(str_col("relation")?.unwrap_or("")).ok_or_else(|| bad("unknown relation"))?;
@@ -565,4 +565,12 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
         routing_matrices: routing.is_valid(row).then(|| routing.value(row)),
     };
     Ok((record, dp.is_valid(row).then(|| dp.value(row))))
+}
+
+/// The value range of list row `row` from its offsets; None when the offsets
+/// do not cover it or run backwards (a damaged file).
+fn list_range(offsets: &[i32], row: usize) -> Option<std::ops::Range<usize>> {
+    let start = usize::try_from(*offsets.get(row)?).ok()?;
+    let end = usize::try_from(*offsets.get(row.checked_add(1)?)?).ok()?;
+    (start <= end).then_some(start..end)
 }

@@ -96,7 +96,7 @@ pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEnt
         }
     }
     out.pad_to(8);
-    let body = &out[start..];
+    let body = out.get(start..).unwrap_or_default();
     let footer_len = body.len() as u64;
     let footer_crc = crc32fast::hash(body);
     let mut trailer = Vec::with_capacity(TRAILER_BYTES as usize);

@@ -139,13 +139,14 @@ fn take_path(text: &str, path: &[&str]) -> Option<(String, String)> {
     }
     let items = entries(text)?;
     let at = items.iter().rposition(|(k, _)| k == head)?;
-    let shadowed = |j: usize| j != at && items[j].0 == *head;
+    let (_, found) = items.get(at)?;
+    let shadowed = |j: usize| j != at && items.get(j).is_some_and(|(k, _)| k == head);
     if rest.is_empty() {
-        let taken = items[at].1.get().to_owned();
+        let taken = found.get().to_owned();
         let kept = items.iter().enumerate().filter(|(j, _)| *j != at && !shadowed(*j));
         return Some((write_object(kept.map(|(_, (k, v))| (k.as_str(), v.get()))), taken));
     }
-    let (inner, taken) = take_path(items[at].1.get(), rest)?;
+    let (inner, taken) = take_path(found.get(), rest)?;
     let pairs = items
         .iter()
         .enumerate()
@@ -170,7 +171,7 @@ fn put_path(text: &str, path: &[&str], value: &str) -> Option<String> {
         return Some(write_object(pairs));
     }
     let at = items.iter().rposition(|(k, _)| k == head)?;
-    let inner = put_path(items[at].1.get(), rest, value)?;
+    let inner = put_path(items.get(at)?.1.get(), rest, value)?;
     let pairs =
         items.iter().enumerate().map(|(j, (k, v))| (k.as_str(), if j == at { inner.as_str() } else { v.get() }));
     Some(write_object(pairs))

@@ -37,7 +37,7 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
     Ok(FooterEntry {
         frame_offset,
         body_len,
-        kind: body[0],
+        kind: body.first().copied().unwrap_or_default(),
         timestamp: 0.0,
         id,
         session_id: String::new(),
@@ -175,9 +175,9 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedS
     let file = File::open(&path).map_err(|e| Error::io(format!("open segment {}", path.display()), e))?;
     let len = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
     let mut head = [0u8; HEADER_BYTES as usize];
-    let head_len = (len.min(HEADER_BYTES)) as usize;
-    file.read_exact_at(&mut head[..head_len], 0).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
-    let header = decode_header(&head[..head_len]).map_err(|e| Error::corrupt(&path, e.offset, e.what))?;
+    let head = head.get_mut(..len.min(HEADER_BYTES) as usize).unwrap_or_default();
+    file.read_exact_at(head, 0).map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+    let header = decode_header(head).map_err(|e| Error::corrupt(&path, e.offset, e.what))?;
     if header.segment_id != id {
         return Err(Error::corrupt(
             &path,

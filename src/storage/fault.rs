@@ -84,7 +84,7 @@ pub(crate) fn write_at(faults: &Faults, file: &File, path: &Path, buf: &[u8], of
         Fault::Proceed => file.write_all_at(buf, offset),
         Fault::Fail(errno) => Err(error(errno)),
         Fault::Short { written, errno } => {
-            file.write_all_at(&buf[..written.min(buf.len())], offset)?;
+            file.write_all_at(buf.get(..written.min(buf.len())).unwrap_or_default(), offset)?;
             Err(error(errno))
         }
     }
