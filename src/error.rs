@@ -138,6 +138,18 @@ impl std::error::Error for Error {
     }
 }
 
+/// One thing wrong in a store's files, with where (damage found by a read,
+/// an open or `trajlog verify`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// The file.
+    pub path: PathBuf,
+    /// The byte offset in it.
+    pub offset: u64,
+    /// What is wrong there.
+    pub what: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

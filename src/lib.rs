@@ -60,16 +60,18 @@ macro_rules! internal_mod {
     )*};
 }
 
-internal_mod!(compact, format, segment, storage);
+internal_mod!(format, segment, shard, storage);
 
 #[cfg(feature = "internals")]
 #[doc(hidden)]
 pub mod fuzzing;
 
 pub mod audit;
+mod compact;
 mod delta;
 mod error;
 mod index;
+mod inventory;
 pub mod limits;
 mod record;
 pub mod repair;

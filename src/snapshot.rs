@@ -5,12 +5,12 @@
 //! of the log plus `Arc`s of the segment mappings it needs. Holding it keeps
 //! those mappings alive; it never changes, whatever the writer does meanwhile.
 
-use crate::compact::reader::{call_from_row, ShardFile, ShardPos};
 use crate::error::{Error, Result};
 use crate::format::record::{decode_call, CallRecord, Loc, Relation};
 use crate::index::{CallMeta, Index};
 use crate::record::Call;
 use crate::segment::SegmentRef;
+use crate::shard::reader::{call_from_row, ShardFile, ShardPos};
 use std::sync::Arc;
 
 /// What a snapshot sees.
@@ -21,7 +21,7 @@ pub struct View {
     /// Published `steps` shards, by shard id.
     pub(crate) shards: Arc<Vec<Arc<ShardFile>>>,
     /// Damage found and confined when the store was opened.
-    pub(crate) damage: Arc<Vec<crate::verify::Problem>>,
+    pub(crate) damage: Arc<Vec<crate::error::Problem>>,
 }
 
 /// Decoded shard row groups, kept for the life of one snapshot so that views
@@ -285,7 +285,7 @@ impl Snapshot {
     /// touches (a sealed segment's footer rebuilt from its frames, frames
     /// skipped, a damaged annotation). Empty for an intact store; `trajlog
     /// verify` gives the full picture.
-    pub fn damage(&self) -> &[crate::verify::Problem] {
+    pub fn damage(&self) -> &[crate::error::Problem] {
         &self.view.damage
     }
 

@@ -141,7 +141,7 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
             "weight_version" => call.weight_version = Some(parse_i64("weight_version", v)?),
             "prompt_token_ids" => call.prompt_token_ids = parse_ids("prompt_token_ids", v)?,
             "completion_token_ids" => call.completion_token_ids = parse_ids("completion_token_ids", v)?,
-            "logprobs" if exact_logprobs => match crate::rllm::exact_logprobs(v.get()) {
+            "logprobs" if exact_logprobs => match self::exact_logprobs(v.get()) {
                 Some(lp) => call.logprobs = Some(lp),
                 None => {
                     extra.insert(key, v);
@@ -417,6 +417,34 @@ pub fn export_call(call: &Call) -> String {
     }
     out.push('}');
     out
+}
+
+/// The elements of a JSON array, unparsed; None when `text` is not one.
+pub(crate) fn elements(text: &str) -> Option<Vec<&RawValue>> {
+    if !text.trim_start().starts_with('[') {
+        return None;
+    }
+    serde_json::from_str(text).ok()
+}
+
+/// Logprobs, if every element is a float literal (as Python's `json` writes
+/// a float) whose value is exactly an `f32`; widening gives the same value back.
+pub(crate) fn exact_logprobs(text: &str) -> Option<Vec<f32>> {
+    elements(text)?.iter().map(|v| exact_f32(v.get())).collect()
+}
+
+/// One JSON float literal whose value is exactly an `f32` (widening gives it
+/// back); None for an int literal, an inexact value or anything else.
+pub(crate) fn exact_f32(text: &str) -> Option<f32> {
+    if !text.contains(['.', 'e', 'E']) {
+        return None;
+    }
+    let wide: f64 = text.parse().ok()?;
+    let narrow = wide as f32;
+    (wide.is_finite()
+        && f64::from(narrow) == wide
+        && (narrow != 0.0 || narrow.is_sign_negative() == wide.is_sign_negative()))
+    .then_some(narrow)
 }
 
 #[cfg(test)]

@@ -18,13 +18,7 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-/// One thing wrong, with where.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Problem {
-    pub path: PathBuf,
-    pub offset: u64,
-    pub what: String,
-}
+pub use crate::error::Problem;
 
 /// What `verify_dir` found.
 #[derive(Debug, Clone, Default)]
@@ -45,14 +39,14 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     let bytes = match std::fs::read(&manifest_path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let inv = crate::repair::inventory(dir)?;
+            let inv = crate::inventory::inventory(dir)?;
             if inv.is_empty() {
                 return Err(Error::new(
                     crate::error::ErrorKind::NotFound,
                     format!("no trajlog store at {} (no MANIFEST, no data files)", dir.display()),
                 ));
             }
-            let e = crate::repair::no_manifest_error(dir, &inv);
+            let e = crate::inventory::no_manifest_error(dir, &inv);
             report.problems.push(Problem { path: manifest_path, offset: 0, what: e.message().to_owned() });
             return Ok(report);
         }
@@ -65,7 +59,7 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             return Ok(report);
         }
     };
-    match crate::repair::inventory(dir).and_then(|inv| crate::repair::leftovers(dir, &manifest, &inv)) {
+    match crate::inventory::inventory(dir).and_then(|inv| crate::inventory::leftovers(dir, &manifest, &inv)) {
         Ok(_) => {}
         Err(e) => {
             let path = match e.kind() {
@@ -172,17 +166,17 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     // Shards: every byte checked against its checksums; the calls they hold
     // no longer need their prefix-delta parents in the log.
     let mut compacted: HashSet<Loc> = HashSet::new();
-    let shards_dir = dir.join(crate::store::SHARDS_DIR);
+    let shards_dir = dir.join(crate::storage::SHARDS_DIR);
     for shard in &manifest.shards {
         let path = shards_dir.join(&shard.path);
         report.bytes += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-        let found = crate::compact::reader::verify_shard(&path, shard.checksum);
+        let found = crate::shard::reader::verify_shard(&path, shard.checksum);
         let clean = found.is_empty();
         report.problems.extend(found);
         if clean && shard.path.starts_with("steps/") {
             let mut rows = Vec::new();
             let read =
-                crate::compact::reader::ShardFile::open(&path, 0, shard.checksum).and_then(|f| f.index_rows(&mut rows));
+                crate::shard::reader::ShardFile::open(&path, 0, shard.checksum).and_then(|f| f.index_rows(&mut rows));
             if let Err(e) = read {
                 report.problems.push(Problem { path: path.clone(), offset: 0, what: e.message().to_owned() });
             }

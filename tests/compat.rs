@@ -183,9 +183,9 @@ fn reads_the_v2_fixture_with_shards_exactly() {
     assert!(manifest.1.shards.iter().all(|s| s.checksum.is_none()));
     for s in &manifest.1.shards {
         let path = fixture_v2_dir().join("shards").join(&s.path);
-        assert!(trajlog::compact::reader::verify_shard(&path, None).is_empty(), "{}", s.path);
+        assert!(trajlog::shard::reader::verify_shard(&path, None).is_empty(), "{}", s.path);
     }
-    let shard = trajlog::compact::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
+    let shard = trajlog::shard::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
     assert!(!shard.has_checksums());
 }
 
@@ -231,9 +231,9 @@ fn reads_the_v3_fixture_with_shard_checksums_exactly() {
         let path = fixture_v3_dir().join("shards").join(&s.path);
         let checksum = s.checksum.expect("manifest 3 records every shard's checksum");
         assert_eq!(checksum.len, std::fs::metadata(&path).unwrap().len());
-        assert!(trajlog::compact::reader::verify_shard(&path, Some(checksum)).is_empty(), "{}", s.path);
+        assert!(trajlog::shard::reader::verify_shard(&path, Some(checksum)).is_empty(), "{}", s.path);
     }
-    let shard = trajlog::compact::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
+    let shard = trajlog::shard::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
     assert!(shard.has_checksums());
     assert_eq!(shard.row_groups(), 2);
 }

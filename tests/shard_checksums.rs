@@ -6,9 +6,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use trajlog::compact::reader::{verify_shard, ShardFile};
-use trajlog::compact::schema::{decode_chunk_crcs, steps_schema, META_CHUNK_CRC32, META_FORMAT_VERSION};
 use trajlog::format::manifest::{decode_manifest, ShardChecksum};
+use trajlog::shard::reader::{verify_shard, ShardFile};
+use trajlog::shard::schema::{decode_chunk_crcs, steps_schema, META_CHUNK_CRC32, META_FORMAT_VERSION};
 use trajlog::{Call, CompactOptions, ErrorKind, Options, ShardCompression, Store};
 
 /// A deterministic pseudo-random stream (xorshift64*).

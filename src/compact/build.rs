@@ -1,9 +1,9 @@
 //! Turning one session's calls into `steps` rows and `trajectories` rows
 //! (format-spec/shard.md §2, §3), accumulated column by column.
 
-use super::schema::{steps_schema, trajectories_schema};
 use crate::error::{Error, Result};
 use crate::format::record::{Loc, Relation};
+use crate::shard::schema::{steps_schema, trajectories_schema};
 use arrow_array::builder::{
     BinaryBuilder, BooleanBuilder, Float32Builder, Float64Builder, Int64Builder, ListBuilder, StringBuilder,
     UInt32Builder, UInt64Builder, UInt8Builder,
@@ -272,7 +272,8 @@ pub fn chains(steps: &[StepInput]) -> Vec<Trajectory> {
         };
         // The chain holds prompt ++ completion of its last call: the new prompt
         // must start with it for the row to stay exact.
-        let chain = continues.and_then(|i| Some(i).zip(out.get_mut(i))).filter(|(_, t)| s.prompt.starts_with(&t.token_ids));
+        let chain =
+            continues.and_then(|i| Some(i).zip(out.get_mut(i))).filter(|(_, t)| s.prompt.starts_with(&t.token_ids));
         let idx = match chain {
             Some((i, t)) => {
                 t.add_call(s);

@@ -8,25 +8,22 @@
 //! a snapshot; only the publication goes through the writer thread, which owns
 //! the manifest and the indexes.
 
-pub mod build;
-pub mod reader;
-pub mod schema;
-pub mod writer;
+mod build;
 
 use crate::error::{Error, Result};
 use crate::format::record::Loc;
 use crate::limits::{DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS};
+use crate::shard::schema::{steps_schema, trajectories_schema};
+pub use crate::shard::writer::ShardCompression;
+use crate::shard::writer::TableWriter;
 use crate::snapshot::CallView;
-use crate::store::{Store, SHARDS_DIR};
+use crate::storage::SHARDS_DIR;
+use crate::store::Store;
 use build::{chains, group_id, StepInput, StepsBuilder, TrajectoriesBuilder};
-use schema::{steps_schema, trajectories_schema};
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-pub use writer::ShardCompression;
-use writer::TableWriter;
-
 
 /// Which sessions a compaction takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -241,7 +238,17 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
     Ok(Some(inputs))
 }
 
-pub(crate) fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
+impl Store {
+    /// Compact finished sessions into Parquet shards under `DIR/shards/`
+    /// (format-spec/shard.md), then retire the segments nothing needs any more.
+    /// Reads keep answering for compacted calls, now from the shards.
+    pub fn compact(&self, options: &CompactOptions) -> Result<CompactReport> {
+        let _one_at_a_time = self.compaction_guard();
+        run(self, options)
+    }
+}
+
+fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
     }

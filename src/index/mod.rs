@@ -6,8 +6,8 @@
 //! are applied in log order; the same `apply` runs at recovery (from footers and
 //! the scanned tail) and in the writer thread, so both always agree.
 
-use crate::compact::reader::ShardPos;
 use crate::format::record::Loc;
+use crate::shard::reader::ShardPos;
 use imbl::HashMap;
 use std::cmp::Ordering;
 use std::sync::Arc;

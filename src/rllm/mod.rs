@@ -23,7 +23,7 @@ pub mod sqlite;
 
 use crate::error::{Error, Result};
 use crate::record::Call;
-use crate::trace_json::{json_string, write_ids, write_object};
+use crate::trace_json::{elements, exact_logprobs, json_string, write_ids, write_object};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use std::fmt::{self, Write as _};
@@ -93,13 +93,6 @@ fn entries(text: &str) -> Option<Vec<(String, &RawValue)>> {
     // Trailing characters make the whole text invalid, not a shorter object.
     de.end().ok()?;
     Some(out)
-}
-
-fn elements(text: &str) -> Option<Vec<&RawValue>> {
-    if !text.trim_start().starts_with('[') {
-        return None;
-    }
-    serde_json::from_str(text).ok()
 }
 
 fn write_array<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
@@ -182,12 +175,6 @@ pub(crate) fn exact_ids(text: &str) -> Option<Vec<u32>> {
     elements(text)?.iter().map(|v| v.get().parse::<u32>().ok()).collect()
 }
 
-/// Logprobs, if every element is a float literal (as Python's `json` writes
-/// a float) whose value is exactly an `f32`; widening gives the same value back.
-pub(crate) fn exact_logprobs(text: &str) -> Option<Vec<f32>> {
-    elements(text)?.iter().map(|v| exact_f32(v.get())).collect()
-}
-
 /// One JSON number literal as an `f64` (as Python reads it); None for
 /// anything else.
 fn number(text: &str) -> Option<f64> {
@@ -226,18 +213,6 @@ fn logprob_count_error(field: &str, got: usize, n: usize) -> Error {
         field,
         format!("has {got} logprobs but the completion has {n} token ids; they must be the same length"),
     )
-}
-
-fn exact_f32(text: &str) -> Option<f32> {
-    if !text.contains(['.', 'e', 'E']) {
-        return None;
-    }
-    let wide: f64 = text.parse().ok()?;
-    let narrow = wide as f32;
-    (wide.is_finite()
-        && f64::from(narrow) == wide
-        && (narrow != 0.0 || narrow.is_sign_negative() == wide.is_sign_negative()))
-    .then_some(narrow)
 }
 
 /// Write logprobs as Python writes the widened `f32` values (shortest `f64`

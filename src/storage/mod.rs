@@ -12,6 +12,15 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The manifest's file name inside a store directory.
+pub(crate) const MANIFEST_NAME: &str = "MANIFEST";
+/// Shards live under `DIR/shards/{steps,trajectories}/`.
+pub(crate) const SHARDS_DIR: &str = "shards";
+/// The shard tables, one directory each under [`SHARDS_DIR`].
+pub(crate) const SHARD_TABLES: [&str; 2] = ["steps", "trajectories"];
+/// The writer lock's file name.
+pub(crate) const LOCK_NAME: &str = "LOCK";
+
 /// File name of segment `id` inside a store directory.
 pub fn segment_file_name(id: u64) -> String {
     format!("seg-{id:010}.tlog")

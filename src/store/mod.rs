@@ -36,8 +36,8 @@ use receipt::{lock, Durable, Inner};
 use recovery::{apply_annotation, finish_pending, load_dir, load_read_only, read_manifest};
 use writer::Writer;
 
-use crate::compact::reader::{ShardFile, ShardRow};
 use crate::delta::{Context, DeltaCache};
+use crate::error::Problem;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::frame::{frame_bytes, write_frame};
 use crate::format::manifest::{
@@ -53,8 +53,8 @@ use crate::record::{Annotation, Call, Target};
 use crate::segment::recovery::load_segment;
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
+use crate::shard::reader::{ShardFile, ShardRow};
 use crate::snapshot::{Snapshot, View};
-use crate::verify::Problem;
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
@@ -72,11 +72,7 @@ pub struct Store {
     _lock: Option<File>,
 }
 
-pub(crate) const MANIFEST_NAME: &str = "MANIFEST";
-/// Shards live under `DIR/shards/{steps,trajectories}/`.
-pub(crate) const SHARDS_DIR: &str = "shards";
-pub(crate) const SHARD_TABLES: [&str; 2] = ["steps", "trajectories"];
-const LOCK_NAME: &str = "LOCK";
+pub(crate) use crate::storage::{LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, SHARD_TABLES};
 
 impl Store {
     /// Open (or create) a store for writing. Only one writer per directory: a
@@ -91,9 +87,9 @@ impl Store {
             None => {
                 // A new store — unless there are data files: never start an
                 // empty manifest over them (it would make them orphans).
-                let inv = crate::repair::inventory(&dir)?;
+                let inv = crate::inventory::inventory(&dir)?;
                 if inv.holds_data()? {
-                    return Err(crate::repair::no_manifest_error(&dir, &inv));
+                    return Err(crate::inventory::no_manifest_error(&dir, &inv));
                 }
                 let m = Manifest { next_segment_id: 1, next_shard_generation: 1, ..Manifest::default() };
                 crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&m), &options.faults)?;
@@ -104,7 +100,7 @@ impl Store {
         finish_pending(&dir, &mut manifest, &options.faults)?;
         // Every unlisted data file must be the leftover of an interrupted
         // operation (else refuse); they are deleted once the store loaded.
-        let leftovers = crate::repair::leftovers(&dir, &manifest, &crate::repair::inventory(&dir)?)?;
+        let leftovers = crate::inventory::leftovers(&dir, &manifest, &crate::inventory::inventory(&dir)?)?;
         let mut loaded = load_dir(&dir, manifest)?;
         for leftover in &leftovers {
             leftover.dispose(&dir)?;
@@ -346,12 +342,10 @@ impl Store {
         self.control(|reply| Cmd::Roll { reply })
     }
 
-    /// Compact finished sessions into Parquet shards under `DIR/shards/`
-    /// (format-spec/shard.md), then retire the segments nothing needs any more.
-    /// Reads keep answering for compacted calls, now from the shards.
-    pub fn compact(&self, options: &crate::compact::CompactOptions) -> Result<crate::compact::CompactReport> {
-        let _one_at_a_time = lock(&self.inner.compacting);
-        crate::compact::run(self, options)
+    /// Held by a compaction while it runs: one at a time (`Store::compact`
+    /// lives in `crate::compact`, which sits above the store).
+    pub(crate) fn compaction_guard(&self) -> MutexGuard<'_, ()> {
+        lock(&self.inner.compacting)
     }
 
     pub(crate) fn reserve_generation(&self) -> Result<u64> {

@@ -271,9 +271,9 @@ pub(super) fn load_read_only(dir: &Path) -> Result<View> {
         let manifest = match read_manifest(dir)? {
             Some(m) => m,
             None => {
-                let inv = crate::repair::inventory(dir).unwrap_or_default();
+                let inv = crate::inventory::inventory(dir).unwrap_or_default();
                 if inv.holds_data().unwrap_or(true) {
-                    return Err(crate::repair::no_manifest_error(dir, &inv));
+                    return Err(crate::inventory::no_manifest_error(dir, &inv));
                 }
                 return Err(Error::new(
                     ErrorKind::NotFound,

@@ -10,7 +10,7 @@
 //! file is exactly `"PAR1"`, the column chunks back to back, and the footer:
 //! every byte after the leading magic is under a checksum.
 
-use super::schema::{
+use crate::shard::schema::{
     chunk_range, encode_chunk_crcs, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION, META_SCHEMA_DOC, META_TABLE,
     SHARD_FORMAT_VERSION,
 };

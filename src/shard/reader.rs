@@ -9,15 +9,15 @@
 //! file, the offset and the row group, never a different value. Format 1 files
 //! (and their manifests) carry no checksums and are decoded unchecked.
 
-use super::schema::{
+use crate::shard::schema::{
     chunk_range, decode_chunk_crcs, steps_schema, trajectories_schema, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION,
     META_TABLE, SHARD_FORMAT_VERSION, SHARD_FORMAT_VERSION_MIN,
 };
-use super::writer::parquet_err;
+use crate::shard::writer::parquet_err;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::manifest::ShardChecksum;
 use crate::format::record::{CallRecord, Loc, Relation};
-use crate::verify::Problem;
+use crate::error::Problem;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, Int64Type, UInt32Type, UInt64Type};
 use arrow_array::{Array, RecordBatch};
