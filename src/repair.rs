@@ -16,7 +16,7 @@
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::manifest::{encode_manifest, Manifest, ManifestSegment, ManifestShard, SegmentState, ShardChecksum};
 use crate::format::segment::{decode_header, decode_trailer, HEADER_BYTES, TRAILER_BYTES};
-use crate::segment::recovery::{load_segment, next_valid_frame, read_aligned};
+use crate::segment::recovery::{load_segment, next_valid_frame, read_aligned, OnDamage};
 use crate::store::{MANIFEST_NAME, SHARDS_DIR, SHARD_TABLES};
 use crate::verify::Problem;
 use std::collections::BTreeMap;
@@ -354,7 +354,7 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
             continue;
         }
         if !dry_run {
-            let seg = load_segment(dir, *id, false)?;
+            let seg = load_segment(dir, *id, false, OnDamage::Refuse)?;
             let path = seg.path.as_path().to_path_buf();
             let (data_end, entries) = (seg.data_end, seg.entries);
             drop(seg.map);
