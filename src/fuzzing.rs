@@ -34,13 +34,16 @@ pub fn segment_scan(data: &[u8]) {
     let _ = segment::decode_header(data);
     let _ = crate::segment::recovery::scan_frames(data);
     let _ = crate::segment::recovery::scan_frames_past_damage(data);
+    let _ = crate::segment::recovery::scan_active(data);
     let _ = frame::read_frame(data, 0);
 }
 
 /// Footer index and trailer decoding.
 pub fn footer_decode(data: &[u8]) {
     if let Some(t) = segment::read_trailer(data) {
-        let _ = segment::decode_footer(data, &t);
+        if let Ok(entries) = segment::decode_footer(data, &t) {
+            let _ = crate::segment::recovery::footer_gaps(&entries);
+        }
     }
 }
 

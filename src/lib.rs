@@ -86,4 +86,4 @@ pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target};
 pub use snapshot::{CallView, SegmentInfo, SessionInfo, Snapshot};
-pub use store::{Durability, Options, Receipt, Store};
+pub use store::{Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store};

@@ -6,7 +6,7 @@ use crate::error::{Error, ErrorKind, Problem, Result};
 use crate::format::manifest::{encode_manifest, Manifest, ManifestSegment, ManifestShard, SegmentState, ShardChecksum};
 pub use crate::inventory::LOST_AND_FOUND;
 use crate::inventory::{inventory, move_aside, segment_facts};
-use crate::segment::recovery::load_segment;
+use crate::segment::recovery::{load_segment, OnDamage};
 use crate::storage::{MANIFEST_NAME, SHARDS_DIR};
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
@@ -121,7 +121,7 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
             continue;
         }
         if !dry_run {
-            let seg = load_segment(dir, *id, false)?;
+            let seg = load_segment(dir, *id, false, OnDamage::Refuse)?;
             let path = seg.path.as_path().to_path_buf();
             let (data_end, entries) = (seg.data_end, seg.entries);
             drop(seg.map);

@@ -282,9 +282,11 @@ impl Snapshot {
     }
 
     /// Damage found when the store was opened and confined to the records it
-    /// touches (a sealed segment's footer rebuilt from its frames, frames
-    /// skipped, a damaged annotation). Empty for an intact store; `trajlog
-    /// verify` gives the full picture.
+    /// touches (a sealed segment's footer rebuilt from its frames, damaged
+    /// regions skipped by recovery mode skip-corrupted now or earlier, a
+    /// damaged annotation). Empty for an intact store; `Store::recovery_report`
+    /// says what the open did (torn tails cut included), `trajlog verify`
+    /// gives the full picture.
     pub fn damage(&self) -> &[crate::error::Problem] {
         &self.view.damage
     }

@@ -5,15 +5,17 @@
 //! Read-only; safe beside a running writer (whose active tail may then show as
 //! a torn tail).
 //!
-//! A torn tail (an invalid frame at the end of the active segment with no
-//! valid frame after it: an interrupted write, cut off by the next writable
-//! open, format-spec/segment.md §6) is reported apart from damage.
+//! A torn tail (non-zero bytes after the last valid frame of the active
+//! segment with no valid frame among them: an interrupted write, cut off by
+//! the next writable open, format-spec/segment.md §6) is reported apart from
+//! damage. A zeroed region with valid frames after it is damage, not the end
+//! of the data.
 
 use crate::error::{Error, Result};
 use crate::format::manifest::{decode_manifest, SegmentState};
 use crate::format::record::{decode_call, Loc, KIND_CALL};
 use crate::format::segment::{decode_footer, decode_header, read_trailer};
-use crate::segment::recovery::{next_valid_frame, scan_frames, scan_frames_past_damage};
+use crate::segment::recovery::{footer_gaps, scan_active, scan_frames, scan_frames_past_damage};
 use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -113,42 +115,57 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             None => (data.len(), None),
         };
         let frames_bytes = data.get(..limit).unwrap_or(data);
-        let scan = scan_frames(frames_bytes);
         let active = ms.state == SegmentState::Active && Some(ms.id) == last && trailer.is_none();
-        if let Some(e) = &scan.stopped_by {
-            let later = next_valid_frame(frames_bytes, e.offset).is_some();
-            if active && !later {
+        let scan = if active {
+            let scan = scan_active(frames_bytes);
+            if let Some(t) = &scan.torn {
                 report.torn_tail = Some(Problem {
                     path: path.clone(),
-                    offset: e.offset,
-                    what: format!("{} (an interrupted write; the next writable open cuts it off)", e.what),
+                    offset: t.offset,
+                    what: format!(
+                        "{} ({} bytes; an interrupted write; the next writable open cuts it off)",
+                        t.what, t.len
+                    ),
                 });
-            } else {
-                // Report every damaged frame, not only the first.
-                let all = scan_frames_past_damage(frames_bytes);
-                for d in &all.skipped {
-                    report.problems.push(Problem { path: path.clone(), offset: d.offset, what: d.what.clone() });
-                }
-                if let Some(d) = all.stopped_by.filter(|d| !active || d.offset < all.valid_end) {
-                    report.problems.push(Problem { path: path.clone(), offset: d.offset, what: d.what });
-                }
             }
-        }
-        let scan = if scan.stopped_by.is_some() { scan_frames_past_damage(frames_bytes) } else { scan };
-        if let Some(entries) = footer {
-            if scan.stopped_by.is_none()
-                && scan.skipped.is_empty()
-                && (scan.valid_end != limit as u64 || entries != scan.entries)
-            {
+            for d in &scan.damaged {
+                report.problems.push(Problem { path: path.clone(), offset: d.offset, what: d.what.clone() });
+            }
+            scan.entries
+        } else {
+            let scan = scan_frames(frames_bytes);
+            let clean = scan.stopped_by.is_none();
+            // Report every damaged frame, not only the first.
+            let scan = if clean { scan } else { scan_frames_past_damage(frames_bytes) };
+            let gaps = footer.as_deref().map(footer_gaps).unwrap_or_default();
+            let note = |offset: u64| {
+                let skipped = gaps.iter().any(|&(at, len)| at <= offset && offset < at + len);
+                if skipped {
+                    " (left out of the footer by a skip-corrupted open; the bytes are kept)"
+                } else {
+                    ""
+                }
+            };
+            for d in scan.skipped.iter().chain(&scan.stopped_by) {
                 report.problems.push(Problem {
                     path: path.clone(),
-                    offset: limit as u64,
-                    what: "footer index does not match the frames".into(),
+                    offset: d.offset,
+                    what: format!("{}{}", d.what, note(d.offset)),
                 });
             }
-        }
-        report.records += scan.entries.len() as u64;
-        for e in &scan.entries {
+            if let Some(entries) = &footer {
+                if clean && (scan.valid_end != limit as u64 || *entries != scan.entries) {
+                    report.problems.push(Problem {
+                        path: path.clone(),
+                        offset: limit as u64,
+                        what: "footer index does not match the frames".into(),
+                    });
+                }
+            }
+            scan.entries
+        };
+        report.records += scan.len() as u64;
+        for e in &scan {
             let loc = Loc { segment: ms.id, offset: e.frame_offset };
             frames.insert(loc);
             if e.kind == KIND_CALL {

@@ -180,13 +180,18 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
         for _ in 0..n_uids {
             session_uids.push(c.str16("entry session uid").map_err(rebase)?.to_owned());
         }
-        if frame_offset != last_end {
+        // Entries are in frame order and frames do not overlap. A gap between
+        // two entries is a damaged region a skip-corrupted recovery left out
+        // of the index (format-spec/segment.md §4, §6).
+        if frame_offset < last_end || !frame_offset.is_multiple_of(8) || frame_offset >= trailer.footer_offset {
             return Err(DecodeError::new(
                 start + at,
-                format!("entry frame offset {frame_offset}, expected {last_end}"),
+                format!(
+                    "entry frame offset {frame_offset}, expected an 8-aligned offset from {last_end} below the footer"
+                ),
             ));
         }
-        last_end = frame_offset + super::frame::frame_bytes(u64::from(body_len));
+        last_end = frame_offset.saturating_add(super::frame::frame_bytes(u64::from(body_len)));
         entries.push(FooterEntry { frame_offset, body_len, kind, timestamp, id, session_id, session_uids });
     }
     if align8(c.pos() as u64) != body.len() as u64 {
@@ -252,5 +257,34 @@ mod tests {
                 let _ = decode_footer(&file[..cut], &t);
             }
         }
+    }
+
+    fn entry(frame_offset: u64, body_len: u32) -> FooterEntry {
+        FooterEntry {
+            frame_offset,
+            body_len,
+            kind: 1,
+            timestamp: 0.0,
+            id: "t".into(),
+            session_id: "s".into(),
+            session_uids: vec![],
+        }
+    }
+
+    #[test]
+    fn footer_gaps_are_skipped_regions_but_overlaps_are_refused() {
+        // 64..88 one frame, 88..120 a skipped region, 120..144 one frame.
+        let decode = |entries: &[FooterEntry]| {
+            let mut file = vec![0u8; 144];
+            encode_footer(&mut file, 144, entries);
+            let trailer = read_trailer(&file).expect("trailer");
+            decode_footer(&file, &trailer)
+        };
+        let gap = [entry(64, 10), entry(120, 10)];
+        assert_eq!(decode(&gap).expect("a gap decodes"), gap);
+        assert!(decode(&[entry(64, 10), entry(80, 10)]).is_err(), "overlap");
+        assert!(decode(&[entry(64, 10), entry(124, 10)]).is_err(), "misaligned");
+        assert!(decode(&[entry(64, 10), entry(120, 30)]).is_err(), "runs into the footer");
+        assert!(decode(&[entry(64, 10), entry(u64::MAX - 7, 10)]).is_err(), "past the footer");
     }
 }

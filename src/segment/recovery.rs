@@ -1,10 +1,16 @@
 //! Loading a segment at open: sealed segments are read through their footer;
-//! the unsealed tail is scanned frame by frame and stops at the first torn or
-//! corrupt frame (format-spec/segment.md §6).
+//! the unsealed tail is scanned frame by frame (format-spec/segment.md §6).
+//!
+//! What is found is told apart and reported as [`SegmentEvent`]s: a torn tail
+//! (bytes after the last valid frame of the active segment that hold no valid
+//! frame: an interrupted write), damage (an invalid region followed by valid
+//! frames), a footer rebuilt from the frames, and regions an earlier
+//! skip-corrupted open left out of a footer. Damage refuses the load unless
+//! the caller asks to skip it; nothing here writes to a file.
 
 use crate::error::{Error, Result};
-use crate::format::frame::{read_frame, FrameRead};
-use crate::format::record::{decode_annotation, decode_call, KIND_CALL};
+use crate::format::frame::{frame_bytes, read_frame, FrameRead};
+use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL};
 use crate::format::segment::{decode_footer, decode_header, decode_trailer, FooterEntry, HEADER_BYTES, TRAILER_BYTES};
 use crate::format::{DecodeError, FORMAT_VERSION};
 use crate::record::{Annotation, Target};
@@ -90,14 +96,34 @@ pub fn scan_frames(bytes: &[u8]) -> Scan {
 /// decoding) starts, if any. Frames are CRC-checked, so a false match in
 /// damaged bytes takes a 1-in-2^32 accident.
 pub fn next_valid_frame(bytes: &[u8], from: u64) -> Option<u64> {
+    next_valid_frame_below(bytes, from, bytes.len() as u64)
+}
+
+/// [`next_valid_frame`] for frames that start below `limit`: a frame starts
+/// with a non-zero length word, so none starts at or past [`data_extent`]
+/// (which spares a search through a preallocated, zero-filled tail).
+fn next_valid_frame_below(bytes: &[u8], from: u64, limit: u64) -> Option<u64> {
     let mut at = (from + 8) & !7;
-    while at + 8 <= bytes.len() as u64 {
+    while at < limit && at + 8 <= bytes.len() as u64 {
         if let Ok(Some(_)) = frame_entry(bytes, at) {
             return Some(at);
         }
         at += 8;
     }
     None
+}
+
+/// The end of the last non-zero byte of `bytes` (0 if all are zero). The
+/// active segment is preallocated with zeros, so no data lies past it.
+pub fn data_extent(bytes: &[u8]) -> u64 {
+    let mut end = bytes.len();
+    while let Some(block) = end.checked_sub(64).and_then(|from| bytes.get(from..end)) {
+        if block.iter().any(|&b| b != 0) {
+            break;
+        }
+        end -= 64;
+    }
+    bytes.get(..end).and_then(|b| b.iter().rposition(|&x| x != 0)).map_or(0, |i| i as u64 + 1)
 }
 
 /// Scan every valid frame of `bytes` (a segment whose footer cannot be used),
@@ -108,6 +134,7 @@ pub fn scan_frames_past_damage(bytes: &[u8]) -> Scan {
     let mut skipped = Vec::new();
     let mut at = HEADER_BYTES;
     let mut valid_end = HEADER_BYTES;
+    let limit = data_extent(bytes);
     loop {
         match frame_entry(bytes, at) {
             Ok(Some((entry, next))) => {
@@ -117,7 +144,7 @@ pub fn scan_frames_past_damage(bytes: &[u8]) -> Scan {
             }
             invalid => {
                 let why = invalid.err();
-                match next_valid_frame(bytes, at) {
+                match next_valid_frame_below(bytes, at, limit) {
                     Some(next) => {
                         skipped.push(
                             why.unwrap_or(DecodeError {
@@ -134,21 +161,223 @@ pub fn scan_frames_past_damage(bytes: &[u8]) -> Scan {
     }
 }
 
+/// What recovery found in a segment, and did or will do about it
+/// (format-spec/segment.md §6; reported by `Store::recovery_report`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RecoveryEventKind {
+    /// Non-zero bytes after the last valid frame of the active segment that
+    /// hold no valid frame: an interrupted write. A writable open cuts them
+    /// off (read-only opens leave them out of their view and do not report
+    /// them: beside a live writer they may be a write in progress).
+    TornTailCut,
+    /// An invalid region followed by valid frames (or, in a sealed segment,
+    /// a frame whose CRC fails), left out of the index by a
+    /// `RecoveryMode::SkipCorrupted` open. Its bytes stay in the file.
+    CorruptedRecordSkipped,
+    /// A region between two entries of a sealed segment's footer: an earlier
+    /// skip-corrupted open left it out of the index. Its bytes are still in
+    /// the file; nothing was done now.
+    SkippedEarlier,
+    /// A sealed segment's footer or trailer was unusable: its index was
+    /// rebuilt from the frames (nothing written).
+    FooterRebuilt,
+}
+
+/// One thing recovery found in a segment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SegmentEvent {
+    pub kind: RecoveryEventKind,
+    /// Where in the file (for a rebuilt footer: where the footer starts).
+    pub offset: u64,
+    /// Bytes concerned: cut off (torn tail: up to the last non-zero byte),
+    /// skipped (up to the next valid frame), or the footer and trailer.
+    pub len: u64,
+    /// Why, in words.
+    pub what: String,
+}
+
 /// A segment as found on disk.
 #[derive(Debug)]
 pub struct LoadedSegment {
     pub id: u64,
     pub path: Arc<PathBuf>,
     pub map: Arc<Mapping>,
+    /// Index entries of the valid frames (skipped ones left out).
     pub entries: Vec<FooterEntry>,
     /// End of the last valid frame.
     pub data_end: u64,
     pub sealed: bool,
-    /// For an unsealed segment: why the scan stopped early (a torn tail).
-    pub torn: Option<DecodeError>,
-    /// For a sealed segment whose footer or trailer was unusable: what was
-    /// found wrong (the index was rebuilt from the frames, past damaged ones).
-    pub damage: Vec<DecodeError>,
+    /// What recovery found, in file order (a rebuilt footer first).
+    pub events: Vec<SegmentEvent>,
+}
+
+impl LoadedSegment {
+    /// Did this load skip damaged regions of an unsealed segment? Its index
+    /// then has gaps, which only a sealed segment's footer can record: the
+    /// writer seals it before appending (format-spec/segment.md §6).
+    pub fn skipped_damage(&self) -> bool {
+        !self.sealed && self.events.iter().any(|e| e.kind == RecoveryEventKind::CorruptedRecordSkipped)
+    }
+}
+
+/// What to do about damage (an invalid region with valid frames after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnDamage {
+    /// Refuse the load: an error naming the segment, the offset and how many
+    /// valid frames follow. Sealed segments are read through their footer
+    /// without reading their frames.
+    Refuse,
+    /// Leave damaged regions out of the index and report them; also check
+    /// every frame of sealed segments against their footer.
+    Skip,
+}
+
+/// The refusal of damage in the middle of the log: `later` valid frames
+/// follow the invalid one at `offset` in segment `id`.
+pub fn damage_error(path: &Path, id: u64, offset: u64, what: &str, later: usize, sealed: bool) -> Error {
+    let why = if later > 0 {
+        format!("{later} valid records follow it in segment {id}, so this is damage in the middle of the log, not a torn tail")
+    } else {
+        format!(
+            "segment {id} is sealed (its frames were complete when it was sealed), so this is damage, not a torn tail"
+        )
+    };
+    let sealed_note = if sealed { " (a sealed segment is never written to)" } else { "" };
+    Error::corrupt(
+        path,
+        offset,
+        format!(
+            "{what}; {why}. Nothing was changed. trajlog refuses to drop records silently: copy the store aside, then open it with recovery mode skip-corrupted (RecoveryMode::SkipCorrupted, `--recovery skip-corrupted`) to leave the damaged bytes out of the index{sealed_note} and keep every valid record; see README \"When files are damaged or missing\""
+        ),
+    )
+}
+
+/// The damaged regions `scan` went past, each up to the next valid frame.
+fn skipped_regions(scan: &Scan) -> Vec<SegmentEvent> {
+    scan.skipped
+        .iter()
+        .map(|d| {
+            let next = scan.entries.iter().map(|e| e.frame_offset).find(|&o| o > d.offset).unwrap_or(d.offset);
+            SegmentEvent {
+                kind: RecoveryEventKind::CorruptedRecordSkipped,
+                offset: d.offset,
+                len: next - d.offset,
+                what: d.what.clone(),
+            }
+        })
+        .collect()
+}
+
+/// The frames of an active segment (format-spec/segment.md §6.4).
+#[derive(Debug)]
+pub struct ActiveScan {
+    /// Every valid frame, past damaged regions.
+    pub entries: Vec<FooterEntry>,
+    /// End of the last valid frame.
+    pub valid_end: u64,
+    /// Invalid regions followed by valid frames: damage, not a torn tail.
+    pub damaged: Vec<SegmentEvent>,
+    /// Non-zero bytes after the last valid frame holding no valid frame.
+    pub torn: Option<SegmentEvent>,
+}
+
+/// Scan an active segment: up to the end of its data, telling a torn tail
+/// from damage. A zero length word ends the data only if nothing valid
+/// follows it: a zeroed region with valid frames after it is damage too.
+pub fn scan_active(bytes: &[u8]) -> ActiveScan {
+    let extent = data_extent(bytes);
+    let first = scan_frames(bytes);
+    let damaged_inside = first.valid_end < extent && next_valid_frame_below(bytes, first.valid_end, extent).is_some();
+    let scan = if damaged_inside { scan_frames_past_damage(bytes) } else { first };
+    let torn = (extent > scan.valid_end).then(|| SegmentEvent {
+        kind: RecoveryEventKind::TornTailCut,
+        offset: scan.valid_end,
+        len: extent - scan.valid_end,
+        what: scan.stopped_by.as_ref().map_or_else(
+            || "non-zero bytes after the end-of-data marker, and no valid frame among them".to_owned(),
+            |e| e.what.clone(),
+        ),
+    });
+    ActiveScan { damaged: skipped_regions(&scan), valid_end: scan.valid_end, entries: scan.entries, torn }
+}
+
+/// Regions between the entries of a decoded footer (which are in frame
+/// order): damage a skip-corrupted open left out of the index. `(offset, len)`.
+pub fn footer_gaps(entries: &[FooterEntry]) -> Vec<(u64, u64)> {
+    let mut gaps = Vec::new();
+    let mut end = HEADER_BYTES;
+    for e in entries {
+        if e.frame_offset > end {
+            gaps.push((end, e.frame_offset - end));
+        }
+        end = e.frame_offset.saturating_add(frame_bytes(u64::from(e.body_len)));
+    }
+    gaps
+}
+
+/// Check every frame a valid footer indexes (`OnDamage::Skip`). Returns the
+/// entries of valid frames — and of damaged seals and session deletions,
+/// which are applied from their entry (format-spec/segment.md §6.5) — and
+/// the damaged ones left out; `None` if a valid frame disagrees with its
+/// entry (then the footer is not trusted and is rebuilt from the frames).
+fn check_footer_frames(frames: &[u8], entries: Vec<FooterEntry>) -> Option<(Vec<FooterEntry>, Vec<SegmentEvent>)> {
+    let mut kept = Vec::with_capacity(entries.len());
+    let mut skipped = Vec::new();
+    for e in entries {
+        match frame_entry(frames, e.frame_offset) {
+            Ok(Some((found, _))) if found == e => kept.push(e),
+            Ok(Some(_)) => return None,
+            invalid => {
+                if e.kind == KIND_SEAL || e.kind == KIND_DELETE_SESSION {
+                    kept.push(e);
+                    continue;
+                }
+                let what = invalid.err().map_or_else(|| "no frame where the footer points".to_owned(), |d| d.what);
+                let record =
+                    if e.kind == KIND_CALL { format!("call {:?}", e.id) } else { format!("reward on {:?}", e.id) };
+                skipped.push(SegmentEvent {
+                    kind: RecoveryEventKind::CorruptedRecordSkipped,
+                    offset: e.frame_offset,
+                    len: frame_bytes(u64::from(e.body_len)),
+                    what: format!("{what} ({record}, by the footer)"),
+                });
+            }
+        }
+    }
+    Some((kept, skipped))
+}
+
+/// Rebuild a sealed segment's index from `frames` (its footer or trailer is
+/// unusable: `why`). With `tail_is_frames`, the bytes end exactly where the
+/// frames end, so an invalid frame at the end is damage too (without a
+/// trailer the footer's bytes follow the frames and end the scan).
+fn rebuild_index(
+    path: &Path,
+    id: u64,
+    frames: &[u8],
+    tail_is_frames: bool,
+    on_damage: OnDamage,
+) -> Result<(Vec<FooterEntry>, Vec<SegmentEvent>, u64)> {
+    let scan = scan_frames_past_damage(frames);
+    let mut damaged = skipped_regions(&scan);
+    if tail_is_frames {
+        if let Some(d) = scan.stopped_by.as_ref().filter(|d| d.offset < frames.len() as u64) {
+            damaged.push(SegmentEvent {
+                kind: RecoveryEventKind::CorruptedRecordSkipped,
+                offset: d.offset,
+                len: frames.len() as u64 - d.offset,
+                what: d.what.clone(),
+            });
+        }
+    }
+    if let (Some(first), OnDamage::Refuse) = (damaged.first(), on_damage) {
+        let later = scan.entries.iter().filter(|e| e.frame_offset > first.offset).count();
+        let what =
+            format!("{} (found while rebuilding the index of a sealed segment whose footer is unusable)", first.what);
+        return Err(damage_error(path, id, first.offset, &what, later, true));
+    }
+    Ok((scan.entries, damaged, scan.valid_end))
 }
 
 /// Read a whole file into an 8-aligned buffer (so token columns in it can be
@@ -164,13 +393,16 @@ pub(crate) fn read_aligned(file: &File, len: u64, path: &Path) -> Result<Vec<u64
 }
 
 /// Load segment `id` of `dir`. `must_be_sealed`: the manifest says it is sealed,
-/// so a missing footer is corruption, not a torn tail.
+/// so a missing footer is corruption, not a torn tail. `on_damage`: what to do
+/// about an invalid region followed by valid frames (format-spec/segment.md §6).
 ///
 /// A sealed segment never changes, so it is mapped whole. An unsealed one is
-/// read with `pread` and scanned, and only its valid frames are mapped: bytes
-/// past them may be cut off later by the writer's recovery, and a mapping must
-/// never cover bytes that can vanish (see `storage::mmap`).
-pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedSegment> {
+/// read with `pread` and scanned, and only up to its last valid frame is
+/// mapped: bytes past it may be cut off later by the writer's recovery, and a
+/// mapping must never cover bytes that can vanish (see `storage::mmap`).
+/// Damaged regions before that point are never cut (a skip-corrupted writer
+/// seals the segment with them in place).
+pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDamage) -> Result<LoadedSegment> {
     let path = crate::storage::segment_path(dir, id);
     let file = File::open(&path).map_err(|e| Error::io(format!("open segment {}", path.display()), e))?;
     let len = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
@@ -205,62 +437,77 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedS
     };
     if let Some(trailer) = trailer {
         let map = Arc::new(Mapping::map(&file, len, &path)?);
-        let (entries, damage) = match decode_footer(map.bytes(), &trailer) {
-            Ok(entries) => (entries, Vec::new()),
-            Err(e) => {
+        let footer_offset = trailer.footer_offset;
+        let frames = map.bytes().get(..footer_offset as usize).unwrap_or(map.bytes());
+        let rebuilt = |what: String| SegmentEvent {
+            kind: RecoveryEventKind::FooterRebuilt,
+            offset: footer_offset,
+            len: len - footer_offset,
+            what,
+        };
+        let footer = decode_footer(map.bytes(), &trailer).map_err(|e| (e.offset, e.what));
+        // Regions an earlier skip left out, as the footer records them.
+        let gaps = footer.as_deref().map(footer_gaps).unwrap_or_default();
+        let checked = match (footer, on_damage) {
+            (Ok(entries), OnDamage::Refuse) => Ok((entries, Vec::new())),
+            (Ok(entries), OnDamage::Skip) => check_footer_frames(frames, entries)
+                .ok_or((footer_offset, "the footer disagrees with a valid frame".to_owned())),
+            (Err(e), _) => Err(e),
+        };
+        let (entries, events) = match checked {
+            Ok((entries, skipped)) => {
+                let mut events: Vec<SegmentEvent> = gaps
+                    .into_iter()
+                    .map(|(offset, len)| SegmentEvent {
+                        kind: RecoveryEventKind::SkippedEarlier,
+                        offset,
+                        len,
+                        what:
+                            "left out of the footer by an earlier skip-corrupted open; the bytes are still in the file"
+                                .into(),
+                    })
+                    .chain(skipped)
+                    .collect();
+                events.sort_by_key(|e| e.offset);
+                (entries, events)
+            }
+            Err((at, what)) => {
                 // The footer is an index of the frames: rebuild it from them
                 // (format-spec/segment.md §6).
-                let frames = map.bytes().get(..trailer.footer_offset as usize).unwrap_or(map.bytes());
-                let scan = scan_frames_past_damage(frames);
-                let mut damage = vec![DecodeError {
-                    offset: e.offset,
-                    what: format!("footer unusable ({}); its index was rebuilt from the frames", e.what),
-                }];
-                damage.extend(scan.skipped);
-                damage.extend(scan.stopped_by.filter(|s| s.offset < trailer.footer_offset));
-                (scan.entries, damage)
+                let (entries, damaged, _) = rebuild_index(&path, id, frames, true, on_damage)?;
+                let what = format!("footer unusable at offset {at} ({what}); its index was rebuilt from the frames");
+                (entries, std::iter::once(rebuilt(what)).chain(damaged).collect())
             }
         };
         let path = Arc::new(path);
-        let data_end = trailer.footer_offset;
-        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, torn: None, damage });
+        return Ok(LoadedSegment { id, path, map, entries, data_end: footer_offset, sealed: true, events });
     }
     if must_be_sealed {
         // The manifest says sealed, but the trailer is damaged: the frames are
         // all there is to go by.
         let map = Arc::new(Mapping::map(&file, len, &path)?);
-        let scan = scan_frames_past_damage(map.bytes());
-        let mut damage = vec![DecodeError {
-            offset: len,
-            what: "sealed segment has no valid trailer; its index was rebuilt from the frames".into(),
-        }];
-        damage.extend(scan.skipped);
+        let (entries, damaged, data_end) = rebuild_index(&path, id, map.bytes(), false, on_damage)?;
+        let what = "sealed segment has no valid trailer; its index was rebuilt from the frames".to_owned();
+        let start =
+            SegmentEvent { kind: RecoveryEventKind::FooterRebuilt, offset: data_end, len: len - data_end, what };
+        let events = std::iter::once(start).chain(damaged).collect();
         let path = Arc::new(path);
-        let data_end = scan.valid_end;
-        return Ok(LoadedSegment { id, path, map, entries: scan.entries, data_end, sealed: true, torn: None, damage });
+        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events });
     }
     let buf = read_aligned(&file, len, &path)?;
     let bytes: &[u8] = bytemuck::cast_slice(&buf);
     let bytes = bytes.get(..len as usize).unwrap_or(bytes);
-    let scan = scan_frames(bytes);
-    if let Some(stop) = &scan.stopped_by {
+    let scan = scan_active(bytes);
+    if let (Some(first), OnDamage::Refuse) = (scan.damaged.first(), on_damage) {
         // A torn tail has nothing valid after it. Valid frames after an
         // invalid one mean damage in the middle of the log: cutting the log
         // there would drop acknowledged records, so refuse.
-        if next_valid_frame(bytes, stop.offset).is_some() {
-            let later = scan_frames_past_damage(bytes).entries.iter().filter(|e| e.frame_offset > stop.offset).count();
-            return Err(Error::corrupt(
-                &path,
-                stop.offset,
-                format!(
-                    "{}; {later} valid records follow it, so this is damage in the middle of the log, not a torn tail. trajlog refuses to cut them off: copy the store aside, and see README \"When files are damaged or missing\"",
-                    stop.what
-                ),
-            ));
-        }
+        let later = scan.entries.iter().filter(|e| e.frame_offset > first.offset).count();
+        return Err(damage_error(&path, id, first.offset, &first.what, later, false));
     }
     drop(buf);
     let map = Arc::new(Mapping::map(&file, scan.valid_end, &path)?);
+    let events = scan.damaged.into_iter().chain(scan.torn).collect();
     Ok(LoadedSegment {
         id,
         path: Arc::new(path),
@@ -268,7 +515,6 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool) -> Result<LoadedS
         entries: scan.entries,
         data_end: scan.valid_end,
         sealed: false,
-        torn: scan.stopped_by,
-        damage: Vec::new(),
+        events,
     })
 }

@@ -22,18 +22,21 @@ mod protocol;
 mod publish;
 mod receipt;
 mod recovery;
+mod recovery_report;
 mod retire;
 mod writer;
 
-pub use options::{Durability, Options};
+pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
 pub use receipt::Receipt;
 pub(crate) use recovery::{load_for_repair, lock_dir};
+pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 
 use admission::{check_trace_id, SendState};
 use protocol::Cmd;
 use receipt::{lock, Durable, Inner};
-use recovery::{apply_annotation, finish_pending, load_dir, load_read_only, read_manifest};
+use recovery::seal_skipped_active;
+use recovery::{apply_annotation, check_absolute, finish_pending, load_dir, load_read_only, read_manifest};
 use writer::Writer;
 
 use crate::delta::{Context, DeltaCache};
@@ -50,7 +53,7 @@ use crate::format::segment::FooterEntry;
 use crate::index::{sessions_of, CallMeta, Index};
 use crate::limits::*;
 use crate::record::{Annotation, Call, Target};
-use crate::segment::recovery::load_segment;
+use crate::segment::recovery::{load_segment, OnDamage};
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
 use crate::shard::reader::{ShardFile, ShardRow};
@@ -69,6 +72,8 @@ pub struct Store {
     inner: Arc<Inner>,
     writer: Option<JoinHandle<()>>,
     read_only: bool,
+    /// What the open (read-only: the last refresh) found and did.
+    recovery: Mutex<Arc<RecoveryReport>>,
     _lock: Option<File>,
 }
 
@@ -76,14 +81,21 @@ pub(crate) use crate::storage::{LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, SHARD_TABL
 
 impl Store {
     /// Open (or create) a store for writing. Only one writer per directory: a
-    /// second one gets `ErrorKind::Locked`.
+    /// second one gets `ErrorKind::Locked`. `options.recovery` decides what
+    /// damage in the log does ([`RecoveryMode`]); what was cut or skipped is
+    /// in [`Store::recovery_report`].
     pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Self> {
         options.validate()?;
         let dir = dir.as_ref().to_path_buf();
         fs::create_dir_all(&dir).map_err(|e| Error::io(format!("create store directory {}", dir.display()), e))?;
         let lock_file = lock_dir(&dir)?;
         let manifest = match read_manifest(&dir)? {
-            Some(m) => m,
+            Some(m) => {
+                if options.recovery == RecoveryMode::AbsoluteConsistency {
+                    check_absolute(&dir, true)?;
+                }
+                m
+            }
             None => {
                 // A new store — unless there are data files: never start an
                 // empty manifest over them (it would make them orphans).
@@ -101,7 +113,7 @@ impl Store {
         // Every unlisted data file must be the leftover of an interrupted
         // operation (else refuse); they are deleted once the store loaded.
         let leftovers = crate::inventory::leftovers(&dir, &manifest, &crate::inventory::inventory(&dir)?)?;
-        let mut loaded = load_dir(&dir, manifest)?;
+        let mut loaded = load_dir(&dir, manifest, options.recovery, true)?;
         for leftover in &leftovers {
             leftover.dispose(&dir)?;
         }
@@ -118,6 +130,7 @@ impl Store {
         if manifest_fixed {
             crate::storage::write_atomic(&dir, MANIFEST_NAME, &encode_manifest(&loaded.manifest), &options.faults)?;
         }
+        seal_skipped_active(&mut loaded, &options)?;
         let active = match loaded.active.take() {
             Some((id, path, valid_end, entries)) => {
                 ActiveSegment::reopen(path, id, valid_end, options.segment_bytes, entries, options.faults.clone())?
@@ -139,6 +152,7 @@ impl Store {
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
         let shards = Arc::new(loaded.shards);
         let damage = Arc::new(std::mem::take(&mut loaded.damage));
+        let report = Mutex::new(Arc::new(std::mem::take(&mut loaded.report)));
         let view =
             Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone(), damage: damage.clone() });
         let (tx, rx) = bounded(options.queue_depth);
@@ -178,17 +192,25 @@ impl Store {
             .name("trajlog-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| Error::io("spawn the writer thread", e))?;
-        Ok(Store { inner, writer: Some(handle), read_only: false, _lock: Some(lock_file) })
+        Ok(Store { inner, writer: Some(handle), read_only: false, recovery: report, _lock: Some(lock_file) })
     }
 
     /// Open a store read-only: no lock, no writer thread. It sees everything
     /// that was flushed when it was opened; call [`Store::refresh`] to see more.
+    /// Recovery mode: the default ([`RecoveryMode::TolerateTornTail`]).
     pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::open_read_only_with(dir, RecoveryMode::default())
+    }
+
+    /// [`Store::open_read_only`] in recovery mode `recovery` (also used by
+    /// [`Store::refresh`]). A read-only open writes nothing: a skipped region
+    /// is only left out of its view, a torn tail is left out and not reported.
+    pub fn open_read_only_with(dir: impl AsRef<Path>, recovery: RecoveryMode) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let view = load_read_only(&dir)?;
+        let (view, report) = load_read_only(&dir, recovery)?;
         let inner = Arc::new(Inner {
             dir,
-            options: Options::default(),
+            options: Options::default().recovery(recovery),
             send: Mutex::new(SendState::new(None, HashSet::new())),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
             durable_cv: Condvar::new(),
@@ -197,16 +219,26 @@ impl Store {
             view: Mutex::new(Arc::new(view)),
             compacting: Mutex::new(()),
         });
-        Ok(Store { inner, writer: None, read_only: true, _lock: None })
+        Ok(Store { inner, writer: None, read_only: true, recovery: Mutex::new(Arc::new(report)), _lock: None })
     }
 
     /// Read-only stores: reload what the writer has flushed since. Writable
     /// stores always see their own acknowledged writes; this is a no-op there.
     pub fn refresh(&self) -> Result<()> {
         if self.read_only {
-            *lock(&self.inner.view) = Arc::new(load_read_only(&self.inner.dir)?);
+            let (view, report) = load_read_only(&self.inner.dir, self.inner.options.recovery)?;
+            *lock(&self.inner.view) = Arc::new(view);
+            *lock(&self.recovery) = Arc::new(report);
         }
         Ok(())
+    }
+
+    /// What opening the store found in its log and did about it — torn tails
+    /// cut, damaged regions skipped, footers rebuilt (format-spec/segment.md
+    /// §6) — for a read-only store, as of the last [`Store::refresh`]. Empty
+    /// when there was nothing to do.
+    pub fn recovery_report(&self) -> Arc<RecoveryReport> {
+        lock(&self.recovery).clone()
     }
 
     /// The store directory.

@@ -1,4 +1,4 @@
-//! How a store is opened: durability levels and options.
+//! How a store is opened: durability levels, recovery modes and options.
 
 use super::*;
 
@@ -29,6 +29,90 @@ impl std::str::FromStr for Durability {
     }
 }
 
+/// What an open does about damage in the log (format-spec/segment.md §6,
+/// README "When files are damaged or missing"). Modelled on RocksDB's WAL
+/// recovery modes. Whatever the mode, nothing is dropped silently: every cut
+/// and every skip is in [`Store::recovery_report`] (and, for damage, in
+/// `Snapshot::damage`), and a refusal is a `Corrupt` error naming the
+/// segment file and the offset (and, for damage, how many valid records
+/// follow it) that changed nothing on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoveryMode {
+    /// The default; RocksDB's `kTolerateCorruptedTailRecords`. A torn tail
+    /// (bytes after the last valid frame of the active segment that hold no
+    /// valid frame: an interrupted write) is cut off and reported. Damage — an
+    /// invalid frame, or a zeroed region, with valid frames after it — refuses
+    /// the open. Sealed segments are read through their CRC-checked footers
+    /// without reading their frames (open reads footers and the active
+    /// segment only): a damaged record there is found when it is read (an
+    /// error naming segment and offset), by `trajlog verify`, or at open by
+    /// the other two modes. A damaged footer is rebuilt from the frames (it is
+    /// only an index); if that rebuild meets a damaged frame, the open refuses.
+    #[default]
+    TolerateTornTail,
+    /// RocksDB's `kAbsoluteConsistency`. The open goes on only if the store is
+    /// intact as `trajlog verify` sees it: every byte of every segment (header,
+    /// every frame's CRC and decoding, footer against frames, prefix-delta
+    /// parent links) and of every shard (checksums, every row group), no torn
+    /// tail, no footer to rebuild. Anything else refuses the open, and nothing
+    /// on disk is changed. Cost: a full read of the store before opening —
+    /// open time grows with the store's size (`trajlog verify`'s cost), where
+    /// the default reads footers and the active segment only. A read-only
+    /// open does not refuse a torn tail (beside a live writer it may be a
+    /// write in progress); it leaves it out of its view, as every read-only
+    /// open does.
+    AbsoluteConsistency,
+    /// RocksDB's `kSkipAnyCorruptedRecords`. Damaged records are left out of
+    /// the index and every valid record is kept. Cost: every frame of every
+    /// sealed segment is read and checked against its footer at open (a full
+    /// read of the segments). In the active segment, a writable open cuts a
+    /// torn tail after the last valid frame, then — if it skipped damage —
+    /// seals the segment at once with the damaged bytes left in place and
+    /// left out of its footer, and appends to a new segment: later opens, in
+    /// any mode, read that footer and report the region as
+    /// [`RecoveryEventKind::SkippedEarlier`] (absolute consistency refuses it:
+    /// the bytes are still damaged). In a sealed segment nothing is written:
+    /// a damaged record is skipped by every skip-corrupted open (reported each
+    /// time) and, in the default mode, is again an error when read. A damaged
+    /// seal or session deletion whose footer entry is intact is applied from
+    /// the entry, as in every mode. Calls whose prompt builds on a skipped
+    /// call (its prefix-delta descendants) stay indexed and are refused when
+    /// their prompt is read, never served wrong.
+    SkipCorrupted,
+}
+
+impl RecoveryMode {
+    /// The name `FromStr` takes (and the CLI's `--recovery`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecoveryMode::TolerateTornTail => "tolerate-torn-tail",
+            RecoveryMode::AbsoluteConsistency => "absolute",
+            RecoveryMode::SkipCorrupted => "skip-corrupted",
+        }
+    }
+}
+
+impl std::fmt::Display for RecoveryMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for RecoveryMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "tolerate-torn-tail" => Ok(RecoveryMode::TolerateTornTail),
+            "absolute" => Ok(RecoveryMode::AbsoluteConsistency),
+            "skip-corrupted" => Ok(RecoveryMode::SkipCorrupted),
+            _ => Err(Error::invalid(
+                "recovery",
+                format!("{s:?} is not one of tolerate-torn-tail, absolute, skip-corrupted"),
+            )),
+        }
+    }
+}
+
 /// How to open a store. Start from `Options::default()` and change what you
 /// need with the same-named setters:
 ///
@@ -50,6 +134,8 @@ pub struct Options {
     pub queue_depth: usize,
     /// Memory for prefix-delta contexts.
     pub delta_cache_bytes: u64,
+    /// What opening does about damage in the log ([`RecoveryMode`]).
+    pub recovery: RecoveryMode,
     /// Fault injection for the test suite; None in use.
     pub(crate) faults: crate::storage::fault::Faults,
 }
@@ -85,6 +171,12 @@ impl Options {
         self.delta_cache_bytes = v;
         self
     }
+    /// What opening does about damage in the log.
+    #[must_use]
+    pub fn recovery(mut self, v: RecoveryMode) -> Self {
+        self.recovery = v;
+        self
+    }
     /// Fault injection (test suite only).
     #[cfg(feature = "internals")]
     #[doc(hidden)]
@@ -104,6 +196,7 @@ impl Default for Options {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             delta_cache_bytes: DEFAULT_DELTA_CACHE_BYTES,
             faults: None,
+            recovery: RecoveryMode::TolerateTornTail,
         }
     }
 }

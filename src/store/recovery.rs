@@ -31,8 +31,12 @@ pub(super) struct Loaded {
     pub(super) shard_traces: HashSet<Arc<str>>,
     /// The last segment, if unsealed: its entries and valid end.
     pub(super) active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
+    /// The active segment had damaged regions skipped (seal it before appending).
+    pub(super) active_skipped: bool,
     /// Damage found and confined while loading (see [`Snapshot::damage`]).
     pub(super) damage: Vec<Problem>,
+    /// What recovery found and did (see [`Store::recovery_report`]).
+    pub(super) report: RecoveryReport,
 }
 
 /// Apply one footer entry (and, for annotations, the record) to `index`.
@@ -147,8 +151,10 @@ pub(super) fn missing_listed_file(dir: &Path, path: &Path) -> Error {
 
 /// Load every segment and shard of the manifest and rebuild the indexes by
 /// replaying records in log order; a shard row stands at the log position of
-/// the call it was compacted from (format-spec/shard.md §4).
-pub(super) fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
+/// the call it was compacted from (format-spec/shard.md §4). `recovery`
+/// decides what damage does (format-spec/segment.md §6); `writable`: a torn
+/// tail will be cut (and is reported), else it is only left out.
+pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, writable: bool) -> Result<Loaded> {
     let mut index = Index::default();
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
@@ -163,17 +169,44 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     let mut rows = rows.into_iter().peekable();
     let last = manifest.segments.last().map(|s| s.id);
     let mut damage = Vec::new();
+    let mut report = RecoveryReport { mode: recovery, read_only: !writable, events: Vec::new() };
+    let mut active_skipped = false;
+    let on_damage = match recovery {
+        RecoveryMode::SkipCorrupted => OnDamage::Skip,
+        // Absolute consistency checked the whole store before (check_absolute).
+        RecoveryMode::TolerateTornTail | RecoveryMode::AbsoluteConsistency => OnDamage::Refuse,
+    };
     for ms in &manifest.segments {
         let path = crate::storage::segment_path(dir, ms.id);
         if !path.exists() {
             return Err(missing_listed_file(dir, &path));
         }
-        let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed)?;
-        damage.extend(seg.damage.iter().map(|d| Problem {
-            path: seg.path.as_path().to_path_buf(),
-            offset: d.offset,
-            what: d.what.clone(),
-        }));
+        let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed, on_damage)?;
+        active_skipped |= seg.skipped_damage();
+        for e in &seg.events {
+            if e.kind == RecoveryEventKind::TornTailCut && !writable {
+                continue;
+            }
+            let path = seg.path.as_path().to_path_buf();
+            let what = match e.kind {
+                RecoveryEventKind::TornTailCut => None,
+                RecoveryEventKind::CorruptedRecordSkipped => {
+                    Some(format!("{}; skipped (recovery mode skip-corrupted), {} bytes left in place", e.what, e.len))
+                }
+                _ => Some(e.what.clone()),
+            };
+            if let Some(what) = what {
+                damage.push(Problem { path: path.clone(), offset: e.offset, what });
+            }
+            report.events.push(RecoveryEvent {
+                kind: e.kind,
+                segment: seg.id,
+                path,
+                offset: e.offset,
+                len: e.len,
+                what: e.what.clone(),
+            });
+        }
         if !seg.sealed && Some(ms.id) != last {
             return Err(Error::corrupt(
                 seg.path.as_path(),
@@ -202,7 +235,97 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest) -> Result<Loaded> {
     for row in rows {
         apply_shard_row(&mut index, &row);
     }
-    Ok(Loaded { manifest, index, segments, shards, shard_sessions, shard_traces, active, damage })
+    Ok(Loaded {
+        manifest,
+        index,
+        segments,
+        shards,
+        shard_sessions,
+        shard_traces,
+        active,
+        active_skipped,
+        damage,
+        report,
+    })
+}
+
+/// [`RecoveryMode::SkipCorrupted`], writable: an active segment whose damaged
+/// regions were skipped is sealed now, its torn tail (if any) cut first: its
+/// footer indexes the valid frames and leaves the damaged bytes out, in place
+/// (format-spec/segment.md §4, §6). The manifest, updated by the caller with
+/// the next active segment, then lists it as sealed; until then a crash
+/// leaves a sealed segment listed as active, which the next open fixes.
+pub(super) fn seal_skipped_active(loaded: &mut Loaded, options: &Options) -> Result<()> {
+    if !loaded.active_skipped {
+        return Ok(());
+    }
+    let Some((id, path, valid_end, entries)) = loaded.active.take() else { return Ok(()) };
+    loaded.segments.remove(&id); // drop its mapping before the file changes length
+    let segment = ActiveSegment::reopen(path, id, valid_end, valid_end, entries, options.faults.clone())?;
+    let sealed = segment.seal()?;
+    loaded.segments.insert(id, SegmentRef::new(id, sealed.path, sealed.map, sealed.data_end, true));
+    for ms in &mut loaded.manifest.segments {
+        if ms.id == id {
+            ms.state = SegmentState::Sealed;
+        }
+    }
+    loaded.active_skipped = false;
+    Ok(())
+}
+
+/// [`RecoveryMode::AbsoluteConsistency`]: refuse unless `trajlog verify` finds
+/// the store intact (and, for a writable open, without a torn tail). Reads
+/// every byte; writes nothing.
+pub(super) fn check_absolute(dir: &Path, writable: bool) -> Result<()> {
+    let found = crate::verify::verify_dir(dir)?;
+    let refuse = |p: &Problem, what: String| {
+        let message = format!(
+            "recovery mode absolute refused the open (nothing was changed): {} at offset {}: {what}; `trajlog verify` lists every problem",
+            p.path.display(),
+            p.offset
+        );
+        Error::new(ErrorKind::Corrupt { path: p.path.clone(), offset: p.offset }, message)
+    };
+    if let Some(p) = found.problems.first() {
+        let later = later_valid_frames(&p.path, p.offset);
+        let later =
+            if later > 0 { format!("; {later} valid records follow it in this segment") } else { String::new() };
+        let n = found.problems.len();
+        return Err(refuse(
+            p,
+            format!(
+                "{}{later} ({n} problems in all). To open anyway, copy the store aside and use recovery mode skip-corrupted (or the default, tolerate-torn-tail, which cuts a torn tail and refuses damage in the log)",
+                p.what
+            ),
+        ));
+    }
+    if let Some(t) = found.torn_tail.as_ref().filter(|_| writable) {
+        return Err(refuse(
+            t,
+            format!(
+                "torn tail: {}. Absolute consistency refuses a torn tail too; the default recovery mode (tolerate-torn-tail) cuts it",
+                t.what
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// How many valid frames follow `offset` in the segment file at `path` (0 if
+/// it is not a readable segment).
+fn later_valid_frames(path: &Path, offset: u64) -> usize {
+    let Ok(bytes) = fs::read(path) else { return 0 };
+    let frames = match crate::format::segment::read_trailer(&bytes) {
+        Some(t) => bytes.get(..t.footer_offset as usize).unwrap_or(&bytes),
+        None => &bytes,
+    };
+    // `fs::read` gives no alignment guarantee: scan an 8-aligned copy.
+    let mut words = vec![0u64; frames.len().div_ceil(8)];
+    let aligned: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+    let Some(aligned) = aligned.get_mut(..frames.len()) else { return 0 };
+    aligned.copy_from_slice(frames);
+    let scan = crate::segment::recovery::scan_frames_past_damage(aligned);
+    scan.entries.iter().filter(|e| e.frame_offset > offset).count()
 }
 
 /// Finish a shard publication that was decided (listed as pending in the
@@ -258,12 +381,18 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
 /// Load the store `manifest` describes (read-only): the live call count and
 /// the damage confined, for `trajlog repair` to check a manifest before
 /// writing it.
+///
+/// Loaded read-only as recovery mode skip-corrupted would (every frame
+/// checked, damage skipped and listed): repair rebuilds the manifest, and
+/// each later open decides about the damage by its own mode.
 pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, Vec<Problem>)> {
-    let loaded = load_dir(dir, manifest)?;
+    let loaded = load_dir(dir, manifest, RecoveryMode::SkipCorrupted, false)?;
     Ok((loaded.index.call_count(), loaded.damage))
 }
 
-pub(super) fn load_read_only(dir: &Path) -> Result<View> {
+/// A read-only load in `recovery` mode: nothing is written; a torn tail is
+/// left out of the view (and not reported: it may be a write in progress).
+pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View, RecoveryReport)> {
     // The writer may replace the manifest (and, later, retire segments) while we
     // read; retry a few times on a vanished file.
     let mut last_err = None;
@@ -284,14 +413,18 @@ pub(super) fn load_read_only(dir: &Path) -> Result<View> {
                 ));
             }
         };
-        match load_dir(dir, manifest) {
+        if recovery == RecoveryMode::AbsoluteConsistency {
+            check_absolute(dir, false)?;
+        }
+        match load_dir(dir, manifest, recovery, false) {
             Ok(loaded) => {
-                return Ok(View {
+                let view = View {
                     index: loaded.index,
                     segments: loaded.segments,
                     shards: Arc::new(loaded.shards),
                     damage: Arc::new(loaded.damage),
-                })
+                };
+                return Ok((view, loaded.report));
             }
             Err(e) if e.kind() == &ErrorKind::NotFound => last_err = Some(e),
             Err(e) => return Err(e),
