@@ -141,3 +141,44 @@ fn export_and_audit_go_on_past_a_damaged_record_and_say_so() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"s0\" not audited"));
 }
+
+#[test]
+fn recovery_mode_flag_opens_a_damaged_active_segment_and_prints_what_it_skipped() {
+    let dir = tempdir();
+    let all = chained_calls(2, 4);
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for c in &all {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let loc = store.snapshot().get("t1-1").expect("get").expect("present").loc;
+    store.close().expect("close");
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let mut bytes = fs::read(&seg).expect("read");
+    bytes[loc.offset as usize + 200] ^= 0x04; // inside the body of t1-1, valid frames after it
+    fs::write(&seg, &bytes).expect("write");
+    let d = dir.path().to_str().expect("utf-8 path");
+
+    // The default refuses and names the way out; nothing changes on disk.
+    let out = trajlog(&["export", "--store", d]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("skip-corrupted"), "{stderr}");
+    assert_eq!(fs::read(&seg).expect("read"), bytes);
+
+    // skip-corrupted: every valid record that does not build on the damaged
+    // one is exported; the skip is printed on stderr.
+    let out = trajlog(&["--recovery", "skip-corrupted", "export", "--store", d]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("trajlog export: recovery: skipped"), "{stderr}");
+    let exported: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect();
+    for c in all.iter().filter(|c| c.session_id == "s0" || c.trace_id == "t1-0") {
+        assert!(exported.iter().any(|l| l.contains(&format!("\"{}\"", c.trace_id))), "{} missing", c.trace_id);
+    }
+    assert!(!exported.iter().any(|l| l.contains("\"t1-1\"")), "the damaged call is not exported");
+    assert_eq!(out.status.code(), Some(1), "calls building on the damaged one are reported: {stderr}");
+
+    let out = trajlog(&["--recovery", "bogus", "ls", "--store", d]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tolerate-torn-tail"));
+}

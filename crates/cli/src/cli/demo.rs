@@ -193,7 +193,7 @@ pub fn generate(
     seed: u64,
 ) -> trajlog::Result<i32> {
     let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, ..SimConfig::default() };
-    let store = Store::open(dir, Options::default().durability(Durability::Buffered))?;
+    let store = super::open_store(dir, Options::default().durability(Durability::Buffered), "generate")?;
     let started = Instant::now();
     let (mut calls, mut tokens) = (0u64, 0u64);
     for s in 0..sessions {

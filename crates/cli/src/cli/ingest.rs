@@ -50,7 +50,7 @@ enum Stop {
 
 pub fn run(dir: &Path, durability: &str, segment_bytes: u64) -> trajlog::Result<i32> {
     let options = Options::default().durability(durability.parse()?).segment_bytes(segment_bytes);
-    let store = Store::open(dir, options)?;
+    let store = super::open_store(dir, options, "ingest")?;
     // A reader thread feeds lines so that the main loop can batch whatever has
     // arrived and ack it with one durability wait, without waiting for more input.
     let (tx, rx) = crossbeam_channel::bounded::<(usize, std::io::Result<String>)>(BATCH_LINES_MAX);
@@ -181,7 +181,7 @@ fn ingest(
 pub fn import_rllm_sqlite(db: &Path, dir: &Path, schema: Option<&str>, verify: bool) -> trajlog::Result<i32> {
     use trajlog::rllm::sqlite;
     let schema = schema.map(str::parse::<sqlite::Schema>).transpose()?;
-    let store = Store::open(dir, Options::default())?;
+    let store = super::open_store(dir, Options::default(), "import-rllm-sqlite")?;
     let started = std::time::Instant::now();
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut progress = |done: u64, total: u64| {

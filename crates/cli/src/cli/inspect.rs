@@ -3,14 +3,14 @@
 
 use std::io::Write;
 use std::path::Path;
-use trajlog::{Snapshot, Store};
+use trajlog::Snapshot;
 
-fn open(dir: &Path) -> trajlog::Result<Snapshot> {
-    Ok(Store::open_read_only(dir)?.snapshot())
+fn open(dir: &Path, cmd: &str) -> trajlog::Result<Snapshot> {
+    Ok(super::open_read_only(dir, cmd)?.snapshot())
 }
 
 pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
-    let snap = open(dir)?;
+    let snap = open(dir, "export")?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let sessions: Vec<String> = match session {
@@ -57,7 +57,7 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
 }
 
 pub fn ls(dir: &Path) -> trajlog::Result<i32> {
-    let snap = open(dir)?;
+    let snap = open(dir, "ls")?;
     let sessions = snap.sessions();
     println!("{:<40} {:>6} {:>18} {:>18} {:>7} {:>8}", "SESSION", "CALLS", "FIRST", "LAST", "SEALED", "REWARD");
     for s in &sessions {
@@ -84,7 +84,7 @@ pub fn ls(dir: &Path) -> trajlog::Result<i32> {
 }
 
 pub fn show(dir: &Path, session: &str) -> trajlog::Result<i32> {
-    let snap = open(dir)?;
+    let snap = open(dir, "show")?;
     let Some(info) = snap.session_info(session) else {
         eprintln!("trajlog show: no session {session:?} in {}", dir.display());
         return Ok(1);

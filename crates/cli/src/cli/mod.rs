@@ -8,13 +8,55 @@ mod repair;
 mod shards;
 
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use trajlog::{Options, RecoveryMode, Store};
 
 #[derive(Parser)]
 #[command(name = "trajlog", version, about = "Exact, append-only trace store for RL training of LLM agents")]
 struct Cli {
+    /// What opening a store does about damage in its log: tolerate-torn-tail
+    /// (cut an interrupted write; refuse damage), absolute (refuse anything
+    /// `verify` would report; reads the whole store) or skip-corrupted (keep
+    /// every valid record, leave damaged ones out). Every cut and skip is
+    /// printed on stderr.
+    #[arg(long, global = true, value_name = "MODE", default_value = "tolerate-torn-tail")]
+    recovery: String,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The `--recovery` mode, set once by [`main`].
+static RECOVERY: OnceLock<RecoveryMode> = OnceLock::new();
+
+fn recovery_mode() -> RecoveryMode {
+    RECOVERY.get().copied().unwrap_or_default()
+}
+
+/// Open `dir` for writing with the `--recovery` mode, printing what recovery
+/// did on stderr (stdout carries data).
+pub(crate) fn open_store(dir: &Path, options: Options, cmd: &str) -> trajlog::Result<Store> {
+    let store = Store::open(dir, options.recovery(recovery_mode()))?;
+    print_recovery(&store, cmd);
+    Ok(store)
+}
+
+/// Open `dir` read-only with the `--recovery` mode, printing what recovery
+/// found on stderr.
+pub(crate) fn open_read_only(dir: &Path, cmd: &str) -> trajlog::Result<Store> {
+    let store = Store::open_read_only_with(dir, recovery_mode())?;
+    print_recovery(&store, cmd);
+    Ok(store)
+}
+
+fn print_recovery(store: &Store, cmd: &str) {
+    let report = store.recovery_report();
+    for e in &report.events {
+        eprintln!("trajlog {cmd}: recovery: {e}");
+    }
+    if !report.is_clean() {
+        eprintln!("trajlog {cmd}: {report}");
+    }
 }
 
 #[derive(Subcommand)]
@@ -163,6 +205,15 @@ enum Command {
 /// Run the CLI; returns the process exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    match cli.recovery.parse::<RecoveryMode>() {
+        Ok(mode) => {
+            let _ = RECOVERY.set(mode);
+        }
+        Err(e) => {
+            eprintln!("trajlog: error: --recovery: {e}");
+            return 2;
+        }
+    }
     let result = match cli.command {
         Command::Demo { dir, sessions, steps } => demo::run(dir, sessions, steps),
         Command::Ingest { store, durability, segment_bytes } => ingest::run(&store, &durability, segment_bytes),

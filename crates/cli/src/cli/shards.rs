@@ -2,7 +2,7 @@
 
 use super::human_bytes;
 use std::path::Path;
-use trajlog::{CompactOptions, Options, Selection, Store};
+use trajlog::{CompactOptions, Options, Selection};
 
 /// A memory figure of this process from `/proc/self/status` (Linux), in bytes:
 /// `VmHWM` (peak resident), `RssAnon` (heap and other private memory now),
@@ -22,7 +22,7 @@ pub struct CompactArgs {
 }
 
 pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
-    let store = Store::open(dir, Options::default())?;
+    let store = super::open_store(dir, Options::default(), "compact")?;
     let options = crate::progress::compact_progress(
         CompactOptions::default()
             .selection(args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
@@ -64,7 +64,7 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
 }
 
 pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
-    let snap = Store::open_read_only(dir)?.snapshot();
+    let snap = super::open_read_only(dir, "audit")?.snapshot();
     let report = trajlog::audit::audit(&snap)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
