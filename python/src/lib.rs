@@ -475,7 +475,8 @@ fn calls_of(py: Python<'_>, snap: &Py<Snapshot>, ids: Vec<String>) -> PyResult<V
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None))]
+    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None, recovery = "tolerate-torn-tail"))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: std::path::PathBuf,
@@ -484,8 +485,11 @@ impl NativeStore {
         segment_bytes: Option<u64>,
         group_commit_ms: Option<u64>,
         queue_depth: Option<usize>,
+        recovery: &str,
     ) -> PyResult<Self> {
-        let mut options = Options::default().durability(durability.parse::<Durability>().map_err(to_py)?);
+        let recovery = recovery.parse::<trajlog::RecoveryMode>().map_err(to_py)?;
+        let mut options =
+            Options::default().durability(durability.parse::<Durability>().map_err(to_py)?).recovery(recovery);
         if let Some(v) = segment_bytes {
             options = options.segment_bytes(v);
         }
@@ -498,13 +502,19 @@ impl NativeStore {
         let store = py
             .detach(|| {
                 if read_only {
-                    trajlog::Store::open_read_only(&path)
+                    trajlog::Store::open_read_only_with(&path, recovery)
                 } else {
                     trajlog::Store::open(&path, options)
                 }
             })
             .map_err(to_py)?;
         Ok(Self { store: Some(Arc::new(store)) })
+    }
+
+    /// What the open's recovery did: one line per torn tail cut, damaged
+    /// region skipped or footer rebuilt (empty for an intact store).
+    fn recovery_report(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.recovery_report().events.iter().map(ToString::to_string).collect())
     }
 
     /// Append one call; the arrays are validated and copied. With `durable`,

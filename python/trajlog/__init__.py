@@ -315,7 +315,12 @@ class Store:
 
     `durability` is "buffered", "group" (the default) or "sync"; see the
     README. `read_only=True` opens without the writer lock (another process may
-    be writing); `refresh()` then shows what it flushed since.
+    be writing); `refresh()` then shows what it flushed since. `recovery` is
+    what the open does about damage in the log: "tolerate-torn-tail" (the
+    default: an interrupted write at the end is cut, damage refuses the open),
+    "absolute" (anything `trajlog verify` would report refuses it) or
+    "skip-corrupted" (damaged records are left out, every valid one kept);
+    `recovery_report()` lists what it cut or skipped.
     """
 
     def __init__(
@@ -327,8 +332,13 @@ class Store:
         segment_bytes: Optional[int] = None,
         group_commit_ms: Optional[int] = None,
         queue_depth: Optional[int] = None,
+        recovery: str = "tolerate-torn-tail",
     ):
         self.path = str(path)
+        if not isinstance(recovery, str):
+            raise InvalidInputError(
+                f"invalid recovery: {recovery!r} is not one of \"tolerate-torn-tail\", \"absolute\", \"skip-corrupted\""
+            )
         if not isinstance(durability, str):
             raise InvalidInputError(f"invalid durability: {durability!r} is not one of \"buffered\", \"group\", \"sync\"")
         self._native = NativeStore(
@@ -338,7 +348,13 @@ class Store:
             segment_bytes=_count("segment_bytes", segment_bytes),
             group_commit_ms=_count("group_commit_ms", group_commit_ms),
             queue_depth=_count("queue_depth", queue_depth),
+            recovery=recovery,
         )
+
+    def recovery_report(self) -> list:
+        """What opening did about damage: one line per torn tail cut, damaged
+        region skipped or footer rebuilt; empty for an intact store."""
+        return self._native.recovery_report()
 
     def __enter__(self) -> "Store":
         return self

@@ -28,7 +28,7 @@ pub struct Mapping {
 impl Mapping {
     /// Map the first `len` bytes of `file` read-only. `len` must not exceed the
     /// file's length at the time of the call.
-    pub fn map(file: &File, len: u64, path: &Path) -> Result<Self> {
+    pub(crate) fn map(file: &File, len: u64, path: &Path) -> Result<Self> {
         if len == 0 {
             return Ok(Self { map: None });
         }

@@ -115,21 +115,33 @@ fn a_failed_write_poisons_the_store_with_a_clear_error() {
     assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
 }
 
+/// A store holding `calls` with one bit flipped inside the body of `damaged`;
+/// returns its segment file and that file's bytes.
+fn damaged_store(
+    dir: &std::path::Path,
+    calls: &[Call],
+    options: Options,
+    damaged: &str,
+) -> (std::path::PathBuf, Vec<u8>) {
+    let store = Store::open(dir, options).expect("open");
+    for c in calls {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let loc = store.snapshot().get(damaged).expect("get").expect("present").loc;
+    store.close().expect("close");
+    let seg = trajlog::storage::segment_path(dir, loc.segment);
+    let mut bytes = fs::read(&seg).expect("read");
+    bytes[loc.offset as usize + 200] ^= 0x04;
+    fs::write(&seg, &bytes).expect("write");
+    (seg, bytes)
+}
+
 #[test]
 fn export_and_audit_go_on_past_a_damaged_record_and_say_so() {
     let dir = tempdir();
     let all = chained_calls(6, 6);
-    let store = Store::open(dir.path(), small_segments()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
-    store.flush().expect("flush");
-    let loc = store.snapshot().get("t0-2").expect("get").expect("present").loc;
-    store.close().expect("close");
-    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
-    let mut bytes = fs::read(&seg).expect("read");
-    bytes[loc.offset as usize + 200] ^= 0x04; // inside the body
-    fs::write(&seg, &bytes).expect("write");
+    let (seg, _) = damaged_store(dir.path(), &all, small_segments(), "t0-2");
 
     let d = dir.path().to_str().expect("utf-8 path");
     let out = trajlog(&["export", "--store", d]);
@@ -146,17 +158,8 @@ fn export_and_audit_go_on_past_a_damaged_record_and_say_so() {
 fn recovery_mode_flag_opens_a_damaged_active_segment_and_prints_what_it_skipped() {
     let dir = tempdir();
     let all = chained_calls(2, 4);
-    let store = Store::open(dir.path(), Options::default()).expect("open");
-    for c in &all {
-        store.append(c.clone()).expect("append");
-    }
-    store.flush().expect("flush");
-    let loc = store.snapshot().get("t1-1").expect("get").expect("present").loc;
-    store.close().expect("close");
-    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
-    let mut bytes = fs::read(&seg).expect("read");
-    bytes[loc.offset as usize + 200] ^= 0x04; // inside the body of t1-1, valid frames after it
-    fs::write(&seg, &bytes).expect("write");
+    // t1-1 is in the active segment, with valid frames after it.
+    let (seg, bytes) = damaged_store(dir.path(), &all, Options::default(), "t1-1");
     let d = dir.path().to_str().expect("utf-8 path");
 
     // The default refuses and names the way out; nothing changes on disk.
