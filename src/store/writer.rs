@@ -165,13 +165,14 @@ impl Writer {
             Cmd::Publish { staged, sessions, reply } => {
                 let result = match self.inner.poisoned_error() {
                     Some(e) => Err(e),
-                    None => self.publish(staged, &sessions),
-                };
-                if let Err(e) = &result {
-                    if !matches!(e.kind(), ErrorKind::Poisoned) {
-                        self.fail(e);
+                    None => {
+                        let published = self.publish(staged, &sessions);
+                        if let Err(e) = &published {
+                            self.fail(e);
+                        }
+                        published
                     }
-                }
+                };
                 self.commit(true);
                 let _ = reply.send(result);
             }
