@@ -1,4 +1,11 @@
 //! What appenders and the store API send the writer thread, and what it answers.
+//!
+//! The channel is unbounded: back-pressure is taken before a command is sent
+//! (records carry a [`Permit`] of the queue's budget, see `queue.rs`), so a
+//! send never blocks and no lock is held across one. Appends and annotations
+//! are sent under the append lock, right after their sequence number is
+//! assigned, so the writer sees them in sequence order (log order ==
+//! sequence order). Other commands need no lock.
 
 use super::*;
 
@@ -6,11 +13,14 @@ pub(super) enum Cmd {
     Append {
         seq: u64,
         call: Box<Call>,
+        /// Its room in the queue; the writer drops it once the call is handled.
+        permit: Permit,
     },
     Annotate {
         seq: u64,
         ann: Annotation,
         reply: Option<Sender<u64>>,
+        permit: Permit,
     },
     Flush {
         fsync: bool,
@@ -34,6 +44,8 @@ pub(super) enum Cmd {
         sessions: Vec<String>,
         reply: Sender<Result<PublishOutcome>>,
     },
+    /// The store is closing (it flushed first): commit and stop.
+    Close,
 }
 
 /// What publishing a compaction did.

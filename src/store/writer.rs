@@ -78,12 +78,16 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let mut sync_soon = false;
+            let (mut sync_soon, mut closing) = (false, false);
             for cmd in batch {
                 match cmd {
                     Cmd::SyncSoon => sync_soon = true,
+                    Cmd::Close => closing = true,
                     cmd => self.handle(cmd),
                 }
+            }
+            if closing {
+                break;
             }
             let force = match self.options.durability {
                 Durability::Buffered => false,
@@ -94,7 +98,7 @@ impl Writer {
             };
             self.commit(force);
         }
-        // Channel closed: the store is shutting down (it flushed first).
+        // The store is shutting down (it flushed first).
         self.commit(true);
         if !self.poisoned() {
             if let Some(active) = self.active.as_mut() {
@@ -125,7 +129,9 @@ impl Writer {
 
     pub(super) fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Append { seq, call } => {
+            // The permits are dropped at the end of their arm, giving the
+            // record's room in the queue back.
+            Cmd::Append { seq, call, permit: _permit } => {
                 if !self.poisoned() {
                     if let Err(e) = self.append_call(*call) {
                         self.fail(&e);
@@ -133,7 +139,7 @@ impl Writer {
                 }
                 self.written_seq = seq;
             }
-            Cmd::Annotate { seq, ann, reply } => {
+            Cmd::Annotate { seq, ann, reply, permit: _permit } => {
                 if !self.poisoned() {
                     match self.append_annotation(&ann) {
                         Ok(count) => {
@@ -154,8 +160,8 @@ impl Writer {
                 };
                 let _ = reply.send(result);
             }
-            // Taken by `run`, which decides when to commit.
-            Cmd::SyncSoon => {}
+            // Taken by `run`, which decides when to commit and when to stop.
+            Cmd::SyncSoon | Cmd::Close => {}
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
             Cmd::ReserveGeneration { reply } => {
                 let generation = self.manifest.next_shard_generation.max(1);

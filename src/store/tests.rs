@@ -1,0 +1,269 @@
+//! The writer protocol, tested from inside the store: sequence and durable
+//! numbers, receipts, back-pressure, poisoning, `SyncSoon`.
+//!
+//! No verdict depends on timing: the writer is held at a gate on its next
+//! disk operation (a fault plan), back-pressure is observed through the
+//! queue's count of waiting appenders, and every wait is for an event the test
+//! itself causes (the timeouts are hang guards only).
+
+use super::*;
+use crate::storage::fault::{Fault, FaultPlan, Op, EIO, ENOSPC};
+use std::sync::mpsc;
+
+const NEVER: Duration = Duration::from_secs(120);
+
+/// Holds the writer thread at its next disk operation; on release, lets it
+/// (and every later operation) proceed, or fail with an errno.
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    armed: bool,
+    held: bool,
+    fail: Option<i32>,
+}
+
+impl Gate {
+    fn arm(&self) {
+        lock(&self.state).armed = true;
+    }
+
+    /// Wait until the writer is held at a disk operation.
+    fn wait_held(&self) {
+        let s = lock(&self.state);
+        let (s, timeout) = self.changed.wait_timeout_while(s, NEVER, |s| !s.held).unwrap_or_else(|e| e.into_inner());
+        assert!(s.held && !timeout.timed_out(), "the writer never reached a disk operation");
+    }
+
+    /// Let the held operation go on, failing it and every later one with
+    /// `fail` if given.
+    fn release(&self, fail: Option<i32>) {
+        let mut s = lock(&self.state);
+        s.armed = false;
+        s.fail = s.fail.or(fail);
+        self.changed.notify_all();
+    }
+}
+
+impl FaultPlan for Gate {
+    fn check(&self, _op: &Op<'_>) -> Fault {
+        let mut s = lock(&self.state);
+        if s.armed {
+            s.held = true;
+            self.changed.notify_all();
+            s = self.changed.wait_while(s, |s| s.armed).unwrap_or_else(|e| e.into_inner());
+            s.held = false;
+        }
+        s.fail.map_or(Fault::Proceed, Fault::Fail)
+    }
+}
+
+fn call(session: &str, n: usize) -> Call {
+    Call {
+        trace_id: format!("{session}/{n}"),
+        session_id: session.to_owned(),
+        timestamp: n as f64,
+        prompt_token_ids: (0..32 + 8 * n as u32).collect(),
+        completion_token_ids: vec![n as u32; 8],
+        logprobs: Some(vec![-0.25; 8]),
+        ..Default::default()
+    }
+}
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+/// A store whose writer can be held at a gate; a queue of one record.
+fn gated(dir: &Path, durability: Durability) -> (Store, Arc<Gate>) {
+    let gate = Arc::new(Gate::default());
+    let options = Options {
+        durability,
+        queue_depth: 1,
+        // Out of reach: every fsync in these tests is one a test asked for.
+        group_commit_ms: 600_000,
+        faults: Some(gate.clone()),
+        ..Options::default()
+    };
+    (Store::open(dir, options).expect("open"), gate)
+}
+
+/// Hold the writer inside the commit of a batch holding `first` alone, then
+/// queue `second` behind it (filling the queue of one), and start a third
+/// appender, which waits for room. Returns the receipts and that appender.
+fn back_pressure(store: &Arc<Store>, gate: &Gate) -> (Receipt, Receipt, mpsc::Receiver<Result<()>>) {
+    gate.arm();
+    let r1 = store.append(call("s", 0)).expect("append");
+    gate.wait_held();
+    // The writer handled `s/0` (its room is back) and is held writing it.
+    let r2 = store.append(call("s", 1)).expect("append");
+    let (tx, rx) = mpsc::channel();
+    let s = store.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(s.append_durable(call("s", 2)));
+    });
+    store.inner.queue.wait_for_waiters(1);
+    (r1, r2, rx)
+}
+
+#[test]
+fn sequence_numbers_are_log_order_and_one_wait_covers_every_earlier_append() {
+    let dir = tempdir();
+    let store = Arc::new(Store::open(dir.path(), Options { queue_depth: 4, ..Options::default() }).expect("open"));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                (0..50)
+                    .map(|n| (store.append(call(&format!("t{t}"), n)).expect("append"), format!("t{t}/{n}")))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut receipts: Vec<(Receipt, String)> = threads.into_iter().flat_map(|t| t.join().expect("appender")).collect();
+    receipts.sort_by_key(|(r, _)| r.seq());
+    let seqs: Vec<u64> = receipts.iter().map(|(r, _)| r.seq()).collect();
+    assert_eq!(seqs, (1..=200).collect::<Vec<u64>>(), "one sequence number per append, none skipped");
+    // Waiting for the last covers every earlier append.
+    receipts.last().expect("appended").0.wait().expect("durable");
+    assert!(store.inner.durable_seq.load(Ordering::Acquire) >= 200);
+    let snap = store.snapshot();
+    for (r, id) in &receipts {
+        r.wait().expect("already durable");
+        assert!(snap.get(id).expect("read").is_some(), "{id} durable but not visible");
+    }
+    // The log holds the calls in sequence order.
+    let mut logged = Vec::new();
+    snap.for_each_call(|c| {
+        logged.push((c.loc, c.trace_id().to_owned()));
+        Ok(())
+    })
+    .expect("scan");
+    logged.sort_by_key(|(loc, _)| *loc);
+    let by_seq: Vec<&str> = receipts.iter().map(|(_, id)| id.as_str()).collect();
+    let by_log: Vec<&str> = logged.iter().map(|(_, id)| id.as_str()).collect();
+    assert_eq!(by_log, by_seq);
+}
+
+#[test]
+fn back_pressure_holds_an_appender_until_the_writer_takes_a_record() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Buffered);
+    let store = Arc::new(store);
+    let (r1, r2, third) = back_pressure(&store, &gate);
+    assert!(third.try_recv().is_err(), "the queue of one is full: the third append waits");
+    assert_eq!(store.inner.queue.in_flight().0, 1);
+    gate.release(None);
+    third.recv_timeout(NEVER).expect("released").expect("appended");
+    r1.wait().expect("durable");
+    r2.wait().expect("durable");
+    let snap = store.snapshot();
+    for n in 0..3 {
+        assert!(snap.get(&format!("s/{n}")).expect("read").is_some());
+    }
+    assert_eq!(store.inner.queue.in_flight(), (0, 0), "all room given back");
+}
+
+#[test]
+fn a_durability_wait_is_not_queued_behind_appenders() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Group);
+    let store = Arc::new(store);
+    let (_r1, r2, third) = back_pressure(&store, &gate);
+    // Even with the append lock taken (as an appender stuck in a blocking
+    // send under it would), a durability wait asks for its sync at once.
+    let (locked_tx, locked_rx) = mpsc::channel();
+    let (unlock_tx, unlock_rx) = mpsc::channel::<()>();
+    let holder = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let _s = lock(&store.inner.send);
+            let _ = locked_tx.send(());
+            let _ = unlock_rx.recv();
+        })
+    };
+    locked_rx.recv_timeout(NEVER).expect("lock taken");
+    let (asked_tx, asked_rx) = mpsc::channel();
+    let waiter = r2.clone();
+    std::thread::spawn(move || {
+        waiter.request_sync();
+        let _ = asked_tx.send(());
+    });
+    asked_rx.recv_timeout(NEVER).expect("a durability wait's sync request waited for the append lock");
+    let tx = store.inner.tx.as_ref().expect("writable");
+    assert_eq!(tx.len(), 2, "the channel holds s/1 and the SyncSoon behind it");
+    let _ = unlock_tx.send(());
+    holder.join().expect("lock holder");
+    gate.release(None);
+    r2.wait().expect("durable");
+    third.recv_timeout(NEVER).expect("released").expect("appended");
+}
+
+#[test]
+fn a_failed_write_wakes_every_waiter_with_the_failure_s_kind() {
+    for (errno, kind) in [(ENOSPC, ErrorKind::StorageFull), (EIO, ErrorKind::Poisoned)] {
+        let dir = tempdir();
+        let (store, gate) = gated(dir.path(), Durability::Group);
+        let store = Arc::new(store);
+        let (r1, r2, third) = back_pressure(&store, &gate);
+        let (wait_tx, wait_rx) = mpsc::channel();
+        let waiter = r1.clone();
+        std::thread::spawn(move || {
+            let _ = wait_tx.send(waiter.wait());
+        });
+        // The held write of s/0 fails, and so does every later disk operation.
+        gate.release(Some(errno));
+        let check = |what: &str, result: Result<()>| {
+            let err = result.err().unwrap_or_else(|| panic!("{what} succeeded after a failed write"));
+            assert_eq!(err.kind(), &kind, "{what}: {err}");
+            assert_eq!(err.io_error().and_then(std::io::Error::raw_os_error), Some(errno), "{what}: {err}");
+            let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<std::io::Error>());
+            assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(errno), "{what}: the source chain");
+        };
+        // Pending: the appender waiting for room, durability waits.
+        check("the appender held by back-pressure", third.recv_timeout(NEVER).expect("woken"));
+        check("a waiter asleep before the failure", wait_rx.recv_timeout(NEVER).expect("woken"));
+        check("the receipt of the failed write", r1.wait());
+        check("a receipt queued behind it", r2.wait());
+        // Later calls.
+        check("append", store.append(call("s", 9)).map(drop));
+        check("flush", store.flush());
+        check("sync", store.sync());
+        check("roll", store.roll());
+        check("seal", store.seal_session("s"));
+        check("delete", store.delete_session("s").map(drop));
+        check("reward", store.set_reward(Target::Session("s".into()), 1.0));
+        check("compact", store.compact(&crate::compact::CompactOptions::default()).map(drop));
+        let store = Arc::try_unwrap(store).ok().expect("sole owner");
+        check("close", store.close());
+    }
+}
+
+#[test]
+fn a_writer_panic_wakes_an_appender_waiting_for_room() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Group);
+    let store = Arc::new(store);
+    let (r1, _r2, third) = back_pressure(&store, &gate);
+    store.inject_writer_panic().expect("sent");
+    gate.release(None);
+    let err = third.recv_timeout(NEVER).expect("woken").expect_err("refused");
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+    // s/0 was written before the panic; its receipt answers either way.
+    let _ = r1.wait();
+    assert!(store.append(call("s", 9)).is_err_and(|e| e.kind() == &ErrorKind::Poisoned));
+}
+
+#[test]
+fn queue_bytes_is_validated_and_has_a_setter() {
+    let options = Options::default().queue_bytes(1 << 20);
+    assert_eq!(options.queue_bytes, 1 << 20);
+    assert_eq!(Options::default().queue_bytes, DEFAULT_QUEUE_BYTES);
+    let dir = tempdir();
+    let err = Store::open(dir.path(), Options::default().queue_bytes(0)).err().expect("refused");
+    assert!(matches!(err.kind(), ErrorKind::InvalidInput { field } if field == "queue_bytes"), "{err}");
+}
