@@ -39,13 +39,13 @@ pub use receipt::Receipt;
 pub(crate) use recovery::{load_for_repair, lock_dir};
 
 use admission::{check_trace_id, SendState};
-use protocol::Cmd;
+use protocol::{Cmd, CompactionBase, Prepared};
 use queue::{annotation_bytes, call_bytes, Permit, Queue};
 use receipt::{lock, Durable, Inner};
 use recovery::{apply_annotation, finish_pending, load_dir, load_read_only, read_manifest};
-use writer::Writer;
+use writer::{Journal, Writer};
 
-use crate::compact::reader::{ShardFile, ShardRow};
+use crate::compact::reader::{ShardFile, ShardPos, ShardRow};
 use crate::delta::{Context, DeltaCache};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::frame::{frame_bytes, write_frame};
@@ -177,8 +177,10 @@ impl Store {
             active: Some(active),
             index: loaded.index,
             shards,
-            shard_sessions: loaded.shard_sessions,
-            shard_traces: loaded.shard_traces,
+            shard_sessions: loaded.shard_sessions.into_iter().collect(),
+            shard_traces: loaded.shard_traces.into_iter().collect(),
+            journal: None,
+            compactions: 0,
             damage,
             retiring: Vec::new(),
             old_maps: std::collections::HashMap::new(),
@@ -377,21 +379,6 @@ impl Store {
     pub fn compact(&self, options: &crate::compact::CompactOptions) -> Result<crate::compact::CompactReport> {
         let _one_at_a_time = lock(&self.inner.compacting);
         crate::compact::run(self, options)
-    }
-
-    pub(crate) fn reserve_generation(&self) -> Result<u64> {
-        self.writable()?;
-        let (tx, rx) = bounded(1);
-        self.inner.send(Cmd::ReserveGeneration { reply: tx })?;
-        rx.recv().map_err(|_| self.inner.dead_error())
-    }
-
-    pub(crate) fn publish_compaction(
-        &self,
-        staged: Vec<PendingRename>,
-        sessions: Vec<String>,
-    ) -> Result<PublishOutcome> {
-        self.control(|reply| Cmd::Publish { staged, sessions, reply })
     }
 
     /// Test hook: make the writer thread panic, as a bug would. Every pending

@@ -1,5 +1,6 @@
 //! The writer protocol, tested from inside the store: sequence and durable
-//! numbers, receipts, back-pressure, poisoning, `SyncSoon`.
+//! numbers, receipts, back-pressure, poisoning, `SyncSoon`, and a publication
+//! racing with replacements and deletions.
 //!
 //! No verdict depends on timing: the writer is held at a gate on its next
 //! disk operation (a fault plan), back-pressure is observed through the
@@ -256,6 +257,76 @@ fn a_writer_panic_wakes_an_appender_waiting_for_room() {
     // s/0 was written before the panic; its receipt answers either way.
     let _ = r1.wait();
     assert!(store.append(call("s", 9)).is_err_and(|e| e.kind() == &ErrorKind::Poisoned));
+}
+
+#[test]
+fn replacements_and_deletions_made_during_a_compaction_still_win() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    // c alone in the first segment: retirable, unless a live call of c is
+    // still in segments (c/3 below, which extends c/2's context).
+    for s in ["c", "a", "b"] {
+        for n in 0..3 {
+            store.append(call(s, n)).expect("append");
+        }
+        if s == "c" {
+            store.roll().expect("roll");
+        }
+    }
+    store.flush().expect("flush");
+    let c2 = call("c", 2);
+    let mut c3 = call("c", 3);
+    c3.prompt_token_ids = [c2.prompt_token_ids.as_slice(), &c2.completion_token_ids, &[5, 6, 7]].concat();
+    let mut replacement = call("a", 1);
+    replacement.completion_token_ids = vec![7; 5];
+    replacement.logprobs = Some(vec![-1.5; 5]);
+    // Every session is older than now: all three are compacted from the
+    // snapshot; meanwhile a/1 is replaced, b deleted, c gets a fourth call
+    // (whose prefix-delta parent c/2 is in a segment the compaction sealed).
+    let opts =
+        crate::compact::CompactOptions { selection: crate::compact::Selection::OlderThan(0.0), ..Default::default() };
+    let report = crate::compact::run_with(&store, &opts, &mut || {
+        store.append_durable(replacement.clone()).expect("replace");
+        assert_eq!(store.delete_session("b").expect("delete"), 3);
+        store.append_durable(c3.clone()).expect("append");
+    })
+    .expect("compact");
+    assert_eq!((report.sessions, report.calls), (3, 9));
+    // `first`: right after the compaction that raced with the changes.
+    let check = |store: &Store, first: bool| {
+        let snap = store.snapshot();
+        let get = |id: &str| snap.get(id).expect("read");
+        for id in ["a/0", "a/2", "c/0", "c/1", "c/2"] {
+            let v = get(id).unwrap_or_else(|| panic!("{id} lost"));
+            assert!(v.is_compacted(), "{id} is served from its shard row");
+            let (s, n) = id.split_once('/').expect("id");
+            assert_eq!(v.to_call().expect("read"), call(s, n.parse().expect("n")), "{id}");
+        }
+        let a1 = get("a/1").expect("the replacement");
+        assert_eq!(a1.to_call().expect("read"), replacement, "the replacement wins over the compacted a/1");
+        let c3_view = get("c/3").expect("c/3");
+        assert_eq!(c3_view.to_call().expect("c/3 and its parent read back"), c3);
+        if first {
+            assert!(!a1.is_compacted() && !c3_view.is_compacted(), "written after the snapshot, served from segments");
+            assert!(c3_view.parent().is_some_and(|p| p.segment == 1), "c/3 is stored as a delta on c/2");
+        }
+        for n in 0..3 {
+            assert!(get(&format!("b/{n}")).is_none(), "b/{n}: the deletion wins");
+        }
+        assert_eq!(snap.session("a", None, None).expect("read").len(), 3);
+        assert!(snap.session("b", None, None).expect("read").is_empty());
+        assert_eq!(snap.session("c", None, None).expect("read").len(), 4);
+        assert_eq!(snap.call_count(), 7);
+    };
+    check(&store, true);
+    store.close().expect("close");
+    let store = Store::open(dir.path(), Options::default()).expect("reopen");
+    check(&store, true);
+    // Compacting again takes what changed and keeps every answer.
+    store.compact(&opts).expect("compact again");
+    check(&store, false);
+    store.close().expect("close");
+    check(&Store::open(dir.path(), Options::default()).expect("reopen"), false);
 }
 
 #[test]
