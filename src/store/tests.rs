@@ -93,22 +93,47 @@ fn gated(dir: &Path, durability: Durability) -> (Store, Arc<Gate>) {
     (Store::open(dir, options).expect("open"), gate)
 }
 
-/// Hold the writer inside the commit of a batch holding `first` alone, then
-/// queue `second` behind it (filling the queue of one), and start a third
+/// An appender on its own thread.
+struct Appender {
+    done: mpsc::Receiver<Result<()>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Appender {
+    fn start(store: &Arc<Store>, call: Call) -> Self {
+        let (tx, done) = mpsc::channel();
+        let store = store.clone();
+        let thread = std::thread::spawn(move || {
+            let _ = tx.send(store.append_durable(call));
+        });
+        Self { done, thread }
+    }
+
+    /// Whether it returned (it must not while back-pressure holds it).
+    fn returned(&self) -> bool {
+        self.done.try_recv().is_ok()
+    }
+
+    /// Its result, once its thread (and its handle on the store) is gone.
+    fn result(self) -> Result<()> {
+        let result = self.done.recv_timeout(NEVER).expect("the appender returned");
+        self.thread.join().expect("appender thread");
+        result
+    }
+}
+
+/// Hold the writer inside the commit of a batch holding `s/0` alone, then
+/// queue `s/1` behind it (filling the queue of one), and start a third
 /// appender, which waits for room. Returns the receipts and that appender.
-fn back_pressure(store: &Arc<Store>, gate: &Gate) -> (Receipt, Receipt, mpsc::Receiver<Result<()>>) {
+fn back_pressure(store: &Arc<Store>, gate: &Gate) -> (Receipt, Receipt, Appender) {
     gate.arm();
     let r1 = store.append(call("s", 0)).expect("append");
     gate.wait_held();
     // The writer handled `s/0` (its room is back) and is held writing it.
     let r2 = store.append(call("s", 1)).expect("append");
-    let (tx, rx) = mpsc::channel();
-    let s = store.clone();
-    std::thread::spawn(move || {
-        let _ = tx.send(s.append_durable(call("s", 2)));
-    });
+    let third = Appender::start(store, call("s", 2));
     store.inner.queue.wait_for_waiters(1);
-    (r1, r2, rx)
+    (r1, r2, third)
 }
 
 #[test]
@@ -156,10 +181,10 @@ fn back_pressure_holds_an_appender_until_the_writer_takes_a_record() {
     let (store, gate) = gated(dir.path(), Durability::Buffered);
     let store = Arc::new(store);
     let (r1, r2, third) = back_pressure(&store, &gate);
-    assert!(third.try_recv().is_err(), "the queue of one is full: the third append waits");
+    assert!(!third.returned(), "the queue of one is full: the third append waits");
     assert_eq!(store.inner.queue.in_flight().0, 1);
     gate.release(None);
-    third.recv_timeout(NEVER).expect("released").expect("appended");
+    third.result().expect("appended");
     r1.wait().expect("durable");
     r2.wait().expect("durable");
     let snap = store.snapshot();
@@ -201,7 +226,7 @@ fn a_durability_wait_is_not_queued_behind_appenders() {
     holder.join().expect("lock holder");
     gate.release(None);
     r2.wait().expect("durable");
-    third.recv_timeout(NEVER).expect("released").expect("appended");
+    third.result().expect("appended");
 }
 
 #[test]
@@ -226,7 +251,7 @@ fn a_failed_write_wakes_every_waiter_with_the_failure_s_kind() {
             assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(errno), "{what}: the source chain");
         };
         // Pending: the appender waiting for room, durability waits.
-        check("the appender held by back-pressure", third.recv_timeout(NEVER).expect("woken"));
+        check("the appender held by back-pressure", third.result());
         check("a waiter asleep before the failure", wait_rx.recv_timeout(NEVER).expect("woken"));
         check("the receipt of the failed write", r1.wait());
         check("a receipt queued behind it", r2.wait());
@@ -252,7 +277,7 @@ fn a_writer_panic_wakes_an_appender_waiting_for_room() {
     let (r1, _r2, third) = back_pressure(&store, &gate);
     store.inject_writer_panic().expect("sent");
     gate.release(None);
-    let err = third.recv_timeout(NEVER).expect("woken").expect_err("refused");
+    let err = third.result().expect_err("refused");
     assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
     // s/0 was written before the panic; its receipt answers either way.
     let _ = r1.wait();
