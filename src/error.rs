@@ -18,7 +18,9 @@ pub enum ErrorKind {
     /// `io::Error` is kept: see [`Error::io_error`] (EIO, EACCES, …).
     Io,
     /// The disk (or the user's quota) is full: ENOSPC or EDQUOT. Free space,
-    /// then reopen the store (a failed write poisons it).
+    /// then reopen the store (a failed write poisons it: every pending and
+    /// later write of that store returns this kind, with the ENOSPC/EDQUOT
+    /// `io::Error` as its source).
     StorageFull,
     /// Bytes on disk failed validation (CRC, magic, bounds). Run `trajlog verify`.
     Corrupt { path: PathBuf, offset: u64 },
@@ -32,7 +34,9 @@ pub enum ErrorKind {
     Locked,
     /// The store was closed, or opened read-only and a write was attempted.
     Closed,
-    /// A write or fsync failed earlier; the store refuses further writes.
+    /// A write or fsync failed earlier (EIO, …; a full disk is
+    /// `StorageFull` instead), or the writer thread died; the store refuses
+    /// further writes. The failure's `io::Error`, if any, is the source.
     /// Reopen the store to recover to the last durable record.
     Poisoned,
     /// The thing asked for does not exist.
@@ -112,9 +116,15 @@ impl Error {
     }
 
     /// The error of a store poisoned by `cause`; keeps `cause`'s `io::Error`.
+    /// Its kind is `Poisoned` (reopen the store), except when the disk was
+    /// full: that stays `StorageFull`, since space must be freed first.
     pub(crate) fn poisoned(cause: &Error) -> Self {
+        let kind = match cause.kind {
+            ErrorKind::StorageFull => ErrorKind::StorageFull,
+            _ => ErrorKind::Poisoned,
+        };
         Self {
-            kind: ErrorKind::Poisoned,
+            kind,
             message: format!("store is poisoned by an earlier write failure ({cause}); no further writes are accepted — reopen the store to recover"),
             source: cause.source.clone(),
         }
@@ -162,9 +172,16 @@ mod tests {
         let eio = Error::io("write seg", std::io::Error::from_raw_os_error(5));
         assert_eq!(eio.kind(), &ErrorKind::Io);
         assert_eq!(eio.io_error().and_then(std::io::Error::raw_os_error), Some(5));
-        let poisoned = Error::poisoned(&full);
+        // A store poisoned by a full disk says so by its kind; by EIO, it is
+        // poisoned. Both keep the cause.
+        let full_poisoned = Error::poisoned(&full);
+        assert_eq!(full_poisoned.kind(), &ErrorKind::StorageFull);
+        assert!(full_poisoned.message().contains("poisoned"), "{full_poisoned}");
+        assert_eq!(full_poisoned.io_error().and_then(std::io::Error::raw_os_error), Some(ENOSPC));
+        assert!(std::error::Error::source(&full_poisoned).is_some());
+        let poisoned = Error::poisoned(&eio);
         assert_eq!(poisoned.kind(), &ErrorKind::Poisoned);
-        assert_eq!(poisoned.io_error().and_then(std::io::Error::raw_os_error), Some(ENOSPC));
+        assert_eq!(poisoned.io_error().and_then(std::io::Error::raw_os_error), Some(5));
         assert!(std::error::Error::source(&poisoned).is_some());
         assert!(Error::closed().io_error().is_none());
     }

@@ -26,8 +26,13 @@ pub const DELTA_LOOKBACK_CALLS: usize = 8;
 pub const SEGMENT_BYTES_MIN: u64 = 64 * 1024;
 /// Default segment size at which the writer seals and rolls to a new segment.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
-/// Default depth of the append channel (records in flight to the writer thread).
+/// Default number of records (calls and annotations) in flight between
+/// appenders and the writer thread; past it, appenders wait (back-pressure).
 pub const DEFAULT_QUEUE_DEPTH: usize = 4096;
+/// Default bytes of records in flight between appenders and the writer thread
+/// (their token columns, documents and blobs); past it, appenders wait. A
+/// record larger than the budget is taken alone, when nothing else is in flight.
+pub const DEFAULT_QUEUE_BYTES: u64 = 64 * 1024 * 1024;
 /// Default group-commit interval for `Durability::Group`.
 pub const DEFAULT_GROUP_COMMIT_MS: u64 = 5;
 /// Default memory the writer spends remembering recent session contexts for

@@ -6,7 +6,8 @@
 //! `Receipt::wait` or a later `flush` returned Ok) is present and bit-exact
 //! after reopening; nothing corrupt is served (every call decodes, `verify`
 //! passes); a failed write or fsync poisons the store with an error that says
-//! what failed, and every later write is refused.
+//! what failed (its kind `StorageFull` when the disk is full, its
+//! `io::Error` as the source), and every later write is refused.
 //!
 //! Every test here counts disk operations ("fail the n-th fsync", "cut at the
 //! k-th sync point"), so the sequence of operations must not depend on thread
@@ -188,6 +189,16 @@ fn fails_with(e: &trajlog::Error, what: &str) {
     assert!(e.message().contains(what), "error {e:?} should say {what:?}");
 }
 
+/// A full disk: the kind says so (also once the store is poisoned by it), and
+/// the ENOSPC is the error's source.
+fn full_disk(e: &trajlog::Error) {
+    assert_eq!(e.kind(), &ErrorKind::StorageFull, "{e}");
+    assert!(e.message().contains("No space left on device"), "{e}");
+    assert_eq!(e.io_error().and_then(std::io::Error::raw_os_error), Some(ENOSPC), "{e}");
+    let source = std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>());
+    assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(ENOSPC), "{e}: the source");
+}
+
 #[test]
 fn eio_on_a_segment_write_poisons_and_loses_nothing_acknowledged() {
     let calls = workload(6, 6);
@@ -201,9 +212,14 @@ fn eio_on_a_segment_write_poisons_and_loses_nothing_acknowledged() {
         assert!(plan.tripped(), "the workload reached write #{nth}");
         let err = err.expect("the failed write surfaces");
         fails_with(&err, "Input/output error");
+        assert_eq!(err.io_error().and_then(std::io::Error::raw_os_error), Some(EIO), "{err}");
         // Poisoned: later writes are refused with the cause.
         let again = store.append(calls[0].clone()).and_then(|r| r.wait());
-        assert!(again.is_err_and(|e| matches!(e.kind(), ErrorKind::Poisoned)), "writes after a failure are refused");
+        assert!(
+            again.is_err_and(|e| matches!(e.kind(), ErrorKind::Poisoned)
+                && e.io_error().and_then(std::io::Error::raw_os_error) == Some(EIO)),
+            "writes after a failure are refused, with the EIO"
+        );
         let _ = store.close();
         check_reopened(dir.path(), &acked);
     }
@@ -238,8 +254,13 @@ fn disk_full_ends_with_a_clear_error_and_an_intact_store() {
         let store = store.expect("open");
         let (acked, err) = drive(&store, &stepped, &calls, 4);
         assert!(plan.tripped(), "the workload reached write #6");
-        fails_with(&err.expect("disk full surfaces"), "No space left on device");
-        let _ = store.close();
+        full_disk(&err.expect("disk full surfaces"));
+        // Every later call says so too, not just "poisoned".
+        let appended = store.append(calls[0].clone());
+        full_disk(&appended.and_then(|r| r.wait()).expect_err("an append after a full disk"));
+        full_disk(&store.flush().expect_err("a flush after a full disk"));
+        full_disk(&store.seal_session("s0").expect_err("a seal after a full disk"));
+        full_disk(&store.close().expect_err("close reports the full disk"));
         check_reopened(dir.path(), &acked);
         // Space again: the reopened store takes more appends.
         let store = Store::open(dir.path(), Options::default()).expect("reopen");

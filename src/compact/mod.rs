@@ -5,8 +5,10 @@
 //! Streaming: one session is materialized at a time, rows are flushed a row
 //! group at a time, so memory is bounded by the largest session plus one row
 //! group, however large the store. The heavy work runs in the caller's thread on
-//! a snapshot; only the publication goes through the writer thread, which owns
-//! the manifest and the indexes.
+//! a snapshot — building the shards, and preparing the index changes of their
+//! publication; only committing the publication and applying those changes
+//! goes through the writer thread, which owns the manifest and the indexes
+//! (store/publish.rs).
 
 mod build;
 
@@ -249,6 +251,16 @@ impl Store {
 }
 
 fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
+    run_with(store, opts, &mut || {})
+}
+
+/// [`run`], calling `before_publish` once the shards are staged, before they
+/// are published (tests use it to change the store meanwhile).
+pub(crate) fn run_with(
+    store: &Store,
+    opts: &CompactOptions,
+    before_publish: &mut dyn FnMut(),
+) -> Result<CompactReport> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
     }
@@ -258,9 +270,10 @@ fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
         }
     }
     let started = Instant::now();
-    // Seal the active segment so that what gets compacted can be retired.
-    store.roll()?;
-    let snap = store.snapshot();
+    // Seal the active segment so that what gets compacted can be retired, and
+    // compact what is durable then.
+    let compaction = store.begin_compaction()?;
+    let snap = compaction.snapshot()?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let selected: Vec<String> = snap
         .sessions()
@@ -271,7 +284,7 @@ fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
         })
         .map(|s| s.session_id)
         .collect();
-    let generation = store.reserve_generation()?;
+    let generation = compaction.generation();
     let shards_dir = store.dir().join(SHARDS_DIR);
     let mut steps_w =
         TableWriter::new(&shards_dir, "steps", generation, steps_schema(), opts.compression, opts.shard_bytes)?;
@@ -350,7 +363,8 @@ fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
     };
     drop(snap);
     staged.retain(|p| p.shard.rows > 0);
-    let outcome = store.publish_compaction(staged.clone(), compacted)?;
+    before_publish();
+    let outcome = store.publish_compaction(compaction, staged.clone(), compacted)?;
     report.retired_segments = outcome.retired_segments.len();
     for p in &staged {
         let path = shards_dir.join(&p.shard.path);

@@ -1,15 +1,17 @@
 //! The append boundary: sequence numbers, sealed sessions, and the trace id
 //! rule checked against the published index and the appends and deletions
-//! still in flight (format-spec/record.md §6).
+//! still in flight (format-spec/record.md §6). Back-pressure is taken before
+//! this boundary (queue.rs), never under its lock.
 
 use super::*;
 
 /// An append not yet durable: its sequence number and its sessions.
 pub(super) type InFlightCall = (u64, Arc<[Arc<str>]>);
 
+/// What the append lock guards. It is never held while waiting: room in the
+/// queue is taken before it, and the channel sent on under it is unbounded.
 pub(super) struct SendState {
     pub(super) next_seq: u64,
-    pub(super) tx: Option<Sender<Cmd>>,
     /// Sealed sessions: appends to them are refused at the boundary.
     pub(super) sealed: HashSet<String>,
     /// Appends not yet durable (so not yet in the published view), by trace id:
@@ -23,10 +25,9 @@ pub(super) struct SendState {
 }
 
 impl SendState {
-    pub(super) fn new(tx: Option<Sender<Cmd>>, sealed: HashSet<String>) -> Self {
+    pub(super) fn new(sealed: HashSet<String>) -> Self {
         Self {
             next_seq: 0,
-            tx,
             sealed,
             calls_in_flight: std::collections::HashMap::new(),
             deletes_in_flight: Vec::new(),

@@ -2,14 +2,19 @@
 //! the only place in the crate with locks and threads.
 //!
 //! # Write path
-//! `append` validates the call (nothing is written if that fails), takes a
-//! sequence number and hands the call over a bounded channel to the writer
-//! thread (a full channel makes the caller wait: back-pressure, never a drop).
+//! `append` validates the call (nothing is written if that fails), takes room
+//! in the queue — waiting, with no lock held, while the records in flight to
+//! the writer pass `queue_depth` or `queue_bytes` (back-pressure, never a
+//! drop; queue.rs) — then, under the append lock, takes a sequence number and
+//! sends the call on an unbounded channel to the writer thread, so sends never
+//! block and the writer sees records in sequence order.
 //! The writer drains the channel in batches, chooses each call's prefix-delta
 //! parent, frames and CRCs it, writes the batch with one positional write, and
 //! makes it durable according to [`Durability`]. Only then does it publish a new
 //! index view and advance the durable sequence number that [`Receipt`]s wait on.
-//! Any failed write or fsync poisons the store.
+//! Any failed write or fsync poisons the store: every pending and later call
+//! (durability waits, appenders waiting for room) gets the failure, whose
+//! kind is `StorageFull` for a full disk and `Poisoned` otherwise.
 //!
 //! # Read path
 //! [`Store::snapshot`] clones an `Arc` of the last published view. A view holds
@@ -20,10 +25,13 @@ mod admission;
 mod options;
 mod protocol;
 mod publish;
+mod queue;
 mod receipt;
 mod recovery;
 mod recovery_report;
 mod retire;
+#[cfg(test)]
+mod tests;
 mod writer;
 
 pub use options::{Durability, Options, RecoveryMode};
@@ -33,11 +41,12 @@ pub(crate) use recovery::{load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 
 use admission::{check_trace_id, SendState};
-use protocol::Cmd;
+use protocol::{Cmd, CompactionBase, Prepared};
+use queue::{annotation_bytes, call_bytes, Permit, Queue};
 use receipt::{lock, Durable, Inner};
 use recovery::seal_skipped_active;
 use recovery::{apply_annotation, check_absolute, finish_pending, load_dir, load_read_only, read_manifest};
-use writer::Writer;
+use writer::{Journal, Writer};
 
 use crate::delta::{Context, DeltaCache};
 use crate::error::Problem;
@@ -56,9 +65,9 @@ use crate::record::{Annotation, Call, Target};
 use crate::segment::recovery::{load_segment, OnDamage};
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
-use crate::shard::reader::{ShardFile, ShardRow};
+use crate::shard::reader::{ShardFile, ShardPos, ShardRow};
 use crate::snapshot::{Snapshot, View};
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use std::collections::HashSet;
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -155,11 +164,13 @@ impl Store {
         let report = Mutex::new(Arc::new(std::mem::take(&mut loaded.report)));
         let view =
             Arc::new(View { index: loaded.index.clone(), segments, shards: shards.clone(), damage: damage.clone() });
-        let (tx, rx) = bounded(options.queue_depth);
+        let (tx, rx) = unbounded();
         let inner = Arc::new(Inner {
             dir: dir.clone(),
             options: options.clone(),
-            send: Mutex::new(SendState::new(Some(tx), sealed)),
+            tx: Some(tx),
+            queue: Arc::new(Queue::new(options.queue_depth as u64, options.queue_bytes)),
+            send: Mutex::new(SendState::new(sealed)),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: false }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -176,8 +187,10 @@ impl Store {
             active: Some(active),
             index: loaded.index,
             shards,
-            shard_sessions: loaded.shard_sessions,
-            shard_traces: loaded.shard_traces,
+            shard_sessions: loaded.shard_sessions.into_iter().collect(),
+            shard_traces: loaded.shard_traces.into_iter().collect(),
+            journal: None,
+            compactions: 0,
             damage,
             retiring: Vec::new(),
             old_maps: std::collections::HashMap::new(),
@@ -211,7 +224,9 @@ impl Store {
         let inner = Arc::new(Inner {
             dir,
             options: Options::default().recovery(recovery),
-            send: Mutex::new(SendState::new(None, HashSet::new())),
+            tx: None,
+            queue: Arc::new(Queue::new(1, 1)),
+            send: Mutex::new(SendState::new(HashSet::new())),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -251,26 +266,35 @@ impl Store {
         &self.inner.options
     }
 
-    fn sender(&self) -> Result<MutexGuard<'_, SendState>> {
+    /// Refuse writes to a read-only or poisoned store.
+    fn writable(&self) -> Result<()> {
         if self.read_only {
             return Err(Error::new(ErrorKind::Closed, "store is open read-only; open it with Store::open to write"));
         }
-        if let Some(e) = self.inner.poisoned_error() {
-            return Err(e);
+        match self.inner.poisoned_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(lock(&self.inner.send))
     }
 
-    fn send(&self, state: &mut SendState, cmd: Cmd) -> Result<()> {
-        let tx = state.tx.as_ref().ok_or_else(Error::closed)?;
-        tx.send(cmd).map_err(|_| self.inner.dead_error())
+    /// Send a command that takes a sequence number, under the append lock
+    /// (which `s` is); the lock is released before a dead writer is waited on.
+    fn send_in_order(&self, s: MutexGuard<'_, SendState>, cmd: Cmd) -> Result<()> {
+        let tx = self.inner.tx.as_ref().ok_or_else(Error::closed)?;
+        let sent = tx.send(cmd);
+        drop(s);
+        sent.map_err(|_| self.inner.dead_error())
     }
 
-    /// Append a call. Returns once the writer has it (waiting if the queue is
-    /// full); [`Receipt::wait`] or [`Store::flush`] make it durable.
+    /// Append a call. Returns once the writer has it (waiting while the queue
+    /// is full: see [`Options::queue_depth`], [`Options::queue_bytes`]);
+    /// [`Receipt::wait`] or [`Store::flush`] make it durable.
     pub fn append(&self, call: Call) -> Result<Receipt> {
         call.validate()?;
-        let mut s = self.sender()?;
+        self.writable()?;
+        // Back-pressure first, holding no lock.
+        let permit = self.inner.queue.acquire(call_bytes(&call))?;
+        let mut s = lock(&self.inner.send);
         for id in std::iter::once(&call.session_id).chain(&call.session_uids) {
             if s.sealed.contains(id) {
                 return Err(Error::invalid(
@@ -300,7 +324,7 @@ impl Store {
         s.next_seq += 1;
         let seq = s.next_seq;
         s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
-        self.send(&mut s, Cmd::Append { seq, call: Box::new(call) })?;
+        self.send_in_order(s, Cmd::Append { seq, call: Box::new(call), permit })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 
@@ -311,7 +335,9 @@ impl Store {
 
     fn annotate(&self, ann: Annotation, reply: Option<Sender<u64>>) -> Result<Receipt> {
         ann.validate()?;
-        let mut s = self.sender()?;
+        self.writable()?;
+        let permit = self.inner.queue.acquire(annotation_bytes(&ann))?;
+        let mut s = lock(&self.inner.send);
         match &ann {
             Annotation::Seal { session_id } => {
                 s.sealed.insert(session_id.clone());
@@ -326,7 +352,7 @@ impl Store {
         if let Annotation::DeleteSession { session_id } = &ann {
             s.deletes_in_flight.push((seq, session_id.clone()));
         }
-        self.send(&mut s, Cmd::Annotate { seq, ann, reply })?;
+        self.send_in_order(s, Cmd::Annotate { seq, ann, reply, permit })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 
@@ -348,12 +374,13 @@ impl Store {
         rx.recv().map_err(|_| self.inner.dead_error())
     }
 
-    fn control(&self, make: impl FnOnce(Sender<Result<()>>) -> Cmd) -> Result<()> {
+    /// Send a command that needs no sequence number (no lock, no wait for
+    /// room: it follows every append that returned before it) and wait for
+    /// its answer.
+    fn control<T>(&self, make: impl FnOnce(Sender<Result<T>>) -> Cmd) -> Result<T> {
+        self.writable()?;
         let (tx, rx) = bounded(1);
-        {
-            let mut s = self.sender()?;
-            self.send(&mut s, make(tx))?;
-        }
+        self.inner.send(make(tx))?;
         rx.recv().map_err(|_| self.inner.dead_error())?
     }
 
@@ -380,34 +407,12 @@ impl Store {
         lock(&self.inner.compacting)
     }
 
-    pub(crate) fn reserve_generation(&self) -> Result<u64> {
-        let (tx, rx) = bounded(1);
-        {
-            let mut s = self.sender()?;
-            self.send(&mut s, Cmd::ReserveGeneration { reply: tx })?;
-        }
-        rx.recv().map_err(|_| self.inner.dead_error())
-    }
-
-    pub(crate) fn publish_compaction(
-        &self,
-        staged: Vec<PendingRename>,
-        sessions: Vec<String>,
-    ) -> Result<PublishOutcome> {
-        let (tx, rx) = bounded(1);
-        {
-            let mut s = self.sender()?;
-            self.send(&mut s, Cmd::Publish { staged, sessions, reply: tx })?;
-        }
-        rx.recv().map_err(|_| self.inner.dead_error())?
-    }
-
     /// Test hook: make the writer thread panic, as a bug would. Every pending
     /// and later call then fails with `ErrorKind::Poisoned` (none hangs).
     #[doc(hidden)]
     pub fn inject_writer_panic(&self) -> Result<()> {
-        let mut s = self.sender()?;
-        self.send(&mut s, Cmd::Panic)
+        self.writable()?;
+        self.inner.send(Cmd::Panic)
     }
 
     /// A consistent view of everything acknowledged so far; cheap, and safe to
@@ -425,13 +430,16 @@ impl Store {
     fn shutdown(&mut self) -> Result<()> {
         let Some(handle) = self.writer.take() else { return Ok(()) };
         let flushed = self.sync();
-        lock(&self.inner.send).tx = None;
+        // No other call can be under way (`&mut self`); receipts may still ask
+        // for a sync, which the writer ignores once it stops.
+        let _ = self.inner.send(Cmd::Close);
         let joined = handle.join();
         {
             let mut d = lock(&self.inner.durable);
             d.closed = true;
             self.inner.durable_cv.notify_all();
         }
+        self.inner.queue.stop(Error::closed());
         if joined.is_err() {
             return Err(Error::new(ErrorKind::Io, "the writer thread panicked; reopen the store to recover"));
         }

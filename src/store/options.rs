@@ -130,8 +130,14 @@ pub struct Options {
     pub group_commit_ms: u64,
     /// Seal and roll to a new segment when the active one reaches this size.
     pub segment_bytes: u64,
-    /// Records in flight between appenders and the writer thread.
+    /// Records (calls and annotations) in flight between appenders and the
+    /// writer thread. Past it, appenders wait (back-pressure, never a drop).
     pub queue_depth: usize,
+    /// Bytes of records in flight between appenders and the writer thread
+    /// (token columns, documents, blobs: what the queued calls hold in
+    /// memory). Past it, appenders wait. A record larger than this is taken
+    /// alone, once nothing else is in flight, so it never waits for ever.
+    pub queue_bytes: u64,
     /// Memory for prefix-delta contexts.
     pub delta_cache_bytes: u64,
     /// What opening does about damage in the log ([`RecoveryMode`]).
@@ -194,6 +200,7 @@ impl Default for Options {
             group_commit_ms: DEFAULT_GROUP_COMMIT_MS,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             queue_depth: DEFAULT_QUEUE_DEPTH,
+            queue_bytes: DEFAULT_QUEUE_BYTES,
             delta_cache_bytes: DEFAULT_DELTA_CACHE_BYTES,
             faults: None,
             recovery: RecoveryMode::TolerateTornTail,
@@ -202,6 +209,12 @@ impl Default for Options {
 }
 
 impl Options {
+    /// Set [`Options::queue_bytes`].
+    pub fn queue_bytes(mut self, v: u64) -> Self {
+        self.queue_bytes = v;
+        self
+    }
+
     pub(super) fn validate(&self) -> Result<()> {
         if self.segment_bytes < SEGMENT_BYTES_MIN {
             return Err(Error::limit(
@@ -213,6 +226,9 @@ impl Options {
         }
         if self.queue_depth == 0 {
             return Err(Error::invalid("queue_depth", "must be at least 1"));
+        }
+        if self.queue_bytes == 0 {
+            return Err(Error::invalid("queue_bytes", "must be at least 1 (a larger record is still taken, alone)"));
         }
         Ok(())
     }

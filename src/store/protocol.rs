@@ -1,4 +1,11 @@
 //! What appenders and the store API send the writer thread, and what it answers.
+//!
+//! The channel is unbounded: back-pressure is taken before a command is sent
+//! (records carry a [`Permit`] of the queue's budget, see `queue.rs`), so a
+//! send never blocks and no lock is held across one. Appends and annotations
+//! are sent under the append lock, right after their sequence number is
+//! assigned, so the writer sees them in sequence order (log order ==
+//! sequence order). Other commands need no lock.
 
 use super::*;
 
@@ -6,11 +13,14 @@ pub(super) enum Cmd {
     Append {
         seq: u64,
         call: Box<Call>,
+        /// Its room in the queue; the writer drops it once the call is handled.
+        permit: Permit,
     },
     Annotate {
         seq: u64,
         ann: Annotation,
         reply: Option<Sender<u64>>,
+        permit: Permit,
     },
     Flush {
         fsync: bool,
@@ -22,23 +32,66 @@ pub(super) enum Cmd {
     Roll {
         reply: Sender<Result<()>>,
     },
-    /// Reserve a shard generation number for a compaction.
-    ReserveGeneration {
-        reply: Sender<u64>,
+    /// Start a compaction: seal the active segment, make everything durable,
+    /// reserve a shard generation, and from here on note which trace ids the
+    /// writer changes, until the compaction publishes or ends.
+    BeginCompaction {
+        reply: Sender<Result<CompactionBase>>,
+    },
+    /// A compaction begun with this token ends without publishing.
+    EndCompaction {
+        token: u64,
     },
     /// Test hook ([`Store::inject_writer_panic`]): the writer thread panics.
     Panic,
-    /// Publish staged shards, switch compacted calls to them, retire segments.
+    /// Publish staged shards, apply the prepared index changes (re-checking
+    /// what changed since the compaction began), retire segments.
     Publish {
         staged: Vec<PendingRename>,
         sessions: Vec<String>,
-        reply: Sender<Result<PublishOutcome>>,
+        prepared: Box<Prepared>,
+        reply: Sender<(Result<PublishOutcome>, Box<Prepared>)>,
     },
+    /// The store is closing (it flushed first): commit and stop.
+    Close,
+}
+
+/// What a compaction starts from: the state the writer published when it
+/// began (everything durable, the active segment sealed), and what the
+/// compacting thread needs to prepare the publication's index changes.
+pub(super) struct CompactionBase {
+    pub(super) token: u64,
+    pub(super) generation: u64,
+    pub(super) view: Arc<View>,
+    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
+    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
+}
+
+/// A publication's index changes, prepared by the compacting thread from
+/// the compaction's base view (store/publish.rs); the writer thread applies
+/// them, re-checking only the trace ids it changed since that view.
+pub(super) struct Prepared {
+    pub(super) token: u64,
+    /// The shard id of `files[0]` (the base view's shard count).
+    pub(super) first_shard_id: u32,
+    /// The new `steps` shards, opened and checked, at their final paths.
+    pub(super) files: Vec<ShardFile>,
+    /// The base view's trace map with the compacted calls switched to their
+    /// shard rows.
+    pub(super) traces: imbl::HashMap<Arc<str>, CallMeta>,
+    /// Every compacted call: trace id → (the log position it was compacted
+    /// from, its shard row).
+    pub(super) placements: std::collections::HashMap<Arc<str>, (Loc, ShardPos)>,
+    /// Every trace id and session with a shard row, the new ones included.
+    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
+    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
+    /// For retirement: live calls of `traces` still served from segments,
+    /// counted by primary session (sessions with none are absent).
+    pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,
 }
 
 /// What publishing a compaction did.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct PublishOutcome {
-    pub calls_placed: u64,
     pub retired_segments: Vec<u64>,
 }

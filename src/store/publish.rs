@@ -1,18 +1,219 @@
-//! Publishing a compaction (format-spec/shard.md §5), in the writer thread.
+//! Publishing a compaction (format-spec/shard.md §5), split by who owns what.
+//!
+//! The compacting thread does the work proportional to the store: it opens
+//! and checks the new `steps` shards and reads their rows, switches the
+//! compacted calls to their shard rows in a copy of the index taken when the
+//! compaction began (a persistent map: the copy is O(1), each switch
+//! O(log n)), and counts, for retirement, the live calls still in segments.
+//! The writer thread, which owns the manifest and the indexes, then commits
+//! the publication and applies those changes, re-checking only the trace ids
+//! it changed since the compaction began (it notes them from then on), so a
+//! replacement or a deletion made meanwhile still wins, exactly as if every
+//! compacted call had been switched on the writer thread.
 
 use super::*;
 
+/// A compaction begun ([`Store::begin_compaction`]): its shard generation and
+/// the snapshot it compacts. Dropped without publishing, it tells the writer
+/// to stop noting changes for it.
+pub(crate) struct Compaction {
+    inner: Arc<Inner>,
+    base: Option<CompactionBase>,
+}
+
+impl Compaction {
+    /// The shard generation reserved for this compaction's files.
+    pub(crate) fn generation(&self) -> u64 {
+        self.base.as_ref().map_or(0, |b| b.generation)
+    }
+
+    /// What the compaction reads: everything durable when it began, with the
+    /// active segment sealed.
+    pub(crate) fn snapshot(&self) -> Result<Snapshot> {
+        self.base.as_ref().map(|b| Snapshot::new(b.view.clone())).ok_or_else(Error::closed)
+    }
+}
+
+impl Drop for Compaction {
+    fn drop(&mut self) {
+        if let Some(base) = &self.base {
+            end_compaction(&self.inner, base.token);
+        }
+    }
+}
+
+/// Tell the writer that compaction `token` ends unpublished (best effort: a
+/// writer that is gone notes nothing any more).
+fn end_compaction(inner: &Inner, token: u64) {
+    if let Some(tx) = &inner.tx {
+        let _ = tx.send(Cmd::EndCompaction { token });
+    }
+}
+
+impl Store {
+    /// Start a compaction: seal the active segment so that what is compacted
+    /// can be retired, make everything durable, reserve a shard generation.
+    pub(crate) fn begin_compaction(&self) -> Result<Compaction> {
+        let base = self.control(|reply| Cmd::BeginCompaction { reply })?;
+        Ok(Compaction { inner: self.inner.clone(), base: Some(base) })
+    }
+
+    /// Publish the staged shards of `compaction`, which compacted `sessions`:
+    /// prepare the index changes here, in the caller's thread, then have the
+    /// writer commit and apply them.
+    pub(crate) fn publish_compaction(
+        &self,
+        mut compaction: Compaction,
+        staged: Vec<PendingRename>,
+        sessions: Vec<String>,
+    ) -> Result<PublishOutcome> {
+        self.writable()?;
+        let base = compaction.base.take().ok_or_else(Error::closed)?;
+        let token = base.token;
+        let prepared = match prepare(&self.inner.dir, base, &staged) {
+            Ok(p) => p,
+            Err(e) => {
+                // Nothing was published.
+                end_compaction(&self.inner, token);
+                let shards_dir = self.inner.dir.join(SHARDS_DIR);
+                for p in &staged {
+                    let _ = fs::remove_file(shards_dir.join(&p.staged));
+                }
+                return Err(e);
+            }
+        };
+        let (tx, rx) = bounded(1);
+        self.inner.send(Cmd::Publish { staged, sessions, prepared: Box::new(prepared), reply: tx })?;
+        // The writer hands back what it did not keep, to be freed here.
+        let (outcome, _leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
+        outcome
+    }
+}
+
+/// The compacting thread's part of a publication: open the new `steps`
+/// shards (still under their staged names) and switch their rows' calls in
+/// the base view's index.
+fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename]) -> Result<Prepared> {
+    let shards_dir = dir.join(SHARDS_DIR);
+    let first_shard_id = u32::try_from(base.view.shards.len())
+        .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
+    let mut files = Vec::new();
+    let mut rows = Vec::new();
+    for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
+        let mut f = ShardFile::open(&shards_dir.join(&p.staged), first_shard_id + i as u32, p.shard.checksum)?;
+        f.index_rows(&mut rows)?;
+        // Read from where it will be once published.
+        f.path = shards_dir.join(&p.shard.path);
+        files.push(f);
+    }
+    let mut index = base.view.index.clone();
+    drop(base.view);
+    let (mut shard_traces, mut shard_sessions) = (base.shard_traces, base.shard_sessions);
+    let mut placements = std::collections::HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let trace_id: Arc<str> = Arc::from(row.trace_id.as_str());
+        if index.place_in_shard(&trace_id, row.loc, row.pos) {
+            // A row that is not the base's live call of its trace id can
+            // never become it later (later calls are later in the log).
+            placements.insert(trace_id.clone(), (row.loc, row.pos));
+        }
+        for s in sessions_of(&row.session_id, &row.session_uids).iter() {
+            shard_sessions.insert(s.clone());
+        }
+        shard_traces.insert(trace_id);
+    }
+    let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
+    for (_, meta) in index.traces.iter() {
+        if let (None, Some(s)) = (&meta.shard, meta.sessions.first()) {
+            *in_segments.entry(s.clone()).or_default() += 1;
+        }
+    }
+    Ok(Prepared {
+        token: base.token,
+        first_shard_id,
+        files,
+        traces: index.traces,
+        placements,
+        shard_traces,
+        shard_sessions,
+        in_segments,
+    })
+}
+
+/// What a trace id's call counts for in [`Prepared::in_segments`].
+fn in_segments_of(meta: Option<&CallMeta>) -> Option<Arc<str>> {
+    meta.filter(|m| m.shard.is_none()).and_then(|m| m.sessions.first().cloned())
+}
+
 impl Writer {
+    /// Begin a compaction (see [`Cmd::BeginCompaction`]).
+    pub(super) fn begin_compaction(&mut self) -> Result<CompactionBase> {
+        if let Some(e) = self.inner.poisoned_error() {
+            return Err(e);
+        }
+        if let Err(e) = self.roll() {
+            self.fail(&e);
+            return Err(e);
+        }
+        self.commit(true);
+        if let Some(e) = self.inner.poisoned_error() {
+            return Err(e);
+        }
+        // The view just published is exactly `self.index`: the changes noted
+        // from here on are the changes since that view.
+        let generation = self.manifest.next_shard_generation.max(1);
+        self.manifest.next_shard_generation = generation + 1;
+        self.compactions += 1;
+        let token = self.compactions;
+        self.journal = Some(Journal { token, touched: HashSet::new() });
+        Ok(CompactionBase {
+            token,
+            generation,
+            view: lock(&self.inner.view).clone(),
+            shard_traces: self.shard_traces.clone(),
+            shard_sessions: self.shard_sessions.clone(),
+        })
+    }
+
+    /// The trace ids changed since `p`'s compaction began, which ends it —
+    /// or why `p` cannot be published (checked before the commit point).
+    pub(super) fn changed_since(&mut self, p: &Prepared) -> Result<HashSet<Arc<str>>> {
+        let mine = self.journal.as_ref().is_some_and(|j| j.token == p.token);
+        match if mine { self.journal.take() } else { None } {
+            Some(j) if self.shards.len() == p.first_shard_id as usize => Ok(j.touched),
+            _ => Err(Error::new(
+                ErrorKind::Io,
+                "internal: this publication does not belong to the compaction under way; nothing was published, compact again",
+            )),
+        }
+    }
+
+    /// Note that the live call of `trace_id` changed, if a compaction is under way.
+    pub(super) fn touch(&mut self, trace_id: &Arc<str>) {
+        if let Some(j) = &mut self.journal {
+            j.touched.insert(trace_id.clone());
+        }
+    }
+
     /// Publish a compaction (format-spec/shard.md §5): record the staged files as
     /// pending in the manifest (the commit point), rename them into place, list
     /// them as published, serve the compacted calls from them, and retire the
     /// segments nothing needs any more.
-    pub(super) fn publish(&mut self, staged: Vec<PendingRename>, sessions: &[String]) -> Result<PublishOutcome> {
+    ///
+    /// Cost on this thread: the manifest writes and renames, the trace ids
+    /// changed since the compaction began, and the retired segments.
+    pub(super) fn publish(
+        &mut self,
+        staged: Vec<PendingRename>,
+        sessions: &[String],
+        p: &mut Prepared,
+        touched: &HashSet<Arc<str>>,
+    ) -> Result<PublishOutcome> {
         let shards_dir = self.dir.join(SHARDS_DIR);
         self.manifest.pending = staged.clone();
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
-        for p in &staged {
-            let (from, to) = (shards_dir.join(&p.staged), shards_dir.join(&p.shard.path));
+        for r in &staged {
+            let (from, to) = (shards_dir.join(&r.staged), shards_dir.join(&r.shard.path));
             fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
         }
         for table in SHARD_TABLES {
@@ -22,33 +223,47 @@ impl Writer {
             }
         }
         self.manifest.pending.clear();
-        self.manifest.shards.extend(staged.iter().map(|p| p.shard.clone()));
+        self.manifest.shards.extend(staged.iter().map(|r| r.shard.clone()));
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         // Serve compacted calls from the new shards.
-        let first_id = self.shards.len() as u32;
         let mut files: Vec<Arc<ShardFile>> = self.shards.as_ref().clone();
-        let mut rows = Vec::new();
-        for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
-            let f = ShardFile::open(&shards_dir.join(&p.shard.path), first_id + i as u32, p.shard.checksum)?;
-            f.index_rows(&mut rows)?;
-            files.push(Arc::new(f));
-        }
+        files.extend(std::mem::take(&mut p.files).into_iter().map(Arc::new));
         self.shards = Arc::new(files);
-        let mut outcome = PublishOutcome::default();
-        for row in &rows {
-            if self.index.place_in_shard(&row.trace_id, row.loc, row.pos) {
-                outcome.calls_placed += 1;
+        // The prepared trace map, with what changed since the base re-checked:
+        // the writer's current entry wins, switched to its shard row only if
+        // it is still the call that was compacted.
+        let mut traces = std::mem::take(&mut p.traces);
+        for id in touched {
+            let placement = p.placements.get(id);
+            if let Some(s) = in_segments_of(traces.get(id)) {
+                if let Some(n) = p.in_segments.get_mut(&s) {
+                    *n = n.saturating_sub(1);
+                }
             }
-            for s in sessions_of(&row.session_id, &row.session_uids).iter() {
-                self.shard_sessions.insert(s.clone());
+            let now = self.index.traces.get(id).cloned().map(|mut m| {
+                if let Some((loc, pos)) = placement {
+                    if *loc == m.loc {
+                        m.shard = Some(*pos);
+                    }
+                }
+                m
+            });
+            if let Some(s) = in_segments_of(now.as_ref()) {
+                *p.in_segments.entry(s).or_default() += 1;
             }
-            self.shard_traces.insert(Arc::from(row.trace_id.as_str()));
+            match now {
+                Some(m) => traces.insert(id.clone(), m),
+                None => traces.remove(id),
+            };
         }
+        self.index.traces = traces;
+        self.shard_traces = std::mem::take(&mut p.shard_traces);
+        self.shard_sessions = std::mem::take(&mut p.shard_sessions);
         for s in sessions {
             self.delta.forget(s);
         }
-        outcome.retired_segments = self.retire()?;
-        self.delta.forget_segments(&outcome.retired_segments);
-        Ok(outcome)
+        let retired_segments = self.retire(&p.in_segments)?;
+        self.delta.forget_segments(&retired_segments);
+        Ok(PublishOutcome { retired_segments })
     }
 }

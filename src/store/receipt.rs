@@ -12,6 +12,12 @@ pub(super) struct Durable {
 pub(super) struct Inner {
     pub(super) dir: PathBuf,
     pub(super) options: Options,
+    /// The writer thread's channel (unbounded: a send never blocks); `None`
+    /// for a read-only store. Appends and annotations are sent under `send`.
+    pub(super) tx: Option<Sender<Cmd>>,
+    /// Back-pressure: records and bytes in flight to the writer thread.
+    pub(super) queue: Arc<Queue>,
+    /// The append lock: sequence numbers and the admission state.
     pub(super) send: Mutex<SendState>,
     pub(super) durable: Mutex<Durable>,
     pub(super) durable_cv: Condvar,
@@ -63,13 +69,25 @@ impl Inner {
         }
     }
 
+    /// Refuse every later write with `cause` (the first cause wins) and wake
+    /// everyone waiting: for durability, and for room in the queue.
     pub(super) fn poison(&self, cause: &Error) {
-        let mut d = lock(&self.durable);
-        if d.poisoned.is_none() {
-            d.poisoned = Some(cause.clone());
-        }
-        self.poisoned.store(true, Ordering::Release);
-        self.durable_cv.notify_all();
+        let error = {
+            let mut d = lock(&self.durable);
+            let first = d.poisoned.get_or_insert_with(|| cause.clone());
+            let error = Error::poisoned(first);
+            self.poisoned.store(true, Ordering::Release);
+            self.durable_cv.notify_all();
+            error
+        };
+        self.queue.stop(error);
+    }
+
+    /// Send the writer thread a command that needs no sequence number. The
+    /// channel is unbounded, so this never blocks on a busy writer.
+    pub(super) fn send(&self, cmd: Cmd) -> Result<()> {
+        let tx = self.tx.as_ref().ok_or_else(Error::closed)?;
+        tx.send(cmd).map_err(|_| self.dead_error())
     }
 
     pub(super) fn poisoned_error(&self) -> Option<Error> {
@@ -107,15 +125,22 @@ impl Receipt {
         if self.inner.durable_seq.load(Ordering::Acquire) >= self.seq {
             return Ok(());
         }
+        self.request_sync();
+        self.inner.wait_durable(self.seq)
+    }
+
+    /// Someone waits (group commit): ask the writer to commit after its
+    /// current batch rather than at the timer; waiters queued together share
+    /// the fsync. Takes no lock and never blocks — not behind appenders held
+    /// by back-pressure either (the channel is unbounded, the record is
+    /// already in it, ahead of this request).
+    pub(super) fn request_sync(&self) {
         if self.inner.options.durability == Durability::Group {
-            // Someone waits: commit after the writer's current batch rather than
-            // at the group-commit timer. Waiters queued together share the fsync.
-            let s = lock(&self.inner.send);
-            if let Some(tx) = &s.tx {
+            if let Some(tx) = &self.inner.tx {
+                // A writer that is gone answers through `wait_durable`.
                 let _ = tx.send(Cmd::SyncSoon);
             }
         }
-        self.inner.wait_durable(self.seq)
     }
 
     /// The record's sequence number in this store session (1-based, in append order).

@@ -1,5 +1,5 @@
 //! Retiring segments nothing needs any more (format-spec/shard.md §6), in
-//! the writer thread.
+//! the writer thread, as the last step of a publication.
 
 use super::*;
 
@@ -10,15 +10,12 @@ impl Writer {
     /// no live call can use it as a prefix-delta parent), and no session deletion
     /// in it concerns compacted rows. Rewards and seals in them are re-appended
     /// with their current values first, so that they outlive their segment.
-    pub(super) fn retire(&mut self) -> Result<Vec<u64>> {
-        let mut in_segments: HashSet<Arc<str>> = HashSet::new();
-        for (_, meta) in self.index.traces.iter() {
-            if meta.shard.is_none() {
-                if let Some(s) = meta.sessions.first() {
-                    in_segments.insert(s.clone());
-                }
-            }
-        }
+    ///
+    /// `in_segments` counts the live calls still served from segments by
+    /// primary session (prepared off this thread, see publish.rs). The work
+    /// here is proportional to the segments walked, not to the store.
+    pub(super) fn retire(&mut self, in_segments: &std::collections::HashMap<Arc<str>, u64>) -> Result<Vec<u64>> {
+        let in_segments = |session: &str| in_segments.get(session).is_some_and(|n| *n > 0);
         let mut retire = Vec::new();
         let mut annotations = Vec::new();
         'segments: for ms in &self.manifest.segments {
@@ -34,7 +31,7 @@ impl Writer {
             let mut anns = Vec::new();
             for e in &entries {
                 if e.kind == KIND_CALL {
-                    if in_segments.contains(e.session_id.as_str()) {
+                    if in_segments(e.session_id.as_str()) {
                         break 'segments;
                     }
                     // A dead call whose trace has a shard row: this record (or

@@ -14,8 +14,15 @@ pub(super) struct Writer {
     pub(super) active: Option<ActiveSegment>,
     pub(super) index: Index,
     pub(super) shards: Arc<Vec<Arc<ShardFile>>>,
-    pub(super) shard_sessions: HashSet<Arc<str>>,
-    pub(super) shard_traces: HashSet<Arc<str>>,
+    /// Every session and trace id with a shard row (persistent sets: a
+    /// compaction prepares the next ones from a copy, see publish.rs).
+    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
+    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
+    /// While a compaction is under way: the trace ids whose live call changed
+    /// since it began.
+    pub(super) journal: Option<Journal>,
+    /// Compactions begun (their tokens).
+    pub(super) compactions: u64,
     /// Damage confined at open (published with every view).
     pub(super) damage: Arc<Vec<Problem>>,
     /// Retired segment files, deleted once no snapshot maps them any more.
@@ -30,6 +37,13 @@ pub(super) struct Writer {
     pub(super) written_seq: u64,
     pub(super) unsynced_since: Option<Instant>,
     pub(super) last_sync: Instant,
+}
+
+/// The trace ids whose live call the writer changed (appended, replaced,
+/// deleted) since compaction `token` began.
+pub(super) struct Journal {
+    pub(super) token: u64,
+    pub(super) touched: HashSet<Arc<str>>,
 }
 
 const BATCH_RECORDS_MAX: usize = 1024;
@@ -78,12 +92,16 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let mut sync_soon = false;
+            let (mut sync_soon, mut closing) = (false, false);
             for cmd in batch {
                 match cmd {
                     Cmd::SyncSoon => sync_soon = true,
+                    Cmd::Close => closing = true,
                     cmd => self.handle(cmd),
                 }
+            }
+            if closing {
+                break;
             }
             let force = match self.options.durability {
                 Durability::Buffered => false,
@@ -94,7 +112,7 @@ impl Writer {
             };
             self.commit(force);
         }
-        // Channel closed: the store is shutting down (it flushed first).
+        // The store is shutting down (it flushed first).
         self.commit(true);
         if !self.poisoned() {
             if let Some(active) = self.active.as_mut() {
@@ -125,7 +143,9 @@ impl Writer {
 
     pub(super) fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Append { seq, call } => {
+            // The permits are dropped at the end of their arm, giving the
+            // record's room in the queue back.
+            Cmd::Append { seq, call, permit: _permit } => {
                 if !self.poisoned() {
                     if let Err(e) = self.append_call(*call) {
                         self.fail(&e);
@@ -133,7 +153,7 @@ impl Writer {
                 }
                 self.written_seq = seq;
             }
-            Cmd::Annotate { seq, ann, reply } => {
+            Cmd::Annotate { seq, ann, reply, permit: _permit } => {
                 if !self.poisoned() {
                     match self.append_annotation(&ann) {
                         Ok(count) => {
@@ -154,26 +174,32 @@ impl Writer {
                 };
                 let _ = reply.send(result);
             }
-            // Taken by `run`, which decides when to commit.
-            Cmd::SyncSoon => {}
+            // Taken by `run`, which decides when to commit and when to stop.
+            Cmd::SyncSoon | Cmd::Close => {}
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
-            Cmd::ReserveGeneration { reply } => {
-                let generation = self.manifest.next_shard_generation.max(1);
-                self.manifest.next_shard_generation = generation + 1;
-                let _ = reply.send(generation);
+            Cmd::BeginCompaction { reply } => {
+                let _ = reply.send(self.begin_compaction());
             }
-            Cmd::Publish { staged, sessions, reply } => {
+            Cmd::EndCompaction { token } => {
+                if self.journal.as_ref().is_some_and(|j| j.token == token) {
+                    self.journal = None;
+                }
+            }
+            Cmd::Publish { staged, sessions, mut prepared, reply } => {
                 let result = match self.inner.poisoned_error() {
                     Some(e) => Err(e),
-                    None => self.publish(staged, &sessions),
+                    // Refused before the commit point: nothing done, no poison.
+                    None => self.changed_since(&prepared).and_then(|touched| {
+                        let published = self.publish(staged, &sessions, &mut prepared, &touched);
+                        if let Err(e) = &published {
+                            self.fail(e);
+                        }
+                        published
+                    }),
                 };
-                if let Err(e) = &result {
-                    if !matches!(e.kind(), ErrorKind::Poisoned) {
-                        self.fail(e);
-                    }
-                }
                 self.commit(true);
-                let _ = reply.send(result);
+                // What `prepared` still holds is freed by the caller.
+                let _ = reply.send((result, prepared));
             }
             Cmd::Roll { reply } => {
                 let result = if self.poisoned() {
@@ -237,13 +263,15 @@ impl Writer {
             session_uids: call.session_uids.clone(),
         });
         let session: Arc<str> = Arc::from(call.session_id.as_str());
+        let trace_id: Arc<str> = Arc::from(call.trace_id.as_str());
         self.index.apply_call(CallMeta {
             loc,
             shard: None,
             timestamp: call.timestamp,
-            trace_id: Arc::from(call.trace_id.as_str()),
+            trace_id: trace_id.clone(),
             sessions: sessions_of(&call.session_id, &call.session_uids),
         });
+        self.touch(&trace_id);
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
@@ -302,6 +330,13 @@ impl Writer {
         match ann {
             Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => self.delta.forget(session_id),
             Annotation::Reward { .. } => {}
+        }
+        if let (Annotation::DeleteSession { session_id }, Some(_)) = (ann, &self.journal) {
+            // Every call the deletion can remove is in the session's list.
+            let calls = self.index.sessions.get(session_id.as_str()).map(|e| e.calls.clone());
+            for key in calls.iter().flat_map(|c| c.iter()) {
+                self.touch(&key.trace_id);
+            }
         }
         Ok(apply_annotation(&mut self.index, ann))
     }

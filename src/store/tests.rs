@@ -1,0 +1,365 @@
+//! The writer protocol, tested from inside the store: sequence and durable
+//! numbers, receipts, back-pressure, poisoning, `SyncSoon`, and a publication
+//! racing with replacements and deletions.
+//!
+//! No verdict depends on timing: the writer is held at a gate on its next
+//! disk operation (a fault plan), back-pressure is observed through the
+//! queue's count of waiting appenders, and every wait is for an event the test
+//! itself causes (the timeouts are hang guards only).
+
+use super::*;
+use crate::storage::fault::{Fault, FaultPlan, Op, EIO, ENOSPC};
+use std::sync::mpsc;
+
+const NEVER: Duration = Duration::from_secs(120);
+
+/// Holds the writer thread at its next disk operation; on release, lets it
+/// (and every later operation) proceed, or fail with an errno.
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    armed: bool,
+    held: bool,
+    fail: Option<i32>,
+}
+
+impl Gate {
+    fn arm(&self) {
+        lock(&self.state).armed = true;
+    }
+
+    /// Wait until the writer is held at a disk operation.
+    fn wait_held(&self) {
+        let s = lock(&self.state);
+        let (s, timeout) = self.changed.wait_timeout_while(s, NEVER, |s| !s.held).unwrap_or_else(|e| e.into_inner());
+        assert!(s.held && !timeout.timed_out(), "the writer never reached a disk operation");
+    }
+
+    /// Let the held operation go on, failing it and every later one with
+    /// `fail` if given.
+    fn release(&self, fail: Option<i32>) {
+        let mut s = lock(&self.state);
+        s.armed = false;
+        s.fail = s.fail.or(fail);
+        self.changed.notify_all();
+    }
+}
+
+impl FaultPlan for Gate {
+    fn check(&self, _op: &Op<'_>) -> Fault {
+        let mut s = lock(&self.state);
+        if s.armed {
+            s.held = true;
+            self.changed.notify_all();
+            s = self.changed.wait_while(s, |s| s.armed).unwrap_or_else(|e| e.into_inner());
+            s.held = false;
+        }
+        s.fail.map_or(Fault::Proceed, Fault::Fail)
+    }
+}
+
+fn call(session: &str, n: usize) -> Call {
+    Call {
+        trace_id: format!("{session}/{n}"),
+        session_id: session.to_owned(),
+        timestamp: n as f64,
+        prompt_token_ids: (0..32 + 8 * n as u32).collect(),
+        completion_token_ids: vec![n as u32; 8],
+        logprobs: Some(vec![-0.25; 8]),
+        ..Default::default()
+    }
+}
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+/// A store whose writer can be held at a gate; a queue of one record.
+fn gated(dir: &Path, durability: Durability) -> (Store, Arc<Gate>) {
+    let gate = Arc::new(Gate::default());
+    let options = Options {
+        durability,
+        queue_depth: 1,
+        // Out of reach: every fsync in these tests is one a test asked for.
+        group_commit_ms: 600_000,
+        faults: Some(gate.clone()),
+        ..Options::default()
+    };
+    (Store::open(dir, options).expect("open"), gate)
+}
+
+/// An appender on its own thread.
+struct Appender {
+    done: mpsc::Receiver<Result<()>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Appender {
+    fn start(store: &Arc<Store>, call: Call) -> Self {
+        let (tx, done) = mpsc::channel();
+        let store = store.clone();
+        let thread = std::thread::spawn(move || {
+            let _ = tx.send(store.append_durable(call));
+        });
+        Self { done, thread }
+    }
+
+    /// Whether it returned (it must not while back-pressure holds it).
+    fn returned(&self) -> bool {
+        self.done.try_recv().is_ok()
+    }
+
+    /// Its result, once its thread (and its handle on the store) is gone.
+    fn result(self) -> Result<()> {
+        let result = self.done.recv_timeout(NEVER).expect("the appender returned");
+        self.thread.join().expect("appender thread");
+        result
+    }
+}
+
+/// Hold the writer inside the commit of a batch holding `s/0` alone, then
+/// queue `s/1` behind it (filling the queue of one), and start a third
+/// appender, which waits for room. Returns the receipts and that appender.
+fn back_pressure(store: &Arc<Store>, gate: &Gate) -> (Receipt, Receipt, Appender) {
+    gate.arm();
+    let r1 = store.append(call("s", 0)).expect("append");
+    gate.wait_held();
+    // The writer handled `s/0` (its room is back) and is held writing it.
+    let r2 = store.append(call("s", 1)).expect("append");
+    let third = Appender::start(store, call("s", 2));
+    store.inner.queue.wait_for_waiters(1);
+    (r1, r2, third)
+}
+
+#[test]
+fn sequence_numbers_are_log_order_and_one_wait_covers_every_earlier_append() {
+    let dir = tempdir();
+    let store = Arc::new(Store::open(dir.path(), Options { queue_depth: 4, ..Options::default() }).expect("open"));
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                (0..50)
+                    .map(|n| (store.append(call(&format!("t{t}"), n)).expect("append"), format!("t{t}/{n}")))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut receipts: Vec<(Receipt, String)> = threads.into_iter().flat_map(|t| t.join().expect("appender")).collect();
+    receipts.sort_by_key(|(r, _)| r.seq());
+    let seqs: Vec<u64> = receipts.iter().map(|(r, _)| r.seq()).collect();
+    assert_eq!(seqs, (1..=200).collect::<Vec<u64>>(), "one sequence number per append, none skipped");
+    // Waiting for the last covers every earlier append.
+    receipts.last().expect("appended").0.wait().expect("durable");
+    assert!(store.inner.durable_seq.load(Ordering::Acquire) >= 200);
+    let snap = store.snapshot();
+    for (r, id) in &receipts {
+        r.wait().expect("already durable");
+        assert!(snap.get(id).expect("read").is_some(), "{id} durable but not visible");
+    }
+    // The log holds the calls in sequence order.
+    let mut logged = Vec::new();
+    snap.for_each_call(|c| {
+        logged.push((c.loc, c.trace_id().to_owned()));
+        Ok(())
+    })
+    .expect("scan");
+    logged.sort_by_key(|(loc, _)| *loc);
+    let by_seq: Vec<&str> = receipts.iter().map(|(_, id)| id.as_str()).collect();
+    let by_log: Vec<&str> = logged.iter().map(|(_, id)| id.as_str()).collect();
+    assert_eq!(by_log, by_seq);
+}
+
+#[test]
+fn back_pressure_holds_an_appender_until_the_writer_takes_a_record() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Buffered);
+    let store = Arc::new(store);
+    let (r1, r2, third) = back_pressure(&store, &gate);
+    assert!(!third.returned(), "the queue of one is full: the third append waits");
+    assert_eq!(store.inner.queue.in_flight().0, 1);
+    gate.release(None);
+    third.result().expect("appended");
+    r1.wait().expect("durable");
+    r2.wait().expect("durable");
+    let snap = store.snapshot();
+    for n in 0..3 {
+        assert!(snap.get(&format!("s/{n}")).expect("read").is_some());
+    }
+    assert_eq!(store.inner.queue.in_flight(), (0, 0), "all room given back");
+}
+
+#[test]
+fn a_durability_wait_is_not_queued_behind_appenders() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Group);
+    let store = Arc::new(store);
+    let (_r1, r2, third) = back_pressure(&store, &gate);
+    // Even with the append lock taken (as an appender stuck in a blocking
+    // send under it would), a durability wait asks for its sync at once.
+    let (locked_tx, locked_rx) = mpsc::channel();
+    let (unlock_tx, unlock_rx) = mpsc::channel::<()>();
+    let holder = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let _s = lock(&store.inner.send);
+            let _ = locked_tx.send(());
+            let _ = unlock_rx.recv();
+        })
+    };
+    locked_rx.recv_timeout(NEVER).expect("lock taken");
+    let (asked_tx, asked_rx) = mpsc::channel();
+    let waiter = r2.clone();
+    std::thread::spawn(move || {
+        waiter.request_sync();
+        let _ = asked_tx.send(());
+    });
+    asked_rx.recv_timeout(NEVER).expect("a durability wait's sync request waited for the append lock");
+    let tx = store.inner.tx.as_ref().expect("writable");
+    assert_eq!(tx.len(), 2, "the channel holds s/1 and the SyncSoon behind it");
+    let _ = unlock_tx.send(());
+    holder.join().expect("lock holder");
+    gate.release(None);
+    r2.wait().expect("durable");
+    third.result().expect("appended");
+}
+
+#[test]
+fn a_failed_write_wakes_every_waiter_with_the_failure_s_kind() {
+    for (errno, kind) in [(ENOSPC, ErrorKind::StorageFull), (EIO, ErrorKind::Poisoned)] {
+        let dir = tempdir();
+        let (store, gate) = gated(dir.path(), Durability::Group);
+        let store = Arc::new(store);
+        let (r1, r2, third) = back_pressure(&store, &gate);
+        let (wait_tx, wait_rx) = mpsc::channel();
+        let waiter = r1.clone();
+        std::thread::spawn(move || {
+            let _ = wait_tx.send(waiter.wait());
+        });
+        // The held write of s/0 fails, and so does every later disk operation.
+        gate.release(Some(errno));
+        let check = |what: &str, result: Result<()>| {
+            let err = result.err().unwrap_or_else(|| panic!("{what} succeeded after a failed write"));
+            assert_eq!(err.kind(), &kind, "{what}: {err}");
+            assert_eq!(err.io_error().and_then(std::io::Error::raw_os_error), Some(errno), "{what}: {err}");
+            let source = std::error::Error::source(&err).and_then(|s| s.downcast_ref::<std::io::Error>());
+            assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(errno), "{what}: the source chain");
+        };
+        // Pending: the appender waiting for room, durability waits.
+        check("the appender held by back-pressure", third.result());
+        check("a waiter asleep before the failure", wait_rx.recv_timeout(NEVER).expect("woken"));
+        check("the receipt of the failed write", r1.wait());
+        check("a receipt queued behind it", r2.wait());
+        // Later calls.
+        check("append", store.append(call("s", 9)).map(drop));
+        check("flush", store.flush());
+        check("sync", store.sync());
+        check("roll", store.roll());
+        check("seal", store.seal_session("s"));
+        check("delete", store.delete_session("s").map(drop));
+        check("reward", store.set_reward(Target::Session("s".into()), 1.0));
+        check("compact", store.compact(&crate::compact::CompactOptions::default()).map(drop));
+        let store = Arc::try_unwrap(store).ok().expect("sole owner");
+        check("close", store.close());
+    }
+}
+
+#[test]
+fn a_writer_panic_wakes_an_appender_waiting_for_room() {
+    let dir = tempdir();
+    let (store, gate) = gated(dir.path(), Durability::Group);
+    let store = Arc::new(store);
+    let (r1, _r2, third) = back_pressure(&store, &gate);
+    store.inject_writer_panic().expect("sent");
+    gate.release(None);
+    let err = third.result().expect_err("refused");
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+    // s/0 was written before the panic; its receipt answers either way.
+    let _ = r1.wait();
+    assert!(store.append(call("s", 9)).is_err_and(|e| e.kind() == &ErrorKind::Poisoned));
+}
+
+#[test]
+fn replacements_and_deletions_made_during_a_compaction_still_win() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    // c alone in the first segment: retirable, unless a live call of c is
+    // still in segments (c/3 below, which extends c/2's context).
+    for s in ["c", "a", "b"] {
+        for n in 0..3 {
+            store.append(call(s, n)).expect("append");
+        }
+        if s == "c" {
+            store.roll().expect("roll");
+        }
+    }
+    store.flush().expect("flush");
+    let c2 = call("c", 2);
+    let mut c3 = call("c", 3);
+    c3.prompt_token_ids = [c2.prompt_token_ids.as_slice(), &c2.completion_token_ids, &[5, 6, 7]].concat();
+    let mut replacement = call("a", 1);
+    replacement.completion_token_ids = vec![7; 5];
+    replacement.logprobs = Some(vec![-1.5; 5]);
+    // Every session is older than now: all three are compacted from the
+    // snapshot; meanwhile a/1 is replaced, b deleted, c gets a fourth call
+    // (whose prefix-delta parent c/2 is in a segment the compaction sealed).
+    let opts =
+        crate::compact::CompactOptions { selection: crate::compact::Selection::OlderThan(0.0), ..Default::default() };
+    let report = crate::compact::run_with(&store, &opts, &mut || {
+        store.append_durable(replacement.clone()).expect("replace");
+        assert_eq!(store.delete_session("b").expect("delete"), 3);
+        store.append_durable(c3.clone()).expect("append");
+    })
+    .expect("compact");
+    assert_eq!((report.sessions, report.calls), (3, 9));
+    // `first`: right after the compaction that raced with the changes.
+    let check = |store: &Store, first: bool| {
+        let snap = store.snapshot();
+        let get = |id: &str| snap.get(id).expect("read");
+        for id in ["a/0", "a/2", "c/0", "c/1", "c/2"] {
+            let v = get(id).unwrap_or_else(|| panic!("{id} lost"));
+            assert!(v.is_compacted(), "{id} is served from its shard row");
+            let (s, n) = id.split_once('/').expect("id");
+            assert_eq!(v.to_call().expect("read"), call(s, n.parse().expect("n")), "{id}");
+        }
+        let a1 = get("a/1").expect("the replacement");
+        assert_eq!(a1.to_call().expect("read"), replacement, "the replacement wins over the compacted a/1");
+        let c3_view = get("c/3").expect("c/3");
+        assert_eq!(c3_view.to_call().expect("c/3 and its parent read back"), c3);
+        if first {
+            assert!(!a1.is_compacted() && !c3_view.is_compacted(), "written after the snapshot, served from segments");
+            assert!(c3_view.parent().is_some_and(|p| p.segment == 1), "c/3 is stored as a delta on c/2");
+        }
+        for n in 0..3 {
+            assert!(get(&format!("b/{n}")).is_none(), "b/{n}: the deletion wins");
+        }
+        assert_eq!(snap.session("a", None, None).expect("read").len(), 3);
+        assert!(snap.session("b", None, None).expect("read").is_empty());
+        assert_eq!(snap.session("c", None, None).expect("read").len(), 4);
+        assert_eq!(snap.call_count(), 7);
+    };
+    check(&store, true);
+    store.close().expect("close");
+    let store = Store::open(dir.path(), Options::default()).expect("reopen");
+    check(&store, true);
+    // Compacting again takes what changed and keeps every answer.
+    store.compact(&opts).expect("compact again");
+    check(&store, false);
+    store.close().expect("close");
+    check(&Store::open(dir.path(), Options::default()).expect("reopen"), false);
+}
+
+#[test]
+fn queue_bytes_is_validated_and_has_a_setter() {
+    let options = Options::default().queue_bytes(1 << 20);
+    assert_eq!(options.queue_bytes, 1 << 20);
+    assert_eq!(Options::default().queue_bytes, DEFAULT_QUEUE_BYTES);
+    let dir = tempdir();
+    let err = Store::open(dir.path(), Options::default().queue_bytes(0)).err().expect("refused");
+    assert!(matches!(err.kind(), ErrorKind::InvalidInput { field } if field == "queue_bytes"), "{err}");
+}
