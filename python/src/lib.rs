@@ -475,7 +475,7 @@ fn calls_of(py: Python<'_>, snap: &Py<Snapshot>, ids: Vec<String>) -> PyResult<V
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None, recovery = "tolerate-torn-tail"))]
+    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None, recovery = "tolerate-torn-tail", queue_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -486,6 +486,7 @@ impl NativeStore {
         group_commit_ms: Option<u64>,
         queue_depth: Option<usize>,
         recovery: &str,
+        queue_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let recovery = recovery.parse::<trajlog::RecoveryMode>().map_err(to_py)?;
         let mut options =
@@ -498,6 +499,9 @@ impl NativeStore {
         }
         if let Some(v) = queue_depth {
             options = options.queue_depth(v);
+        }
+        if let Some(v) = queue_bytes {
+            options = options.queue_bytes(v);
         }
         let store = py
             .detach(|| {

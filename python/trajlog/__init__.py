@@ -333,6 +333,7 @@ class Store:
         group_commit_ms: Optional[int] = None,
         queue_depth: Optional[int] = None,
         recovery: str = "tolerate-torn-tail",
+        queue_bytes: Optional[int] = None,
     ):
         self.path = str(path)
         if not isinstance(recovery, str):
@@ -349,6 +350,7 @@ class Store:
             group_commit_ms=_count("group_commit_ms", group_commit_ms),
             queue_depth=_count("queue_depth", queue_depth),
             recovery=recovery,
+            queue_bytes=_count("queue_bytes", queue_bytes),
         )
 
     def recovery_report(self) -> list:

@@ -409,6 +409,7 @@ impl Store {
 
     /// Test hook: make the writer thread panic, as a bug would. Every pending
     /// and later call then fails with `ErrorKind::Poisoned` (none hangs).
+    #[cfg(any(test, feature = "internals"))]
     #[doc(hidden)]
     pub fn inject_writer_panic(&self) -> Result<()> {
         self.writable()?;

@@ -42,7 +42,9 @@ pub(super) enum Cmd {
     EndCompaction {
         token: u64,
     },
-    /// Test hook ([`Store::inject_writer_panic`]): the writer thread panics.
+    /// Test hook (`Store::inject_writer_panic`, feature `internals`): the
+    /// writer thread panics.
+    #[cfg(any(test, feature = "internals"))]
     Panic,
     /// Publish staged shards, apply the prepared index changes (re-checking
     /// what changed since the compaction began), retire segments.

@@ -176,6 +176,7 @@ impl Writer {
             }
             // Taken by `run`, which decides when to commit and when to stop.
             Cmd::SyncSoon | Cmd::Close => {}
+            #[cfg(any(test, feature = "internals"))]
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
             Cmd::BeginCompaction { reply } => {
                 let _ = reply.send(self.begin_compaction());
