@@ -13,7 +13,7 @@ use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
 use trajlog::{Call, CompactOptions, Options, Selection, Store, Target};
-use trajlog_sim::{simulate, SimConfig};
+use trajlog_sim::{simulate, Shape, SimConfig};
 
 pub fn read_table(dir: &Path, table: &str) -> Vec<RecordBatch> {
     let mut out = Vec::new();
@@ -112,7 +112,9 @@ fn check_reads(store: &Store, calls: &BTreeMap<String, Call>) {
 #[test]
 fn compaction_is_transparent_to_reads_and_retires_segments() {
     let dir = tempdir();
-    let batch = simulate(&SimConfig { sessions: 24, steps: 6, ..SimConfig::default() });
+    // Lean calls: many sessions share each 256 KiB segment, so that no
+    // segment retires while unsealed sessions are left in it.
+    let batch = simulate(&SimConfig { sessions: 24, steps: 6, shape: Shape::Lean, ..SimConfig::default() });
     let calls = all_calls(&batch);
     let store = Store::open(dir.path(), Options::default().segment_bytes(256 * 1024)).unwrap();
     for s in &batch {

@@ -27,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 use trajlog::storage::fault::{CrashAt, FailAt, Fault, FaultPlan, Op, OpKind, EIO, ENOSPC};
 use trajlog::{Call, Durability, ErrorKind, Options, Store};
-use trajlog_sim::{simulate_session, SimConfig};
+use trajlog_sim::{simulate_session, Shape, SimConfig};
 
 /// A fault plan behind a gate that can hold the writer thread at its next disk
 /// operation, so that a test decides which appends share a writer batch.
@@ -102,6 +102,8 @@ fn workload(sessions: usize, steps: usize) -> Vec<Call> {
         system_tokens: 300,
         completion_tokens: (100, 400),
         tool_tokens: (50, 200),
+        // The sync points the README counts come from these sizes.
+        shape: Shape::Lean,
         ..SimConfig::default()
     };
     (0..sessions).flat_map(|s| simulate_session(&cfg, s).calls).collect()

@@ -188,9 +188,10 @@ fn traces_round_trip_through_export_text() {
 /// or from the shards), and `verify` finds nothing wrong.
 #[test]
 fn sigkill_during_compaction() {
-    use trajlog_sim::{simulate_session, SimConfig};
+    use trajlog_sim::{simulate_session, Shape, SimConfig};
     let dir = tempdir();
-    let cfg = SimConfig { sessions: 10_000, steps: 5, system_tokens: 800, ..SimConfig::default() };
+    // Lean calls: many sessions per round, a compaction that runs long enough to be killed mid-run.
+    let cfg = SimConfig { sessions: 10_000, steps: 5, system_tokens: 800, shape: Shape::Lean, ..SimConfig::default() };
     let mut rng = Rng::new(11);
     let mut sent: HashMap<String, Call> = HashMap::new();
     let (mut killed_mid_run, mut finished) = (0, 0);
