@@ -1,16 +1,24 @@
 //! `trajlog bench`: one realistic multi-turn agent workload, run in the same
 //! invocation against trajlog and two SQLite baselines.
 //!
+//! The calls come from `trajlog-sim` in the chosen [`Shape`]: by default the
+//! record rLLM's gateway stores per call (chat history with tool calls, raw
+//! request, vLLM's raw response); `lean` for calls that carry little besides
+//! their tokens.
+//!
 //! * **trajlog**: `Store::append` per call at the chosen durability (at
 //!   `group`, the writer fsyncs every 5 ms while records wait), one `flush` at
 //!   the end — the barrier a trainer calls after a batch of rollouts.
 //! * **sqlite-rllm** — SQLite the way rLLM's gateway stores traces: one JSON
 //!   text blob per trace (the gateway dict), a `trace_sessions` junction
 //!   table, WAL, `synchronous=NORMAL`, a commit per trace. The JSON is written
-//!   by trajlog's own encoder (faster than Python's `json.dumps`), so this
-//!   baseline is kinder to SQLite than rLLM in Python is.
+//!   in Rust (faster than Python's `json.dumps`), so this baseline is kinder
+//!   to SQLite than rLLM in Python is: for the gateway shapes the gateway's
+//!   record as it stores it (`trajlog_sim::gateway_json`: its key order,
+//!   floats as Python writes them), for the lean shape trajlog's export.
 //! * **sqlite-blob** — SQLite at its best: ids and logprobs as little-endian
-//!   BLOBs, metadata as JSON text, an index on (session, time), WAL,
+//!   BLOBs, the call's documents (messages, response message, metadata, raw
+//!   bodies, …) as one JSON text, an index on (session, time), WAL,
 //!   `synchronous=NORMAL`, one transaction per session.
 //!
 //! Every backend gets the same calls, built before any timing. Append latency
@@ -25,9 +33,8 @@ use rusqlite::{params, Connection};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use trajlog::trace_json::export_call;
 use trajlog::{Call, Durability, Error, Options, Result, Store};
-use trajlog_sim::{simulate_session, SimConfig};
+use trajlog_sim::{simulate_session, Shape, SimConfig};
 
 /// The workload and where to run it.
 #[derive(Debug, Clone)]
@@ -40,6 +47,8 @@ pub struct BenchConfig {
     pub completion_tokens: usize,
     pub durability: Durability,
     pub seed: u64,
+    /// What each call carries besides its tokens.
+    pub shape: Shape,
     /// Parent of the three stores (a fresh subdirectory is made in it).
     pub dir: PathBuf,
 }
@@ -68,6 +77,10 @@ pub struct BackendResult {
 /// The whole run.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
+    /// The simulator's shape (`gateway`, `gateway-streaming`, `lean`).
+    pub shape: String,
+    /// What the calls weigh as the JSON text rLLM stores, one blob per call.
+    pub json_bytes: u64,
     pub sessions: usize,
     pub steps: usize,
     pub calls: u64,
@@ -165,6 +178,7 @@ pub fn run(cfg: &BenchConfig, progress: Progress<'_>) -> Result<BenchReport> {
             (cfg.completion_tokens * 3 / 2).max(cfg.completion_tokens / 2 + 1),
         ),
         seed: cfg.seed,
+        shape: cfg.shape,
         ..SimConfig::default()
     };
     let sessions: Vec<(String, Vec<Call>)> = (0..cfg.sessions)
@@ -175,13 +189,16 @@ pub fn run(cfg: &BenchConfig, progress: Progress<'_>) -> Result<BenchReport> {
         .collect();
     let calls: u64 = sessions.iter().map(|s| s.1.len() as u64).sum();
     let payload: u64 = sessions.iter().flat_map(|s| &s.1).map(token_bytes).sum();
+    let json_bytes: u64 = sessions.iter().flat_map(|s| &s.1).map(|c| cfg.shape.trace_json(c).len() as u64).sum();
     let root = cfg.dir.join(format!("trajlog-bench-{}", std::process::id()));
     std::fs::create_dir_all(&root).map_err(|e| Error::io(format!("create {}", root.display()), e))?;
     let result = (|| {
         let t = run_trajlog(&root.join("trajlog"), cfg.durability, &sessions, calls, payload, progress)?;
-        let a = run_sqlite_rllm(&root.join("rllm.db"), &sessions, calls, payload, progress)?;
+        let a = run_sqlite_rllm(&root.join("rllm.db"), cfg.shape, &sessions, calls, payload, progress)?;
         let b = run_sqlite_blob(&root.join("blob.db"), &sessions, calls, payload, progress)?;
         Ok(BenchReport {
+            shape: cfg.shape.name().to_owned(),
+            json_bytes,
             sessions: cfg.sessions,
             steps: cfg.steps,
             calls,
@@ -296,6 +313,7 @@ struct TraceTokens {
 
 fn run_sqlite_rllm(
     path: &Path,
+    shape: Shape,
     sessions: &[(String, Vec<Call>)],
     calls: u64,
     payload: u64,
@@ -317,7 +335,7 @@ fn run_sqlite_rllm(
         for call in session {
             timing.time(|| {
                 // What rLLM's store_trace does: encode the dict, two statements, one commit.
-                let data = export_call(call);
+                let data = shape.trace_json(call);
                 let now = call.timestamp;
                 let tx = conn.unchecked_transaction().map_err(sql)?;
                 tx.prepare_cached(
@@ -377,6 +395,26 @@ fn read_sqlite(
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// A call's documents (messages, response message, metadata and the fields
+/// without a column, such as the raw bodies) verbatim, as one JSON object;
+/// None when it has none.
+fn documents(call: &Call) -> Option<String> {
+    let mut out = String::new();
+    for (name, doc) in [
+        ("messages", &call.messages),
+        ("response_message", &call.response_message),
+        ("metadata", &call.metadata),
+        ("extra", &call.extra),
+    ] {
+        if let Some(doc) = doc {
+            out.push(if out.is_empty() { '{' } else { ',' });
+            out.push_str(&format!("\"{name}\":"));
+            out.push_str(&String::from_utf8_lossy(doc));
+        }
+    }
+    (!out.is_empty()).then(|| out + "}")
+}
+
 fn le_bytes_u32(v: &[u32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -411,7 +449,7 @@ fn run_sqlite_blob(
                          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                     )
                     .map_err(sql)?;
-                let meta = call.messages.as_deref().map(String::from_utf8_lossy);
+                let meta = documents(call);
                 st.execute(params![
                     call.trace_id,
                     call.session_id,

@@ -94,7 +94,10 @@ fn show_reports_breaks_and_demo_runs_clean() {
     let out = trajlog(&["demo", "--dir", s(&store), "--sessions", "10", "--steps", "4"], "");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("shape: gateway (rLLM gateway traces"), "{text}");
     assert!(text.contains("40/40 calls exact"), "{text}");
+    assert!(text.contains("40/40 calls with every other field exact"), "{text}");
+    assert!(text.contains("40/40 calls read back exact from the shards"), "{text}");
     assert!(text.contains("2 breaks found, 2 injected"), "{text}");
     let show = trajlog(&["show", "--store", s(&store), "task-1:0"], "");
     let text = String::from_utf8_lossy(&show.stdout);
@@ -178,6 +181,7 @@ fn bench_compares_three_backends_on_the_same_calls() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     assert_eq!(report["calls"], 12);
+    assert_eq!(report["shape"], "gateway");
     let backends = report["backends"].as_array().expect("backends");
     let names: Vec<&str> = backends.iter().filter_map(|b| b["backend"].as_str()).collect();
     assert_eq!(names, ["trajlog", "sqlite-rllm", "sqlite-blob"]);
@@ -190,9 +194,57 @@ fn bench_compares_three_backends_on_the_same_calls() {
     }
     // The stores are removed after the run.
     assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
-    let table = trajlog(&["bench", "--sessions", "2", "--steps", "2", "--dir", s(dir.path())], "");
+    let table = trajlog(&["bench", "--sessions", "2", "--steps", "2", "--shape", "lean", "--dir", s(dir.path())], "");
     let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.starts_with("shape: lean ("), "{text}");
     assert!(text.contains("trajlog vs sqlite-rllm:") && text.contains("trajlog vs sqlite-blob:"), "{text}");
+    let bad = trajlog(&["bench", "--shape", "grpc", "--dir", s(dir.path())], "");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("gateway, gateway-streaming or lean"));
+}
+
+/// `generate` writes the shape asked for; `export` gives the gateway's fields back.
+#[test]
+fn generate_writes_each_shape() {
+    let dir = common::tempdir();
+    for shape in ["gateway", "gateway-streaming", "lean"] {
+        let store = dir.path().join(shape);
+        let args = ["generate", "--store", s(&store), "--sessions", "3", "--steps", "2", "--prompt-tokens", "50"];
+        let out = trajlog(&[&args[..], &["--shape", shape]].concat(), "");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("({shape} shape)")));
+        let out = trajlog(&["export", "--store", s(&store)], "");
+        let traces: Vec<serde_json::Value> =
+            String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(traces.len(), 6);
+        for t in &traces {
+            let raw_response = t.get("raw_response");
+            match shape {
+                "gateway" => {
+                    let raw_response = raw_response.expect("raw_response");
+                    assert_eq!(raw_response["prompt_token_ids"], t["prompt_token_ids"]);
+                    assert_eq!(raw_response["choices"][0]["token_ids"], t["completion_token_ids"]);
+                    assert_eq!(t["raw_request"]["messages"], t["messages"]);
+                }
+                "gateway-streaming" => {
+                    assert_eq!(raw_response, Some(&serde_json::Value::Null));
+                    assert_eq!(t["raw_request"]["messages"], t["messages"]);
+                }
+                _ => assert_eq!(raw_response, None),
+            }
+        }
+        // The default is the gateway shape.
+        if shape == "gateway" {
+            let default = dir.path().join("default");
+            let out = trajlog(
+                &["generate", "--store", s(&default), "--sessions", "3", "--steps", "2", "--prompt-tokens", "50"],
+                "",
+            );
+            assert!(out.status.success());
+            let export = |store: &Path| trajlog(&["export", "--store", s(store)], "").stdout;
+            assert_eq!(export(&default), export(&store));
+        }
+    }
 }
 
 /// The keys of a JSON object line in the order written, repeats included
@@ -351,9 +403,23 @@ fn run_with_stdout_closed_early(args: &[&str], stdin: Option<String>) -> Output 
 fn every_command_exits_quietly_when_stdout_is_closed_early() {
     let dir = common::tempdir();
     let store = dir.path().join("s");
-    // 5,000 one-call sessions: `ls` prints ~0.5 MB, `audit --json` ~1 MB, `export` ~30 MB.
-    let out =
-        trajlog(&["generate", "--store", s(&store), "--sessions", "5000", "--steps", "1", "--prompt-tokens", "8"], "");
+    // 5,000 one-call lean sessions: `ls` prints ~0.5 MB, `audit --json` ~1 MB, `export` ~30 MB.
+    let out = trajlog(
+        &[
+            "generate",
+            "--store",
+            s(&store),
+            "--sessions",
+            "5000",
+            "--steps",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "--shape",
+            "lean",
+        ],
+        "",
+    );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let commands = [
         vec!["ls", "--store", s(&store)],

@@ -12,6 +12,7 @@ pub struct BenchArgs {
     pub seed: u64,
     pub dir: Option<PathBuf>,
     pub json: bool,
+    pub shape: trajlog_sim::Shape,
 }
 
 pub fn run(args: &BenchArgs) -> trajlog::Result<i32> {
@@ -22,6 +23,7 @@ pub fn run(args: &BenchArgs) -> trajlog::Result<i32> {
         completion_tokens: args.completion_tokens,
         durability: args.durability.parse()?,
         seed: args.seed,
+        shape: args.shape,
         dir: args.dir.clone().unwrap_or_else(std::env::temp_dir),
     };
     let mut bar: Option<(String, indicatif::ProgressBar)> = None;
@@ -51,6 +53,12 @@ pub fn run(args: &BenchArgs) -> trajlog::Result<i32> {
 }
 
 fn print_table(r: &BenchReport, args: &BenchArgs) {
+    println!(
+        "shape: {} ({}); {:.1} MB as the JSON text rLLM stores",
+        args.shape,
+        args.shape.describe(),
+        r.json_bytes as f64 / 1e6
+    );
     println!(
         "workload: {} sessions × {} steps = {} calls; first prompt {} tokens, growing each turn; completions ~{} tokens \
          with logprobs; {:.1} MB of token payload (every prompt in full)",

@@ -3,10 +3,26 @@
 use super::human_bytes;
 use std::path::PathBuf;
 use std::time::Instant;
-use trajlog::{CompactOptions, Durability, Options, Relation, Store};
-use trajlog_sim::{simulate, SimConfig};
+use trajlog::{Call, CallView, CompactOptions, Durability, Options, Relation, Store};
+use trajlog_sim::{simulate, Shape, SimConfig};
 
-pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Result<i32> {
+/// Whether `view` holds every non-token field of `want` exactly (documents byte for byte).
+fn same_documents(view: &CallView<'_>, want: &Call) -> bool {
+    let got = view.to_call_without_tokens();
+    got.trace_id == want.trace_id
+        && got.session_id == want.session_id
+        && got.timestamp.to_bits() == want.timestamp.to_bits()
+        && got.model == want.model
+        && got.weight_version == want.weight_version
+        && got.finish_reason == want.finish_reason
+        && got.latency_ms.map(f64::to_bits) == want.latency_ms.map(f64::to_bits)
+        && got.messages == want.messages
+        && got.response_message == want.response_message
+        && got.metadata == want.metadata
+        && got.extra == want.extra
+}
+
+pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) -> trajlog::Result<i32> {
     let dir = match dir {
         Some(d) => d,
         None => std::env::temp_dir().join(format!(
@@ -23,8 +39,9 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
         eprintln!("trajlog demo: --sessions and --steps must be at least 1");
         return Ok(2);
     }
-    let cfg = SimConfig { sessions, steps, ..SimConfig::default() };
+    let cfg = SimConfig { sessions, steps, shape, ..SimConfig::default() };
     println!("trajlog demo: {sessions} simulated agent rollouts × {steps} calls (growing prompts, some with a retokenization break)");
+    println!("shape: {shape} ({})", shape.describe());
     println!("store: {}", dir.display());
     let batch = simulate(&cfg);
     let calls: usize = batch.iter().map(|s| s.calls.len()).sum();
@@ -32,8 +49,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
     let completion_tokens: usize = batch.iter().flat_map(|s| &s.calls).map(|c| c.completion_token_ids.len()).sum();
     // Logical size of the token payload: ids as u32 and logprobs as f32, every prompt in full.
     let logical = 4 * (prompt_tokens + 2 * completion_tokens) as u64;
-    let json_bytes: u64 =
-        batch.iter().flat_map(|s| &s.calls).map(|c| trajlog::trace_json::export_call(c).len() as u64).sum();
+    let json_bytes: u64 = batch.iter().flat_map(|s| &s.calls).map(|c| shape.trace_json(c).len() as u64).sum();
 
     let store = Store::open(&dir, Options::default().durability(Durability::Group))?;
     // Interleave sessions turn by turn, as concurrent rollouts arrive.
@@ -84,6 +100,17 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
         }
     }
     let read_s = read_started.elapsed().as_secs_f64();
+    // Everything else, byte for byte (untimed: the figure above is the token read).
+    let mut documents_exact = 0usize;
+    for s in &batch {
+        for (want, view) in s.calls.iter().zip(snap.session(&s.session_id, None, None)?) {
+            if same_documents(&view, want) {
+                documents_exact += 1;
+            } else {
+                mismatches.push(format!("{}: documents", want.trace_id));
+            }
+        }
+    }
     let injected: Vec<(String, usize, usize)> =
         batch.iter().filter_map(|s| s.injected_break.map(|(i, p)| (s.session_id.clone(), i, p))).collect();
 
@@ -103,7 +130,11 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
         mb(logical) / ingest_s
     );
     println!("logical    {} of token payload (u32 ids + f32 logprobs, every prompt in full)", human_bytes(logical));
-    println!("           {} as rLLM-style JSON text (one JSON blob per call)", human_bytes(json_bytes));
+    println!(
+        "           {} as {} (one JSON blob per call)",
+        human_bytes(json_bytes),
+        if shape == Shape::Lean { "rLLM-style JSON text" } else { "the rLLM gateway's JSON text" }
+    );
     println!(
         "on disk    {} in {} segment(s): {:.2}× the logical payload, {:.3}× the JSON (prefix-delta stores only new tokens)",
         human_bytes(on_disk),
@@ -116,6 +147,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
         read_s,
         mb(logical) / read_s
     );
+    println!("           {documents_exact}/{calls} calls with every other field exact (messages, raw bodies, … byte-for-byte)");
     println!("TI/TO      {} breaks found, {} injected", breaks_found.len(), injected.len());
     for (session, call, pos) in breaks_found.iter().take(5) {
         let expected = injected.iter().any(|(s, c, p)| s == session && c == call && p == pos);
@@ -138,6 +170,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
                 && view.completion_token_ids() == want.completion_token_ids.as_slice()
                 && view.logprobs().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
                     == want.logprobs.as_ref().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+                && same_documents(&view, want)
             {
                 exact_after += 1;
             }
@@ -155,7 +188,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
         report.token_bytes as f64 / 1e6 / secs,
         report.retired_segments
     );
-    println!("           {exact_after}/{calls} calls read back exact from the shards");
+    println!("           {exact_after}/{calls} calls read back exact from the shards (tokens and every other field)");
     println!(
         "audit      {} sessions: {} TI/TO breaks in {} sessions, {} generated tokens a re-tokenizing trainer would have trained on wrongly",
         audit.sessions_checked, audit.breaks, audit.sessions_with_breaks, audit.tokens_wrong
@@ -174,6 +207,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize) -> trajlog::Resu
     store.close()?;
     let ok = mismatches.is_empty()
         && exact == calls
+        && documents_exact == calls
         && exact_after == calls
         && breaks_found.len() == injected.len()
         && audit.breaks == injected.len();
@@ -191,8 +225,9 @@ pub fn generate(
     steps: usize,
     prompt_tokens: usize,
     seed: u64,
+    shape: Shape,
 ) -> trajlog::Result<i32> {
-    let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, ..SimConfig::default() };
+    let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, shape, ..SimConfig::default() };
     let store = super::open_store(dir, Options::default().durability(Durability::Buffered), "generate")?;
     let started = Instant::now();
     let (mut calls, mut tokens) = (0u64, 0u64);
@@ -209,7 +244,7 @@ pub fn generate(
     let on_disk: u64 = store.snapshot().segments().iter().map(|s| s.data_bytes).sum();
     store.close()?;
     println!(
-        "generated {sessions} sessions, {calls} calls, {:.1} M tokens into {} ({} on disk) in {:.1} s",
+        "generated {sessions} sessions, {calls} calls ({shape} shape), {:.1} M tokens into {} ({} on disk) in {:.1} s",
         tokens as f64 / 1e6,
         dir.display(),
         human_bytes(on_disk),

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use trajlog::{Options, RecoveryMode, Store};
+use trajlog_sim::Shape;
 
 #[derive(Parser)]
 #[command(name = "trajlog", version, about = "Exact, append-only trace store for RL training of LLM agents")]
@@ -72,6 +73,12 @@ enum Command {
         /// Calls (turns) per session.
         #[arg(long, default_value_t = 8)]
         steps: usize,
+        /// What each call carries besides its tokens: gateway (the rLLM gateway's
+        /// record of a non-streaming chat call: chat history with tool calls,
+        /// raw request, vLLM's raw response), gateway-streaming (the same with
+        /// raw_response null) or lean (one-line messages, no raw bodies).
+        #[arg(long, default_value = "gateway", value_name = "SHAPE")]
+        shape: Shape,
     },
     /// Read JSON traces (one per line) from stdin; print {"ack":"<trace_id>"} once each is durable.
     Ingest {
@@ -153,6 +160,12 @@ enum Command {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 42)]
         seed: u64,
+        /// What each call carries besides its tokens: gateway (the rLLM gateway's
+        /// record of a non-streaming chat call: chat history with tool calls,
+        /// raw request, vLLM's raw response), gateway-streaming (the same with
+        /// raw_response null) or lean (one-line messages, no raw bodies).
+        #[arg(long, default_value = "gateway", value_name = "SHAPE")]
+        shape: Shape,
     },
     /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
     Bench {
@@ -177,6 +190,12 @@ enum Command {
         /// Print the figures as JSON.
         #[arg(long)]
         json: bool,
+        /// What each call carries besides its tokens: gateway (the rLLM gateway's
+        /// record of a non-streaming chat call: chat history with tool calls,
+        /// raw request, vLLM's raw response), gateway-streaming (the same with
+        /// raw_response null) or lean (one-line messages, no raw bodies).
+        #[arg(long, default_value = "gateway", value_name = "SHAPE")]
+        shape: Shape,
     },
     /// Migrate an rLLM SQLite trace database (gateway or older SDK schema) into a store, exactly.
     ImportRllmSqlite {
@@ -215,7 +234,7 @@ pub fn main() -> i32 {
         }
     }
     let result = match cli.command {
-        Command::Demo { dir, sessions, steps } => demo::run(dir, sessions, steps),
+        Command::Demo { dir, sessions, steps, shape } => demo::run(dir, sessions, steps, shape),
         Command::Ingest { store, durability, segment_bytes } => ingest::run(&store, &durability, segment_bytes),
         Command::Export { store, session } => inspect::export(&store, session.as_deref()),
         Command::Ls { store } => inspect::ls(&store),
@@ -225,7 +244,7 @@ pub fn main() -> i32 {
         Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
             shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
         }
-        Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json } => {
+        Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json, shape } => {
             bench::run(&bench::BenchArgs {
                 sessions,
                 steps,
@@ -235,14 +254,15 @@ pub fn main() -> i32 {
                 seed,
                 dir,
                 json,
+                shape,
             })
         }
         Command::ImportRllmSqlite { db, store, schema, no_verify } => {
             ingest::import_rllm_sqlite(&db, &store, schema.as_deref(), !no_verify)
         }
         Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
-        Command::Generate { store, sessions, steps, prompt_tokens, seed } => {
-            demo::generate(&store, sessions, steps, prompt_tokens, seed)
+        Command::Generate { store, sessions, steps, prompt_tokens, seed, shape } => {
+            demo::generate(&store, sessions, steps, prompt_tokens, seed, shape)
         }
     };
     match result {
