@@ -6,6 +6,13 @@ synchronous=NORMAL, a commit per trace), on the same calls.
 
     .venv/bin/python benches/python_capture.py                 # the default workload
     .venv/bin/python benches/python_capture.py --sessions 8 --json
+    .venv/bin/python benches/python_capture.py --shape lean    # the earlier, lean traces
+
+The traces are shaped as rLLM's model gateway stores them (`--shape gateway`,
+the default: the whole chat history with tool calls and tool results, the raw
+request and vLLM's raw response with every token id and logprob again; or
+`gateway-streaming`, raw_response null), or lean (`--shape lean`: one-line
+messages, no raw bodies), the same token stream in every shape.
 
 Measured, per backend:
   * per-call append latency p50/p99 and calls/s, token MB/s:
@@ -33,8 +40,10 @@ import json
 import os
 import shutil
 import sys
+import random
 import tempfile
 import time
+import uuid
 
 import numpy as np
 
@@ -104,44 +113,205 @@ class RllmStyleSqliteStore:
 # The workload: multi-turn agent sessions whose prompts grow turn by turn.
 # ---------------------------------------------------------------------------
 
+SHAPES = ("gateway", "gateway-streaming", "lean")
 
-def workload(sessions, steps, prompt_tokens, completion_tokens, seed):
-    """Gateway-shaped trace dicts (numpy arrays kept beside for the numpy path)."""
+# The synthetic vocabulary and tools of trajlog-sim (crates/sim/src/gateway.rs):
+# a token's text is a word piece, most with a leading space; some are newlines.
+PIECES = [
+    "the", "of", "to", "and", "a", "in", "is", "it", "that", "for", "file", "test", "def", "return", "self", "import",
+    "from", "error", "value", "line", "we", "need", "check", "function", "print", "if", "else", "None", "True", "path",
+    "(", ")", ":", ",", ".", "=", "_", "\"", "'", "[", "]", "{", "}", "->", "==", "#", "config", "data", "run",
+    "output", "result", "fix", "bug", "call", "args", "list", "str", "int", "case", "module", "class", "let", "name",
+    "step",
+]
+TOOLS = [
+    ("bash", "command", "Run a bash command in the task's sandbox and return its exit code, stdout and stderr. "
+     "Long outputs are cut to their last 200 lines.", "The command line to run, e.g. `pytest -x tests/test_io.py`."),
+    ("read_file", "path", "Read a file of the repository and return its content with line numbers.",
+     "Path of the file, relative to the repository root."),
+    ("search", "pattern", "Search the repository for a regular expression and return each matching line with its "
+     "file and line number.", "A Python regular expression."),
+    ("submit", "answer", "Submit the final answer and end the episode.", "A summary of the change made."),
+]
+MODEL = "Qwen/Qwen3-4B"
+
+
+def token_text(i):
+    if i % 29 == 0:
+        return "\n"
+    return (" " if (i // 64) % 4 else "") + PIECES[i % len(PIECES)]
+
+
+def decode(ids):
+    return "".join(token_text(i) for i in ids.tolist())
+
+
+def tools_param():
+    return [
+        {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+            "type": "object", "properties": {param: {"type": "string", "description": pdesc}}, "required": [param]}}}
+        for name, param, desc, pdesc in TOOLS
+    ]
+
+
+class Conversation:
+    """One session's chat history and the documents rLLM's model gateway
+    stores per call (rllm_model_gateway/data_process.py, build_trace_record;
+    docs/serve-contract.md section 3): `messages` is the whole history sent,
+    growing every turn like the prompt; non-streaming calls carry vLLM's whole
+    response in `raw_response`, streaming ones have it null."""
+
+    def __init__(self, first_prompt, streaming, rnd, max_tokens):
+        split = len(first_prompt) * 3 // 4
+        self.history = [
+            {"role": "system", "content": decode(first_prompt[:split])},
+            {"role": "user", "content": decode(first_prompt[split:])},
+        ]
+        self.streaming, self.rnd, self.tools = streaming, rnd, tools_param()
+        self.max_tokens = max(2048, 1 << (max_tokens - 1).bit_length())
+        self.pending_tool_call = None
+
+    def documents(self, prompt, completion, logprobs, timestamp, last):
+        """The gateway's fields of one call besides the token columns, in its key order."""
+        rnd = self.rnd
+        n = len(completion)
+        tool = None if last else TOOLS[rnd.randrange(len(TOOLS) - 1)]
+        arg_len = min(n // 4, 48) if tool else 0
+        text = decode(completion[: n - arg_len])
+        arg_text = decode(completion[n - arg_len:])
+        finish = "tool_calls" if tool else "stop"
+        call_id = f"chatcmpl-tool-{rnd.getrandbits(128):032x}" if tool else None
+        arguments = json.dumps({tool[1]: arg_text}) if tool else None
+        merged = [{"id": call_id, "type": "function", "function": {"name": tool[0], "arguments": arguments}}] if tool else []
+        content = None if (tool and not text) else text
+        if self.streaming:
+            # Assembled from the deltas: tool-call fragments unmerged.
+            rm = {"role": "assistant"}
+            if text:
+                rm["content"] = text
+            if tool:
+                frags = [{"id": call_id, "type": "function", "index": 0, "function": {"name": tool[0]}}]
+                pieces = [json.dumps({tool[1]: ""})[:-2]] + [json.dumps(token_text(i))[1:-1] for i in completion[n - arg_len:].tolist()]
+                pieces[-1] += '"}'
+                frags += [{"index": 0, "function": {"arguments": a}} for a in pieces]
+                rm["tool_calls"] = frags
+            history_message = {"role": "assistant", "content": content}
+            if tool:
+                history_message["tool_calls"] = merged
+        else:
+            rm = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+                  "function_call": None, "tool_calls": merged, "reasoning_content": None}
+            history_message = rm
+        messages = list(self.history)
+        latency_ms = 50 + rnd.random() * 850
+        request = {"messages": messages, "model": MODEL}
+        if self.streaming:
+            request["stream"] = True
+        request.update({"temperature": 1.0, "tools": self.tools, "logprobs": True, "return_token_ids": True,
+                        "top_p": 1.0, "max_tokens": self.max_tokens})
+        p, c = len(prompt), n
+        if self.streaming:
+            raw_response, token_counts = None, {}
+        else:
+            completion_list = completion.tolist()
+            entries = []
+            for i, lp in zip(completion_list, logprobs.astype(np.float64).tolist()):
+                t = token_text(i)
+                entries.append({"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []})
+            raw_response = {
+                "id": f"chatcmpl-{rnd.getrandbits(128):032x}", "object": "chat.completion",
+                "created": int(timestamp - latency_ms / 1000), "model": MODEL,
+                "choices": [{"index": 0, "message": rm, "logprobs": {"content": entries}, "finish_reason": finish,
+                             "stop_reason": None, "token_ids": completion_list}],
+                "service_tier": None, "system_fingerprint": None,
+                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_ids": prompt.tolist(), "kv_transfer_params": None,
+            }
+            token_counts = {"prompt": p, "completion": c}
+        self.history.append(history_message)
+        self.pending_tool_call = call_id
+        return {
+            "trace_id": str(uuid.UUID(int=rnd.getrandbits(128), version=4)),
+            "messages": messages, "response_message": rm, "routing_matrices": None, "finish_reason": finish,
+            "latency_ms": latency_ms, "token_counts": token_counts, "metadata": {},
+            "raw_request": request, "raw_response": raw_response,
+        }
+
+    def tool_result(self, ids):
+        content = decode(ids)
+        if self.pending_tool_call:
+            self.history.append({"role": "tool", "tool_call_id": self.pending_tool_call, "content": content})
+        else:
+            self.history.append({"role": "user", "content": content})
+        self.pending_tool_call = None
+
+
+def workload(sessions, steps, prompt_tokens, completion_tokens, seed, shape="gateway"):
+    """Calls with their token columns as numpy arrays and, for the gateway
+    shapes, the documents the gateway stores beside them (the token stream is
+    the same in every shape)."""
     rng = np.random.default_rng(seed)
     calls = []
     for s in range(sessions):
         prompt = rng.integers(0, 150_000, prompt_tokens, dtype=np.uint32)
+        conv = None
+        if shape != "lean":
+            rnd = random.Random(seed * 1_000_003 + s)
+            conv = Conversation(prompt, shape == "gateway-streaming", rnd, completion_tokens * 3 // 2 + 1)
         for k in range(steps):
             n = int(rng.integers(completion_tokens // 2, completion_tokens * 3 // 2 + 1))
             completion = rng.integers(0, 150_000, n, dtype=np.uint32)
             logprobs = (-rng.exponential(0.5, n)).astype(np.float32)
-            calls.append(
-                {
-                    "trace_id": f"s{s}-k{k}",
-                    "session_id": f"task-{s // 4}:{s % 4}:0",
-                    "timestamp": 1_700_000_000.0 + s * 100 + k,
-                    "model": "Qwen/Qwen3-4B",
-                    "weight_version": 3,
-                    "prompt": prompt,
-                    "completion": completion,
-                    "logprobs": logprobs,
+            call = {
+                "trace_id": f"s{s}-k{k}",
+                "session_id": f"task-{s // 4}:{s % 4}:0",
+                "timestamp": 1_700_000_000.0 + s * 100 + k,
+                "model": MODEL,
+                "weight_version": 3,
+                "prompt": prompt,
+                "completion": completion,
+                "logprobs": logprobs,
+            }
+            if conv is None:
+                call.update({
                     "messages": [{"role": "user", "content": f"observation {k} of task {s}: " + "x" * 200}],
                     "response_message": {"role": "assistant", "content": "thinking… " + "y" * 300},
                     "finish_reason": "stop",
                     "latency_ms": 812.5,
-                }
-            )
+                })
+            else:
+                call.update(conv.documents(prompt, completion, logprobs, call["timestamp"], last=k == steps - 1))
+            calls.append(call)
             user = rng.integers(0, 150_000, int(rng.integers(50, 300)), dtype=np.uint32)
+            if conv is not None:
+                conv.tool_result(user)
             prompt = np.concatenate([prompt, completion, user])
     return calls
 
 
+# The gateway's TraceRecord keys, in its order.
+GATEWAY_KEYS = (
+    "trace_id", "session_id", "model", "messages", "prompt_token_ids", "response_message", "completion_token_ids",
+    "logprobs", "routing_matrices", "finish_reason", "weight_version", "latency_ms", "token_counts", "timestamp",
+    "metadata", "raw_request", "raw_response",
+)
+# The documents of a gateway-shaped call that have no column in trajlog.
+GATEWAY_EXTRA = ("routing_matrices", "token_counts", "raw_request", "raw_response")
+
+
 def as_gateway_dict(c):
-    """The trace dict the gateway hands to its store: plain lists."""
+    """The trace dict the gateway hands to its store: plain lists (for the
+    gateway shapes, its 17 keys in its order)."""
+    lists = {
+        "prompt_token_ids": c["prompt"].tolist(),
+        "completion_token_ids": c["completion"].tolist(),
+        "logprobs": c["logprobs"].astype(np.float64).tolist(),
+    }
+    if "raw_request" in c:
+        lists["logprobs"] = lists["logprobs"] or None  # the gateway stores an empty list as null
+        return {k: lists[k] if k in lists else c[k] for k in GATEWAY_KEYS}
     d = {k: v for k, v in c.items() if k not in ("prompt", "completion", "logprobs")}
-    d["prompt_token_ids"] = c["prompt"].tolist()
-    d["completion_token_ids"] = c["completion"].tolist()
-    d["logprobs"] = c["logprobs"].astype(np.float64).tolist()
+    d.update(lists)
     return d
 
 
@@ -190,7 +360,8 @@ def bench_trajlog_append(calls, dicts, root, use_numpy):
                 trace_id=c["trace_id"], session_id=c["session_id"], prompt_token_ids=c["prompt"],
                 completion_token_ids=c["completion"], logprobs=c["logprobs"], timestamp=c["timestamp"],
                 model=c["model"], weight_version=c["weight_version"], messages=c["messages"],
-                response_message=c["response_message"], finish_reason=c["finish_reason"], latency_ms=c["latency_ms"],
+                response_message=c["response_message"], metadata=c.get("metadata"), finish_reason=c["finish_reason"],
+                latency_ms=c["latency_ms"], **{k: c[k] for k in GATEWAY_EXTRA if k in c and k != "routing_matrices"},
             )
         else:
             t = time.perf_counter_ns()
@@ -284,17 +455,23 @@ def main(argv=None):
     ap.add_argument("--completion-tokens", type=int, default=400, help="mean completion length")
     ap.add_argument("--big-call-repeats", type=int, default=200)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--shape", choices=SHAPES, default="gateway",
+                    help="what each trace carries besides its tokens: the rLLM gateway's record of a non-streaming "
+                         "call (chat history with tool calls, raw request, vLLM's raw response; the default), of a "
+                         "streaming call (raw_response null), or lean (one-line messages, no raw bodies)")
     ap.add_argument("--dir", help="where to write the stores (default: a new temporary directory, removed after)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = ap.parse_args(argv)
 
     root = args.dir or tempfile.mkdtemp(prefix="trajlog-pybench-")
     os.makedirs(root, exist_ok=True)
-    calls = workload(args.sessions, args.steps, args.prompt_tokens, args.completion_tokens, args.seed)
+    calls = workload(args.sessions, args.steps, args.prompt_tokens, args.completion_tokens, args.seed, args.shape)
     dicts = [as_gateway_dict(c) for c in calls]
     total = sum(map(payload_bytes, calls))
+    json_bytes = sum(len(json.dumps(d)) for d in dicts)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"workload: {len(calls)} calls in {args.sessions} sessions × {args.steps} steps, {total / 1e6:.1f} MB of token payload")
+    log(f"workload: {len(calls)} calls in {args.sessions} sessions × {args.steps} steps, {args.shape} shape, "
+        f"{total / 1e6:.1f} MB of token payload, {json_bytes / 1e6:.1f} MB as json.dumps text")
 
     rows = []
     log("trajlog append_trace (lists)…")
@@ -329,7 +506,8 @@ def main(argv=None):
     big = bench_big_call(root, args.big_call_repeats)
 
     report = {
-        "workload": {"calls": len(calls), "sessions": args.sessions, "steps": args.steps, "token_bytes": total},
+        "workload": {"calls": len(calls), "sessions": args.sessions, "steps": args.steps, "shape": args.shape,
+                     "token_bytes": total, "json_bytes": json_bytes},
         "append": rows,
         "big_call_append_us": {k: {"p50": v[0], "p99": v[1]} for k, v in big.items()},
         "session_read": {k: {"token_mb_per_s": v[0], "ms_per_session": v[1]} for k, v in reads.items()},
@@ -340,7 +518,8 @@ def main(argv=None):
         print(json.dumps(report, indent=2))
         return report
     base = sqlite_row
-    print(f"\nappend path, {len(calls)} calls, {total / 1e6:.1f} MB token payload")
+    print(f"\nappend path, {len(calls)} calls ({args.shape} shape), {total / 1e6:.1f} MB token payload, "
+          f"{json_bytes / 1e6:.1f} MB as json.dumps text")
     print(f"{'backend':<55} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'on disk':>10} {'vs sqlite':>9}")
     for r in rows:
         disk = f"{r['bytes_on_disk'] / 1e6:.1f} MB" if r["bytes_on_disk"] is not None else "-"

@@ -10,8 +10,10 @@ def test_capture_benchmark_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("python_capture", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    report = bench.main(["--sessions", "2", "--steps", "3", "--prompt-tokens", "200", "--big-call-repeats", "5", "--json", "--dir", str(tmp_path)])
+    args = ["--sessions", "2", "--steps", "3", "--prompt-tokens", "200", "--big-call-repeats", "5", "--json"]
+    report = bench.main(args + ["--dir", str(tmp_path / "gateway")])
     assert report["workload"]["calls"] == 6
+    assert report["workload"]["shape"] == "gateway"
     names = [r["backend"] for r in report["append"]]
     assert any(n.startswith("aiosqlite") for n in names) and sum(n.startswith("trajlog") for n in names) == 3
     for r in report["append"]:
@@ -19,3 +21,8 @@ def test_capture_benchmark_smoke(tmp_path):
         assert r["bytes_on_disk"] > 0
     assert set(report["big_call_append_us"]) == {"list", "numpy"}
     assert len(report["session_read"]) == 3
+    # The lean traces carry the same tokens and much less besides.
+    lean = bench.main(args + ["--shape", "lean", "--dir", str(tmp_path / "lean")])
+    assert lean["workload"]["shape"] == "lean"
+    assert lean["workload"]["token_bytes"] == report["workload"]["token_bytes"]
+    assert lean["workload"]["json_bytes"] < report["workload"]["json_bytes"]
