@@ -298,14 +298,14 @@ pub fn write_json_str(out: &mut String, s: &str) {
 }
 
 /// `s` as a JSON string literal.
-pub(crate) fn json_string(s: &str) -> String {
+pub fn json_string(s: &str) -> String {
     let mut out = String::new();
     write_json_str(&mut out, s);
     out
 }
 
 /// Write token ids as a JSON list of integers.
-pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
+pub fn write_ids(out: &mut String, ids: &[u32]) {
     out.push('[');
     for (i, id) in ids.iter().enumerate() {
         if i > 0 {
@@ -314,6 +314,42 @@ pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
         let _ = write!(out, "{id}");
     }
     out.push(']');
+}
+
+/// Write strings as a JSON list of string literals.
+pub fn write_str_list(out: &mut String, items: &[String]) {
+    out.push('[');
+    for (i, s) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_json_str(out, s);
+    }
+    out.push(']');
+}
+
+/// The keys of a JSON object in the order written, repeats included
+/// (`serde_json::Value` keeps only the last of a repeated key): what a test
+/// of key order compares.
+pub fn object_keys(text: &str) -> Result<Vec<String>> {
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+    struct Keys;
+    impl<'de> Visitor<'de> for Keys {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Vec<String>, A::Error> {
+            let mut keys = Vec::new();
+            while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
+                keys.push(k);
+            }
+            Ok(keys)
+        }
+    }
+    serde_json::Deserializer::from_str(text)
+        .deserialize_map(Keys)
+        .map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))
 }
 
 /// Export a call as one JSON line in the rLLM gateway trace shape.
@@ -343,14 +379,7 @@ pub fn export_call(call: &Call) -> String {
     write_json_str(&mut out, &call.session_id);
     if !call.session_uids.is_empty() {
         key(&mut out, "session_uids");
-        out.push('[');
-        for (i, u) in call.session_uids.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            write_json_str(&mut out, u);
-        }
-        out.push(']');
+        write_str_list(&mut out, &call.session_uids);
     }
     if !null_in_extra("timestamp") {
         key(&mut out, "timestamp");
@@ -450,27 +479,9 @@ pub(crate) fn exact_f32(text: &str) -> Option<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 
-    /// The keys of a JSON object in the order written, repeats included
-    /// (`serde_json::Value` would keep only the last of a repeated key).
     fn keys(line: &str) -> Vec<String> {
-        struct Keys;
-        impl<'de> Visitor<'de> for Keys {
-            type Value = Vec<String>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Vec<String>, A::Error> {
-                let mut keys = Vec::new();
-                while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
-                    keys.push(k);
-                }
-                Ok(keys)
-            }
-        }
-        let mut de = serde_json::Deserializer::from_str(line);
-        de.deserialize_map(Keys).expect("a JSON object")
+        object_keys(line).expect("a JSON object")
     }
 
     fn assert_unique_keys(line: &str) {

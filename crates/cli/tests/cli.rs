@@ -247,25 +247,8 @@ fn generate_writes_each_shape() {
     }
 }
 
-/// The keys of a JSON object line in the order written, repeats included
-/// (`serde_json::Value` keeps only the last of a repeated key).
 fn object_keys(line: &str) -> Vec<String> {
-    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    struct Keys;
-    impl<'de> Visitor<'de> for Keys {
-        type Value = Vec<String>;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Vec<String>, A::Error> {
-            let mut keys = Vec::new();
-            while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
-                keys.push(k);
-            }
-            Ok(keys)
-        }
-    }
-    serde_json::Deserializer::from_str(line).deserialize_map(Keys).expect("a JSON object")
+    trajlog::trace_json::object_keys(line).expect("a JSON object")
 }
 
 fn lines(bytes: &[u8]) -> Vec<String> {

@@ -29,11 +29,12 @@
 //! Documents draw on a random stream of their own, so the token columns of a
 //! session are the same in every shape.
 
-use crate::pyjson::{str_lit, write_ids, write_py_float, write_str};
+use crate::pyjson::write_py_float;
 use crate::Rng;
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use trajlog::trace_json::{json_string, write_ids, write_json_str, write_str_list};
 use trajlog::Call;
 
 /// The keys of the gateway's `TraceRecord`, in its field order: every stored
@@ -60,7 +61,7 @@ pub const TRACE_KEYS: [&str; 17] = [
 
 fn key(out: &mut String, name: &str) {
     out.push(if out.is_empty() { '{' } else { ',' });
-    write_str(out, name);
+    write_json_str(out, name);
     out.push(':');
 }
 
@@ -92,13 +93,13 @@ pub fn gateway_json(call: &Call) -> String {
     let mut out = String::with_capacity(1024 + 8 * payload + 24 * call.completion_token_ids.len());
 
     key(&mut out, "trace_id");
-    write_str(&mut out, &call.trace_id);
+    write_json_str(&mut out, &call.trace_id);
     key(&mut out, "session_id");
-    write_str(&mut out, &call.session_id);
+    write_json_str(&mut out, &call.session_id);
     let from_extra = take("model");
     key(&mut out, "model");
     match &call.model {
-        Some(m) => write_str(&mut out, m),
+        Some(m) => write_json_str(&mut out, m),
         None => doc(&mut out, None, from_extra, "\"\""),
     }
     let from_extra = take("messages");
@@ -149,7 +150,7 @@ pub fn gateway_json(call: &Call) -> String {
     let from_extra = take("finish_reason");
     key(&mut out, "finish_reason");
     match &call.finish_reason {
-        Some(f) => write_str(&mut out, f),
+        Some(f) => write_json_str(&mut out, f),
         None => doc(&mut out, None, from_extra, "null"),
     }
     let from_extra = take("weight_version");
@@ -190,14 +191,7 @@ pub fn gateway_json(call: &Call) -> String {
     }
     if !call.session_uids.is_empty() {
         key(&mut out, "session_uids");
-        out.push('[');
-        for (i, u) in call.session_uids.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            write_str(&mut out, u);
-        }
-        out.push(']');
+        write_str_list(&mut out, &call.session_uids);
     }
     for (k, v) in &extra {
         key(&mut out, k);
@@ -294,11 +288,11 @@ fn tools_json() -> String {
         let _ = write!(
             out,
             r#"{{"type":"function","function":{{"name":{},"description":{},"parameters":{{"type":"object","properties":{{{}:{{"type":"string","description":{}}}}},"required":[{}]}}}}}}"#,
-            str_lit(t.name),
-            str_lit(t.description),
-            str_lit(t.param),
-            str_lit(t.param_description),
-            str_lit(t.param)
+            json_string(t.name),
+            json_string(t.description),
+            json_string(t.param),
+            json_string(t.param_description),
+            json_string(t.param)
         );
     }
     out.push(']');
@@ -359,8 +353,8 @@ impl Conversation {
         let split = first_prompt.len() * 3 / 4;
         let (system, user) = first_prompt.split_at(split);
         let messages = vec![
-            format!(r#"{{"role":"system","content":{}}}"#, str_lit(&decode(system))),
-            format!(r#"{{"role":"user","content":{}}}"#, str_lit(&decode(user))),
+            format!(r#"{{"role":"system","content":{}}}"#, json_string(&decode(system))),
+            format!(r#"{{"role":"user","content":{}}}"#, json_string(&decode(user))),
         ];
         Self {
             streaming,
@@ -385,15 +379,15 @@ impl Conversation {
         let text = decode(text_ids);
         let tool_call = tool.map(|t| (format!("chatcmpl-tool-{}", hex32(&mut self.rng)), t));
         let finish_reason = if tool.is_some() { "tool_calls" } else { "stop" };
-        let content = if text.is_empty() && tool.is_some() { "null".to_owned() } else { str_lit(&text) };
+        let content = if text.is_empty() && tool.is_some() { "null".to_owned() } else { json_string(&text) };
         // The argument as vLLM's hermes parser writes it: Python's `json.dumps`.
-        let arguments = |t: &Tool| format!("{{{}: {}}}", str_lit(t.param), str_lit(&decode(arg_ids)));
+        let arguments = |t: &Tool| format!("{{{}: {}}}", json_string(t.param), json_string(&decode(arg_ids)));
         let full_tool_calls = |(id, t): &(String, &Tool)| {
             format!(
                 r#"[{{"id":{},"type":"function","function":{{"name":{},"arguments":{}}}}}]"#,
-                str_lit(id),
-                str_lit(t.name),
-                str_lit(&arguments(t))
+                json_string(id),
+                json_string(t.name),
+                json_string(&arguments(t))
             )
         };
 
@@ -402,29 +396,29 @@ impl Conversation {
             // content only if non-empty, the tool-call fragments unmerged.
             let mut rm = String::from(r#"{"role":"assistant""#);
             if !text.is_empty() {
-                let _ = write!(rm, r#","content":{}"#, str_lit(&text));
+                let _ = write!(rm, r#","content":{}"#, json_string(&text));
             }
             if let Some((id, t)) = &tool_call {
                 let _ = write!(
                     rm,
                     r#","tool_calls":[{{"id":{},"type":"function","index":0,"function":{{"name":{}}}}}"#,
-                    str_lit(id),
-                    str_lit(t.name)
+                    json_string(id),
+                    json_string(t.name)
                 );
                 // One fragment opens the argument, then one per generated
                 // token, the last one closing it.
-                let mut fragments = vec![format!("{{{}: \"", str_lit(t.param))];
+                let mut fragments = vec![format!("{{{}: \"", json_string(t.param))];
                 for &id in arg_ids {
                     let mut piece = String::new();
                     push_token(&mut piece, id);
-                    let lit = str_lit(&piece);
+                    let lit = json_string(&piece);
                     fragments.push(lit[1..lit.len() - 1].to_owned());
                 }
                 if let Some(last) = fragments.last_mut() {
                     last.push_str("\"}");
                 }
                 for f in fragments {
-                    let _ = write!(rm, r#",{{"index":0,"function":{{"arguments":{}}}}}"#, str_lit(&f));
+                    let _ = write!(rm, r#",{{"index":0,"function":{{"arguments":{}}}}}"#, json_string(&f));
                 }
                 rm.push(']');
             }
@@ -458,7 +452,7 @@ impl Conversation {
         // (temperature overwritten in place).
         let raw_request = format!(
             r#"{{"messages":{messages},"model":{model},{stream}"temperature":1.0,"tools":{tools},"logprobs":true,"return_token_ids":true,"top_p":1.0,"max_tokens":{max}}}"#,
-            model = str_lit(turn.model),
+            model = json_string(turn.model),
             stream = if self.streaming { r#""stream":true,"# } else { "" },
             tools = self.tools,
             max = self.max_tokens,
@@ -515,7 +509,7 @@ impl Conversation {
             out,
             r#"{{"id":"chatcmpl-{}","object":"chat.completion","created":{created},"model":{},"choices":[{{"index":0,"message":{message},"logprobs":{{"content":["#,
             hex32(&mut self.rng),
-            str_lit(turn.model)
+            json_string(turn.model)
         );
         let mut token = String::new();
         for (i, (&id, &lp)) in turn.completion.iter().zip(turn.logprobs).enumerate() {
@@ -525,14 +519,14 @@ impl Conversation {
             token.clear();
             push_token(&mut token, id);
             out.push_str(r#"{"token":"#);
-            write_str(&mut out, &token);
+            write_json_str(&mut out, &token);
             out.push_str(r#","logprob":"#);
             write_py_float(&mut out, f64::from(lp));
             out.push_str(r#","bytes":"#);
             write_ids(&mut out, &token.bytes().map(u32::from).collect::<Vec<_>>());
             out.push_str(r#","top_logprobs":[]}"#);
         }
-        let _ = write!(out, r#"]}},"finish_reason":{},"stop_reason":null,"token_ids":"#, str_lit(finish_reason));
+        let _ = write!(out, r#"]}},"finish_reason":{},"stop_reason":null,"token_ids":"#, json_string(finish_reason));
         write_ids(&mut out, turn.completion);
         let _ = write!(
             out,
@@ -547,9 +541,9 @@ impl Conversation {
     /// The tool's result (`tool_ids` decoded) joins the history: a `tool`
     /// message answering the pending tool call (a `user` message if none).
     pub fn tool_result(&mut self, tool_ids: &[u32]) {
-        let content = str_lit(&decode(tool_ids));
+        let content = json_string(&decode(tool_ids));
         let message = match self.pending_tool_call.take() {
-            Some(id) => format!(r#"{{"role":"tool","tool_call_id":{},"content":{content}}}"#, str_lit(&id)),
+            Some(id) => format!(r#"{{"role":"tool","tool_call_id":{},"content":{content}}}"#, json_string(&id)),
             None => format!(r#"{{"role":"user","content":{content}}}"#),
         };
         self.messages.push(message);

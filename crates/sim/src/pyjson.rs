@@ -72,30 +72,6 @@ pub fn py_float(v: f64) -> String {
     out
 }
 
-/// Write `s` as a JSON string literal.
-pub(crate) fn write_str(out: &mut String, s: &str) {
-    trajlog::trace_json::write_json_str(out, s);
-}
-
-/// `s` as a JSON string literal.
-pub(crate) fn str_lit(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    write_str(&mut out, s);
-    out
-}
-
-/// Write token ids as a JSON list.
-pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
-    out.push('[');
-    for (i, id) in ids.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        let _ = write!(out, "{id}");
-    }
-    out.push(']');
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,30 +4,15 @@
 
 use crate::pyjson::py_float;
 use crate::{gateway_json, simulate, Shape, SimConfig, SimSession, TRACE_KEYS};
-use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::Value;
 use std::collections::BTreeMap;
-use trajlog::trace_json::{export_call, parse_trace};
+use trajlog::trace_json::{export_call, object_keys, parse_trace};
 use trajlog::Call;
 
 /// The keys of a JSON object in the order written.
 fn keys(text: &str) -> Vec<String> {
-    struct Keys;
-    impl<'de> Visitor<'de> for Keys {
-        type Value = Vec<String>;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Vec<String>, A::Error> {
-            let mut keys = Vec::new();
-            while let Some((k, IgnoredAny)) = map.next_entry::<String, IgnoredAny>()? {
-                keys.push(k);
-            }
-            Ok(keys)
-        }
-    }
-    serde_json::Deserializer::from_str(text).deserialize_map(Keys).expect("a JSON object")
+    object_keys(text).expect("a JSON object")
 }
 
 fn text(doc: &Option<Vec<u8>>) -> &str {
