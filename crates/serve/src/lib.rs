@@ -148,3 +148,80 @@ impl Config {
         self.upstream_timeout_s.filter(|s| s.is_finite() && *s > 0.0).map(Duration::from_secs_f64)
     }
 }
+
+/// Log to stderr at `level` (error, warn, info, debug, trace); once per process.
+pub fn init_logging(level: &str) -> Result<(), String> {
+    let level: tracing::Level =
+        level.parse().map_err(|_| format!("log level {level:?} is not one of error, warn, info, debug, trace"))?;
+    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_max_level(level).with_ansi(false).try_init();
+    Ok(())
+}
+
+async fn terminated() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+fn announce(addr: std::net::SocketAddr, what: &str) -> Result<(), String> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{what}: listening on http://{addr}").and_then(|()| out.flush()).map_err(|e| format!("stdout: {e}"))
+}
+
+/// Run the gateway until SIGTERM or Ctrl-C, then drain in-flight calls and
+/// flush the store. Prints `trajlog serve: listening on http://HOST:PORT`
+/// on stdout once it accepts connections.
+pub fn run_blocking(config: Config) -> Result<(), String> {
+    runtime()?.block_on(async move {
+        let mut server = start(config).await?;
+        announce(server.addr, "trajlog serve")?;
+        let trigger = server.shutdown_trigger();
+        tokio::select! {
+            r = server_wait(&mut server) => return r,
+            _ = terminated() => {}
+        }
+        tracing::info!("shutting down: draining in-flight calls");
+        if let Some(t) = trigger {
+            let _ = t.send(());
+        }
+        server.wait().await
+    })
+}
+
+async fn server_wait(server: &mut Server) -> Result<(), String> {
+    server.wait_ref().await
+}
+
+/// Run the mock vLLM server until SIGTERM or Ctrl-C (`trajlog mock-vllm`).
+pub fn run_mock_blocking(host: &str, port: u16) -> Result<(), String> {
+    runtime()?.block_on(async move {
+        let m = mock::start_mock(host, port).await.map_err(|e| format!("cannot listen on {host}:{port}: {e}"))?;
+        announce(m.addr, "trajlog mock-vllm")?;
+        terminated().await;
+        Ok(())
+    })
+}

@@ -65,8 +65,14 @@ impl Server {
     }
 
     /// Wait until the server stops (after [`Server::shutdown`] or a fatal error).
-    pub async fn wait(self) -> Result<(), String> {
-        self.done.await.map_err(|e| format!("server task failed: {e}"))?
+    pub async fn wait(mut self) -> Result<(), String> {
+        self.wait_ref().await
+    }
+
+    /// [`Server::wait`] without consuming the handle (cancel-safe: it can be
+    /// raced against a signal and awaited again).
+    pub async fn wait_ref(&mut self) -> Result<(), String> {
+        (&mut self.done).await.map_err(|e| format!("server task failed: {e}"))?
     }
 
     /// A handle that triggers the graceful shutdown when sent to.
