@@ -5,6 +5,7 @@ mod demo;
 mod ingest;
 mod inspect;
 mod repair;
+mod serve;
 mod shards;
 
 use clap::{Parser, Subcommand};
@@ -219,6 +220,44 @@ enum Command {
         #[arg(long)]
         strict: bool,
     },
+    /// Run the capture gateway (rLLM model gateway compatible) in front of inference workers.
+    Serve {
+        /// Store directory (created if absent).
+        #[arg(long)]
+        store: Option<PathBuf>,
+        /// Bind address [default: 127.0.0.1, or the config file's].
+        #[arg(long)]
+        host: Option<String>,
+        /// Port; 0 picks a free one [default: 9090, or the config file's].
+        #[arg(long)]
+        port: Option<u16>,
+        /// Inference worker URL, e.g. http://127.0.0.1:8000/v1 (repeatable; replaces the config file's workers).
+        #[arg(long = "worker", value_name = "URL")]
+        workers: Vec<String>,
+        /// TOML config file (see docs/serve.md).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// sync: answer after the trace is durable; async: answer at once, durable on the next flush.
+        #[arg(long, value_name = "sync|async")]
+        durability: Option<String>,
+        /// Pin the model name on every agent request.
+        #[arg(long)]
+        model: Option<String>,
+        /// Upstream timeout in seconds (headers, then each body read); default: none.
+        #[arg(long, value_name = "SECONDS")]
+        upstream_timeout: Option<f64>,
+        /// error | warn | info | debug | trace (logs go to stderr).
+        #[arg(long, default_value = "info")]
+        log_level: String,
+    },
+    /// A deterministic vLLM-shaped mock inference server (tests and benchmarks).
+    #[command(hide = true)]
+    MockVllm {
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+    },
 }
 
 /// Run the CLI; returns the process exit code.
@@ -261,6 +300,20 @@ pub fn main() -> i32 {
             ingest::import_rllm_sqlite(&db, &store, schema.as_deref(), !no_verify)
         }
         Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
+        Command::Serve { store, host, port, workers, config, durability, model, upstream_timeout, log_level } => {
+            serve::run(serve::ServeArgs {
+                store,
+                host,
+                port,
+                workers,
+                config,
+                durability,
+                model,
+                upstream_timeout_s: upstream_timeout,
+                log_level,
+            })
+        }
+        Command::MockVllm { host, port } => serve::mock(&host, port),
         Command::Generate { store, sessions, steps, prompt_tokens, seed, shape } => {
             demo::generate(&store, sessions, steps, prompt_tokens, seed, shape)
         }

@@ -1,0 +1,141 @@
+//! JSON objects whose key order and values are kept verbatim.
+//!
+//! The gateway never round-trips an agent's or an upstream's JSON through a
+//! value tree: an object is read as its keys in order, each with the verbatim
+//! text of its value ([`Obj`]), edited in place, and written back. So the
+//! forwarded request keeps the client's key order (rLLM's `raw_request` order,
+//! contract §2.1) and numbers keep their exact decimal text (token ids and
+//! logprobs reach the store as the upstream printed them).
+
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use std::fmt;
+
+/// A JSON object: keys in document order, values as verbatim JSON text.
+#[derive(Debug, Clone, Default)]
+pub struct Obj(pub Vec<(String, Box<RawValue>)>);
+
+impl<'de> Deserialize<'de> for Obj {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Obj;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Obj, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Box<RawValue>>()? {
+                    // A repeated key: the last one wins, as in Python's json.
+                    if let Some(slot) = out.iter_mut().find(|(ok, _): &&mut (String, Box<RawValue>)| *ok == k) {
+                        slot.1 = v;
+                    } else {
+                        out.push((k, v));
+                    }
+                }
+                Ok(Obj(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl Obj {
+    /// Parse `text` as an object; None when it is not a JSON object.
+    pub fn parse(text: &str) -> Option<Obj> {
+        serde_json::from_str(text).ok()
+    }
+
+    /// Parse bytes as an object; None when not UTF-8 JSON object.
+    pub fn parse_bytes(bytes: &[u8]) -> Option<Obj> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// The value of `key`, None when absent.
+    pub fn get(&self, key: &str) -> Option<&RawValue> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| &**v)
+    }
+
+    /// The value of `key` unless absent or `null`.
+    pub fn get_some(&self, key: &str) -> Option<&RawValue> {
+        self.get(key).filter(|v| v.get() != "null")
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.0.iter().any(|(k, _)| k == key)
+    }
+
+    /// Set `key` to verbatim JSON `value`: in place when present, appended otherwise.
+    pub fn set(&mut self, key: &str, value: Box<RawValue>) {
+        match self.0.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => self.0.push((key.to_owned(), value)),
+        }
+    }
+
+    /// Remove `key`; whether it was there.
+    pub fn remove(&mut self, key: &str) -> bool {
+        let before = self.0.len();
+        self.0.retain(|(k, _)| k != key);
+        self.0.len() != before
+    }
+
+    /// Compact JSON text (values verbatim).
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{");
+        for (i, (k, v)) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&string(k));
+            out.push(':');
+            out.push_str(v.get());
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// `s` as a JSON string literal.
+pub fn string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned())
+}
+
+/// Verbatim JSON text as a boxed raw value (for [`Obj::set`]); the text must
+/// be valid JSON, which every caller builds itself.
+pub fn raw(text: String) -> Box<RawValue> {
+    RawValue::from_string(text).unwrap_or_default()
+}
+
+/// Whether a JSON value is truthy the way Python's `bool()` sees it
+/// (`true`, a non-zero number, a non-empty string, list or object).
+pub fn truthy(v: &RawValue) -> bool {
+    let t = v.get().trim();
+    match t {
+        "null" | "false" | "\"\"" | "[]" | "{}" => false,
+        _ if t.starts_with('[') => serde_json::from_str::<Vec<&RawValue>>(t).map(|l| !l.is_empty()).unwrap_or(true),
+        _ if t.starts_with('{') => Obj::parse(t).map(|o| !o.0.is_empty()).unwrap_or(true),
+        _ if t.starts_with(|c: char| c == '-' || c.is_ascii_digit()) => {
+            t.parse::<f64>().map(|x| x != 0.0).unwrap_or(true)
+        }
+        _ => true,
+    }
+}
+
+/// The items of a JSON list, verbatim; None when `v` is not a list.
+pub fn list(v: &RawValue) -> Option<Vec<&RawValue>> {
+    serde_json::from_str(v.get()).ok()
+}
+
+/// Join verbatim JSON texts into a list.
+pub fn join_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::from("[");
+    for (i, t) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(t);
+    }
+    out.push(']');
+    out
+}

@@ -1,0 +1,79 @@
+//! Counters for `GET /metrics`, in the Prometheus text format (0.0.4).
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+/// Upper bounds (ms) of the upstream latency histogram buckets.
+pub const LATENCY_BUCKETS_MS: &[f64] =
+    &[1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0];
+
+#[derive(Default)]
+pub struct Metrics {
+    /// Proxied calls by outcome.
+    pub calls_ok: AtomicU64,
+    pub calls_upstream_status_error: AtomicU64,
+    pub calls_upstream_failed: AtomicU64,
+    pub calls_no_worker: AtomicU64,
+    pub calls_client_gone: AtomicU64,
+    pub traces_stored: AtomicU64,
+    pub traces_failed: AtomicU64,
+    pub request_bytes: AtomicU64,
+    pub response_bytes: AtomicU64,
+    /// Traces handed to the store and not yet acknowledged.
+    pub queue_depth: AtomicI64,
+    latency_buckets: [AtomicU64; 14],
+    latency_count: AtomicU64,
+    latency_sum_us: AtomicU64,
+}
+
+impl Metrics {
+    pub fn observe_latency_ms(&self, ms: f64) {
+        for (i, b) in LATENCY_BUCKETS_MS.iter().enumerate() {
+            if ms <= *b {
+                self.latency_buckets[i].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.latency_count.fetch_add(1, Ordering::Relaxed);
+        self.latency_sum_us.fetch_add((ms * 1000.0).max(0.0) as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = String::new();
+        let _ = writeln!(out, "# HELP trajlog_serve_calls_total Proxied agent calls by outcome.");
+        let _ = writeln!(out, "# TYPE trajlog_serve_calls_total counter");
+        for (outcome, v) in [
+            ("ok", &self.calls_ok),
+            ("upstream_status_error", &self.calls_upstream_status_error),
+            ("upstream_failed", &self.calls_upstream_failed),
+            ("no_worker", &self.calls_no_worker),
+            ("client_gone", &self.calls_client_gone),
+        ] {
+            let _ = writeln!(out, "trajlog_serve_calls_total{{outcome=\"{outcome}\"}} {}", g(v));
+        }
+        let _ = writeln!(out, "# HELP trajlog_serve_traces_total Traces captured into the store, by result.");
+        let _ = writeln!(out, "# TYPE trajlog_serve_traces_total counter");
+        let _ = writeln!(out, "trajlog_serve_traces_total{{result=\"stored\"}} {}", g(&self.traces_stored));
+        let _ = writeln!(out, "trajlog_serve_traces_total{{result=\"failed\"}} {}", g(&self.traces_failed));
+        let _ = writeln!(out, "# HELP trajlog_serve_bytes_total Bytes forwarded upstream (request) and received from upstream (response).");
+        let _ = writeln!(out, "# TYPE trajlog_serve_bytes_total counter");
+        let _ = writeln!(out, "trajlog_serve_bytes_total{{direction=\"request\"}} {}", g(&self.request_bytes));
+        let _ = writeln!(out, "trajlog_serve_bytes_total{{direction=\"response\"}} {}", g(&self.response_bytes));
+        let _ = writeln!(out, "# HELP trajlog_serve_queue_depth Traces handed to the store and not yet acknowledged.");
+        let _ = writeln!(out, "# TYPE trajlog_serve_queue_depth gauge");
+        let _ = writeln!(out, "trajlog_serve_queue_depth {}", self.queue_depth.load(Ordering::Relaxed));
+        let _ =
+            writeln!(out, "# HELP trajlog_serve_upstream_latency_ms Latency of proxied calls, routing to last byte.");
+        let _ = writeln!(out, "# TYPE trajlog_serve_upstream_latency_ms histogram");
+        for (i, b) in LATENCY_BUCKETS_MS.iter().enumerate() {
+            let _ =
+                writeln!(out, "trajlog_serve_upstream_latency_ms_bucket{{le=\"{b}\"}} {}", g(&self.latency_buckets[i]));
+        }
+        let count = g(&self.latency_count);
+        let _ = writeln!(out, "trajlog_serve_upstream_latency_ms_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "trajlog_serve_upstream_latency_ms_sum {}", g(&self.latency_sum_us) as f64 / 1000.0);
+        let _ = writeln!(out, "trajlog_serve_upstream_latency_ms_count {count}");
+        out
+    }
+}

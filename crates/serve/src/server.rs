@@ -1,0 +1,1185 @@
+//! The HTTP side: one dispatcher over the decoded path (rLLM's routes and
+//! its session-id rule, contract §1), the agent proxy (plain and streaming),
+//! the training-side control API, and the bridge to the blocking store.
+
+use crate::capture::{self, CallFacts, Injection, StreamAssembly};
+use crate::json::{self, Obj};
+use crate::metrics::Metrics;
+use crate::workers::{split_url, Lease, Router, Worker};
+use crate::{Config, DurabilityMode};
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::Response;
+use futures_util::StreamExt;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
+use trajlog::{Durability, Options, Store, Target};
+
+/// In-memory session state (rLLM keeps it in memory too, contract §4.1).
+#[derive(Default)]
+struct Session {
+    created_at: f64,
+    metadata: Option<String>,
+    sampling_params: Option<Obj>,
+}
+
+struct App {
+    config: Config,
+    store: Arc<Store>,
+    router: Router,
+    client: reqwest::Client,
+    sessions: Mutex<HashMap<String, Session>>,
+    weight_version: Mutex<Option<i64>>,
+    metrics: Metrics,
+    health_started: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// A running gateway.
+pub struct Server {
+    /// The bound address (the real port when 0 was asked).
+    pub addr: SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+impl Server {
+    /// Stop accepting, drain in-flight calls, flush and close the store.
+    pub async fn shutdown(mut self) -> Result<(), String> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        self.wait().await
+    }
+
+    /// Wait until the server stops (after [`Server::shutdown`] or a fatal error).
+    pub async fn wait(mut self) -> Result<(), String> {
+        self.wait_ref().await
+    }
+
+    /// [`Server::wait`] without consuming the handle (cancel-safe: it can be
+    /// raced against a signal and awaited again).
+    pub async fn wait_ref(&mut self) -> Result<(), String> {
+        (&mut self.done).await.map_err(|e| format!("server task failed: {e}"))?
+    }
+
+    /// A handle that triggers the graceful shutdown when sent to.
+    pub fn shutdown_trigger(&mut self) -> Option<oneshot::Sender<()>> {
+        self.shutdown.take()
+    }
+}
+
+/// Open the store, bind, and serve until shut down.
+pub async fn start(config: Config) -> Result<Server, String> {
+    if config.store.as_os_str().is_empty() {
+        return Err("store: a store directory is required (--store DIR)".into());
+    }
+    let dir = config.store.clone();
+    let queue = config.store_queue_bytes;
+    let store = tokio::task::spawn_blocking(move || {
+        let mut opts = Options::default().durability(Durability::Group);
+        if let Some(q) = queue {
+            opts = opts.queue_bytes(q);
+        }
+        Store::open(&dir, opts)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| format!("cannot open store {}: {e}", config.store.display()))?;
+    let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
+        .await
+        .map_err(|e| format!("cannot listen on {}:{}: {e}", config.host, config.port))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+    let router = Router::default();
+    for (i, w) in config.workers.iter().enumerate() {
+        router.add(make_worker(
+            w.url.clone(),
+            w.worker_id.clone().unwrap_or_else(|| i.to_string()),
+            w.api_path.clone(),
+            w.model_name.clone(),
+            w.weight,
+        ));
+    }
+    let app = Arc::new(App {
+        config,
+        store: Arc::new(store),
+        router,
+        client,
+        sessions: Mutex::new(HashMap::new()),
+        weight_version: Mutex::new(None),
+        metrics: Metrics::default(),
+        health_started: AtomicBool::new(false),
+    });
+    if !app.router.list().is_empty() {
+        start_health_checks(&app);
+    }
+    let (tx, rx) = oneshot::channel::<()>();
+    let service = axum::Router::new().fallback(dispatch).with_state(app.clone());
+    let done = tokio::spawn(async move {
+        let served = axum::serve(listener, service)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await
+            .map_err(|e| format!("server error: {e}"));
+        tracing::info!("draining done; flushing the store");
+        let store = app.store.clone();
+        let flushed = tokio::task::spawn_blocking(move || store.flush())
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("final flush failed: {e}"));
+        served.and(flushed)
+    });
+    tracing::info!(%addr, "trajlog serve listening");
+    Ok(Server { addr, shutdown: Some(tx), done })
+}
+
+fn make_worker(
+    url: String,
+    id: String,
+    api_path: Option<String>,
+    model_name: Option<String>,
+    weight: Option<i64>,
+) -> Worker {
+    let (url, api_path) = match api_path {
+        Some(p) => (url, p),
+        None => split_url(&url),
+    };
+    Worker {
+        id,
+        url,
+        api_path,
+        model_name,
+        weight: weight.unwrap_or(1),
+        healthy: AtomicBool::new(true),
+        failures: AtomicU32::new(0),
+        active: AtomicUsize::new(0),
+    }
+}
+
+fn start_health_checks(app: &Arc<App>) {
+    if app.health_started.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let weak = Arc::downgrade(app);
+    let interval = Duration::from_secs_f64(app.config.health_check_interval_s.clamp(0.05, 86_400.0));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let Some(app) = weak.upgrade() else { return };
+            for w in app.router.list() {
+                let url = format!("{}/health", w.url.trim_end_matches('/'));
+                let ok = matches!(
+                    app.client.get(&url).timeout(Duration::from_secs(5)).send().await,
+                    Ok(r) if r.status() == StatusCode::OK
+                );
+                if !ok {
+                    tracing::warn!(worker = %w.url, "health check failed");
+                }
+                app.router.report_health(&w, ok);
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------- responses
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn ok_json(body: String) -> Response {
+    json_response(StatusCode::OK, body)
+}
+
+fn error(status: StatusCode, msg: impl AsRef<str>) -> Response {
+    json_response(status, format!("{{\"error\":{}}}", json::string(msg.as_ref())))
+}
+
+fn not_found() -> Response {
+    json_response(StatusCode::NOT_FOUND, "{\"detail\":\"Not Found\"}".into())
+}
+
+fn unprocessable(field: &str, msg: &str) -> Response {
+    json_response(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        format!("{{\"detail\":[{{\"loc\":[\"query\",{}],\"msg\":{}}}]}}", json::string(field), json::string(msg)),
+    )
+}
+
+// ---------------------------------------------------------------- dispatch
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+            if let Some(v) = hex {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// rLLM's `/sessions/(.+?)(/v1(?:/.*)?)$`: the shortest session id that leaves
+/// a `/v1` or `/v1/...` tail.
+fn split_session_path(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix("/sessions/")?;
+    let mut from = 1;
+    while from <= rest.len() {
+        let i = from + rest.get(from..)?.find("/v1")?;
+        let tail = &rest[i..];
+        if tail.len() == 3 || tail.as_bytes().get(3) == Some(&b'/') {
+            return Some((&rest[..i], tail));
+        }
+        from = i + 1;
+    }
+    None
+}
+
+fn query_params(q: Option<&str>) -> Vec<(String, String)> {
+    q.unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(&k.replace('+', " ")), percent_decode(&v.replace('+', " ")))
+        })
+        .collect()
+}
+
+struct Window {
+    since: Option<f64>,
+    limit: Option<usize>,
+}
+
+fn window(q: &[(String, String)]) -> Result<Window, Response> {
+    let mut w = Window { since: None, limit: None };
+    for (k, v) in q {
+        match k.as_str() {
+            "since" => {
+                w.since = Some(
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|x| x.is_finite())
+                        .ok_or_else(|| unprocessable("since", "must be a number (epoch seconds)"))?,
+                )
+            }
+            "limit" => {
+                w.limit =
+                    Some(v.parse::<usize>().map_err(|_| unprocessable("limit", "must be a non-negative integer"))?)
+            }
+            _ => {}
+        }
+    }
+    Ok(w)
+}
+
+async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
+    let method = req.method().clone();
+    let path = percent_decode(req.uri().path());
+    let query = req.uri().query().map(str::to_owned);
+    if let Some((sid, tail)) = split_session_path(&path) {
+        return proxy(app, Some(sid.to_owned()), tail.to_owned(), query, req).await;
+    }
+    if path == "/v1" || path.starts_with("/v1/") {
+        return proxy(app, None, path.clone(), query, req).await;
+    }
+    let q = query_params(query.as_deref());
+    let body = match axum::body::to_bytes(req.into_body(), app.config.request_bytes_max).await {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, format!("request body: {e}")),
+    };
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match (&method, segs.as_slice()) {
+        (&Method::GET, ["health"]) => ok_json("{\"status\":\"ok\"}".into()),
+        (&Method::GET, ["health", "workers"]) => {
+            let ws = app.router.list();
+            let healthy = ws.iter().filter(|w| w.healthy.load(Ordering::Relaxed)).count();
+            let items =
+                json::join_list(ws.iter().map(|w| w.info_json()).collect::<Vec<_>>().iter().map(String::as_str));
+            ok_json(format!("{{\"workers\":{items},\"healthy\":{healthy},\"total\":{}}}", ws.len()))
+        }
+        (&Method::GET, ["metrics"]) => {
+            let mut r = Response::new(Body::from(app.metrics.render()));
+            r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+            r
+        }
+        (&Method::POST, ["sessions"]) => create_session(&app, &body),
+        (&Method::GET, ["sessions"]) => match window(&q) {
+            Ok(w) => list_sessions(&app, w).await,
+            Err(r) => r,
+        },
+        (&Method::POST, ["sessions", "batch_delete"]) => batch_delete(&app, &body).await,
+        (&Method::POST, ["traces", "query"]) => query_traces(&app, &body).await,
+        (&Method::GET, ["traces", id]) => get_trace(&app, id).await,
+        (&Method::POST, ["traces", id, "reward"]) => set_reward(&app, Target::Trace((*id).to_owned()), &body).await,
+        (&Method::POST, ["admin", "flush"]) => flush(&app).await,
+        (&Method::POST, ["admin", "reload"]) => ok_json("{\"status\":\"ok\"}".into()),
+        (&Method::GET, ["admin", "weight_version"]) => {
+            let wv = *lock(&app.weight_version);
+            ok_json(format!("{{\"weight_version\":{}}}", wv.map(|w| w.to_string()).unwrap_or_else(|| "null".into())))
+        }
+        (&Method::POST, ["admin", "weight_version"]) => set_weight_version(&app, &body),
+        (&Method::GET, ["admin", "workers"]) => ok_json(json::join_list(
+            app.router.list().iter().map(|w| w.info_json()).collect::<Vec<_>>().iter().map(String::as_str),
+        )),
+        (&Method::POST, ["admin", "workers"]) => add_worker(&app, &body),
+        (&Method::DELETE, ["admin", "workers", id]) => {
+            if app.router.remove(id) {
+                ok_json(format!("{{\"removed\":{}}}", json::string(id)))
+            } else {
+                error(StatusCode::NOT_FOUND, format!("Worker {id} not found"))
+            }
+        }
+        (&Method::POST, ["admin", "compact"]) => compact(&app).await,
+        (&Method::GET, ["admin", "audit"]) => audit(&app).await,
+        _ => session_routes(&app, &method, &path, &q, &body).await,
+    }
+}
+
+/// The `/sessions/{sid:path}...` routes, matched as rLLM declares them:
+/// `.../traces` first, then the session itself.
+async fn session_routes(app: &Arc<App>, method: &Method, path: &str, q: &[(String, String)], body: &Bytes) -> Response {
+    let Some(rest) = path.strip_prefix("/sessions/").filter(|r| !r.is_empty()) else { return not_found() };
+    if *method == Method::GET {
+        if let Some(sid) = rest.strip_suffix("/traces").filter(|s| !s.is_empty()) {
+            return match window(q) {
+                Ok(w) => session_traces(app, sid, w).await,
+                Err(r) => r,
+            };
+        }
+        return get_session(app, rest).await;
+    }
+    if *method == Method::DELETE {
+        return match delete_sessions(app, vec![rest.to_owned()]).await {
+            Ok(n) => ok_json(format!("{{\"deleted\":{n}}}")),
+            Err(r) => r,
+        };
+    }
+    if *method == Method::POST {
+        if let Some(sid) = rest.strip_suffix("/seal").filter(|s| !s.is_empty()) {
+            let (store, sid2) = (app.store.clone(), sid.to_owned());
+            return match blocking(move || store.seal_session(&sid2)).await {
+                Ok(()) => ok_json(format!("{{\"sealed\":{}}}", json::string(sid))),
+                Err(e) => store_error(e),
+            };
+        }
+        if let Some(sid) = rest.strip_suffix("/reward").filter(|s| !s.is_empty()) {
+            return set_reward(app, Target::Session(sid.to_owned()), body).await;
+        }
+    }
+    json_response(StatusCode::METHOD_NOT_ALLOWED, "{\"detail\":\"Method Not Allowed\"}".into())
+}
+
+// ---------------------------------------------------------------- the store bridge
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> trajlog::Result<T> + Send + 'static) -> Result<T, String> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("store task failed: {e}")),
+    }
+}
+
+fn store_error(e: String) -> Response {
+    error(StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}"))
+}
+
+/// Hand a trace record to the store; with `Sync` durability, wait until it
+/// is durable (concurrent waits share one group commit).
+async fn capture(app: &Arc<App>, record: String) -> Result<(), String> {
+    let store = app.store.clone();
+    let sync = app.config.durability == DurabilityMode::Sync;
+    app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    let r = blocking(move || {
+        let call = trajlog::trace_json::parse_gateway_exact(&record, now())?;
+        let receipt = store.append(call)?;
+        if sync {
+            receipt.wait()?;
+        }
+        Ok(())
+    })
+    .await;
+    app.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+    match &r {
+        Ok(()) => app.metrics.traces_stored.fetch_add(1, Ordering::Relaxed),
+        Err(e) => {
+            tracing::error!(error = %e, "trace not stored");
+            app.metrics.traces_failed.fetch_add(1, Ordering::Relaxed)
+        }
+    };
+    r
+}
+
+/// The keys of rLLM's `TraceRecord`, in order (contract §3.1).
+const TRACE_KEYS: &[&str] = &[
+    "trace_id",
+    "session_id",
+    "model",
+    "messages",
+    "prompt_token_ids",
+    "response_message",
+    "completion_token_ids",
+    "logprobs",
+    "routing_matrices",
+    "finish_reason",
+    "weight_version",
+    "latency_ms",
+    "token_counts",
+    "timestamp",
+    "metadata",
+    "raw_request",
+    "raw_response",
+];
+
+/// A stored call as the gateway's JSON: [`trajlog::trace_json::export_call`]
+/// with the keys put back in rLLM's order (others after, sorted), and
+/// column logprobs printed as the widened f64 Python holds (so a Python
+/// client reads the very floats the gateway would have returned).
+fn trace_json(call: &trajlog::Call) -> String {
+    let exported = trajlog::trace_json::export_call(call);
+    let map: std::collections::BTreeMap<String, &serde_json::value::RawValue> = match serde_json::from_str(&exported) {
+        Ok(m) => m,
+        Err(_) => return exported,
+    };
+    let column_logprobs = call.logprobs.as_ref().map(|lp| {
+        json::join_list(
+            lp.iter().map(|v| format!("{:?}", f64::from(*v))).collect::<Vec<_>>().iter().map(String::as_str),
+        )
+    });
+    let mut out = String::with_capacity(exported.len() + 64);
+    out.push('{');
+    let mut first = true;
+    let mut put = |out: &mut String, k: &str, v: &str| {
+        if !first {
+            out.push(',');
+        }
+        first = false;
+        out.push_str(&json::string(k));
+        out.push(':');
+        out.push_str(v);
+    };
+    for k in TRACE_KEYS {
+        match (*k, &column_logprobs) {
+            ("logprobs", Some(lp)) => put(&mut out, k, lp),
+            _ => {
+                if let Some(v) = map.get(*k) {
+                    put(&mut out, k, v.get());
+                }
+            }
+        }
+    }
+    for (k, v) in &map {
+        if !TRACE_KEYS.contains(&k.as_str()) {
+            put(&mut out, k, v.get());
+        }
+    }
+    out.push('}');
+    out
+}
+
+async fn get_trace(app: &Arc<App>, id: &str) -> Response {
+    let (store, tid) = (app.store.clone(), id.to_owned());
+    let r = blocking(move || {
+        let snap = store.snapshot();
+        Ok(match snap.get(&tid)? {
+            Some(v) => Some(trace_json(&v.to_call()?)),
+            None => None,
+        })
+    })
+    .await;
+    match r {
+        Ok(Some(t)) => ok_json(t),
+        Ok(None) => error(StatusCode::NOT_FOUND, format!("Trace {id} not found")),
+        Err(e) => store_error(e),
+    }
+}
+
+/// Traces of one session, oldest first; `since` inclusive as in rLLM.
+fn traces_of(snap: &trajlog::Snapshot, sid: &str, w: &Window) -> trajlog::Result<Vec<String>> {
+    // trajlog's `since` is exclusive; rLLM's is inclusive.
+    let since = w.since.map(f64::next_down);
+    snap.session(sid, since, w.limit)?.iter().map(|v| v.to_call().map(|c| trace_json(&c))).collect()
+}
+
+async fn session_traces(app: &Arc<App>, sid: &str, w: Window) -> Response {
+    let (store, sid) = (app.store.clone(), sid.to_owned());
+    match blocking(move || traces_of(&store.snapshot(), &sid, &w)).await {
+        Ok(list) => ok_json(json::join_list(list.iter().map(String::as_str))),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn query_traces(app: &Arc<App>, body: &Bytes) -> Response {
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let sids: Vec<String> = match req.get_some("session_ids").map(|v| serde_json::from_str(v.get())) {
+        None => Vec::new(),
+        Some(Ok(l)) => l,
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "session_ids: must be a list of strings"),
+    };
+    let since = match req.get_some("since").map(|v| v.get().parse::<f64>()) {
+        None => None,
+        Some(Ok(x)) => Some(x),
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "since: must be a number"),
+    };
+    let limit = match req.get_some("limit").map(|v| v.get().parse::<usize>()) {
+        None => None,
+        Some(Ok(x)) => Some(x),
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "limit: must be a non-negative integer"),
+    };
+    let store = app.store.clone();
+    let r = blocking(move || {
+        let snap = store.snapshot();
+        let mut all = Vec::new();
+        for sid in &sids {
+            all.extend(traces_of(&snap, sid, &Window { since, limit })?);
+        }
+        Ok(all)
+    })
+    .await;
+    match r {
+        Ok(list) => ok_json(json::join_list(list.iter().map(String::as_str))),
+        Err(e) => store_error(e),
+    }
+}
+
+fn session_info_json(sid: &str, count: usize, created_at: Option<f64>, metadata: Option<&str>) -> String {
+    format!(
+        "{{\"session_id\":{},\"trace_count\":{count},\"created_at\":{},\"metadata\":{}}}",
+        json::string(sid),
+        created_at.filter(|c| c.is_finite()).map(|c| format!("{c:?}")).unwrap_or_else(|| "null".into()),
+        metadata.unwrap_or("{}")
+    )
+}
+
+fn create_session(app: &Arc<App>, body: &Bytes) -> Response {
+    // rLLM's `_safe_json`: a missing or invalid body is `{}`.
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let sid = match req.get("session_id").map(|v| serde_json::from_str::<Option<String>>(v.get())) {
+        None | Some(Ok(None)) => None,
+        Some(Ok(Some(s))) => Some(s).filter(|s| !s.is_empty()),
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "session_id: must be a string"),
+    };
+    let sid = sid.unwrap_or_else(new_id);
+    let metadata = req.get("metadata").filter(|v| json::truthy(v));
+    if metadata.is_some_and(|m| !m.get().starts_with('{')) {
+        return error(StatusCode::BAD_REQUEST, "metadata: must be an object");
+    }
+    let sampling = match req.get("sampling_params").filter(|v| json::truthy(v)) {
+        None => None,
+        Some(v) => match Obj::parse(v.get()) {
+            Some(o) => Some(o),
+            None => return error(StatusCode::BAD_REQUEST, "sampling_params: must be an object"),
+        },
+    };
+    let mut sessions = lock(&app.sessions);
+    let s = sessions.entry(sid.clone()).or_default();
+    s.created_at = now();
+    if let Some(m) = metadata {
+        s.metadata = Some(m.get().to_owned());
+    }
+    if let Some(sp) = sampling {
+        s.sampling_params = Some(sp);
+    }
+    ok_json(format!(
+        "{{\"session_id\":{},\"url\":{}}}",
+        json::string(&sid),
+        json::string(&format!("/sessions/{sid}/v1"))
+    ))
+}
+
+fn new_id() -> String {
+    // A random v4 UUID from the OS-seeded std hasher state plus a counter.
+    use std::collections::hash_map::RandomState;
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mut words = [0u64; 2];
+    for (i, w) in words.iter_mut().enumerate() {
+        let mut h = RandomState::new().build_hasher();
+        h.write_u64(n);
+        h.write_usize(i);
+        h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+        *w = h.finish();
+    }
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&words[0].to_le_bytes());
+    b[8..].copy_from_slice(&words[1].to_le_bytes());
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
+async fn get_session(app: &Arc<App>, sid: &str) -> Response {
+    let store = app.store.clone();
+    let sid2 = sid.to_owned();
+    let count = match blocking(move || Ok(store.snapshot().session_info(&sid2).map(|i| i.calls).unwrap_or(0))).await {
+        Ok(c) => c,
+        Err(e) => return store_error(e),
+    };
+    let sessions = lock(&app.sessions);
+    let s = sessions.get(sid);
+    if count == 0 && s.is_none() {
+        return error(StatusCode::NOT_FOUND, format!("Session {sid} not found"));
+    }
+    ok_json(session_info_json(sid, count, s.map(|s| s.created_at), s.and_then(|s| s.metadata.as_deref())))
+}
+
+async fn list_sessions(app: &Arc<App>, w: Window) -> Response {
+    let store = app.store.clone();
+    let mut infos = match blocking(move || Ok(store.snapshot().sessions())).await {
+        Ok(i) => i,
+        Err(e) => return store_error(e),
+    };
+    // Newest first by first trace; `since` drops sessions whose first trace is older.
+    infos.reverse();
+    if let Some(since) = w.since {
+        infos.retain(|i| i.first_timestamp >= since);
+    }
+    infos.truncate(w.limit.unwrap_or(usize::MAX));
+    let sessions = lock(&app.sessions);
+    let items: Vec<String> = infos
+        .iter()
+        .map(|i| {
+            let s = sessions.get(&i.session_id);
+            session_info_json(
+                &i.session_id,
+                i.calls,
+                Some(s.map(|s| s.created_at).unwrap_or(i.first_timestamp)),
+                s.and_then(|s| s.metadata.as_deref()),
+            )
+        })
+        .collect();
+    ok_json(json::join_list(items.iter().map(String::as_str)))
+}
+
+async fn delete_sessions(app: &Arc<App>, sids: Vec<String>) -> Result<u64, Response> {
+    {
+        let mut sessions = lock(&app.sessions);
+        for sid in &sids {
+            sessions.remove(sid);
+        }
+    }
+    let store = app.store.clone();
+    blocking(move || {
+        let mut n = 0;
+        for sid in &sids {
+            n += store.delete_session(sid)?;
+        }
+        Ok(n)
+    })
+    .await
+    .map_err(store_error)
+}
+
+async fn batch_delete(app: &Arc<App>, body: &Bytes) -> Response {
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let sids: Vec<String> = match req.get_some("session_ids").map(|v| serde_json::from_str(v.get())) {
+        None => Vec::new(),
+        Some(Ok(l)) => l,
+        Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "session_ids: must be a list of strings"),
+    };
+    match delete_sessions(app, sids).await {
+        Ok(n) => ok_json(format!("{{\"deleted\":{n}}}")),
+        Err(r) => r,
+    }
+}
+
+async fn flush(app: &Arc<App>) -> Response {
+    let store = app.store.clone();
+    match blocking(move || store.flush()).await {
+        Ok(()) => ok_json("{\"status\":\"flushed\"}".into()),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}")),
+    }
+}
+
+/// Python's `int(x)` for a JSON value: ints, integral-or-not floats
+/// (truncated), booleans, and strings holding an integer.
+fn python_int(v: &serde_json::value::RawValue) -> Option<i64> {
+    let t = v.get();
+    match t {
+        "true" => return Some(1),
+        "false" => return Some(0),
+        _ => {}
+    }
+    if let Ok(i) = t.parse::<i64>() {
+        return Some(i);
+    }
+    if t.starts_with(|c: char| c == '-' || c.is_ascii_digit()) {
+        return t.parse::<f64>().ok().filter(|f| f.is_finite() && f.abs() < 9.2e18).map(|f| f.trunc() as i64);
+    }
+    let s: String = serde_json::from_str(t).ok()?;
+    s.trim().replace('_', "").parse::<i64>().ok()
+}
+
+fn set_weight_version(app: &Arc<App>, body: &Bytes) -> Response {
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let Some(v) = req.get_some("weight_version") else {
+        return error(StatusCode::BAD_REQUEST, "weight_version is required");
+    };
+    match python_int(v) {
+        Some(w) => {
+            *lock(&app.weight_version) = Some(w);
+            ok_json(format!("{{\"weight_version\":{w}}}"))
+        }
+        None => error(StatusCode::BAD_REQUEST, format!("invalid weight_version: {}", v.get())),
+    }
+}
+
+fn add_worker(app: &Arc<App>, body: &Bytes) -> Response {
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let s = |k: &str| req.get_some(k).and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+    let Some(url) = s("url").filter(|u| !u.is_empty()) else {
+        return error(StatusCode::BAD_REQUEST, "url is required");
+    };
+    let weight = req.get_some("weight").and_then(|v| v.get().parse::<i64>().ok());
+    let w = make_worker(url, s("worker_id").unwrap_or_else(new_id), s("api_path"), s("model_name"), weight);
+    let reply = format!(
+        "{{\"worker_id\":{},\"url\":{},\"api_path\":{}}}",
+        json::string(&w.id),
+        json::string(&w.url),
+        json::string(&w.api_path)
+    );
+    app.router.add(w);
+    start_health_checks(app);
+    ok_json(reply)
+}
+
+async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
+    let req = Obj::parse_bytes(body).unwrap_or_default();
+    let Some(value) = req.get_some("reward").and_then(|v| v.get().parse::<f64>().ok()).filter(|v| v.is_finite()) else {
+        return error(StatusCode::BAD_REQUEST, "reward: a finite number is required");
+    };
+    let store = app.store.clone();
+    let t = target.clone();
+    match blocking(move || store.set_reward(t, value)).await {
+        Ok(()) => {
+            let (kind, id) = match &target {
+                Target::Trace(id) => ("trace_id", id),
+                Target::Session(id) => ("session_id", id),
+            };
+            ok_json(format!("{{{}:{},\"reward\":{value:?}}}", json::string(kind), json::string(id)))
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+async fn compact(app: &Arc<App>) -> Response {
+    let store = app.store.clone();
+    match blocking(move || store.compact(&trajlog::CompactOptions::default())).await {
+        Ok(r) => ok_json(format!(
+            "{{\"sessions\":{},\"calls\":{},\"shards\":{},\"shard_bytes\":{},\"retired_segments\":{}}}",
+            r.sessions,
+            r.calls,
+            r.shards.len(),
+            r.shard_bytes,
+            r.retired_segments
+        )),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn audit(app: &Arc<App>) -> Response {
+    let store = app.store.clone();
+    match blocking(move || trajlog::audit::audit(&store.snapshot())).await {
+        Ok(r) => match serde_json::to_string(&r) {
+            Ok(t) => ok_json(t),
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        },
+        Err(e) => store_error(e),
+    }
+}
+
+// ---------------------------------------------------------------- the proxy
+
+/// Hop-by-hop and body-framing headers not forwarded (rLLM's list).
+const SKIP_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "content-encoding",
+    "host",
+];
+
+fn forward_headers(h: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for (k, v) in h {
+        if !SKIP_HEADERS.contains(&k.as_str()) {
+            out.append(k.clone(), v.clone());
+        }
+    }
+    out
+}
+
+enum Upstream {
+    Failed(String),
+    TimedOut,
+}
+
+impl Upstream {
+    fn response(self, app: &App) -> Response {
+        app.metrics.calls_upstream_failed.fetch_add(1, Ordering::Relaxed);
+        match self {
+            Upstream::Failed(e) => error(StatusCode::BAD_GATEWAY, format!("upstream request failed: {e}")),
+            Upstream::TimedOut => error(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"),
+        }
+    }
+}
+
+async fn with_timeout<T>(t: Option<Duration>, f: impl std::future::Future<Output = T>) -> Option<T> {
+    match t {
+        Some(d) => tokio::time::timeout(d, f).await.ok(),
+        None => Some(f.await),
+    }
+}
+
+async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Option<String>, req: Request) -> Response {
+    let t0 = Instant::now();
+    let dispatch_wv = *lock(&app.weight_version);
+    let method = req.method().clone();
+    let headers = forward_headers(req.headers());
+    let body = match axum::body::to_bytes(req.into_body(), app.config.request_bytes_max).await {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, format!("request body: {e}")),
+    };
+    if let Some(sid) = &sid {
+        lock(&app.sessions).entry(sid.clone()).or_insert_with(|| Session { created_at: now(), ..Default::default() });
+    }
+    // Only POST bodies that are JSON objects are touched; anything else is forwarded byte for byte.
+    let prepared = if method == Method::POST {
+        Obj::parse_bytes(&body).map(|o| {
+            let sp = sid.as_ref().and_then(|s| lock(&app.sessions).get(s).and_then(|s| s.sampling_params.clone()));
+            capture::prepare(
+                o,
+                &Injection {
+                    add_logprobs: app.config.add_logprobs,
+                    add_return_token_ids: app.config.add_return_token_ids,
+                    model: app.config.model.as_deref(),
+                    sampling_params: sp.as_ref(),
+                },
+            )
+        })
+    } else {
+        None
+    };
+    let forward_body: Bytes = match &prepared {
+        Some(p) => Bytes::from(p.body.to_json()),
+        None => body,
+    };
+    let Some(lease) = app.router.route(sid.as_deref()) else {
+        app.metrics.calls_no_worker.fetch_add(1, Ordering::Relaxed);
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no healthy workers available");
+    };
+    let mut url = lease.worker.target(&v1_path);
+    if let Some(q) = &query {
+        url.push('?');
+        url.push_str(q);
+    }
+    app.metrics.request_bytes.fetch_add(forward_body.len() as u64, Ordering::Relaxed);
+    let timeout = app.config.upstream_timeout();
+    let send = app
+        .client
+        .request(method, &url)
+        .headers(headers)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(forward_body)
+        .send();
+    let resp = match with_timeout(timeout, send).await {
+        None => return Upstream::TimedOut.response(&app),
+        Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
+        Some(Ok(r)) => r,
+    };
+    let stream = prepared.as_ref().is_some_and(|p| p.stream);
+    if stream && resp.status().is_success() {
+        return stream_response(app, sid, prepared, resp, lease, dispatch_wv);
+    }
+    if stream {
+        // An upstream error on a stream: pass it through as it came, record nothing.
+        app.metrics.calls_upstream_status_error.fetch_add(1, Ordering::Relaxed);
+        return passthrough(resp, lease);
+    }
+    let status = resp.status();
+    let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let bytes = match read_body(&app, resp, timeout).await {
+        Ok(b) => b,
+        Err(u) => return u.response(&app),
+    };
+    drop(lease);
+    app.metrics.response_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    app.metrics.observe_latency_ms(latency_ms);
+    let text = std::str::from_utf8(&bytes).ok();
+    let parsed = text.and_then(Obj::parse);
+    let Some(mut resp_obj) = parsed else {
+        // Not a JSON object: forwarded verbatim, nothing recorded.
+        return raw_response(status, content_type, bytes);
+    };
+    if !status.is_success() {
+        app.metrics.calls_upstream_status_error.fetch_add(1, Ordering::Relaxed);
+        return raw_response(status, content_type, bytes);
+    }
+    if let (Some(sid), Some(p), Some(text)) = (&sid, &prepared, text) {
+        let trace_id = new_id();
+        let facts = CallFacts {
+            trace_id: &trace_id,
+            session_id: sid,
+            weight_version: dispatch_wv,
+            latency_ms,
+            timestamp: now(),
+        };
+        let record = capture::record_from_response(&facts, &p.body, &resp_obj, text);
+        if let Err(e) = capture(&app, record).await {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the call succeeded upstream but its trace was not stored: {e}"),
+            );
+        }
+    }
+    app.metrics.calls_ok.fetch_add(1, Ordering::Relaxed);
+    let requested = prepared.as_ref().is_none_or(|p| p.requested_logprobs);
+    if capture::sanitize(&mut resp_obj, app.config.strip_vllm_fields, requested) {
+        json_response(status, resp_obj.to_json())
+    } else {
+        raw_response(status, content_type, bytes)
+    }
+}
+
+async fn read_body(app: &App, resp: reqwest::Response, timeout: Option<Duration>) -> Result<Bytes, Upstream> {
+    let mut out = Vec::new();
+    let mut s = resp.bytes_stream();
+    loop {
+        match with_timeout(timeout, s.next()).await {
+            None => return Err(Upstream::TimedOut),
+            Some(None) => return Ok(Bytes::from(out)),
+            Some(Some(Err(e))) => return Err(Upstream::Failed(e.to_string())),
+            Some(Some(Ok(b))) => {
+                if out.len() + b.len() > app.config.response_bytes_max {
+                    return Err(Upstream::Failed(format!(
+                        "response larger than {} bytes",
+                        app.config.response_bytes_max
+                    )));
+                }
+                out.extend_from_slice(&b);
+            }
+        }
+    }
+}
+
+fn raw_response(status: StatusCode, content_type: Option<HeaderValue>, bytes: Bytes) -> Response {
+    let mut r = Response::new(Body::from(bytes));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, content_type.unwrap_or(HeaderValue::from_static("application/json")));
+    r
+}
+
+fn passthrough(resp: reqwest::Response, lease: Lease) -> Response {
+    let status = resp.status();
+    let ct = resp.headers().get(header::CONTENT_TYPE).cloned();
+    let s = resp.bytes_stream().map(move |b| {
+        let _hold = &lease;
+        b.map_err(std::io::Error::other)
+    });
+    let mut r = Response::new(Body::from_stream(s));
+    *r.status_mut() = status;
+    if let Some(ct) = ct {
+        r.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    r
+}
+
+/// Forward an SSE stream line by line as it arrives, assembling the trace
+/// from its `data:` chunks. `data: [DONE]` is held back until the trace is
+/// stored, so a client that saw `[DONE]` has its call captured.
+fn stream_response(
+    app: Arc<App>,
+    sid: Option<String>,
+    prepared: Option<capture::Prepared>,
+    resp: reqwest::Response,
+    lease: Lease,
+    dispatch_wv: Option<i64>,
+) -> Response {
+    let status = resp.status();
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    let timeout = app.config.upstream_timeout();
+    tokio::spawn(async move {
+        let _lease = lease;
+        let t0 = Instant::now();
+        let requested = prepared.as_ref().is_none_or(|p| p.requested_logprobs);
+        let strip = app.config.strip_vllm_fields;
+        let mut asm = StreamAssembly::default();
+        let mut pending: Vec<u8> = Vec::new();
+        let mut done_seen = false;
+        let mut upstream = resp.bytes_stream();
+        let failure: Option<String> = 'read: loop {
+            let chunk = match with_timeout(timeout, upstream.next()).await {
+                None => break 'read Some("upstream timed out mid-stream".into()),
+                Some(None) => break 'read None,
+                Some(Some(Err(e))) => break 'read Some(format!("upstream failed mid-stream: {e}")),
+                Some(Some(Ok(b))) => b,
+            };
+            app.metrics.response_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+            pending.extend_from_slice(&chunk);
+            let mut out = Vec::new();
+            while let Some(pos) = pending.iter().position(|&c| c == b'\n') {
+                let line: Vec<u8> = pending.drain(..=pos).collect();
+                sse_line(&line[..line.len() - 1], &mut asm, &mut out, &mut done_seen, strip, requested);
+            }
+            if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
+                app.metrics.calls_client_gone.fetch_add(1, Ordering::Relaxed);
+                tracing::info!("client went away mid-stream; nothing recorded");
+                return;
+            }
+        };
+        if let Some(e) = failure {
+            app.metrics.calls_upstream_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "stream cut; nothing recorded");
+            let _ = tx.send(Err(std::io::Error::other(e))).await;
+            return;
+        }
+        if !pending.is_empty() {
+            let mut out = Vec::new();
+            let line = std::mem::take(&mut pending);
+            sse_line(&line, &mut asm, &mut out, &mut done_seen, strip, requested);
+            if !out.is_empty() && tx.send(Ok(Bytes::from(out))).await.is_err() {
+                app.metrics.calls_client_gone.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        app.metrics.observe_latency_ms(latency_ms);
+        if let (Some(sid), Some(p)) = (&sid, &prepared) {
+            if !asm.is_empty() {
+                if tx.is_closed() {
+                    app.metrics.calls_client_gone.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                let trace_id = new_id();
+                let facts = CallFacts {
+                    trace_id: &trace_id,
+                    session_id: sid,
+                    weight_version: dispatch_wv,
+                    latency_ms,
+                    timestamp: now(),
+                };
+                let record = asm.record(&facts, &p.body);
+                if let Err(e) = capture(&app, record).await {
+                    let msg = format!("data: {{\"error\":{}}}\n\n", json::string(&format!("trace not stored: {e}")));
+                    let _ = tx.send(Ok(Bytes::from(msg))).await;
+                    let _ = tx.send(Err(std::io::Error::other(e))).await;
+                    return;
+                }
+            }
+        }
+        app.metrics.calls_ok.fetch_add(1, Ordering::Relaxed);
+        if done_seen {
+            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        }
+    });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+    let mut r = Response::new(Body::from_stream(body));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// One SSE line (without its `\n`), as rLLM's event generator handles it (contract §2.4).
+fn sse_line(
+    line: &[u8],
+    asm: &mut StreamAssembly,
+    out: &mut Vec<u8>,
+    done_seen: &mut bool,
+    strip: bool,
+    requested: bool,
+) {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    if line.is_empty() {
+        return;
+    }
+    if let Some(data) = line.strip_prefix(b"data: ") {
+        let data = std::str::from_utf8(data).map(str::trim);
+        if data == Ok("[DONE]") {
+            *done_seen = true;
+            return;
+        }
+        if let Some(mut chunk) = data.ok().and_then(Obj::parse) {
+            asm.push(&chunk);
+            out.extend_from_slice(b"data: ");
+            if capture::sanitize(&mut chunk, strip, requested) {
+                out.extend_from_slice(chunk.to_json().as_bytes());
+            } else {
+                out.extend_from_slice(data.unwrap_or("").as_bytes());
+            }
+            out.extend_from_slice(b"\n\n");
+            return;
+        }
+    }
+    out.extend_from_slice(line);
+    out.push(b'\n');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_path_rule() {
+        assert_eq!(
+            split_session_path("/sessions/harbor/hello-world:0/v1/chat/completions"),
+            Some(("harbor/hello-world:0", "/v1/chat/completions"))
+        );
+        assert_eq!(split_session_path("/sessions/s/v1"), Some(("s", "/v1")));
+        assert_eq!(split_session_path("/sessions/a/v1x/v1/models"), Some(("a/v1x", "/v1/models")));
+        assert_eq!(split_session_path("/sessions/s/traces"), None);
+    }
+
+    #[test]
+    fn decode() {
+        assert_eq!(percent_decode("a%2Fb%3a"), "a/b:");
+        assert_eq!(percent_decode("100%"), "100%");
+    }
+
+    #[test]
+    fn weight_version_like_python_int() {
+        let r = |t: &str| serde_json::value::RawValue::from_string(t.to_owned()).ok().and_then(|v| python_int(&v));
+        assert_eq!(r("7"), Some(7));
+        assert_eq!(r("\"7\""), Some(7));
+        assert_eq!(r("7.9"), Some(7));
+        assert_eq!(r("true"), Some(1));
+        assert_eq!(r("\"abc\""), None);
+        assert_eq!(r("\"7.5\""), None);
+        assert_eq!(r("[]"), None);
+    }
+}

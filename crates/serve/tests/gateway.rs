@@ -1,0 +1,569 @@
+//! The gateway end to end on loopback: the mock vLLM, the gateway and a
+//! store in a temporary directory, driven over HTTP. No test waits on time:
+//! streams are held by the mock's gate, and the one poll (the client-gone
+//! counter) has a generous hang guard only.
+
+use serde_json::Value;
+use std::time::Duration;
+use trajlog_serve::json::Obj;
+use trajlog_serve::mock::{self, Mock};
+use trajlog_serve::{Config, DurabilityMode, Server};
+
+const TRACE_KEYS: &[&str] = &[
+    "trace_id",
+    "session_id",
+    "model",
+    "messages",
+    "prompt_token_ids",
+    "response_message",
+    "completion_token_ids",
+    "logprobs",
+    "routing_matrices",
+    "finish_reason",
+    "weight_version",
+    "latency_ms",
+    "token_counts",
+    "timestamp",
+    "metadata",
+    "raw_request",
+    "raw_response",
+];
+
+struct Env {
+    dir: tempfile::TempDir,
+    mock: Mock,
+    server: Option<Server>,
+    base: String,
+    http: reqwest::Client,
+}
+
+async fn env_with(f: impl FnOnce(&mut Config)) -> Env {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mock = mock::start_mock("127.0.0.1", 0).await.expect("mock");
+    let mut cfg = Config { store: dir.path().join("store"), port: 0, ..Config::default() };
+    cfg.workers.push(trajlog_serve::WorkerConfig {
+        url: mock.url(),
+        worker_id: None,
+        api_path: None,
+        model_name: None,
+        weight: None,
+    });
+    f(&mut cfg);
+    let server = trajlog_serve::start(cfg).await.expect("gateway starts");
+    let base = format!("http://{}", server.addr);
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().expect("client");
+    Env { dir, mock, server: Some(server), base, http }
+}
+
+async fn env() -> Env {
+    env_with(|_| {}).await
+}
+
+impl Env {
+    async fn post(&self, path: &str, body: &Value) -> (u16, String) {
+        let r = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("post");
+        let status = r.status().as_u16();
+        (status, r.text().await.expect("body"))
+    }
+    async fn get(&self, path: &str) -> (u16, String) {
+        let r = self.http.get(format!("{}{path}", self.base)).send().await.expect("get");
+        let status = r.status().as_u16();
+        (status, r.text().await.expect("body"))
+    }
+    async fn get_json(&self, path: &str) -> Value {
+        let (s, t) = self.get(path).await;
+        assert_eq!(s, 200, "GET {path}: {t}");
+        serde_json::from_str(&t).expect("json")
+    }
+    async fn flush(&self) {
+        let (s, t) = self.post("/admin/flush", &Value::Null).await;
+        assert_eq!((s, t.as_str()), (200, "{\"status\":\"flushed\"}"));
+    }
+    async fn traces_text(&self, sid: &str) -> String {
+        let (s, t) = self.get(&format!("/sessions/{sid}/traces")).await;
+        assert_eq!(s, 200, "{t}");
+        t
+    }
+    async fn shutdown(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown().await.expect("clean shutdown");
+        }
+    }
+}
+
+fn chat(content: &str, max_tokens: u64) -> Value {
+    serde_json::json!({"model": "mock-model", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens})
+}
+
+/// The trace's ids and logprobs are exactly the plan's (logprobs compared as f64 bits).
+fn assert_exact(trace: &Value, plan: &mock::Plan) {
+    let ids = |k: &str| -> Vec<u32> {
+        trace[k].as_array().expect(k).iter().map(|v| v.as_u64().expect("id") as u32).collect()
+    };
+    assert_eq!(ids("prompt_token_ids"), plan.prompt_token_ids);
+    assert_eq!(ids("completion_token_ids"), plan.completion_token_ids);
+    let got: Vec<u64> =
+        trace["logprobs"].as_array().expect("logprobs").iter().map(|v| v.as_f64().expect("f64").to_bits()).collect();
+    let want: Vec<u64> = plan.logprobs.iter().map(|t| t.parse::<f64>().expect("plan logprob").to_bits()).collect();
+    assert_eq!(got, want, "logprob bits");
+}
+
+fn keys_in_order(text: &str) -> Vec<String> {
+    Obj::parse(text).expect("object").0.into_iter().map(|(k, _)| k).collect()
+}
+
+fn split_list(text: &str) -> Vec<String> {
+    let items: Vec<Box<serde_json::value::RawValue>> = serde_json::from_str(text).expect("list");
+    items.into_iter().map(|r| r.get().to_owned()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_capture_is_exact_and_rllm_shaped() {
+    let mut e = env().await;
+    let (s, t) = e
+        .post(
+            "/sessions",
+            &serde_json::json!({"session_id": "task-17:3", "sampling_params": {"temperature": 1.0, "max_tokens": 5}}),
+        )
+        .await;
+    assert_eq!((s, t.as_str()), (200, "{\"session_id\":\"task-17:3\",\"url\":\"/sessions/task-17:3/v1\"}"));
+    let (s, t) = e.post("/admin/weight_version", &serde_json::json!({"weight_version": "12"})).await;
+    assert_eq!((s, t.as_str()), (200, "{\"weight_version\":12}"));
+    let req =
+        serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "model": "mock-model", "temperature": 0.7});
+    let (s, body) = e.post("/sessions/task-17:3/v1/chat/completions", &req).await;
+    assert_eq!(s, 200, "{body}");
+    // The agent sees no vLLM-only fields and, not having asked, no logprobs.
+    let resp: Value = serde_json::from_str(&body).expect("json");
+    for k in ["prompt_token_ids", "prompt_logprobs", "kv_transfer_params"] {
+        assert!(resp.get(k).is_none(), "{k} leaked to the agent");
+    }
+    let choice = &resp["choices"][0];
+    for k in ["token_ids", "stop_reason", "logprobs"] {
+        assert!(choice.get(k).is_none(), "choice {k} leaked to the agent");
+    }
+    assert!(choice["message"]["content"].as_str().is_some_and(|c| !c.is_empty()));
+    // What the mock received: injected keys after the client's, session params winning.
+    let sent = e.mock.requests().pop().expect("mock got the call");
+    assert_eq!(
+        keys_in_order(&sent),
+        ["messages", "model", "temperature", "logprobs", "return_token_ids", "max_tokens"]
+    );
+    let sent_v: Value = serde_json::from_str(&sent).expect("json");
+    assert_eq!(sent_v["temperature"], 1.0);
+    assert_eq!(sent_v["max_tokens"], 5);
+    let plan = mock::plan(&sent_v, "");
+    assert_eq!(plan.completion_token_ids.len(), 5);
+
+    // Sync durability: readable without a flush.
+    let text = e.traces_text("task-17:3").await;
+    let items = split_list(&text);
+    assert_eq!(items.len(), 1);
+    assert_eq!(keys_in_order(&items[0]), TRACE_KEYS);
+    let trace: Value = serde_json::from_str(&items[0]).expect("json");
+    assert_exact(&trace, &plan);
+    assert_eq!(trace["session_id"], "task-17:3");
+    assert_eq!(trace["model"], "mock-model");
+    assert_eq!(trace["messages"], req["messages"]);
+    assert_eq!(trace["weight_version"], 12);
+    assert_eq!(trace["finish_reason"], "length");
+    assert_eq!(trace["metadata"], serde_json::json!({}));
+    assert_eq!(trace["routing_matrices"], Value::Null);
+    assert_eq!(trace["token_counts"], serde_json::json!({"prompt": plan.prompt_token_ids.len(), "completion": 5}));
+    assert_eq!(trace["raw_request"], sent_v);
+    assert_eq!(trace["raw_response"]["choices"][0]["token_ids"], serde_json::json!(plan.completion_token_ids));
+    assert_eq!(trace["response_message"], trace["raw_response"]["choices"][0]["message"]);
+    let id = trace["trace_id"].as_str().expect("trace id").to_owned();
+    let (s, one) = e.get(&format!("/traces/{id}")).await;
+    assert_eq!((s, one.as_str()), (200, items[0].as_str()));
+    let (s, _) = e.get("/traces/nope").await;
+    assert_eq!(s, 404);
+    let info = e.get_json("/sessions/task-17:3").await;
+    assert_eq!(info["trace_count"], 1);
+
+    // In the store: logprobs in the f32 column, bit-equal to what the mock sent.
+    e.shutdown().await;
+    let store = trajlog::Store::open_read_only(e.dir.path().join("store")).expect("reopen");
+    let snap = store.snapshot();
+    let call = snap.get(&id).expect("read").expect("present").to_call().expect("call");
+    let lp = call.logprobs.expect("logprobs in the column");
+    let want: Vec<u32> = plan.logprobs.iter().map(|t| t.parse::<f32>().expect("f32").to_bits()).collect();
+    assert_eq!(lp.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    assert_eq!(call.completion_token_ids, plan.completion_token_ids);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_f32_logprobs_come_back_verbatim() {
+    let e = env().await;
+    let req = chat("doubles", 6);
+    let r = e
+        .http
+        .post(format!("{}/sessions/d/v1/chat/completions", e.base))
+        .header("x-mock-mode", "nonf32")
+        .header("content-type", "application/json")
+        .body(req.to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200);
+    let sent: Value = serde_json::from_str(&e.mock.requests().pop().expect("sent")).expect("json");
+    let plan = mock::plan(&sent, "nonf32");
+    let traces: Value = serde_json::from_str(&e.traces_text("d").await).expect("json");
+    assert_exact(&traces[0], &plan);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_forwarded_chunk_by_chunk_and_captured() {
+    let e = env().await;
+    let mut req = chat("stream me", 4);
+    req["stream"] = Value::Bool(true);
+    req["logprobs"] = Value::Bool(true);
+    let mut r = e
+        .http
+        .post(format!("{}/sessions/harbor/hello-world:0/v1/chat/completions", e.base))
+        .header("x-mock-mode", "gated")
+        .header("content-type", "application/json")
+        .body(req.to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().is_ok_and(|c| c.starts_with("text/event-stream")));
+    // The mock holds every chunk after the first: this one came through unbuffered.
+    let first = r.chunk().await.expect("read").expect("a first chunk");
+    let first = String::from_utf8(first.to_vec()).expect("utf8");
+    assert!(first.starts_with("data: ") && first.ends_with("\n\n"), "{first:?}");
+    assert!(first.contains("\"role\":\"assistant\""));
+    assert!(!first.contains("prompt_token_ids"), "vLLM fields stripped from chunks");
+    e.mock.release(100);
+    let mut rest = String::new();
+    while let Some(c) = r.chunk().await.expect("read") {
+        rest.push_str(std::str::from_utf8(&c).expect("utf8"));
+    }
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    assert!(!rest.contains("token_ids"));
+    assert!(rest.contains("\"logprobs\":{\"content\""), "requested logprobs are kept");
+    let sent: Value = serde_json::from_str(&e.mock.requests().pop().expect("sent")).expect("json");
+    let plan = mock::plan(&sent, "gated");
+    let text = e.traces_text("harbor/hello-world:0").await;
+    let items = split_list(&text);
+    assert_eq!(items.len(), 1);
+    assert_eq!(keys_in_order(&items[0]), TRACE_KEYS);
+    let t: Value = serde_json::from_str(&items[0]).expect("json");
+    assert_exact(&t, &plan);
+    assert_eq!(t["response_message"], serde_json::json!({"role": "assistant", "content": plan.pieces.concat()}));
+    assert_eq!(t["raw_response"], Value::Null);
+    assert_eq!(t["finish_reason"], "length");
+    assert_eq!(t["token_counts"], serde_json::json!({}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_api_streaming_and_not() {
+    let e = env().await;
+    let req = serde_json::json!({"model": "mock-model", "prompt": [1, 2, 3, 4294967295u64], "max_tokens": 3});
+    let (s, body) = e.post("/sessions/c/v1/completions", &req).await;
+    assert_eq!(s, 200, "{body}");
+    let resp: Value = serde_json::from_str(&body).expect("json");
+    assert!(resp["choices"][0].get("token_ids").is_none());
+    let mut sreq = req.clone();
+    sreq["stream"] = Value::Bool(true);
+    sreq["stream_options"] = serde_json::json!({"include_usage": true});
+    let (s, body) = e.post("/sessions/c/v1/completions", &sreq).await;
+    assert_eq!(s, 200);
+    assert!(body.ends_with("data: [DONE]\n\n"));
+    let sent = e.mock.requests();
+    let traces: Value = serde_json::from_str(&e.traces_text("c").await).expect("json");
+    assert_eq!(traces.as_array().map(Vec::len), Some(2));
+    for (i, t) in traces.as_array().expect("list").iter().enumerate() {
+        let sent_v: Value = serde_json::from_str(&sent[i]).expect("json");
+        let plan = mock::plan(&sent_v, "");
+        assert_eq!(plan.prompt_token_ids, [1, 2, 3, 4294967295]);
+        assert_exact(t, &plan);
+        assert_eq!(t["messages"], serde_json::json!([]));
+        assert_eq!(t["raw_request"]["prompt"], req["prompt"]);
+    }
+    let t = &traces[0];
+    assert_eq!(t["response_message"], serde_json::json!({}));
+    assert_eq!(traces[1]["response_message"], serde_json::json!({"role": "assistant"}));
+    assert_eq!(traces[1]["token_counts"], serde_json::json!({"prompt": 4, "completion": 3}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_pass_through_and_record_nothing() {
+    let e = env().await;
+    let m = e.get_json("/v1/models").await;
+    assert_eq!(m["data"][0]["id"], "mock-model");
+    let m = e.get_json("/sessions/s/v1/models").await;
+    assert_eq!(m["object"], "list");
+    assert_eq!(e.traces_text("s").await, "[]");
+    assert_eq!(e.get_json("/health").await, serde_json::json!({"status": "ok"}));
+    let w = e.get_json("/health/workers").await;
+    assert_eq!((w["healthy"].clone(), w["total"].clone()), (1.into(), 1.into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_crud_and_trace_windows() {
+    let e = env().await;
+    assert_eq!(e.get_json("/sessions").await, serde_json::json!([]));
+    let (_, t) = e.post("/sessions", &serde_json::json!({"metadata": {"task": 1}})).await;
+    let created: Value = serde_json::from_str(&t).expect("json");
+    let sid = created["session_id"].as_str().expect("uuid").to_owned();
+    assert_eq!(sid.len(), 36);
+    let info = e.get_json(&format!("/sessions/{sid}")).await;
+    assert_eq!(info["trace_count"], 0);
+    assert_eq!(info["metadata"], serde_json::json!({"task": 1}));
+    assert_eq!(e.get(&"/sessions/unknown".to_string()).await.0, 404);
+    assert_eq!(e.get_json("/sessions").await, serde_json::json!([]), "listed only once it has traces");
+    for i in 0..5 {
+        let (s, _) = e.post("/sessions/a/b:1/v1/chat/completions", &chat(&format!("turn {i}"), 2)).await;
+        assert_eq!(s, 200);
+    }
+    let (s, _) = e.post("/sessions/other/v1/chat/completions", &chat("x", 2)).await;
+    assert_eq!(s, 200);
+    let all: Value = e.get_json("/sessions/a/b:1/traces").await;
+    let all = all.as_array().expect("list").clone();
+    assert_eq!(all.len(), 5);
+    let limited = e.get_json("/sessions/a/b:1/traces?limit=2").await;
+    assert_eq!(limited.as_array().expect("list")[..], all[..2]);
+    let ts = all[2]["timestamp"].as_f64().expect("ts");
+    let since = e.get_json(&format!("/sessions/a/b:1/traces?since={ts:?}")).await;
+    assert_eq!(since.as_array().expect("list")[..], all[2..], "since is inclusive");
+    assert_eq!(e.get("/sessions/a/b:1/traces?since=abc").await.0, 422);
+    let listed = e.get_json("/sessions").await;
+    let ids: Vec<&str> = listed.as_array().expect("list").iter().filter_map(|s| s["session_id"].as_str()).collect();
+    assert_eq!(ids, ["other", "a/b:1"], "newest first");
+    let q = e.post("/traces/query", &serde_json::json!({"session_ids": ["other", "a/b:1"], "limit": 1})).await;
+    assert_eq!(serde_json::from_str::<Value>(&q.1).expect("json").as_array().map(Vec::len), Some(2));
+    let (s, t) = e
+        .http
+        .delete(format!("{}/sessions/a/b:1", e.base))
+        .send()
+        .await
+        .map(|r| (r.status().as_u16(), r))
+        .expect("delete");
+    assert_eq!((s, t.text().await.expect("body")), (200, "{\"deleted\":5}".to_owned()));
+    assert_eq!(e.get("/sessions/a/b:1").await.0, 404);
+    assert_eq!(e.traces_text("a/b:1").await, "[]");
+    let (s, t) = e.post("/sessions/batch_delete", &serde_json::json!({"session_ids": ["other", "nope"]})).await;
+    assert_eq!((s, t.as_str()), (200, "{\"deleted\":1}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_durability_flush_is_a_barrier() {
+    let e = env_with(|c| c.durability = DurabilityMode::Async).await;
+    for i in 0..20 {
+        let (s, _) = e.post("/sessions/f/v1/chat/completions", &chat(&format!("{i}"), 3)).await;
+        assert_eq!(s, 200);
+    }
+    e.flush().await;
+    let traces: Value = e.get_json("/sessions/f/traces").await;
+    assert_eq!(traces.as_array().map(Vec::len), Some(20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_error_passes_through_and_records_nothing() {
+    let e = env().await;
+    let r = e
+        .http
+        .post(format!("{}/sessions/err/v1/chat/completions", e.base))
+        .header("x-mock-mode", "error-500")
+        .header("content-type", "application/json")
+        .body((&chat("boom", 2)).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 500);
+    assert_eq!(r.text().await.expect("body"), "{\"error\": \"simulated backend failure\"}");
+    let mut sreq = chat("boom", 2);
+    sreq["stream"] = Value::Bool(true);
+    let r = e
+        .http
+        .post(format!("{}/sessions/err/v1/chat/completions", e.base))
+        .header("x-mock-mode", "error-500")
+        .header("content-type", "application/json")
+        .body(sreq.to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 500);
+    // A stream cut by the upstream: the agent sees an error, nothing is recorded.
+    let r = e
+        .http
+        .post(format!("{}/sessions/err/v1/chat/completions", e.base))
+        .header("x-mock-mode", "cut")
+        .header("content-type", "application/json")
+        .body(sreq.to_string())
+        .send()
+        .await
+        .expect("post");
+    assert!(r.text().await.is_err(), "a cut stream must not look complete");
+    e.flush().await;
+    assert_eq!(e.traces_text("err").await, "[]");
+    // The session exists (implicitly created), with no traces.
+    assert_eq!(e.get_json("/sessions/err").await["trace_count"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_timeout_is_a_504_and_records_nothing() {
+    let e = env_with(|c| c.upstream_timeout_s = Some(0.2)).await;
+    let r = e
+        .http
+        .post(format!("{}/sessions/t/v1/chat/completions", e.base))
+        .header("x-mock-mode", "hang")
+        .header("content-type", "application/json")
+        .body((&chat("wait", 2)).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 504);
+    let body: Value = serde_json::from_str(&r.text().await.expect("body")).expect("json error");
+    assert!(body["error"].as_str().is_some_and(|m| m.contains("timed out")));
+    e.flush().await;
+    assert_eq!(e.traces_text("t").await, "[]");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_mid_stream_records_nothing() {
+    let e = env().await;
+    let mut req = chat("leave early", 6);
+    req["stream"] = Value::Bool(true);
+    let mut r = e
+        .http
+        .post(format!("{}/sessions/gone/v1/chat/completions", e.base))
+        .header("x-mock-mode", "gated")
+        .header("content-type", "application/json")
+        .body(req.to_string())
+        .send()
+        .await
+        .expect("post");
+    let first = r.chunk().await.expect("read").expect("first chunk");
+    assert!(!first.is_empty());
+    drop(r);
+    e.mock.release(100);
+    // Hang guard only: wait until the gateway has seen the client go.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, m) = e.get("/metrics").await;
+        if m.contains("trajlog_serve_calls_total{outcome=\"client_gone\"} 1") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the gateway never noticed the client leaving");
+        tokio::task::yield_now().await;
+    }
+    e.flush().await;
+    assert_eq!(e.traces_text("gone").await, "[]");
+    let (s, _) = e.post("/sessions/gone/v1/chat/completions", &chat("again", 2)).await;
+    assert_eq!(s, 200, "the gateway still serves");
+    assert_eq!(split_list(&e.traces_text("gone").await).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sessions_all_present_and_exact() {
+    let e = std::sync::Arc::new(env().await);
+    const SESSIONS: usize = 16;
+    const CALLS: usize = 6;
+    let mut tasks = Vec::new();
+    for s in 0..SESSIONS {
+        let e = e.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut plans = Vec::new();
+            for c in 0..CALLS {
+                let mut req = chat(&format!("session {s} call {c}"), 1 + (c as u64 % 4));
+                let stream = c % 2 == 1;
+                if stream {
+                    req["stream"] = Value::Bool(true);
+                }
+                let (st, body) = e.post(&format!("/sessions/conc-{s}/v1/chat/completions"), &req).await;
+                assert_eq!(st, 200, "{body}");
+                // What the gateway forwarded: the request plus the injected keys.
+                let mut fwd = req.clone();
+                fwd["logprobs"] = Value::Bool(true);
+                fwd["return_token_ids"] = Value::Bool(true);
+                plans.push(mock::plan(&fwd, ""));
+            }
+            plans
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.push(t.await.expect("task"));
+    }
+    e.flush().await;
+    for (s, plans) in all.iter().enumerate() {
+        let traces: Value = e.get_json(&format!("/sessions/conc-{s}/traces")).await;
+        let traces = traces.as_array().expect("list");
+        assert_eq!(traces.len(), CALLS);
+        for (t, p) in traces.iter().zip(plans) {
+            assert_exact(t, p);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_errors_workers_and_metrics() {
+    let e = env().await;
+    assert_eq!(e.get_json("/admin/weight_version").await, serde_json::json!({"weight_version": null}));
+    let (s, t) = e.post("/admin/weight_version", &serde_json::json!({})).await;
+    assert_eq!((s, t.as_str()), (400, "{\"error\":\"weight_version is required\"}"));
+    assert_eq!(e.post("/admin/weight_version", &serde_json::json!({"weight_version": "abc"})).await.0, 400);
+    assert_eq!(
+        e.post("/admin/weight_version", &serde_json::json!({"weight_version": 7.9})).await.1,
+        "{\"weight_version\":7}"
+    );
+    assert_eq!(e.post("/admin/workers", &serde_json::json!({})).await.0, 400);
+    let (s, t) =
+        e.post("/admin/workers", &serde_json::json!({"url": "http://127.0.0.1:9/v1", "worker_id": "w2"})).await;
+    assert_eq!((s, t.as_str()), (200, "{\"worker_id\":\"w2\",\"url\":\"http://127.0.0.1:9\",\"api_path\":\"/v1\"}"));
+    assert_eq!(e.get_json("/admin/workers").await.as_array().map(Vec::len), Some(2));
+    let r = e.http.delete(format!("{}/admin/workers/w2", e.base)).send().await.expect("delete");
+    assert_eq!(r.text().await.expect("body"), "{\"removed\":\"w2\"}");
+    assert_eq!(e.http.delete(format!("{}/admin/workers/w2", e.base)).send().await.expect("delete").status(), 404);
+    let (s, _) = e.post("/sessions/m/v1/chat/completions", &chat("count me", 2)).await;
+    assert_eq!(s, 200);
+    let (s, m) = e.get("/metrics").await;
+    assert_eq!(s, 200);
+    for name in [
+        "trajlog_serve_calls_total{outcome=\"ok\"} 1",
+        "trajlog_serve_traces_total{result=\"stored\"} 1",
+        "trajlog_serve_queue_depth 0",
+        "trajlog_serve_upstream_latency_ms_count 1",
+    ] {
+        assert!(m.contains(name), "missing {name} in\n{m}");
+    }
+    // trajlog's own: reward, seal, audit.
+    assert_eq!(e.post("/sessions/m/reward", &serde_json::json!({"reward": 1.5})).await.0, 200);
+    assert_eq!(e.post("/sessions/m/reward", &serde_json::json!({})).await.0, 400);
+    assert_eq!(e.post("/sessions/m/seal", &Value::Null).await.0, 200);
+    let (s, t) = e.post("/sessions/m/v1/chat/completions", &chat("after seal", 2)).await;
+    assert_eq!(s, 503, "a sealed session refuses new traces: {t}");
+    let audit = e.get_json("/admin/audit").await;
+    assert_eq!(audit["sessions_checked"], 1);
+    let (s, _) = e.post("/admin/compact", &Value::Null).await;
+    assert_eq!(s, 200);
+    assert_eq!(e.get("/nope").await.0, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_is_a_clear_error() {
+    let e = env_with(|c| c.workers.clear()).await;
+    let (s, t) = e.post("/sessions/x/v1/chat/completions", &chat("nobody", 2)).await;
+    assert_eq!((s, t.as_str()), (503, "{\"error\":\"no healthy workers available\"}"));
+}
+
+#[test]
+fn config_toml() {
+    let c = Config::from_toml(
+        "store = \"/tmp/s\"\nport = 0\ndurability = \"async\"\nmodel = \"m\"\n[[workers]]\nurl = \"http://h:8000/v1\"\n",
+    )
+    .expect("parses");
+    assert_eq!(c.durability, DurabilityMode::Async);
+    assert_eq!(c.workers[0].url, "http://h:8000/v1");
+    assert!(Config::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
+}
