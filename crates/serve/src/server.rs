@@ -280,6 +280,7 @@ struct Window {
     limit: Option<usize>,
 }
 
+#[allow(clippy::result_large_err, reason = "the error is the response to send; it is built once per request")]
 fn window(q: &[(String, String)]) -> Result<Window, Response> {
     let mut w = Window { since: None, limit: None };
     for (k, v) in q {
@@ -681,6 +682,7 @@ async fn list_sessions(app: &Arc<App>, w: Window) -> Response {
     ok_json(json::join_list(items.iter().map(String::as_str)))
 }
 
+#[allow(clippy::result_large_err, reason = "the error is the response to send; it is built once per request")]
 async fn delete_sessions(app: &Arc<App>, sids: Vec<String>) -> Result<u64, Response> {
     {
         let mut sessions = lock(&app.sessions);

@@ -319,7 +319,7 @@ async fn sessions_crud_and_trace_windows() {
     let info = e.get_json(&format!("/sessions/{sid}")).await;
     assert_eq!(info["trace_count"], 0);
     assert_eq!(info["metadata"], serde_json::json!({"task": 1}));
-    assert_eq!(e.get(&"/sessions/unknown".to_string()).await.0, 404);
+    assert_eq!(e.get("/sessions/unknown").await.0, 404);
     assert_eq!(e.get_json("/sessions").await, serde_json::json!([]), "listed only once it has traces");
     for i in 0..5 {
         let (s, _) = e.post("/sessions/a/b:1/v1/chat/completions", &chat(&format!("turn {i}"), 2)).await;
@@ -375,7 +375,7 @@ async fn upstream_error_passes_through_and_records_nothing() {
         .post(format!("{}/sessions/err/v1/chat/completions", e.base))
         .header("x-mock-mode", "error-500")
         .header("content-type", "application/json")
-        .body((&chat("boom", 2)).to_string())
+        .body(chat("boom", 2).to_string())
         .send()
         .await
         .expect("post");
@@ -418,7 +418,7 @@ async fn upstream_timeout_is_a_504_and_records_nothing() {
         .post(format!("{}/sessions/t/v1/chat/completions", e.base))
         .header("x-mock-mode", "hang")
         .header("content-type", "application/json")
-        .body((&chat("wait", 2)).to_string())
+        .body(chat("wait", 2).to_string())
         .send()
         .await
         .expect("post");
