@@ -822,8 +822,11 @@ async fn audit(app: &Arc<App>) -> Response {
 
 // ---------------------------------------------------------------- the proxy
 
-/// Hop-by-hop and body-framing headers not forwarded (rLLM's list).
+/// Headers not forwarded: rLLM's hop-by-hop and body-framing list, plus
+/// `accept-encoding` (the gateway reads the upstream body to capture it and
+/// its client does not decompress, so the upstream must answer uncompressed).
 const SKIP_HEADERS: &[&str] = &[
+    "accept-encoding",
     "connection",
     "keep-alive",
     "transfer-encoding",
@@ -911,13 +914,12 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
     }
     app.metrics.request_bytes.fetch_add(forward_body.len() as u64, Ordering::Relaxed);
     let timeout = app.config.upstream_timeout();
-    let send = app
-        .client
-        .request(method, &url)
-        .headers(headers)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(forward_body)
-        .send();
+    let mut headers = headers;
+    if prepared.is_some() {
+        // The body forwarded is JSON the gateway wrote (replaces the agent's header, never duplicates it).
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    let send = app.client.request(method, &url).headers(headers).body(forward_body).send();
     let resp = match with_timeout(timeout, send).await {
         None => return Upstream::TimedOut.response(&app),
         Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),

@@ -567,3 +567,56 @@ fn config_toml() {
     assert_eq!(c.workers[0].url, "http://h:8000/v1");
     assert!(Config::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_marked_unhealthy_and_routed_around() {
+    let e = env_with(|c| {
+        c.health_check_interval_s = 0.05;
+        // Registered first, so least-loaded ties would pick it; nothing listens on port 1.
+        c.workers.insert(
+            0,
+            trajlog_serve::WorkerConfig {
+                url: "http://127.0.0.1:1".into(),
+                worker_id: Some("dead".into()),
+                api_path: None,
+                model_name: None,
+                weight: None,
+            },
+        );
+    })
+    .await;
+    // Hang guard only: wait for three failed health checks.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let w = e.get_json("/health/workers").await;
+        if w["healthy"] == 1 {
+            assert_eq!(w["workers"][0]["worker_id"], "dead");
+            assert_eq!(w["workers"][0]["healthy"], false);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the dead worker was never marked unhealthy");
+        tokio::task::yield_now().await;
+    }
+    for s in 0..4 {
+        let (st, body) = e.post(&format!("/sessions/h{s}/v1/chat/completions"), &chat("route me", 2)).await;
+        assert_eq!(st, 200, "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_headers_are_not_duplicated() {
+    // An agent that sends its own content-type and accept-encoding still gets a parsed, captured answer.
+    let e = env().await;
+    let r = e
+        .http
+        .post(format!("{}/sessions/hdr/v1/chat/completions", e.base))
+        .header("content-type", "application/json")
+        .header("accept-encoding", "gzip")
+        .header("authorization", "Bearer x")
+        .body(chat("headers", 2).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200);
+    assert_eq!(split_list(&e.traces_text("hdr").await).len(), 1);
+}
