@@ -856,6 +856,10 @@ enum Upstream {
 impl Upstream {
     fn response(self, app: &App) -> Response {
         app.metrics.calls_upstream_failed.fetch_add(1, Ordering::Relaxed);
+        match &self {
+            Upstream::Failed(e) => tracing::warn!(error = %e, "upstream request failed"),
+            Upstream::TimedOut => tracing::warn!("upstream timed out"),
+        }
         match self {
             Upstream::Failed(e) => error(StatusCode::BAD_GATEWAY, format!("upstream request failed: {e}")),
             Upstream::TimedOut => error(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"),
@@ -972,6 +976,7 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         }
     }
     app.metrics.calls_ok.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(session = sid.as_deref().unwrap_or(""), path = %v1_path, %status, latency_ms, "call");
     let requested = prepared.as_ref().is_none_or(|p| p.requested_logprobs);
     if capture::sanitize(&mut resp_obj, app.config.strip_vllm_fields, requested) {
         json_response(status, resp_obj.to_json())

@@ -430,7 +430,7 @@ async fn upstream_timeout_is_a_504_and_records_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_disconnect_mid_stream_records_nothing() {
+async fn client_disconnect_mid_stream_leaves_nothing_half_written() {
     let e = env().await;
     let mut req = chat("leave early", 6);
     req["stream"] = Value::Bool(true);
@@ -447,21 +447,35 @@ async fn client_disconnect_mid_stream_records_nothing() {
     assert!(!first.is_empty());
     drop(r);
     e.mock.release(100);
-    // Hang guard only: wait until the gateway has seen the client go.
+    // Hang guard only: wait until the gateway is done with the call. Either it
+    // saw the client go (nothing recorded), or it had read the whole upstream
+    // answer before the socket told it (a complete trace): never a partial one.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let gone = loop {
         let (_, m) = e.get("/metrics").await;
         if m.contains("trajlog_serve_calls_total{outcome=\"client_gone\"} 1") {
-            break;
+            break true;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the gateway never noticed the client leaving");
+        if m.contains("trajlog_serve_traces_total{result=\"stored\"} 1") {
+            break false;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the gateway never finished the call");
         tokio::task::yield_now().await;
-    }
+    };
     e.flush().await;
-    assert_eq!(e.traces_text("gone").await, "[]");
+    let traces = split_list(&e.traces_text("gone").await);
+    if gone {
+        assert!(traces.is_empty(), "{traces:?}");
+    } else {
+        assert_eq!(traces.len(), 1);
+        let sent: Value = serde_json::from_str(&e.mock.requests().pop().expect("sent")).expect("json");
+        let t: Value = serde_json::from_str(&traces[0]).expect("json");
+        assert_exact(&t, &mock::plan(&sent, "gated"));
+        assert_eq!(t["finish_reason"], "length", "complete, not partial");
+    }
     let (s, _) = e.post("/sessions/gone/v1/chat/completions", &chat("again", 2)).await;
     assert_eq!(s, 200, "the gateway still serves");
-    assert_eq!(split_list(&e.traces_text("gone").await).len(), 1);
+    assert_eq!(split_list(&e.traces_text("gone").await).len(), traces.len() + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
