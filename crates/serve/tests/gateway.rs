@@ -634,3 +634,14 @@ async fn forwarded_headers_are_not_duplicated() {
     assert_eq!(r.status(), 200);
     assert_eq!(split_list(&e.traces_text("hdr").await).len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_requests_pass_the_body_limit_of_the_http_stack() {
+    // A long agent history: well over axum's 2 MB default, under the gateway's 64 MiB.
+    let e = env().await;
+    let big = "x".repeat(5 << 20);
+    let (s, body) = e.post("/sessions/big/v1/chat/completions", &chat(&big, 2)).await;
+    assert_eq!(s, 200, "{}", &body[..body.len().min(200)]);
+    let t: Value = serde_json::from_str(&e.traces_text("big").await).expect("json");
+    assert_eq!(t[0]["messages"][0]["content"].as_str().map(str::len), Some(5 << 20));
+}
