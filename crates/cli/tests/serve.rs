@@ -3,7 +3,6 @@
 //! (`--durability sync`), and SIGTERM drains and flushes (`--durability async`).
 
 #[path = "../../../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use serde_json::Value;
@@ -52,6 +51,9 @@ fn http(addr: &str, method: &str, path: &str, body: &str) -> Option<(u16, String
     (body.len() == len).then(|| (status, body.to_owned()))
 }
 
+/// A session id and its requests that got a 200, in order.
+type Acked = (String, Vec<Value>);
+
 fn chat(sid_turn: &str, max_tokens: u64) -> Value {
     serde_json::json!({"model": "mock-model", "messages": [{"role": "user", "content": sid_turn}], "max_tokens": max_tokens})
 }
@@ -80,7 +82,7 @@ fn sigkill_under_load_loses_no_acknowledged_trace() {
     let acked = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     // Per session: the requests that got a 200, in order.
-    let done: Arc<Mutex<Vec<(String, Vec<Value>)>>> = Arc::new(Mutex::new(Vec::new()));
+    let done: Arc<Mutex<Vec<Acked>>> = Arc::new(Mutex::new(Vec::new()));
     let mut threads = Vec::new();
     for t in 0..THREADS {
         let (addr, acked, stop, done) = (addr.clone(), acked.clone(), stop.clone(), done.clone());

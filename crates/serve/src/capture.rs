@@ -288,8 +288,12 @@ impl StreamAssembly {
     }
 
     /// Take one parsed chunk.
+    ///
+    /// With `n > 1`, vLLM streams every choice as `choices[0]` with its own
+    /// `index`; only choice 0 is assembled (rLLM interleaves them all into
+    /// one trace, contract §7.3.2).
     pub fn push(&mut self, chunk: &Obj) {
-        let choice = first_choice(chunk).unwrap_or_default();
+        let choice = first_choice(chunk).filter(|c| c.get("index").is_none_or(|i| i.get() == "0")).unwrap_or_default();
         if self.chunks == 0 {
             self.prompt_ids = chunk
                 .get_some("prompt_token_ids")
@@ -351,5 +355,65 @@ impl StreamAssembly {
             &request.to_json(),
             "null",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(t: &str) -> Obj {
+        Obj::parse(t).unwrap_or_default()
+    }
+
+    #[test]
+    fn injection_keeps_rllm_key_order() {
+        let sp = obj(r#"{"temperature":1.0,"presence_penalty":0.5}"#);
+        let p = prepare(
+            obj(r#"{"model":"a","temperature":0.2,"messages":[]}"#),
+            &Injection { add_logprobs: true, add_return_token_ids: true, model: Some("m"), sampling_params: Some(&sp) },
+        );
+        assert_eq!(
+            p.body.to_json(),
+            r#"{"model":"m","temperature":1.0,"messages":[],"logprobs":true,"return_token_ids":true,"presence_penalty":0.5}"#
+        );
+        assert!(!p.requested_logprobs && !p.stream);
+        let p = prepare(
+            obj(r#"{"logprobs":false,"stream":true}"#),
+            &Injection { add_logprobs: true, add_return_token_ids: false, model: None, sampling_params: None },
+        );
+        assert_eq!(p.body.to_json(), r#"{"logprobs":false,"stream":true}"#, "an explicit false is kept");
+        assert!(p.stream);
+    }
+
+    #[test]
+    fn stream_assembly_takes_choice_zero_and_raw_tool_call_fragments() {
+        let mut a = StreamAssembly::default();
+        a.push(&obj(r#"{"model":"up","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[1,2]}"#));
+        a.push(&obj(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"f"}}]},"logprobs":{"content":[{"logprob":-0.5}]},"token_ids":[7]}]}"#));
+        a.push(&obj(r#"{"choices":[{"index":1,"delta":{"content":"other choice"},"logprobs":{"content":[{"logprob":-9.0}]},"token_ids":[99]}]}"#));
+        a.push(&obj(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]},"logprobs":{"content":[{"logprob":-0.25}]},"finish_reason":"tool_calls","token_ids":[8]}]}"#));
+        let facts =
+            CallFacts { trace_id: "t", session_id: "s", weight_version: Some(3), latency_ms: 1.5, timestamp: 10.0 };
+        let rec = a.record(&facts, &obj(r#"{"model":"req","messages":[{"role":"user","content":"x"}]}"#));
+        assert_eq!(
+            rec,
+            r#"{"trace_id":"t","session_id":"s","model":"up","messages":[{"role":"user","content":"x"}],"prompt_token_ids":[1,2],"response_message":{"role":"assistant","tool_calls":[{"index":0,"function":{"name":"f"}},{"index":0,"function":{"arguments":"{}"}}]},"completion_token_ids":[7,8],"logprobs":[-0.5,-0.25],"routing_matrices":null,"finish_reason":"tool_calls","weight_version":3,"latency_ms":1.5,"token_counts":{},"timestamp":10.0,"metadata":{},"raw_request":{"model":"req","messages":[{"role":"user","content":"x"}]},"raw_response":null}"#
+        );
+    }
+
+    #[test]
+    fn response_weight_version_wins_and_empty_logprobs_are_null() {
+        let req = obj(r#"{"model":"m","messages":[]}"#);
+        let text = r#"{"choices":[{"message":{"role":"assistant","content":"hi"},"finish_reason":"stop","token_ids":[5],"routing_matrices":["ab"]}],"weight_version":9,"usage":{"prompt_tokens":1}}"#;
+        let facts =
+            CallFacts { trace_id: "t", session_id: "s", weight_version: Some(3), latency_ms: 2.0, timestamp: 1.0 };
+        let rec: serde_json::Value =
+            serde_json::from_str(&record_from_response(&facts, &req, &obj(text), text)).unwrap_or_default();
+        assert_eq!(rec["weight_version"], 9);
+        assert_eq!(rec["logprobs"], serde_json::Value::Null);
+        assert_eq!(rec["routing_matrices"], serde_json::json!(["ab"]));
+        assert_eq!(rec["token_counts"], serde_json::json!({"prompt": 1}));
+        assert_eq!(rec["prompt_token_ids"], serde_json::json!([]));
     }
 }

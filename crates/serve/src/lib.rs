@@ -13,12 +13,12 @@
 //! API as rLLM's gateway (`GatewayClient` works unchanged).
 //!
 //! # Modules
-//! - [`json`]: JSON objects kept in key order with verbatim values.
-//! - [`capture`]: request injection, response sanitizing, trace records (pure).
-//! - [`workers`]: the worker set and routing.
-//! - `server` (private): the HTTP handlers, the store bridge, streaming.
-//! - [`metrics`]: `/metrics`.
-//! - [`mock`]: a deterministic vLLM-shaped mock server for tests and benchmarks.
+//! - [`json`] — JSON objects kept in key order with verbatim values.
+//! - [`capture`] — request injection, response sanitizing, trace records (pure).
+//! - [`workers`] — the worker set and routing.
+//! - `server` (private) — the HTTP handlers, the store bridge, streaming.
+//! - [`metrics`] — `/metrics`.
+//! - [`mock`] — a deterministic vLLM-shaped mock server for tests and benchmarks.
 //!
 //! # Invariants
 //! - The store's blocking calls never run on a tokio worker thread: they go

@@ -280,6 +280,7 @@ struct Window {
     limit: Option<usize>,
 }
 
+#[allow(clippy::result_large_err, reason = "the error is the response to send; it is built once per request")]
 fn window(q: &[(String, String)]) -> Result<Window, Response> {
     let mut w = Window { since: None, limit: None };
     for (k, v) in q {
@@ -681,6 +682,7 @@ async fn list_sessions(app: &Arc<App>, w: Window) -> Response {
     ok_json(json::join_list(items.iter().map(String::as_str)))
 }
 
+#[allow(clippy::result_large_err, reason = "the error is the response to send; it is built once per request")]
 async fn delete_sessions(app: &Arc<App>, sids: Vec<String>) -> Result<u64, Response> {
     {
         let mut sessions = lock(&app.sessions);
@@ -820,8 +822,11 @@ async fn audit(app: &Arc<App>) -> Response {
 
 // ---------------------------------------------------------------- the proxy
 
-/// Hop-by-hop and body-framing headers not forwarded (rLLM's list).
+/// Headers not forwarded: rLLM's hop-by-hop and body-framing list, plus
+/// `accept-encoding` (the gateway reads the upstream body to capture it and
+/// its client does not decompress, so the upstream must answer uncompressed).
 const SKIP_HEADERS: &[&str] = &[
+    "accept-encoding",
     "connection",
     "keep-alive",
     "transfer-encoding",
@@ -851,6 +856,10 @@ enum Upstream {
 impl Upstream {
     fn response(self, app: &App) -> Response {
         app.metrics.calls_upstream_failed.fetch_add(1, Ordering::Relaxed);
+        match &self {
+            Upstream::Failed(e) => tracing::warn!(error = %e, "upstream request failed"),
+            Upstream::TimedOut => tracing::warn!("upstream timed out"),
+        }
         match self {
             Upstream::Failed(e) => error(StatusCode::BAD_GATEWAY, format!("upstream request failed: {e}")),
             Upstream::TimedOut => error(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"),
@@ -909,13 +918,12 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
     }
     app.metrics.request_bytes.fetch_add(forward_body.len() as u64, Ordering::Relaxed);
     let timeout = app.config.upstream_timeout();
-    let send = app
-        .client
-        .request(method, &url)
-        .headers(headers)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(forward_body)
-        .send();
+    let mut headers = headers;
+    if prepared.is_some() {
+        // The body forwarded is JSON the gateway wrote (replaces the agent's header, never duplicates it).
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    let send = app.client.request(method, &url).headers(headers).body(forward_body).send();
     let resp = match with_timeout(timeout, send).await {
         None => return Upstream::TimedOut.response(&app),
         Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
@@ -968,6 +976,7 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         }
     }
     app.metrics.calls_ok.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(session = sid.as_deref().unwrap_or(""), path = %v1_path, %status, latency_ms, "call");
     let requested = prepared.as_ref().is_none_or(|p| p.requested_logprobs);
     if capture::sanitize(&mut resp_obj, app.config.strip_vllm_fields, requested) {
         json_response(status, resp_obj.to_json())

@@ -319,7 +319,7 @@ async fn sessions_crud_and_trace_windows() {
     let info = e.get_json(&format!("/sessions/{sid}")).await;
     assert_eq!(info["trace_count"], 0);
     assert_eq!(info["metadata"], serde_json::json!({"task": 1}));
-    assert_eq!(e.get(&"/sessions/unknown".to_string()).await.0, 404);
+    assert_eq!(e.get("/sessions/unknown").await.0, 404);
     assert_eq!(e.get_json("/sessions").await, serde_json::json!([]), "listed only once it has traces");
     for i in 0..5 {
         let (s, _) = e.post("/sessions/a/b:1/v1/chat/completions", &chat(&format!("turn {i}"), 2)).await;
@@ -375,7 +375,7 @@ async fn upstream_error_passes_through_and_records_nothing() {
         .post(format!("{}/sessions/err/v1/chat/completions", e.base))
         .header("x-mock-mode", "error-500")
         .header("content-type", "application/json")
-        .body((&chat("boom", 2)).to_string())
+        .body(chat("boom", 2).to_string())
         .send()
         .await
         .expect("post");
@@ -418,7 +418,7 @@ async fn upstream_timeout_is_a_504_and_records_nothing() {
         .post(format!("{}/sessions/t/v1/chat/completions", e.base))
         .header("x-mock-mode", "hang")
         .header("content-type", "application/json")
-        .body((&chat("wait", 2)).to_string())
+        .body(chat("wait", 2).to_string())
         .send()
         .await
         .expect("post");
@@ -430,7 +430,7 @@ async fn upstream_timeout_is_a_504_and_records_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_disconnect_mid_stream_records_nothing() {
+async fn client_disconnect_mid_stream_leaves_nothing_half_written() {
     let e = env().await;
     let mut req = chat("leave early", 6);
     req["stream"] = Value::Bool(true);
@@ -447,21 +447,35 @@ async fn client_disconnect_mid_stream_records_nothing() {
     assert!(!first.is_empty());
     drop(r);
     e.mock.release(100);
-    // Hang guard only: wait until the gateway has seen the client go.
+    // Hang guard only: wait until the gateway is done with the call. Either it
+    // saw the client go (nothing recorded), or it had read the whole upstream
+    // answer before the socket told it (a complete trace): never a partial one.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    let gone = loop {
         let (_, m) = e.get("/metrics").await;
         if m.contains("trajlog_serve_calls_total{outcome=\"client_gone\"} 1") {
-            break;
+            break true;
         }
-        assert!(tokio::time::Instant::now() < deadline, "the gateway never noticed the client leaving");
+        if m.contains("trajlog_serve_traces_total{result=\"stored\"} 1") {
+            break false;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the gateway never finished the call");
         tokio::task::yield_now().await;
-    }
+    };
     e.flush().await;
-    assert_eq!(e.traces_text("gone").await, "[]");
+    let traces = split_list(&e.traces_text("gone").await);
+    if gone {
+        assert!(traces.is_empty(), "{traces:?}");
+    } else {
+        assert_eq!(traces.len(), 1);
+        let sent: Value = serde_json::from_str(&e.mock.requests().pop().expect("sent")).expect("json");
+        let t: Value = serde_json::from_str(&traces[0]).expect("json");
+        assert_exact(&t, &mock::plan(&sent, "gated"));
+        assert_eq!(t["finish_reason"], "length", "complete, not partial");
+    }
     let (s, _) = e.post("/sessions/gone/v1/chat/completions", &chat("again", 2)).await;
     assert_eq!(s, 200, "the gateway still serves");
-    assert_eq!(split_list(&e.traces_text("gone").await).len(), 1);
+    assert_eq!(split_list(&e.traces_text("gone").await).len(), traces.len() + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,4 +580,68 @@ fn config_toml() {
     assert_eq!(c.durability, DurabilityMode::Async);
     assert_eq!(c.workers[0].url, "http://h:8000/v1");
     assert!(Config::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_marked_unhealthy_and_routed_around() {
+    let e = env_with(|c| {
+        c.health_check_interval_s = 0.05;
+        // Registered first, so least-loaded ties would pick it; nothing listens on port 1.
+        c.workers.insert(
+            0,
+            trajlog_serve::WorkerConfig {
+                url: "http://127.0.0.1:1".into(),
+                worker_id: Some("dead".into()),
+                api_path: None,
+                model_name: None,
+                weight: None,
+            },
+        );
+    })
+    .await;
+    // Hang guard only: wait for three failed health checks.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let w = e.get_json("/health/workers").await;
+        if w["healthy"] == 1 {
+            assert_eq!(w["workers"][0]["worker_id"], "dead");
+            assert_eq!(w["workers"][0]["healthy"], false);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the dead worker was never marked unhealthy");
+        tokio::task::yield_now().await;
+    }
+    for s in 0..4 {
+        let (st, body) = e.post(&format!("/sessions/h{s}/v1/chat/completions"), &chat("route me", 2)).await;
+        assert_eq!(st, 200, "{body}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_headers_are_not_duplicated() {
+    // An agent that sends its own content-type and accept-encoding still gets a parsed, captured answer.
+    let e = env().await;
+    let r = e
+        .http
+        .post(format!("{}/sessions/hdr/v1/chat/completions", e.base))
+        .header("content-type", "application/json")
+        .header("accept-encoding", "gzip")
+        .header("authorization", "Bearer x")
+        .body(chat("headers", 2).to_string())
+        .send()
+        .await
+        .expect("post");
+    assert_eq!(r.status(), 200);
+    assert_eq!(split_list(&e.traces_text("hdr").await).len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_requests_pass_the_body_limit_of_the_http_stack() {
+    // A long agent history: well over axum's 2 MB default, under the gateway's 64 MiB.
+    let e = env().await;
+    let big = "x".repeat(5 << 20);
+    let (s, body) = e.post("/sessions/big/v1/chat/completions", &chat(&big, 2)).await;
+    assert_eq!(s, 200, "{}", &body[..body.len().min(200)]);
+    let t: Value = serde_json::from_str(&e.traces_text("big").await).expect("json");
+    assert_eq!(t[0]["messages"][0]["content"].as_str().map(str::len), Some(5 << 20));
 }
