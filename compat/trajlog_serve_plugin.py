@@ -46,6 +46,32 @@ def _binary() -> str:
     return path
 
 
+def _serve_toml(config) -> str:
+    """rLLM's `GatewayConfig` as `trajlog serve`'s TOML config (docs/serve.md).
+
+    JSON string, number and boolean literals are valid TOML ones. The store is
+    always a fresh trajlog directory (`--store`), whatever rLLM's
+    `store_worker`/`db_path` say; `sync_traces` picks the durability.
+    """
+    c = config.model_dump(mode="json")
+    if c.get("cumulative_token_mode"):
+        raise RuntimeError("cumulative_token_mode is out of scope for trajlog serve")
+    top = {
+        "add_logprobs": c["add_logprobs"],
+        "add_return_token_ids": c["add_return_token_ids"],
+        "strip_vllm_fields": c["strip_vllm_fields"],
+        "health_check_interval_s": float(c["health_check_interval"]),
+        "durability": "sync" if c["sync_traces"] else "async",
+    }
+    if c.get("model"):
+        top["model"] = c["model"]
+    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
+    for w in c["workers"]:
+        lines.append("[[workers]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in w.items() if v not in (None, "")]
+    return "\n".join(lines) + "\n"
+
+
 _RUNNING: list["_ServeProcess"] = []
 
 
@@ -54,9 +80,8 @@ class _ServeProcess:
 
     def __init__(self, config, host: str, port: int) -> None:
         self.tmp = tempfile.mkdtemp(prefix="trajlog-serve-")
-        config_path = Path(self.tmp) / "gateway.json"
-        # rLLM's own configuration, as its YAML/JSON config file would hold it.
-        config_path.write_text(json.dumps(config.model_dump(mode="json")))
+        config_path = Path(self.tmp) / "gateway.toml"
+        config_path.write_text(_serve_toml(config))
         store = Path(self.tmp) / "store"
         self.log_path = Path(self.tmp) / "serve.log"
         self.log = open(self.log_path, "wb")

@@ -27,6 +27,7 @@ macro_rules! println {
 }
 
 mod bench_engine;
+mod bench_gateway;
 mod cli;
 mod progress;
 

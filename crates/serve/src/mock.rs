@@ -29,6 +29,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{oneshot, Semaphore};
 
+/// Request bodies [`Mock::requests`] keeps (the most recent).
+pub const REQUEST_LOG_MAX: usize = 256;
 /// Completion tokens when the request gives no `max_tokens`.
 pub const DEFAULT_COMPLETION_TOKENS: usize = 8;
 /// Most completion tokens the mock generates.
@@ -62,6 +64,61 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 33)
 }
 
+/// Token id of one word: `t<id>` (how the mock writes a completion token's
+/// text) is that id again, so a history that carries earlier answers has
+/// their exact ids in its prompt; any other word hashes to an id.
+fn word_id(word: &str) -> u32 {
+    match word.strip_prefix('t').and_then(|d| d.parse::<u32>().ok()) {
+        Some(id) if id < VOCAB => id,
+        _ => (mix(fnv(word)) % u64::from(VOCAB)) as u32,
+    }
+}
+
+const VOCAB: u32 = 151_000;
+
+fn push_words(out: &mut Vec<u32>, text: &str) {
+    out.extend(text.split_whitespace().map(word_id));
+}
+
+/// A stand-in tokenizer: a chat prompt is, message by message, a role token
+/// and the words of its content and tool calls, so a growing history gives a
+/// growing prompt whose earlier part is the previous prompt plus the previous
+/// answer (as a real chat template does). A text prompt is its words.
+fn tokenize(input: &Value) -> Vec<u32> {
+    let mut out = Vec::new();
+    match input {
+        Value::Array(messages) => {
+            for m in messages {
+                let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+                out.push(word_id(&format!("<|{role}|>")));
+                match m.get("content") {
+                    Some(Value::String(text)) => push_words(&mut out, text),
+                    Some(Value::Array(parts)) => {
+                        for text in parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)) {
+                            push_words(&mut out, text);
+                        }
+                    }
+                    _ => {}
+                }
+                for call in m.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+                    let f = call.get("function");
+                    for key in ["name", "arguments"] {
+                        if let Some(text) = f.and_then(|f| f.get(key)).and_then(Value::as_str) {
+                            push_words(&mut out, text);
+                        }
+                    }
+                }
+            }
+        }
+        Value::String(text) => push_words(&mut out, text),
+        _ => {}
+    }
+    if out.is_empty() {
+        out.push(word_id("<|empty|>"));
+    }
+    out
+}
+
 /// The mock's answer to a request body, a pure function of its `messages`
 /// (or `prompt`), `max_tokens` and the mode.
 pub fn plan(body: &Value, mode: &str) -> Plan {
@@ -78,13 +135,10 @@ pub fn plan(body: &Value, mode: &str) -> Plan {
         Some(ids) if !ids.is_empty() && ids.iter().all(Value::is_u64) => {
             ids.iter().filter_map(Value::as_u64).map(|v| v as u32).collect()
         }
-        _ => {
-            let len = 8 + (h % 24) as usize;
-            (0..len).map(|i| (mix(h ^ (i as u64 + 1)) % 151_000) as u32).collect()
-        }
+        _ => tokenize(&input),
     };
     let completion_token_ids: Vec<u32> =
-        (0..n).map(|i| (mix(h.rotate_left(17) ^ (i as u64 + 7)) % 151_000) as u32).collect();
+        (0..n).map(|i| (mix(h.rotate_left(17) ^ (i as u64 + 7)) % u64::from(VOCAB)) as u32).collect();
     let logprobs = (0..n)
         .map(|i| {
             let r = mix(h ^ 0xabcdef ^ (i as u64));
@@ -253,7 +307,7 @@ impl Mock {
         self.state.gate.add_permits(n);
     }
 
-    /// The request bodies received so far (as sent by the gateway).
+    /// The most recent request bodies received ([`REQUEST_LOG_MAX`]), as sent by the gateway.
     pub fn requests(&self) -> Vec<String> {
         self.state.requests.lock().map(|r| r.clone()).unwrap_or_default()
     }
@@ -313,6 +367,10 @@ async fn handle(State(st): State<Arc<MockState>>, req: Request) -> Response {
         _ => return reply(StatusCode::NOT_FOUND, "application/json", "{\"detail\":\"Not Found\"}"),
     }
     if let Ok(mut r) = st.requests.lock() {
+        // The most recent requests only: a benchmark sends many large ones.
+        if r.len() >= REQUEST_LOG_MAX {
+            r.remove(0);
+        }
         r.push(String::from_utf8_lossy(&body).into_owned());
     }
     let Ok(v) = serde_json::from_slice::<Value>(&body) else {

@@ -198,6 +198,31 @@ enum Command {
         #[arg(long, default_value = "gateway", value_name = "SHAPE")]
         shape: Shape,
     },
+    /// Measure the capture gateway: trajlog serve (and rLLM's gateway) in front of a mock inference server, beside calling the mock directly.
+    BenchGateway {
+        /// Concurrent sessions, one run each (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        sessions: Vec<usize>,
+        /// Calls per conversation; the history grows every turn.
+        #[arg(long, default_value_t = 8)]
+        turns: usize,
+        /// Calls per run (at least one conversation per session).
+        #[arg(long, default_value_t = 2000)]
+        calls: usize,
+        /// Completion tokens per call (with logprobs).
+        #[arg(long, default_value_t = 400)]
+        completion_tokens: usize,
+        /// A Python with rLLM's gateway dependencies (fastapi, uvicorn, httpx, aiosqlite, PyYAML):
+        /// runs rLLM's gateway from compat/ beside trajlog serve, with its SQLite and memory stores.
+        #[arg(long, value_name = "PYTHON")]
+        rllm_python: Option<PathBuf>,
+        /// Scratch directory for the store and rLLM's database (removed after); default: the temp directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Migrate an rLLM SQLite trace database (gateway or older SDK schema) into a store, exactly.
     ImportRllmSqlite {
         /// The rLLM database file (opened read-only).
@@ -311,6 +336,17 @@ pub fn main() -> i32 {
                 model,
                 upstream_timeout_s: upstream_timeout,
                 log_level,
+            })
+        }
+        Command::BenchGateway { sessions, turns, calls, completion_tokens, rllm_python, dir, json } => {
+            crate::bench_gateway::run(&crate::bench_gateway::Args {
+                sessions,
+                turns,
+                calls,
+                completion_tokens,
+                rllm_python,
+                dir,
+                json,
             })
         }
         Command::MockVllm { host, port } => serve::mock(&host, port),
