@@ -125,6 +125,9 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
     let keys: Vec<String> = map.keys().cloned().collect();
     for key in keys {
         let Some(v) = map.remove(&key) else { continue };
+        if key == KEY_ORDER {
+            return Err(Error::invalid("trace", "a key named \"\\u0000key_order\" is reserved by trajlog"));
+        }
         if is_null(v) && key != "trace_id" && key != "session_id" {
             extra.insert(key, v);
             continue;
@@ -316,6 +319,57 @@ pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
     out.push(']');
 }
 
+/// The key of `extra` that keeps a trace's key order when it is not the
+/// order [`export_call`] writes by default: a JSON list of the trace's keys.
+/// Never exported; a trace that carries it as a key of its own is refused.
+pub const KEY_ORDER: &str = "\u{0}key_order";
+
+/// The keys [`export_call`] writes for `call`, in its default order: each
+/// with whether its value comes from `extra` (else from a column). `extra`
+/// lists the keys of the call's `extra` object, each with whether its value
+/// is `null`, sorted; [`KEY_ORDER`] is left out.
+pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, bool)> {
+    let null_in_extra = |key: &str| extra.iter().any(|&(k, null)| null && k == key);
+    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(GATEWAY_FIELDS.len() + extra.len());
+    let columns: [(&'static str, bool); 15] = [
+        ("trace_id", true),
+        ("session_id", true),
+        ("session_uids", !call.session_uids.is_empty()),
+        ("timestamp", !null_in_extra("timestamp")),
+        ("model", call.model.is_some()),
+        ("weight_version", call.weight_version.is_some()),
+        ("prompt_token_ids", !(call.prompt_token_ids.is_empty() && null_in_extra("prompt_token_ids"))),
+        ("completion_token_ids", !(call.completion_token_ids.is_empty() && null_in_extra("completion_token_ids"))),
+        ("logprobs", call.logprobs.is_some()),
+        ("finish_reason", call.finish_reason.is_some()),
+        ("latency_ms", call.latency_ms.is_some()),
+        ("messages", call.messages.is_some()),
+        ("response_message", call.response_message.is_some()),
+        ("metadata", call.metadata.is_some()),
+        ("routing_matrices", call.routing_matrices.is_some()),
+    ];
+    for (name, written) in columns {
+        if written {
+            plan.push((name, false));
+        }
+    }
+    let from_columns = plan.len();
+    for &(k, _) in extra {
+        if k != KEY_ORDER && !plan[..from_columns].iter().any(|&(w, _)| w == k) {
+            plan.push((k, true));
+        }
+    }
+    plan
+}
+
+/// Reorder `plan` by a [`KEY_ORDER`] list: its keys first, in its order;
+/// the others after, in their default order.
+fn reorder(plan: &mut [(&str, bool)], order: &[String]) {
+    let position: std::collections::HashMap<&str, usize> =
+        order.iter().enumerate().map(|(i, k)| (k.as_str(), i)).collect();
+    plan.sort_by_key(|(k, _)| position.get(k).copied().unwrap_or(usize::MAX));
+}
+
 /// Export a call as one JSON line in the rLLM gateway trace shape.
 ///
 /// Every key is written once. A column is written under its name unless
@@ -325,98 +379,83 @@ pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
 /// lists) exports as it came in, with the `null`. A key of `extra` that a
 /// column already wrote is left out (only a caller building a [`Call`] by
 /// hand can put one there), so the column's value is what readers see.
+/// The keys come in the order of [`export_plan`], or in the trace's own
+/// order when `extra` keeps it ([`KEY_ORDER`]).
 pub fn export_call(call: &Call) -> String {
     let extra: RawMap<'_> = call.extra.as_deref().and_then(|e| serde_json::from_slice(e).ok()).unwrap_or_default();
-    let null_in_extra = |key: &str| extra.get(key).is_some_and(|v| is_null(v));
-    // Keys written from columns, so that `extra` never repeats one.
-    let mut written: Vec<&str> = Vec::with_capacity(GATEWAY_FIELDS.len());
+    let keys: Vec<(&str, bool)> = extra.iter().map(|(k, v)| (k.as_str(), is_null(v))).collect();
+    let mut plan = export_plan(call, &keys);
+    if let Some(order) = extra.get(KEY_ORDER).and_then(|v| serde_json::from_str::<Vec<String>>(v.get()).ok()) {
+        reorder(&mut plan, &order);
+    }
     let mut out = String::with_capacity(64 + 8 * (call.prompt_token_ids.len() + call.completion_token_ids.len()));
-    let mut key = |out: &mut String, name: &'static str| {
-        out.push(if written.is_empty() { '{' } else { ',' });
-        write_json_str(out, name);
+    for (i, &(name, from_extra)) in plan.iter().enumerate() {
+        out.push(if i == 0 { '{' } else { ',' });
+        write_json_str(&mut out, name);
         out.push(':');
-        written.push(name);
-    };
-    key(&mut out, "trace_id");
-    write_json_str(&mut out, &call.trace_id);
-    key(&mut out, "session_id");
-    write_json_str(&mut out, &call.session_id);
-    if !call.session_uids.is_empty() {
-        key(&mut out, "session_uids");
-        out.push('[');
-        for (i, u) in call.session_uids.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
+        if from_extra {
+            if let Some(v) = extra.get(name) {
+                out.push_str(v.get());
             }
-            write_json_str(&mut out, u);
-        }
-        out.push(']');
-    }
-    if !null_in_extra("timestamp") {
-        key(&mut out, "timestamp");
-        write_f64(&mut out, call.timestamp);
-    }
-    if let Some(m) = &call.model {
-        key(&mut out, "model");
-        write_json_str(&mut out, m);
-    }
-    if let Some(w) = call.weight_version {
-        key(&mut out, "weight_version");
-        let _ = write!(out, "{w}");
-    }
-    for (name, ids) in
-        [("prompt_token_ids", &call.prompt_token_ids), ("completion_token_ids", &call.completion_token_ids)]
-    {
-        if !(ids.is_empty() && null_in_extra(name)) {
-            key(&mut out, name);
-            write_ids(&mut out, ids);
-        }
-    }
-    if let Some(lp) = &call.logprobs {
-        key(&mut out, "logprobs");
-        out.push('[');
-        for (i, v) in lp.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            write_f32(&mut out, *v);
-        }
-        out.push(']');
-    }
-    if let Some(f) = &call.finish_reason {
-        key(&mut out, "finish_reason");
-        write_json_str(&mut out, f);
-    }
-    if let Some(l) = call.latency_ms {
-        key(&mut out, "latency_ms");
-        write_f64(&mut out, l);
-    }
-    for (name, doc) in
-        [("messages", &call.messages), ("response_message", &call.response_message), ("metadata", &call.metadata)]
-    {
-        if let Some(doc) = doc {
-            key(&mut out, name);
-            out.push_str(&String::from_utf8_lossy(doc));
-        }
-    }
-    if let Some(r) = &call.routing_matrices {
-        key(&mut out, "routing_matrices");
-        match std::str::from_utf8(r).ok().filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()) {
-            Some(json) => out.push_str(json),
-            None => write_ids(&mut out, &r.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()),
-        }
-    }
-    for (k, v) in &extra {
-        if written.iter().any(|w| w == k) {
             continue;
         }
-        out.push(',');
-        write_json_str(&mut out, k);
-        out.push(':');
-        out.push_str(v.get());
+        write_column(&mut out, call, name);
     }
     out.push('}');
     out
+}
+
+/// Write the value of the column `name` of `call` (see [`export_plan`]).
+fn write_column(out: &mut String, call: &Call, name: &str) {
+    let doc = |out: &mut String, doc: &Option<Vec<u8>>| {
+        if let Some(doc) = doc {
+            out.push_str(&String::from_utf8_lossy(doc));
+        }
+    };
+    match name {
+        "trace_id" => write_json_str(out, &call.trace_id),
+        "session_id" => write_json_str(out, &call.session_id),
+        "session_uids" => {
+            out.push('[');
+            for (i, u) in call.session_uids.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_json_str(out, u);
+            }
+            out.push(']');
+        }
+        "timestamp" => write_f64(out, call.timestamp),
+        "model" => write_json_str(out, call.model.as_deref().unwrap_or_default()),
+        "weight_version" => {
+            let _ = write!(out, "{}", call.weight_version.unwrap_or_default());
+        }
+        "prompt_token_ids" => write_ids(out, &call.prompt_token_ids),
+        "completion_token_ids" => write_ids(out, &call.completion_token_ids),
+        "logprobs" => {
+            out.push('[');
+            for (i, v) in call.logprobs.iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_f32(out, *v);
+            }
+            out.push(']');
+        }
+        "finish_reason" => write_json_str(out, call.finish_reason.as_deref().unwrap_or_default()),
+        "latency_ms" => write_f64(out, call.latency_ms.unwrap_or_default()),
+        "messages" => doc(out, &call.messages),
+        "response_message" => doc(out, &call.response_message),
+        "metadata" => doc(out, &call.metadata),
+        "routing_matrices" => {
+            let r = call.routing_matrices.as_deref().unwrap_or_default();
+            match std::str::from_utf8(r).ok().filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()) {
+                Some(json) => out.push_str(json),
+                None => write_ids(out, &r.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()),
+            }
+        }
+        _ => out.push_str("null"),
+    }
 }
 
 /// The elements of a JSON array, unparsed; None when `text` is not one.
