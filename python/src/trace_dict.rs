@@ -339,7 +339,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
                 }
             }
             "session_uids" => {
-                call.session_uids = if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+                let uids: Vec<String> = if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
                     let mut uids = Vec::new();
                     crate::for_each_item(&v, |i, u| {
                         uids.push(text(py, &format!("session_uids[{i}]"), u)?);
@@ -348,7 +348,12 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
                     uids
                 } else {
                     helper(py, "_session_uids")?.call1((&v,))?.extract()?
+                };
+                if uids.is_empty() {
+                    // No column value tells an empty list from none: kept verbatim.
+                    extra_field(&mut extra, &mut extra_keys, key, "[]");
                 }
+                call.session_uids = uids;
             }
             "timestamp" => call.timestamp = finite(py, key, &v)?,
             "latency_ms" => call.latency_ms = Some(finite(py, key, &v)?),
