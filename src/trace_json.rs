@@ -98,15 +98,14 @@ fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)
 
 /// Parse one JSON trace (gateway or SDK shape). `now` fills a missing timestamp.
 pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
-    let map: RawMap<'_> =
-        serde_json::from_str(line).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
+    let (map, order) = object_in_order(line)?;
     // Top-level token lists mean the gateway shape (also for an exported SDK
     // trace, whose leftover `input` object is kept as an extra field).
     let gateway = map.contains_key("prompt_token_ids") || map.contains_key("completion_token_ids");
     if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
-    parse_gateway(map, now, false)
+    parse_gateway(map, &order, now, false)
 }
 
 /// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
@@ -114,12 +113,42 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
 /// widening gives Python the same floats back); otherwise they are kept
 /// verbatim with the other fields. Never takes the SDK shape.
 pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
-    let map: RawMap<'_> =
-        serde_json::from_str(text).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
-    parse_gateway(map, now, true)
+    let (map, order) = object_in_order(text)?;
+    parse_gateway(map, &order, now, true)
 }
 
-fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<Call> {
+/// A JSON object's members (a repeated key: the last value), and its keys
+/// in the order written (a repeated key: where it first came).
+fn object_in_order(text: &str) -> Result<(RawMap<'_>, Vec<String>)> {
+    struct Members;
+    impl<'de> serde::de::Visitor<'de> for Members {
+        type Value = Vec<(String, &'de RawValue)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(kv) = map.next_entry::<String, &'de RawValue>()? {
+                out.push(kv);
+            }
+            Ok(out)
+        }
+    }
+    let not_object = |e: serde_json::Error| Error::invalid("trace", format!("not a JSON object ({e})"));
+    let mut de = serde_json::Deserializer::from_str(text);
+    let members = serde::de::Deserializer::deserialize_map(&mut de, Members).map_err(not_object)?;
+    de.end().map_err(not_object)?;
+    let mut order = Vec::with_capacity(members.len());
+    let mut map = RawMap::new();
+    for (k, v) in members {
+        if map.insert(k.clone(), v).is_none() {
+            order.push(k);
+        }
+    }
+    Ok((map, order))
+}
+
+fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<Call> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
@@ -137,7 +166,11 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
             "session_id" => call.session_id = parse_string("session_id", v)?,
             "session_uids" => {
                 call.session_uids = serde_json::from_str(v.get())
-                    .map_err(|e| Error::invalid("session_uids", format!("must be a list of strings ({e})")))?
+                    .map_err(|e| Error::invalid("session_uids", format!("must be a list of strings ({e})")))?;
+                if call.session_uids.is_empty() {
+                    // No column value tells an empty list from none: kept verbatim.
+                    extra.insert(key, v);
+                }
             }
             "timestamp" => call.timestamp = parse_f64("timestamp", v)?,
             "model" => call.model = Some(parse_string("model", v)?),
@@ -168,7 +201,18 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
     if call.session_id.is_empty() {
         return Err(Error::invalid("session_id", "missing; every trace needs a session_id string"));
     }
-    call.extra = object_of(raw_pairs(&extra));
+    // The trace's key order, kept when the default export order would not
+    // give it back. Verbatim logprobs (no column) come from `extra`.
+    let keys: Vec<(&str, bool)> = extra.iter().map(|(k, v)| (k.as_str(), is_null(v))).collect();
+    let order: Vec<&str> = order.iter().map(String::as_str).collect();
+    let kept = key_order(&call, &keys, &order).map(RawValue::from_string).transpose();
+    let kept = kept.map_err(|e| Error::invalid("trace", format!("key order ({e})")))?;
+    let mut pairs: Vec<(&str, &str)> = raw_pairs(&extra).collect();
+    if let Some(kept) = &kept {
+        pairs.push((KEY_ORDER, kept.get()));
+        pairs.sort_unstable_by_key(|&(k, _)| k);
+    }
+    call.extra = object_of(pairs);
     call.validate()?;
     Ok(call)
 }
@@ -324,42 +368,90 @@ pub(crate) fn write_ids(out: &mut String, ids: &[u32]) {
 /// Never exported; a trace that carries it as a key of its own is refused.
 pub const KEY_ORDER: &str = "\u{0}key_order";
 
+/// The default key order of an export: the rLLM gateway's `TraceRecord`
+/// field order, then `session_uids`; other keys follow, sorted.
+const EXPORT_ORDER: &[&str] = &[
+    "trace_id",
+    "session_id",
+    "model",
+    "messages",
+    "prompt_token_ids",
+    "response_message",
+    "completion_token_ids",
+    "logprobs",
+    "routing_matrices",
+    "finish_reason",
+    "weight_version",
+    "latency_ms",
+    "token_counts",
+    "timestamp",
+    "metadata",
+    "raw_request",
+    "raw_response",
+    "session_uids",
+];
+
 /// The keys [`export_call`] writes for `call`, in its default order: each
 /// with whether its value comes from `extra` (else from a column). `extra`
 /// lists the keys of the call's `extra` object, each with whether its value
 /// is `null`, sorted; [`KEY_ORDER`] is left out.
 pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, bool)> {
-    let null_in_extra = |key: &str| extra.iter().any(|&(k, null)| null && k == key);
-    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(GATEWAY_FIELDS.len() + extra.len());
-    let columns: [(&'static str, bool); 15] = [
-        ("trace_id", true),
-        ("session_id", true),
-        ("session_uids", !call.session_uids.is_empty()),
-        ("timestamp", !null_in_extra("timestamp")),
-        ("model", call.model.is_some()),
-        ("weight_version", call.weight_version.is_some()),
-        ("prompt_token_ids", !(call.prompt_token_ids.is_empty() && null_in_extra("prompt_token_ids"))),
-        ("completion_token_ids", !(call.completion_token_ids.is_empty() && null_in_extra("completion_token_ids"))),
-        ("logprobs", call.logprobs.is_some()),
-        ("finish_reason", call.finish_reason.is_some()),
-        ("latency_ms", call.latency_ms.is_some()),
-        ("messages", call.messages.is_some()),
-        ("response_message", call.response_message.is_some()),
-        ("metadata", call.metadata.is_some()),
-        ("routing_matrices", call.routing_matrices.is_some()),
-    ];
-    for (name, written) in columns {
-        if written {
+    let in_extra = |key: &str| extra.iter().find(|&&(k, _)| k == key).map(|&(_, null)| null);
+    let null_in_extra = |key: &str| in_extra(key) == Some(true);
+    let column = |name: &str| match name {
+        "trace_id" | "session_id" => true,
+        "session_uids" => !call.session_uids.is_empty(),
+        "timestamp" => !null_in_extra("timestamp"),
+        "model" => call.model.is_some(),
+        "weight_version" => call.weight_version.is_some(),
+        "prompt_token_ids" => !(call.prompt_token_ids.is_empty() && null_in_extra("prompt_token_ids")),
+        "completion_token_ids" => !(call.completion_token_ids.is_empty() && null_in_extra("completion_token_ids")),
+        "logprobs" => call.logprobs.is_some(),
+        "finish_reason" => call.finish_reason.is_some(),
+        "latency_ms" => call.latency_ms.is_some(),
+        "messages" => call.messages.is_some(),
+        "response_message" => call.response_message.is_some(),
+        "metadata" => call.metadata.is_some(),
+        "routing_matrices" => call.routing_matrices.is_some(),
+        _ => false,
+    };
+    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(EXPORT_ORDER.len() + extra.len());
+    for &name in EXPORT_ORDER {
+        if column(name) {
             plan.push((name, false));
+        } else if let Some(&(k, _)) = extra.iter().find(|&&(k, _)| k == name) {
+            plan.push((k, true));
         }
     }
-    let from_columns = plan.len();
     for &(k, _) in extra {
-        if k != KEY_ORDER && !plan[..from_columns].iter().any(|&(w, _)| w == k) {
+        if k != KEY_ORDER && !EXPORT_ORDER.contains(&k) {
             plan.push((k, true));
         }
     }
     plan
+}
+
+/// The [`KEY_ORDER`] value (a JSON list) to keep in `extra` for a call made
+/// from a trace whose keys came in `order`; None when the default order of
+/// [`export_plan`] gives them back as they came. The list ends with the keys
+/// an export adds (a missing `timestamp`, token list), so that parsing the
+/// export again keeps the same list.
+pub fn key_order(call: &Call, extra: &[(&str, bool)], order: &[&str]) -> Option<String> {
+    let plan = export_plan(call, extra);
+    let in_trace = |k: &str| order.contains(&k);
+    if plan.iter().map(|&(k, _)| k).filter(|&k| in_trace(k)).eq(order.iter().copied()) {
+        return None;
+    }
+    let mut out = String::from("[");
+    let added = plan.iter().map(|&(k, _)| k).filter(|&k| !in_trace(k));
+    for (i, k) in order.iter().copied().chain(added).enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_json_str(&mut out, k);
+    }
+    out.push(']');
+    Some(out)
 }
 
 /// Reorder `plan` by a [`KEY_ORDER`] list: its keys first, in its order;

@@ -283,16 +283,10 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
     let (mut has_trace_id, mut has_session_id, mut verbatim_logprobs) = (false, false, false);
     // The trace's keys in order, and those kept in `extra` (with whether null).
     let mut order: Vec<String> = Vec::with_capacity(trace.len());
-    let mut extra_keys: Vec<(String, bool)> = Vec::new();
-    let mut extra = String::from("{");
-    fn extra_field(out: &mut String, keys: &mut Vec<(String, bool)>, key: &str, json: &str) {
-        if out.len() > 1 {
-            out.push(',');
-        }
-        write_str(out, key);
-        out.push(':');
-        out.push_str(json);
-        keys.push((key.to_owned(), json == "null"));
+    // The keys without a column (and known ones holding None), with their JSON.
+    let mut extra: Vec<(String, String)> = Vec::new();
+    fn extra_field(extra: &mut Vec<(String, String)>, key: &str, json: impl Into<String>) {
+        extra.push((key.to_owned(), json.into()));
     }
     for (k, v) in trace.iter() {
         let Ok(key) = k.cast::<PyString>() else {
@@ -311,7 +305,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
         order.push(key.to_owned());
         if v.is_none() && key != "trace_id" && key != "session_id" {
             // A known field holding None is kept verbatim: it reads back as None.
-            extra_field(&mut extra, &mut extra_keys, key, "null");
+            extra_field(&mut extra, key, "null");
             continue;
         }
         match key {
@@ -334,7 +328,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
                 call.logprobs = Some(column);
                 if let Some(text) = verbatim {
                     // The caller's values, for `to_dict`; the column holds the nearest float32.
-                    extra_field(&mut extra, &mut extra_keys, key, &text);
+                    extra_field(&mut extra, key, text);
                     verbatim_logprobs = true;
                 }
             }
@@ -351,7 +345,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
                 };
                 if uids.is_empty() {
                     // No column value tells an empty list from none: kept verbatim.
-                    extra_field(&mut extra, &mut extra_keys, key, "[]");
+                    extra_field(&mut extra, key, "[]");
                 }
                 call.session_uids = uids;
             }
@@ -372,7 +366,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
             _ => {
                 let mut json = String::new();
                 write_value(&mut json, &v, &Path::Key(key), 0)?;
-                extra_field(&mut extra, &mut extra_keys, key, &json);
+                extra_field(&mut extra, key, json);
             }
         }
     }
@@ -381,30 +375,34 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
             return Err(invalid_input(format!("invalid {key}: missing; every trace needs a {key} string")));
         }
     }
-    // The key order, kept when it is not the one `to_dict` writes by default
-    // (which reads verbatim logprobs from `extra`, not from the column).
-    let mut sorted: Vec<(&str, bool)> = extra_keys.iter().map(|(k, null)| (k.as_str(), *null)).collect();
-    sorted.sort_unstable();
+    // `extra` sorted by key, as `trajlog ingest` writes it; the key order
+    // kept when the default export order (which reads verbatim logprobs
+    // from `extra`, not from the column) would not give it back.
+    extra.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    let keys: Vec<(&str, bool)> = extra.iter().map(|(k, json)| (k.as_str(), json == "null")).collect();
+    let order: Vec<&str> = order.iter().map(String::as_str).collect();
     let column = if verbatim_logprobs { call.logprobs.take() } else { None };
-    let plan = trace_json::export_plan(&call, &sorted);
+    let kept = trace_json::key_order(&call, &keys, &order);
     if verbatim_logprobs {
         call.logprobs = column;
     }
-    let in_trace = |k: &str| k != "timestamp" || order.iter().any(|o| o == "timestamp");
-    if !plan.iter().map(|&(k, _)| k).filter(|k| in_trace(k)).eq(order.iter().map(String::as_str)) {
-        let mut list = String::from("[");
-        for (i, k) in order.iter().enumerate() {
-            if i > 0 {
-                list.push(',');
-            }
-            write_str(&mut list, k);
-        }
-        list.push(']');
-        extra_field(&mut extra, &mut extra_keys, KEY_ORDER, &list);
+    if let Some(kept) = kept {
+        let at = extra.partition_point(|(k, _)| k.as_str() < KEY_ORDER);
+        extra.insert(at, (KEY_ORDER.to_owned(), kept));
     }
-    if extra.len() > 1 {
-        extra.push('}');
-        call.extra = Some(extra.into_bytes());
+    if !extra.is_empty() {
+        let mut out = String::with_capacity(2 + extra.iter().map(|(k, v)| k.len() + v.len() + 4).sum::<usize>());
+        out.push('{');
+        for (i, (k, v)) in extra.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            write_str(&mut out, k);
+            out.push(':');
+            out.push_str(v);
+        }
+        out.push('}');
+        call.extra = Some(out.into_bytes());
     }
     Ok(call)
 }
