@@ -431,21 +431,6 @@ impl Call {
         Ok(d)
     }
 
-    /// The gateway-shaped trace as JSON text without the token arrays (their
-    /// keys hold empty lists), for `to_dict`, which fills them from the views;
-    /// and whether `logprobs` is to be filled from the column. It is not when
-    /// the caller's values were kept verbatim beside the column (they were
-    /// not all float32; the column holds the nearest float32 values): the
-    /// text then carries them.
-    fn to_json_without_tokens(&self) -> PyResult<(String, bool)> {
-        let v = view(self.snap.get(), &self.trace_id)?;
-        let mut call = v.to_call_without_tokens();
-        if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
-            call.logprobs = None;
-        }
-        Ok((trajlog::trace_json::export_call(&call), call.logprobs.is_some()))
-    }
-
     /// The gateway-shaped trace as JSON text (logprobs kept verbatim beside
     /// the column are written as given, as in `to_dict`).
     fn to_json(&self) -> PyResult<String> {

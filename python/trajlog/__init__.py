@@ -80,13 +80,6 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _U32_MAX = 0xFFFFFFFF
 _EMPTY_U32 = np.empty(0, dtype=np.uint32)
 
-# Trace keys stored in columns or typed fields; every other key is kept verbatim.
-_COLUMNS = (
-    "trace_id", "session_id", "prompt_token_ids", "completion_token_ids", "logprobs", "session_uids",
-    "timestamp", "model", "weight_version", "messages", "response_message", "metadata",
-    "finish_reason", "latency_ms",
-)
-
 
 def _text(field: str, value: Any) -> str:
     """A str that UTF-8 can encode (no lone surrogates)."""
