@@ -644,6 +644,39 @@ mod tests {
     }
 
     #[test]
+    fn key_order_is_kept_and_the_gateway_order_costs_nothing() {
+        // The rLLM gateway's TraceRecord order: nothing kept beside the values.
+        let gateway = r#"{"trace_id":"t","session_id":"s","model":"m","messages":[],"prompt_token_ids":[1],"response_message":{},"completion_token_ids":[2],"logprobs":[-0.5],"routing_matrices":null,"finish_reason":"stop","weight_version":null,"latency_ms":1.5,"token_counts":{},"timestamp":2.5,"metadata":{},"raw_request":{"b":1,"a":2},"raw_response":null}"#;
+        let call = parse_trace(gateway, 0.0).expect("valid");
+        assert!(!String::from_utf8_lossy(call.extra.as_deref().unwrap_or_default()).contains("key_order"));
+        assert_eq!(export_call(&call), gateway);
+        // Another order (a missing timestamp too): kept, and stable through export and parse.
+        let shuffled =
+            r#"{"zeta":1,"completion_token_ids":[2],"session_id":"s","alpha":null,"trace_id":"t","session_uids":[]}"#;
+        let call = parse_trace(shuffled, 7.0).expect("valid");
+        let line = export_call(&call);
+        assert_eq!(
+            keys(&line),
+            [
+                "zeta",
+                "completion_token_ids",
+                "session_id",
+                "alpha",
+                "trace_id",
+                "session_uids",
+                "prompt_token_ids",
+                "timestamp"
+            ]
+        );
+        assert_eq!(value(&line)["session_uids"], serde_json::json!([]));
+        let again = parse_trace(&line, 0.0).expect("the export parses");
+        assert_eq!(again, call);
+        assert_eq!(export_call(&again), line);
+        // The reserved key is refused.
+        assert!(parse_trace(r#"{"trace_id":"t","session_id":"s","\u0000key_order":[]}"#, 0.0).is_err());
+    }
+
+    #[test]
     fn extra_never_repeats_a_key_a_column_wrote() {
         // A hand-built call whose `extra` shadows columns: the columns win.
         let call = Call {

@@ -37,6 +37,8 @@ const JSON_DEPTH_MAX: usize = 128;
 enum Path<'a> {
     Key(&'a str),
     Child(&'a Path<'a>, &'a str),
+    /// A child under a key object whose text was not needed to write it.
+    ChildObj(&'a Path<'a>, &'a Bound<'a, PyString>),
     Index(&'a Path<'a>, usize),
 }
 
@@ -45,6 +47,7 @@ impl Path<'_> {
         match self {
             Path::Key(k) => (*k).to_owned(),
             Path::Child(parent, k) => format!("{}.{k}", parent.render()),
+            Path::ChildObj(parent, k) => format!("{}.{}", parent.render(), k.to_string_lossy()),
             Path::Index(parent, i) => format!("{}[{i}]", parent.render()),
         }
     }
@@ -95,9 +98,25 @@ fn text_of<'a>(path: &Path<'_>, s: &'a Bound<'_, PyString>) -> PyResult<std::bor
     })
 }
 
+/// Dict keys already written as JSON string literals, by the address of the
+/// key object (documents repeat the same key objects — `"role"`, `"logprob"`
+/// — many times). Only used while the trace, which keeps every key alive,
+/// is walked with the GIL held.
+type Keys = std::collections::HashMap<usize, String>;
+
 /// Serialize one Python value as JSON text into `out`. `depth` counts the
 /// containers around `obj` within its document.
 fn write_value(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, depth: usize) -> PyResult<()> {
+    write_value_with(out, obj, path, depth, &mut Keys::new())
+}
+
+fn write_value_with(
+    out: &mut String,
+    obj: &Bound<'_, PyAny>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
     if obj.is_none() {
         out.push_str("null");
     } else if let Ok(s) = obj.cast::<PyString>() {
@@ -129,7 +148,7 @@ fn write_value(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, depth:
             if i > 0 {
                 out.push(',');
             }
-            write_value(out, &item, &Path::Index(path, i), depth + 1)?;
+            write_value_with(out, &item, &Path::Index(path, i), depth + 1, keys)?;
         }
         out.push(']');
     } else if let Ok(tuple) = obj.cast::<PyTuple>() {
@@ -139,7 +158,7 @@ fn write_value(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, depth:
             if i > 0 {
                 out.push(',');
             }
-            write_value(out, &item, &Path::Index(path, i), depth + 1)?;
+            write_value_with(out, &item, &Path::Index(path, i), depth + 1, keys)?;
         }
         out.push(']');
     } else if let Ok(dict) = obj.cast::<PyDict>() {
@@ -152,13 +171,23 @@ fn write_value(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, depth:
                     format!("the key {} is not a string; JSON object keys are strings", repr(&k)),
                 ));
             };
-            let key = text_of(path, key)?;
             if i > 0 {
                 out.push(',');
             }
-            write_str(out, &key);
+            let addr = key.as_ptr() as usize;
+            if let Some(literal) = keys.get(&addr) {
+                out.push_str(literal);
+                out.push(':');
+                write_value_with(out, &v, &Path::ChildObj(path, key), depth + 1, keys)?;
+                continue;
+            }
+            let key = text_of(path, key)?;
+            let mut literal = String::with_capacity(key.len() + 2);
+            write_str(&mut literal, &key);
+            out.push_str(&literal);
+            keys.insert(addr, literal);
             out.push(':');
-            write_value(out, &v, &Path::Child(path, &key), depth + 1)?;
+            write_value_with(out, &v, &Path::Child(path, &key), depth + 1, keys)?;
         }
         out.push('}');
     } else {
