@@ -98,15 +98,14 @@ fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)
 
 /// Parse one JSON trace (gateway or SDK shape). `now` fills a missing timestamp.
 pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
-    let map: RawMap<'_> =
-        serde_json::from_str(line).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
+    let (map, order) = object_in_order(line)?;
     // Top-level token lists mean the gateway shape (also for an exported SDK
     // trace, whose leftover `input` object is kept as an extra field).
     let gateway = map.contains_key("prompt_token_ids") || map.contains_key("completion_token_ids");
     if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
-    parse_gateway(map, now, false)
+    parse_gateway(map, &order, now, false)
 }
 
 /// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
@@ -114,17 +113,50 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
 /// widening gives Python the same floats back); otherwise they are kept
 /// verbatim with the other fields. Never takes the SDK shape.
 pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
-    let map: RawMap<'_> =
-        serde_json::from_str(text).map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))?;
-    parse_gateway(map, now, true)
+    let (map, order) = object_in_order(text)?;
+    parse_gateway(map, &order, now, true)
 }
 
-fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<Call> {
+/// A JSON object's members (a repeated key: the last value), and its keys
+/// in the order written (a repeated key: where it first came).
+fn object_in_order(text: &str) -> Result<(RawMap<'_>, Vec<String>)> {
+    struct Members;
+    impl<'de> serde::de::Visitor<'de> for Members {
+        type Value = Vec<(String, &'de RawValue)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(kv) = map.next_entry::<String, &'de RawValue>()? {
+                out.push(kv);
+            }
+            Ok(out)
+        }
+    }
+    let not_object = |e: serde_json::Error| Error::invalid("trace", format!("not a JSON object ({e})"));
+    let mut de = serde_json::Deserializer::from_str(text);
+    let members = serde::de::Deserializer::deserialize_map(&mut de, Members).map_err(not_object)?;
+    de.end().map_err(not_object)?;
+    let mut order = Vec::with_capacity(members.len());
+    let mut map = RawMap::new();
+    for (k, v) in members {
+        if map.insert(k.clone(), v).is_none() {
+            order.push(k);
+        }
+    }
+    Ok((map, order))
+}
+
+fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<Call> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
     for key in keys {
         let Some(v) = map.remove(&key) else { continue };
+        if key == KEY_ORDER {
+            return Err(Error::invalid("trace", "a key named \"\\u0000key_order\" is reserved by trajlog"));
+        }
         if is_null(v) && key != "trace_id" && key != "session_id" {
             extra.insert(key, v);
             continue;
@@ -134,7 +166,11 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
             "session_id" => call.session_id = parse_string("session_id", v)?,
             "session_uids" => {
                 call.session_uids = serde_json::from_str(v.get())
-                    .map_err(|e| Error::invalid("session_uids", format!("must be a list of strings ({e})")))?
+                    .map_err(|e| Error::invalid("session_uids", format!("must be a list of strings ({e})")))?;
+                if call.session_uids.is_empty() {
+                    // No column value tells an empty list from none: kept verbatim.
+                    extra.insert(key, v);
+                }
             }
             "timestamp" => call.timestamp = parse_f64("timestamp", v)?,
             "model" => call.model = Some(parse_string("model", v)?),
@@ -165,7 +201,18 @@ fn parse_gateway(mut map: RawMap<'_>, now: f64, exact_logprobs: bool) -> Result<
     if call.session_id.is_empty() {
         return Err(Error::invalid("session_id", "missing; every trace needs a session_id string"));
     }
-    call.extra = object_of(raw_pairs(&extra));
+    // The trace's key order, kept when the default export order would not
+    // give it back. Verbatim logprobs (no column) come from `extra`.
+    let keys: Vec<(&str, bool)> = extra.iter().map(|(k, v)| (k.as_str(), is_null(v))).collect();
+    let order: Vec<&str> = order.iter().map(String::as_str).collect();
+    let kept = key_order(&call, &keys, &order).map(RawValue::from_string).transpose();
+    let kept = kept.map_err(|e| Error::invalid("trace", format!("key order ({e})")))?;
+    let mut pairs: Vec<(&str, &str)> = raw_pairs(&extra).collect();
+    if let Some(kept) = &kept {
+        pairs.push((KEY_ORDER, kept.get()));
+        pairs.sort_unstable_by_key(|&(k, _)| k);
+    }
+    call.extra = object_of(pairs);
     call.validate()?;
     Ok(call)
 }
@@ -352,6 +399,105 @@ pub fn object_keys(text: &str) -> Result<Vec<String>> {
         .map_err(|e| Error::invalid("trace", format!("not a JSON object ({e})")))
 }
 
+/// The key of `extra` that keeps a trace's key order when it is not the
+/// order [`export_call`] writes by default: a JSON list of the trace's keys.
+/// Never exported; a trace that carries it as a key of its own is refused.
+pub const KEY_ORDER: &str = "\u{0}key_order";
+
+/// The default key order of an export: the rLLM gateway's `TraceRecord`
+/// field order, then `session_uids`; other keys follow, sorted.
+const EXPORT_ORDER: &[&str] = &[
+    "trace_id",
+    "session_id",
+    "model",
+    "messages",
+    "prompt_token_ids",
+    "response_message",
+    "completion_token_ids",
+    "logprobs",
+    "routing_matrices",
+    "finish_reason",
+    "weight_version",
+    "latency_ms",
+    "token_counts",
+    "timestamp",
+    "metadata",
+    "raw_request",
+    "raw_response",
+    "session_uids",
+];
+
+/// The keys [`export_call`] writes for `call`, in its default order: each
+/// with whether its value comes from `extra` (else from a column). `extra`
+/// lists the keys of the call's `extra` object, each with whether its value
+/// is `null`, sorted; [`KEY_ORDER`] is left out.
+pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, bool)> {
+    let in_extra = |key: &str| extra.iter().find(|&&(k, _)| k == key).map(|&(_, null)| null);
+    let null_in_extra = |key: &str| in_extra(key) == Some(true);
+    let column = |name: &str| match name {
+        "trace_id" | "session_id" => true,
+        "session_uids" => !call.session_uids.is_empty(),
+        "timestamp" => !null_in_extra("timestamp"),
+        "model" => call.model.is_some(),
+        "weight_version" => call.weight_version.is_some(),
+        "prompt_token_ids" => !(call.prompt_token_ids.is_empty() && null_in_extra("prompt_token_ids")),
+        "completion_token_ids" => !(call.completion_token_ids.is_empty() && null_in_extra("completion_token_ids")),
+        "logprobs" => call.logprobs.is_some(),
+        "finish_reason" => call.finish_reason.is_some(),
+        "latency_ms" => call.latency_ms.is_some(),
+        "messages" => call.messages.is_some(),
+        "response_message" => call.response_message.is_some(),
+        "metadata" => call.metadata.is_some(),
+        "routing_matrices" => call.routing_matrices.is_some(),
+        _ => false,
+    };
+    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(EXPORT_ORDER.len() + extra.len());
+    for &name in EXPORT_ORDER {
+        if column(name) {
+            plan.push((name, false));
+        } else if let Some(&(k, _)) = extra.iter().find(|&&(k, _)| k == name) {
+            plan.push((k, true));
+        }
+    }
+    for &(k, _) in extra {
+        if k != KEY_ORDER && !EXPORT_ORDER.contains(&k) {
+            plan.push((k, true));
+        }
+    }
+    plan
+}
+
+/// The [`KEY_ORDER`] value (a JSON list) to keep in `extra` for a call made
+/// from a trace whose keys came in `order`; None when the default order of
+/// [`export_plan`] gives them back as they came. The list ends with the keys
+/// an export adds (a missing `timestamp`, token list), so that parsing the
+/// export again keeps the same list.
+pub fn key_order(call: &Call, extra: &[(&str, bool)], order: &[&str]) -> Option<String> {
+    let plan = export_plan(call, extra);
+    let in_trace = |k: &str| order.contains(&k);
+    if plan.iter().map(|&(k, _)| k).filter(|&k| in_trace(k)).eq(order.iter().copied()) {
+        return None;
+    }
+    let mut out = String::from("[");
+    let added = plan.iter().map(|&(k, _)| k).filter(|&k| !in_trace(k));
+    for (i, k) in order.iter().copied().chain(added).enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_json_str(&mut out, k);
+    }
+    out.push(']');
+    Some(out)
+}
+
+/// Reorder `plan` by a [`KEY_ORDER`] list: its keys first, in its order;
+/// the others after, in their default order.
+fn reorder(plan: &mut [(&str, bool)], order: &[String]) {
+    let position: std::collections::HashMap<&str, usize> =
+        order.iter().enumerate().map(|(i, k)| (k.as_str(), i)).collect();
+    plan.sort_by_key(|(k, _)| position.get(k).copied().unwrap_or(usize::MAX));
+}
+
 /// Export a call as one JSON line in the rLLM gateway trace shape.
 ///
 /// Every key is written once. A column is written under its name unless
@@ -361,91 +507,74 @@ pub fn object_keys(text: &str) -> Result<Vec<String>> {
 /// lists) exports as it came in, with the `null`. A key of `extra` that a
 /// column already wrote is left out (only a caller building a [`Call`] by
 /// hand can put one there), so the column's value is what readers see.
+/// The keys come in the order of [`export_plan`], or in the trace's own
+/// order when `extra` keeps it ([`KEY_ORDER`]).
 pub fn export_call(call: &Call) -> String {
     let extra: RawMap<'_> = call.extra.as_deref().and_then(|e| serde_json::from_slice(e).ok()).unwrap_or_default();
-    let null_in_extra = |key: &str| extra.get(key).is_some_and(|v| is_null(v));
-    // Keys written from columns, so that `extra` never repeats one.
-    let mut written: Vec<&str> = Vec::with_capacity(GATEWAY_FIELDS.len());
+    let keys: Vec<(&str, bool)> = extra.iter().map(|(k, v)| (k.as_str(), is_null(v))).collect();
+    let mut plan = export_plan(call, &keys);
+    if let Some(order) = extra.get(KEY_ORDER).and_then(|v| serde_json::from_str::<Vec<String>>(v.get()).ok()) {
+        reorder(&mut plan, &order);
+    }
     let mut out = String::with_capacity(64 + 8 * (call.prompt_token_ids.len() + call.completion_token_ids.len()));
-    let mut key = |out: &mut String, name: &'static str| {
-        out.push(if written.is_empty() { '{' } else { ',' });
-        write_json_str(out, name);
+    for (i, &(name, from_extra)) in plan.iter().enumerate() {
+        out.push(if i == 0 { '{' } else { ',' });
+        write_json_str(&mut out, name);
         out.push(':');
-        written.push(name);
-    };
-    key(&mut out, "trace_id");
-    write_json_str(&mut out, &call.trace_id);
-    key(&mut out, "session_id");
-    write_json_str(&mut out, &call.session_id);
-    if !call.session_uids.is_empty() {
-        key(&mut out, "session_uids");
-        write_str_list(&mut out, &call.session_uids);
-    }
-    if !null_in_extra("timestamp") {
-        key(&mut out, "timestamp");
-        write_f64(&mut out, call.timestamp);
-    }
-    if let Some(m) = &call.model {
-        key(&mut out, "model");
-        write_json_str(&mut out, m);
-    }
-    if let Some(w) = call.weight_version {
-        key(&mut out, "weight_version");
-        let _ = write!(out, "{w}");
-    }
-    for (name, ids) in
-        [("prompt_token_ids", &call.prompt_token_ids), ("completion_token_ids", &call.completion_token_ids)]
-    {
-        if !(ids.is_empty() && null_in_extra(name)) {
-            key(&mut out, name);
-            write_ids(&mut out, ids);
-        }
-    }
-    if let Some(lp) = &call.logprobs {
-        key(&mut out, "logprobs");
-        out.push('[');
-        for (i, v) in lp.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
+        if from_extra {
+            if let Some(v) = extra.get(name) {
+                out.push_str(v.get());
             }
-            write_f32(&mut out, *v);
-        }
-        out.push(']');
-    }
-    if let Some(f) = &call.finish_reason {
-        key(&mut out, "finish_reason");
-        write_json_str(&mut out, f);
-    }
-    if let Some(l) = call.latency_ms {
-        key(&mut out, "latency_ms");
-        write_f64(&mut out, l);
-    }
-    for (name, doc) in
-        [("messages", &call.messages), ("response_message", &call.response_message), ("metadata", &call.metadata)]
-    {
-        if let Some(doc) = doc {
-            key(&mut out, name);
-            out.push_str(&String::from_utf8_lossy(doc));
-        }
-    }
-    if let Some(r) = &call.routing_matrices {
-        key(&mut out, "routing_matrices");
-        match std::str::from_utf8(r).ok().filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()) {
-            Some(json) => out.push_str(json),
-            None => write_ids(&mut out, &r.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()),
-        }
-    }
-    for (k, v) in &extra {
-        if written.iter().any(|w| w == k) {
             continue;
         }
-        out.push(',');
-        write_json_str(&mut out, k);
-        out.push(':');
-        out.push_str(v.get());
+        write_column(&mut out, call, name);
     }
     out.push('}');
     out
+}
+
+/// Write the value of the column `name` of `call` (see [`export_plan`]).
+fn write_column(out: &mut String, call: &Call, name: &str) {
+    let doc = |out: &mut String, doc: &Option<Vec<u8>>| {
+        if let Some(doc) = doc {
+            out.push_str(&String::from_utf8_lossy(doc));
+        }
+    };
+    match name {
+        "trace_id" => write_json_str(out, &call.trace_id),
+        "session_id" => write_json_str(out, &call.session_id),
+        "session_uids" => write_str_list(out, &call.session_uids),
+        "timestamp" => write_f64(out, call.timestamp),
+        "model" => write_json_str(out, call.model.as_deref().unwrap_or_default()),
+        "weight_version" => {
+            let _ = write!(out, "{}", call.weight_version.unwrap_or_default());
+        }
+        "prompt_token_ids" => write_ids(out, &call.prompt_token_ids),
+        "completion_token_ids" => write_ids(out, &call.completion_token_ids),
+        "logprobs" => {
+            out.push('[');
+            for (i, v) in call.logprobs.iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_f32(out, *v);
+            }
+            out.push(']');
+        }
+        "finish_reason" => write_json_str(out, call.finish_reason.as_deref().unwrap_or_default()),
+        "latency_ms" => write_f64(out, call.latency_ms.unwrap_or_default()),
+        "messages" => doc(out, &call.messages),
+        "response_message" => doc(out, &call.response_message),
+        "metadata" => doc(out, &call.metadata),
+        "routing_matrices" => {
+            let r = call.routing_matrices.as_deref().unwrap_or_default();
+            match std::str::from_utf8(r).ok().filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok()) {
+                Some(json) => out.push_str(json),
+                None => write_ids(out, &r.iter().map(|&b| u32::from(b)).collect::<Vec<_>>()),
+            }
+        }
+        _ => out.push_str("null"),
+    }
 }
 
 /// The elements of a JSON array, unparsed; None when `text` is not one.
@@ -521,6 +650,39 @@ mod tests {
         let t3 = value(&export_call(&parse_trace(traces[2], 7.25).expect("valid")));
         assert_eq!(t3["prompt_token_ids"], serde_json::Value::Null);
         assert_eq!(t3["timestamp"], serde_json::json!(7.25));
+    }
+
+    #[test]
+    fn key_order_is_kept_and_the_gateway_order_costs_nothing() {
+        // The rLLM gateway's TraceRecord order: nothing kept beside the values.
+        let gateway = r#"{"trace_id":"t","session_id":"s","model":"m","messages":[],"prompt_token_ids":[1],"response_message":{},"completion_token_ids":[2],"logprobs":[-0.5],"routing_matrices":null,"finish_reason":"stop","weight_version":null,"latency_ms":1.5,"token_counts":{},"timestamp":2.5,"metadata":{},"raw_request":{"b":1,"a":2},"raw_response":null}"#;
+        let call = parse_trace(gateway, 0.0).expect("valid");
+        assert!(!String::from_utf8_lossy(call.extra.as_deref().unwrap_or_default()).contains("key_order"));
+        assert_eq!(export_call(&call), gateway);
+        // Another order (a missing timestamp too): kept, and stable through export and parse.
+        let shuffled =
+            r#"{"zeta":1,"completion_token_ids":[2],"session_id":"s","alpha":null,"trace_id":"t","session_uids":[]}"#;
+        let call = parse_trace(shuffled, 7.0).expect("valid");
+        let line = export_call(&call);
+        assert_eq!(
+            keys(&line),
+            [
+                "zeta",
+                "completion_token_ids",
+                "session_id",
+                "alpha",
+                "trace_id",
+                "session_uids",
+                "prompt_token_ids",
+                "timestamp"
+            ]
+        );
+        assert_eq!(value(&line)["session_uids"], serde_json::json!([]));
+        let again = parse_trace(&line, 0.0).expect("the export parses");
+        assert_eq!(again, call);
+        assert_eq!(export_call(&again), line);
+        // The reserved key is refused.
+        assert!(parse_trace(r#"{"trace_id":"t","session_id":"s","\u0000key_order":[]}"#, 0.0).is_err());
     }
 
     #[test]

@@ -136,11 +136,18 @@ fn gateway_and_sdk_shapes_parse() {
     let c = parse_trace(gw, 0.0).unwrap();
     assert_eq!((c.prompt_token_ids.as_slice(), c.completion_token_ids.as_slice()), (&[1, 2][..], &[3][..]));
     assert_eq!(c.weight_version, None);
-    let extra: serde_json::Value = serde_json::from_slice(c.extra.as_ref().unwrap()).unwrap();
+    let mut extra: serde_json::Value = serde_json::from_slice(c.extra.as_ref().unwrap()).unwrap();
+    // Not the gateway's key order: the trace's own is kept beside the values.
+    let order = extra.as_object_mut().unwrap().remove(trajlog::trace_json::KEY_ORDER).unwrap();
+    assert_eq!(order[0], "trace_id");
+    assert_eq!(order[2], "timestamp");
     assert_eq!(
         extra,
         serde_json::json!({"token_counts":{"prompt":2,"completion":1},"weight_version":null,"custom":{"a":[1,2]}})
     );
+    let line = trajlog::trace_json::export_call(&c);
+    assert!(line.starts_with(r#"{"trace_id":"g1","session_id":"task:0","timestamp":5.5,"model":"m","#), "{line}");
+    assert!(line.ends_with(r#""weight_version":null,"custom":{"a":[1,2]}}"#), "{line}");
     let sdk = r#"{"id":"k1","session_name":"task:1","session_uids":["outer","inner"],"model":"m",
         "input":{"messages":[{"role":"user","content":"q"}],"prompt_token_ids":[9,8]},
         "output":{"output_token_ids":[7],"rollout_logprobs":[-1.5],"message":{"role":"assistant"},"finish_reason":"length","usage":{"x":1}},

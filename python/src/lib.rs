@@ -10,6 +10,7 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
 use std::sync::Arc;
 
 mod arrow_export;
+mod trace_dict;
 
 use trajlog::rllm::SdkTrace;
 use trajlog::{Call as RCall, CompactOptions, Durability, ErrorKind, Options, Selection, Target};
@@ -123,6 +124,11 @@ fn for_each_item<'py>(
 /// bool, a float, or an int outside `0..=u32::MAX`, naming `field[index]`.
 #[pyfunction]
 fn u32_array<'py>(py: Python<'py>, field: &str, values: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    Ok(PyArray1::from_vec(py, u32_vec(field, values)?))
+}
+
+/// Token ids from a Python sequence of ints (see [`u32_array`]).
+fn u32_vec(field: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let mut out = Vec::with_capacity(values.len().unwrap_or(0));
     for_each_item(values, |i, item| {
         // The common case first: a plain int that fits.
@@ -158,7 +164,7 @@ fn u32_array<'py>(py: Python<'py>, field: &str, values: &Bound<'py, PyAny>) -> P
             ))),
         }
     })?;
-    Ok(PyArray1::from_vec(py, out))
+    Ok(out)
 }
 
 /// One logprob as a float32 and whether it is exactly the value given.
@@ -400,24 +406,29 @@ impl Call {
         Ok(view(self.snap.get(), &self.trace_id)?.prompt_prefix_len())
     }
     /// The gateway-shaped trace dict, with plain lists (ids as ints, logprobs
-    /// as the exact float32 values).
-    fn to_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        slf.py().import("trajlog")?.getattr("_call_to_dict")?.call1((slf,))
-    }
-
-    /// The gateway-shaped trace as JSON text without the token arrays (their
-    /// keys hold empty lists), for `to_dict`, which fills them from the views;
-    /// and whether `logprobs` is to be filled from the column. It is not when
-    /// the caller's values were kept verbatim beside the column (they were
-    /// not all float32; the column holds the nearest float32 values): the
-    /// text then carries them.
-    fn to_json_without_tokens(&self) -> PyResult<(String, bool)> {
+    /// as the exact float32 values, or as given when they were not all
+    /// float32), built here from the stored JSON documents.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let v = view(self.snap.get(), &self.trace_id)?;
         let mut call = v.to_call_without_tokens();
         if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
             call.logprobs = None;
         }
-        Ok((trajlog::trace_json::export_call(&call), call.logprobs.is_some()))
+        let text = trajlog::trace_json::export_call(&call);
+        let d = trace_dict::json_to_py(py, &text)?;
+        let prompt = if v.prompt_prefix_len() == 0 {
+            PyList::new(py, v.prompt_suffix())?
+        } else {
+            PyList::new(py, v.prompt().map_err(to_py)?)?
+        };
+        d.set_item(intern!(py, "prompt_token_ids"), prompt)?;
+        d.set_item(intern!(py, "completion_token_ids"), PyList::new(py, v.completion_token_ids())?)?;
+        if call.logprobs.is_some() {
+            if let Some(lp) = v.logprobs() {
+                d.set_item(intern!(py, "logprobs"), PyList::new(py, lp.iter().map(|&x| f64::from(x)))?)?;
+            }
+        }
+        Ok(d)
     }
 
     /// The gateway-shaped trace as JSON text (logprobs kept verbatim beside
@@ -564,6 +575,23 @@ impl NativeStore {
             metadata: metadata.map(String::into_bytes),
             extra: extra.map(String::into_bytes),
         };
+        let store = self.get()?;
+        py.detach(|| {
+            let receipt = store.append(call)?;
+            if durable {
+                receipt.wait()?;
+            }
+            Ok(())
+        })
+        .map_err(to_py)
+    }
+
+    /// Append a gateway-shaped trace dict, walked here (see `trace_dict`):
+    /// nothing of it is written when a field is refused. With `durable`,
+    /// returns once the record is durable at the store's level.
+    fn append_trace(&self, py: Python<'_>, trace: &Bound<'_, PyDict>, durable: bool) -> PyResult<()> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let call = trace_dict::call_of_trace(py, trace, now)?;
         let store = self.get()?;
         py.detach(|| {
             let receipt = store.append(call)?;

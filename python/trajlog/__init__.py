@@ -80,13 +80,6 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _U32_MAX = 0xFFFFFFFF
 _EMPTY_U32 = np.empty(0, dtype=np.uint32)
 
-# Trace keys stored in columns or typed fields; every other key is kept verbatim.
-_COLUMNS = (
-    "trace_id", "session_id", "prompt_token_ids", "completion_token_ids", "logprobs", "session_uids",
-    "timestamp", "model", "weight_version", "messages", "response_message", "metadata",
-    "finish_reason", "latency_ms",
-)
-
 
 def _text(field: str, value: Any) -> str:
     """A str that UTF-8 can encode (no lone surrogates)."""
@@ -435,34 +428,30 @@ class Store:
     def append_trace(self, trace: dict, *, durable: bool = False) -> None:
         """Append a whole gateway-shaped trace dict (`trace_id`, `session_id`,
         `prompt_token_ids`, `completion_token_ids`, `logprobs`, `messages`, …).
-        Every key without a column is kept verbatim; `Call.to_dict()` gives the
-        same dict back. Logprobs always go to the float32 column (and their
-        length must match the completion's); values that are not all float32
-        are stored there as the nearest float32 and also kept as given, so
-        the dict still reads back equal."""
+        The dict is walked by the native code, the mapping `trajlog ingest`
+        and the gateway use too: token lists go straight into the columns and
+        every document (`messages`, `response_message`, `metadata`,
+        `routing_matrices`, each key without a column) is serialized to JSON
+        once. `Call.to_dict()` gives the same dict back. Logprobs always go
+        to the float32 column (and their length must match the completion's);
+        values that are not all floats exactly representable as float32 (an
+        inexact float, an int) are stored there as the nearest float32 and
+        also kept as given, so the dict still reads back equal.
+
+        Refused, naming the path inside the trace (e.g.
+        `raw_response.choices[0].logprobs.content[17].logprob`), with nothing
+        written: NaN or infinite floats in a document, non-string dict keys,
+        values JSON has no type for (sets, bytes, objects), documents nested
+        deeper than `JSON_DEPTH_MAX`, bad token ids or logprobs."""
+        if not isinstance(trace, dict):
+            try:
+                trace = dict(trace)
+            except (TypeError, ValueError):
+                raise InvalidInputError(f"invalid trace: a {type(trace).__name__} is not a dict") from None
         try:
-            d = dict(trace)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"invalid trace: a {type(trace).__name__} is not a dict") from None
-        known = {}
-        for key in _COLUMNS:
-            # A known field holding None stays in `d`: kept verbatim, it comes back as None.
-            if key in d and d[key] is not None:
-                known[key] = d.pop(key)
-        if "logprobs" in known:
-            known["logprobs"], verbatim = _trace_logprobs(known["logprobs"])
-            if verbatim is not None:
-                # The caller's values, for `to_dict`; the column holds the nearest float32.
-                d["logprobs"] = verbatim
-        for key in ("trace_id", "session_id"):
-            if key not in known:
-                raise InvalidInputError(f"invalid {key}: missing; every trace needs a {key} string")
-        k = known.get
-        self._append(
-            k("trace_id"), k("session_id"), k("prompt_token_ids"), k("completion_token_ids"), k("logprobs"),
-            k("session_uids"), k("timestamp"), k("model"), k("weight_version"), k("messages"),
-            k("response_message"), k("metadata"), k("finish_reason"), k("latency_ms"), None, durable, d,
-        )
+            self._native.append_trace(trace, bool(durable))
+        except (TypeError, OverflowError, UnicodeError) as e:  # a guard: the walker names what it refuses
+            raise InvalidInputError(f"invalid trace: {e}") from e
 
     def flush(self) -> None:
         """Barrier: returns once everything appended before is durable at the
@@ -561,17 +550,4 @@ class _CArray:
 
     def __arrow_c_array__(self, requested_schema=None):
         return self._pair
-
-
-def _call_to_dict(self: Call) -> dict:
-    """The gateway-shaped trace dict with plain lists: token ids as ints,
-    logprobs as the exact float32 values."""
-    text, fill_logprobs = self.to_json_without_tokens()
-    d = json.loads(text)
-    d["prompt_token_ids"] = self.prompt_token_ids.tolist()
-    d["completion_token_ids"] = self.completion_token_ids.tolist()
-    if fill_logprobs:
-        d["logprobs"] = self.logprobs.astype(np.float64).tolist()
-    # else: no logprobs, or the values as given (not all float32) are in the text.
-    return d
 
