@@ -31,7 +31,7 @@ cargo bench --workspace --locked --no-run
 
 step "python tests (the binding; pyarrow, DuckDB, HF datasets read the shards)"
 cargo build --release --locked --quiet
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy, aiosqlite" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy, aiosqlite, fastapi, uvicorn, httpx, openai, pytest_asyncio, yaml" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet --upgrade pip
     .venv/bin/pip install --quiet -r tests/python/requirements.txt
@@ -52,6 +52,12 @@ fi
 .venv/bin/pip install --quiet ./python
 # pytest exits 5 when it collected no test: that is a failure here too.
 TRAJLOG_BIN="$PWD/target/release/trajlog" .venv/bin/python -m pytest -q tests/python python/tests
+
+step "rLLM's model-gateway tests, unchanged, against trajlog serve (compat/)"
+bash compat/run-rllm-suite.sh
+
+step "bench-gateway smoke run (release)"
+target/release/trajlog bench-gateway --sessions 2 --turns 2 --calls 8
 
 step "demo smoke run (release)"
 demo_dir="$(mktemp -d)/store"

@@ -404,9 +404,10 @@ pub fn object_keys(text: &str) -> Result<Vec<String>> {
 /// Never exported; a trace that carries it as a key of its own is refused.
 pub const KEY_ORDER: &str = "\u{0}key_order";
 
-/// The default key order of an export: the rLLM gateway's `TraceRecord`
-/// field order, then `session_uids`; other keys follow, sorted.
-const EXPORT_ORDER: &[&str] = &[
+/// The keys of the rLLM gateway's `TraceRecord`, in its field order
+/// (docs/serve-contract.md §3.1): the gateway stores every trace with all of
+/// them, in this order.
+pub const TRACE_KEYS: [&str; 17] = [
     "trace_id",
     "session_id",
     "model",
@@ -424,8 +425,13 @@ const EXPORT_ORDER: &[&str] = &[
     "metadata",
     "raw_request",
     "raw_response",
-    "session_uids",
 ];
+
+/// The default key order of an export: [`TRACE_KEYS`], then `session_uids`;
+/// other keys follow, sorted.
+fn export_order() -> impl Iterator<Item = &'static str> {
+    TRACE_KEYS.into_iter().chain(["session_uids"])
+}
 
 /// The keys [`export_call`] writes for `call`, in its default order: each
 /// with whether its value comes from `extra` (else from a column). `extra`
@@ -451,8 +457,8 @@ pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, 
         "routing_matrices" => call.routing_matrices.is_some(),
         _ => false,
     };
-    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(EXPORT_ORDER.len() + extra.len());
-    for &name in EXPORT_ORDER {
+    let mut plan: Vec<(&'a str, bool)> = Vec::with_capacity(TRACE_KEYS.len() + 1 + extra.len());
+    for name in export_order() {
         if column(name) {
             plan.push((name, false));
         } else if let Some(&(k, _)) = extra.iter().find(|&&(k, _)| k == name) {
@@ -460,7 +466,7 @@ pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, 
         }
     }
     for &(k, _) in extra {
-        if k != KEY_ORDER && !EXPORT_ORDER.contains(&k) {
+        if k != KEY_ORDER && !export_order().any(|name| name == k) {
             plan.push((k, true));
         }
     }

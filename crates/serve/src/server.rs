@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, oneshot};
+use trajlog::trace_json::TRACE_KEYS;
 use trajlog::{Durability, Options, Store, Target};
 
 /// In-memory session state (rLLM keeps it in memory too, contract §4.1).
@@ -439,27 +440,6 @@ async fn capture(app: &Arc<App>, record: String) -> Result<(), String> {
     r
 }
 
-/// The keys of rLLM's `TraceRecord`, in order (contract §3.1).
-const TRACE_KEYS: &[&str] = &[
-    "trace_id",
-    "session_id",
-    "model",
-    "messages",
-    "prompt_token_ids",
-    "response_message",
-    "completion_token_ids",
-    "logprobs",
-    "routing_matrices",
-    "finish_reason",
-    "weight_version",
-    "latency_ms",
-    "token_counts",
-    "timestamp",
-    "metadata",
-    "raw_request",
-    "raw_response",
-];
-
 /// A stored call as the gateway's JSON: [`trajlog::trace_json::export_call`]
 /// with the keys put back in rLLM's order (others after, sorted), and
 /// column logprobs printed as the widened f64 Python holds (so a Python
@@ -488,10 +468,10 @@ fn trace_json(call: &trajlog::Call) -> String {
         out.push_str(v);
     };
     for k in TRACE_KEYS {
-        match (*k, &column_logprobs) {
+        match (k, &column_logprobs) {
             ("logprobs", Some(lp)) => put(&mut out, k, lp),
             _ => {
-                if let Some(v) = map.get(*k) {
+                if let Some(v) = map.get(k) {
                     put(&mut out, k, v.get());
                 }
             }

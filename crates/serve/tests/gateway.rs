@@ -5,29 +5,10 @@
 
 use serde_json::Value;
 use std::time::Duration;
+use trajlog::trace_json::TRACE_KEYS;
 use trajlog_serve::json::Obj;
 use trajlog_serve::mock::{self, Mock};
 use trajlog_serve::{Config, DurabilityMode, Server};
-
-const TRACE_KEYS: &[&str] = &[
-    "trace_id",
-    "session_id",
-    "model",
-    "messages",
-    "prompt_token_ids",
-    "response_message",
-    "completion_token_ids",
-    "logprobs",
-    "routing_matrices",
-    "finish_reason",
-    "weight_version",
-    "latency_ms",
-    "token_counts",
-    "timestamp",
-    "metadata",
-    "raw_request",
-    "raw_response",
-];
 
 struct Env {
     dir: tempfile::TempDir,

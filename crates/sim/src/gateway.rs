@@ -11,7 +11,7 @@
 //! are those tokens decoded with a small synthetic vocabulary.
 //!
 //! Per call the gateway record is written with its 17 keys in the
-//! `TraceRecord` field order ([`TRACE_KEYS`]), compact, numbers as Python
+//! `TraceRecord` field order ([`TRACE_KEYS`](trajlog::trace_json::TRACE_KEYS)), compact, numbers as Python
 //! writes them ([`gateway_json`]), and mapped into a [`Call`] by
 //! [`trajlog::trace_json::parse_trace`], as `trajlog ingest` maps the line.
 //! Invariants, for the non-streaming shape: `raw_request.messages` is
@@ -36,28 +36,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use trajlog::trace_json::{json_string, write_ids, write_json_str, write_str_list};
 use trajlog::Call;
-
-/// The keys of the gateway's `TraceRecord`, in its field order: every stored
-/// trace has all of them, in this order (docs/serve-contract.md §3.1).
-pub const TRACE_KEYS: [&str; 17] = [
-    "trace_id",
-    "session_id",
-    "model",
-    "messages",
-    "prompt_token_ids",
-    "response_message",
-    "completion_token_ids",
-    "logprobs",
-    "routing_matrices",
-    "finish_reason",
-    "weight_version",
-    "latency_ms",
-    "token_counts",
-    "timestamp",
-    "metadata",
-    "raw_request",
-    "raw_response",
-];
 
 fn key(out: &mut String, name: &str) {
     out.push(if out.is_empty() { '{' } else { ',' });

@@ -23,7 +23,8 @@ pub mod pyjson;
 #[cfg(test)]
 mod tests;
 
-pub use gateway::{gateway_json, TRACE_KEYS};
+pub use gateway::gateway_json;
+pub use trajlog::trace_json::TRACE_KEYS;
 use trajlog::Call;
 
 /// Small, fast, deterministic PRNG (SplitMix64).
