@@ -363,6 +363,19 @@ pub fn write_ids(out: &mut String, ids: &[u32]) {
     out.push(']');
 }
 
+/// Join verbatim JSON texts into a JSON list.
+pub fn join_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::from("[");
+    for (i, t) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(t);
+    }
+    out.push(']');
+    out
+}
+
 /// Write strings as a JSON list of string literals.
 pub fn write_str_list(out: &mut String, items: &[String]) {
     out.push('[');

@@ -301,6 +301,18 @@ struct Call {
     trace_id: String,
 }
 
+/// Append `call` with the GIL released; with `durable`, wait until it is durable.
+fn append_call(py: Python<'_>, store: &trajlog::Store, call: RCall, durable: bool) -> PyResult<()> {
+    py.detach(|| {
+        let receipt = store.append(call)?;
+        if durable {
+            receipt.wait()?;
+        }
+        Ok(())
+    })
+    .map_err(to_py)
+}
+
 fn view<'a>(snap: &'a Snapshot, trace_id: &str) -> PyResult<trajlog::CallView<'a>> {
     snap.snap.get(trace_id).map_err(to_py)?.ok_or_else(|| to_py_missing(trace_id))
 }
@@ -575,15 +587,7 @@ impl NativeStore {
             metadata: metadata.map(String::into_bytes),
             extra: extra.map(String::into_bytes),
         };
-        let store = self.get()?;
-        py.detach(|| {
-            let receipt = store.append(call)?;
-            if durable {
-                receipt.wait()?;
-            }
-            Ok(())
-        })
-        .map_err(to_py)
+        append_call(py, &*self.get()?, call, durable)
     }
 
     /// Append a gateway-shaped trace dict, walked here (see `trace_dict`):
@@ -592,15 +596,7 @@ impl NativeStore {
     fn append_trace(&self, py: Python<'_>, trace: &Bound<'_, PyDict>, durable: bool) -> PyResult<()> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let call = trace_dict::call_of_trace(py, trace, now)?;
-        let store = self.get()?;
-        py.detach(|| {
-            let receipt = store.append(call)?;
-            if durable {
-                receipt.wait()?;
-            }
-            Ok(())
-        })
-        .map_err(to_py)
+        append_call(py, &*self.get()?, call, durable)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {

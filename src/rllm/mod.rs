@@ -95,18 +95,6 @@ fn entries(text: &str) -> Option<Vec<(String, &RawValue)>> {
     Some(out)
 }
 
-fn write_array<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
-    let mut out = String::from("[");
-    for (i, v) in items.into_iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        out.push_str(v);
-    }
-    out.push(']');
-    out
-}
-
 /// The JSON text at `path` (object keys; a decimal segment indexes an array).
 fn get_path<'a>(text: &'a str, path: &[&str]) -> Option<&'a str> {
     let Some((head, rest)) = path.split_first() else { return Some(text) };
@@ -128,7 +116,7 @@ fn take_path(text: &str, path: &[&str]) -> Option<(String, String)> {
         let (inner, taken) = take_path(items.get(i)?.get(), rest)?;
         let texts: Vec<&str> =
             items.iter().enumerate().map(|(j, v)| if j == i { inner.as_str() } else { v.get() }).collect();
-        return Some((write_array(texts), taken));
+        return Some((crate::trace_json::join_list(texts), taken));
     }
     let items = entries(text)?;
     let at = items.iter().rposition(|(k, _)| k == head)?;
@@ -156,7 +144,7 @@ fn put_path(text: &str, path: &[&str], value: &str) -> Option<String> {
         let inner = put_path(items.get(i)?.get(), rest, value)?;
         let texts: Vec<&str> =
             items.iter().enumerate().map(|(j, v)| if j == i { inner.as_str() } else { v.get() }).collect();
-        return Some(write_array(texts));
+        return Some(crate::trace_json::join_list(texts));
     }
     let items = entries(text)?;
     if rest.is_empty() {

@@ -147,14 +147,18 @@ fn cpu_seconds(pid: u32) -> Res<f64> {
     Ok((ticks(11)? + ticks(12)?) / clock_ticks())
 }
 
+/// Clock ticks per second (`getconf CLK_TCK`), asked once.
 fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(100.0)
+    })
 }
 
 /// A tool result or user turn appended after each answer: about 600 bytes.

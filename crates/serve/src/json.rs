@@ -128,14 +128,4 @@ pub fn list(v: &RawValue) -> Option<Vec<&RawValue>> {
 }
 
 /// Join verbatim JSON texts into a list.
-pub fn join_list<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
-    let mut out = String::from("[");
-    for (i, t) in items.into_iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        out.push_str(t);
-    }
-    out.push(']');
-    out
-}
+pub use trajlog::trace_json::join_list;
