@@ -25,7 +25,16 @@ pub fn record_decode(data: &[u8]) {
     let mut buf = vec![0u64; data.len().div_ceil(8)];
     let Some(bytes) = bytemuck::cast_slice_mut::<u64, u8>(&mut buf).get_mut(..data.len()) else { return };
     bytes.copy_from_slice(data);
-    let _ = record::decode_call(bytes);
+    if let Ok(rec) = record::decode_call(bytes) {
+        if let Some(d) = rec.docs {
+            let cols = crate::format::docs::Columns {
+                prompt: Some(rec.prompt_suffix),
+                completion: rec.completion,
+                logprobs: rec.logprobs,
+            };
+            let _ = crate::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
+        }
+    }
     let _ = record::decode_annotation(bytes);
 }
 

@@ -85,5 +85,5 @@ pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression};
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target};
-pub use snapshot::{CallView, SegmentInfo, SessionInfo, Snapshot};
+pub use snapshot::{CallView, Docs, SegmentInfo, SessionInfo, Snapshot};
 pub use store::{Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store};

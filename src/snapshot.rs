@@ -6,6 +6,8 @@
 //! those mappings alive; it never changes, whatever the writer does meanwhile.
 
 use crate::error::{Error, Result};
+pub use crate::format::docs::Docs;
+use crate::format::docs::{self, Columns};
 use crate::format::record::{decode_call, CallRecord, Loc, Relation};
 use crate::index::{CallMeta, Index};
 use crate::record::Call;
@@ -128,17 +130,58 @@ impl<'a> CallView<'a> {
     }
     /// An owned copy of the call as it was appended.
     pub fn to_call(&self) -> Result<Call> {
-        let mut call = self.to_call_without_tokens();
-        call.prompt_token_ids = self.prompt()?;
+        let prompt = self.prompt()?;
+        let mut call = self.call_with_docs(self.docs_with(Some(&prompt))?);
+        call.prompt_token_ids = prompt;
         call.completion_token_ids = self.record.completion.to_vec();
         call.logprobs = self.record.logprobs.map(<[f32]>::to_vec);
         Ok(call)
     }
 
+    /// The call's four JSON documents (`messages`, `response_message`,
+    /// `metadata`, `extra`) as appended. A record of format version 2 may
+    /// keep them in a docs block whose references to the token columns are
+    /// put back here (format-spec/record.md §7); a reference to the prompt
+    /// materializes it.
+    pub fn docs(&self) -> Result<Docs> {
+        self.docs_with(None)
+    }
+
+    fn docs_with(&self, prompt: Option<&[u32]>) -> Result<Docs> {
+        let r = &self.record;
+        let Some(d) = r.docs else {
+            return Ok(Docs {
+                messages: r.messages.map(<[u8]>::to_vec),
+                response_message: r.response_message.map(<[u8]>::to_vec),
+                metadata: r.metadata.map(<[u8]>::to_vec),
+                extra: r.extra.map(<[u8]>::to_vec),
+            });
+        };
+        let corrupt = |e: crate::format::DecodeError| match self.snapshot.segment(self.loc.segment) {
+            Ok(seg) => Error::corrupt(seg.path.as_path(), self.loc.offset, format!("docs block: {}", e.what)),
+            Err(other) => other,
+        };
+        let block = docs::open(d.block, d.present).map_err(corrupt)?;
+        let materialized;
+        let prompt = match prompt {
+            Some(p) => Some(p),
+            None if block.needs_prompt() => {
+                materialized = self.prompt()?;
+                Some(materialized.as_slice())
+            }
+            None => None,
+        };
+        block.resolve(&Columns { prompt, completion: r.completion, logprobs: r.logprobs }).map_err(corrupt)
+    }
+
     /// An owned copy of everything but the token ids and logprobs (empty;
     /// `logprobs` is `Some(empty)` when the call has them), for callers that
     /// take those from the zero-copy slices.
-    pub fn to_call_without_tokens(&self) -> Call {
+    pub fn to_call_without_tokens(&self) -> Result<Call> {
+        Ok(self.call_with_docs(self.docs()?))
+    }
+
+    fn call_with_docs(&self, docs: Docs) -> Call {
         let r = &self.record;
         Call {
             trace_id: r.trace_id.to_owned(),
@@ -153,10 +196,10 @@ impl<'a> CallView<'a> {
             routing_matrices: r.routing_matrices.map(<[u8]>::to_vec),
             finish_reason: r.finish_reason.map(str::to_owned),
             latency_ms: r.latency_ms,
-            messages: r.messages.map(<[u8]>::to_vec),
-            response_message: r.response_message.map(<[u8]>::to_vec),
-            metadata: r.metadata.map(<[u8]>::to_vec),
-            extra: r.extra.map(<[u8]>::to_vec),
+            messages: docs.messages,
+            response_message: docs.response_message,
+            metadata: docs.metadata,
+            extra: docs.extra,
         }
     }
 }

@@ -44,8 +44,46 @@ fn sample_call_body() -> Vec<u8> {
         &mut body,
         &call,
         &Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends },
+        None,
     );
     body
+}
+
+/// A call body whose documents are a docs block with every kind of reference.
+fn sample_docs_body() -> Vec<u8> {
+    let messages = r#"[{"role":"user","content":"hello there"}]"#;
+    let extra = format!(
+        r#"{{"raw_request":{{"messages":{messages}}},"raw_response":{{"choices":[{{"logprobs":{{"content":[{{"token":"ab","logprob":-0.5,"bytes":[97,98]}},{{"token":"c","logprob":-1.0,"bytes":[99]}}]}},"token_ids":[5,6]}}],"prompt_token_ids":[1,2,3,4]}},"pad":"{}"}}"#,
+        "z".repeat(400)
+    );
+    let call = Call {
+        trace_id: "trace".into(),
+        session_id: "sess".into(),
+        prompt_token_ids: vec![1, 2, 3, 4],
+        completion_token_ids: vec![5, 6],
+        logprobs: Some(vec![-0.5, -1.0]),
+        messages: Some(messages.as_bytes().to_vec()),
+        extra: Some(extra.into_bytes()),
+        ..Default::default()
+    };
+    let docs = trajlog::format::docs::encode(&call).expect("a docs block pays off");
+    let mut body = Vec::new();
+    encode_call(&mut body, &call, &Delta::ROOT, Some(&docs));
+    body
+}
+
+/// Decode a call body and, when it has a docs block, resolve it.
+fn decode_all(body: &[u8]) {
+    if let Ok(rec) = decode_call(body) {
+        if let Some(d) = rec.docs {
+            let cols = trajlog::format::docs::Columns {
+                prompt: Some(&[1, 2, 3, 4]),
+                completion: rec.completion,
+                logprobs: rec.logprobs,
+            };
+            let _ = trajlog::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
+        }
+    }
 }
 
 proptest! {
@@ -55,7 +93,7 @@ proptest! {
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         let a = aligned(&bytes);
         let b = view(&a, bytes.len());
-        let _ = decode_call(b);
+        decode_all(b);
         let _ = decode_annotation(b);
         let _ = decode_manifest(b);
         for off in [0u64, 8, 64] {
@@ -76,7 +114,7 @@ proptest! {
             body[i] ^= 1 << bit;
         }
         let a = aligned(&body);
-        let _ = decode_call(view(&a, body.len()));
+        decode_all(view(&a, body.len()));
         let mut framed = vec![0u8; 64];
         write_frame(&mut framed, &body);
         let a = aligned(&framed);
@@ -113,4 +151,38 @@ fn a_sample_call_body_decodes() {
     let a = aligned(&shifted);
     let err = decode_call(&view(&a, shifted.len())[1..]).unwrap_err();
     assert!(err.what.contains("aligned"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn flipped_docs_blocks_never_panic(flips in prop::collection::vec((any::<prop::sample::Index>(), 0u8..8), 1..4)) {
+        let mut body = sample_docs_body();
+        // Flip inside the docs block mostly (the record's tail), sometimes anywhere.
+        let tail = body.len() - body.len() / 3;
+        for (i, bit) in flips {
+            let i = if bit % 2 == 0 { tail + i.index(body.len() - tail) } else { i.index(body.len()) };
+            body[i] ^= 1 << bit;
+        }
+        let a = aligned(&body);
+        decode_all(view(&a, body.len()));
+    }
+}
+
+#[test]
+fn the_docs_sample_resolves_exactly() {
+    let body = sample_docs_body();
+    let a = aligned(&body);
+    let rec = decode_call(view(&a, body.len())).expect("decode");
+    let d = rec.docs.expect("a docs block");
+    let cols = trajlog::format::docs::Columns {
+        prompt: Some(&[1, 2, 3, 4]),
+        completion: rec.completion,
+        logprobs: rec.logprobs,
+    };
+    let docs = trajlog::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols)).expect("resolve");
+    let extra = String::from_utf8(docs.extra.expect("extra")).expect("utf-8");
+    assert!(extra.contains(r#""logprob":-0.5,"bytes":[97,98]}"#), "{extra}");
+    assert!(extra.contains(r#""prompt_token_ids":[1,2,3,4]"#), "{extra}");
 }

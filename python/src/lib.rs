@@ -422,7 +422,7 @@ impl Call {
     /// float32), built here from the stored JSON documents.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let v = view(self.snap.get(), &self.trace_id)?;
-        let mut call = v.to_call_without_tokens();
+        let mut call = v.to_call_without_tokens().map_err(to_py)?;
         if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
             call.logprobs = None;
         }

@@ -150,10 +150,8 @@ pub struct CompactReport {
     pub sessions_damaged: Vec<(String, String)>,
 }
 
-fn text(field: &str, bytes: Option<&[u8]>) -> Result<Option<String>> {
-    bytes
-        .map(|b| String::from_utf8(b.to_vec()).map_err(|_| Error::invalid(field, "JSON text is not UTF-8")))
-        .transpose()
+fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
+    bytes.map(|b| String::from_utf8(b).map_err(|_| Error::invalid(field, "JSON text is not UTF-8"))).transpose()
 }
 
 /// Recent contexts (`prompt ++ completion`) of the session being compacted, so
@@ -210,6 +208,7 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
         let prompt = ctx.prompt(c)?;
         ctx.remember(c.loc, &prompt, c.completion_token_ids());
         let r = &c.record;
+        let docs = c.docs()?;
         bytes += 4 * (prompt.len() + r.completion.len() + r.logprobs.map_or(0, <[f32]>::len)) as u64;
         inputs.push(StepInput {
             loc: c.loc,
@@ -228,12 +227,12 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
             logprobs: r.logprobs.map(<[f32]>::to_vec),
             finish_reason: r.finish_reason.map(str::to_owned),
             reward: snap.trace_reward(r.trace_id),
-            messages: text("messages", r.messages)?,
-            response_message: text("response_message", r.response_message)?,
-            metadata: text("metadata", r.metadata)?,
+            messages: text("messages", docs.messages)?,
+            response_message: text("response_message", docs.response_message)?,
+            metadata: text("metadata", docs.metadata)?,
             latency_ms: r.latency_ms,
             routing_matrices: r.routing_matrices.map(<[u8]>::to_vec),
-            extra: text("extra", r.extra)?,
+            extra: text("extra", docs.extra)?,
         });
     }
     *token_bytes += bytes;

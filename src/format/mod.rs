@@ -7,6 +7,7 @@
 //! with the offset (relative to the buffer they were given) and what was wrong,
 //! and the storage layer turns that into `ErrorKind::Corrupt { path, offset }`.
 
+pub mod docs;
 pub mod frame;
 pub mod manifest;
 pub mod record;
@@ -16,7 +17,10 @@ pub mod segment;
 compile_error!("trajlog views little-endian columns in place and supports little-endian targets only");
 
 /// The segment format version written by this build (format-spec/segment.md §1).
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest segment format version this build reads (version 1 has no
+/// docs blocks).
+pub const FORMAT_VERSION_MIN: u32 = 1;
 
 /// A decoding failure: where (relative offset) and what.
 #[derive(Debug, Clone, PartialEq, Eq)]

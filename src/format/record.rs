@@ -26,7 +26,9 @@ const F_METADATA: u16 = 1 << 7;
 const F_EXTRA: u16 = 1 << 8;
 const F_ROUTING: u16 = 1 << 9;
 const F_PARENT: u16 = 1 << 10;
-const F_KNOWN: u16 = (1 << 11) - 1;
+/// The four JSON documents are in a docs block (format version 2, §7).
+const F_DOCS: u16 = 1 << 11;
+const F_KNOWN: u16 = (1 << 12) - 1;
 
 /// Where a frame lives: segment id and the frame's byte offset in that segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -90,8 +92,10 @@ fn opt_len<T>(v: &Option<Vec<T>>) -> usize {
     v.as_ref().map_or(0, Vec::len)
 }
 
-/// Bytes the encoded body of `call` will take (before framing).
-pub fn call_body_len(call: &Call, delta: &Delta) -> u64 {
+/// Bytes the encoded body of `call` will take (before framing), its
+/// documents stored plain or, with `docs`, as that docs block
+/// ([`super::docs::encode`]).
+pub fn call_body_len(call: &Call, delta: &Delta, docs: Option<&[u8]>) -> u64 {
     let suffix = call.prompt_token_ids.len() - delta.prefix_len as usize;
     let cols = suffix + call.completion_token_ids.len() + opt_len(&call.logprobs);
     let uids: usize = call.session_uids.iter().map(|u| 2 + u.len()).sum();
@@ -100,16 +104,19 @@ pub fn call_body_len(call: &Call, delta: &Delta) -> u64 {
         + uids
         + call.model.as_ref().map_or(0, String::len)
         + call.finish_reason.as_ref().map_or(0, String::len)
-        + opt_len(&call.messages)
-        + opt_len(&call.response_message)
-        + opt_len(&call.metadata)
-        + opt_len(&call.extra)
+        + docs.map_or_else(|| plain_docs_len(call), <[u8]>::len)
         + opt_len(&call.routing_matrices);
     (CALL_HEADER_BYTES + cols * 4 + bytes) as u64
 }
 
-/// Encode a validated call (see [`Call::validate`]) as a record body.
-pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta) {
+fn plain_docs_len(call: &Call) -> usize {
+    opt_len(&call.messages) + opt_len(&call.response_message) + opt_len(&call.metadata) + opt_len(&call.extra)
+}
+
+/// Encode a validated call (see [`Call::validate`]) as a record body; with
+/// `docs` (a segment of format version 2 only), its documents as that docs
+/// block made by [`super::docs::encode`] from this call.
+pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta, docs: Option<&[u8]>) {
     let start = out.len();
     let prefix = delta.prefix_len as usize;
     debug_assert!(prefix <= call.prompt_token_ids.len());
@@ -131,6 +138,8 @@ pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta) {
     set(F_EXTRA, call.extra.is_some());
     set(F_ROUTING, call.routing_matrices.is_some());
     set(F_PARENT, delta.parent.is_some());
+    set(F_DOCS, docs.is_some());
+    let plain = |d: &Option<Vec<u8>>| if docs.is_some() { 0 } else { opt_len(d) };
     let parent = delta.parent.unwrap_or(Loc { segment: 0, offset: 0 });
     let uids_len: usize = call.session_uids.iter().map(|u| 2 + u.len()).sum();
 
@@ -146,17 +155,17 @@ pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta) {
     out.put_u32(call.prompt_token_ids.len() as u32);
     out.put_u32(delta.prefix_len);
     out.put_u32(call.completion_token_ids.len() as u32);
-    out.put_u32(0);
+    out.put_u32(docs.map_or(0, <[u8]>::len) as u32);
     for len in [
         call.trace_id.len(),
         call.session_id.len(),
         uids_len,
         call.model.as_ref().map_or(0, String::len),
         call.finish_reason.as_ref().map_or(0, String::len),
-        opt_len(&call.messages),
-        opt_len(&call.response_message),
-        opt_len(&call.metadata),
-        opt_len(&call.extra),
+        plain(&call.messages),
+        plain(&call.response_message),
+        plain(&call.metadata),
+        plain(&call.extra),
         opt_len(&call.routing_matrices),
     ] {
         out.put_u32(len as u32);
@@ -176,13 +185,18 @@ pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta) {
     for s in [&call.model, &call.finish_reason].into_iter().flatten() {
         out.extend_from_slice(s.as_bytes());
     }
-    for b in [&call.messages, &call.response_message, &call.metadata, &call.extra, &call.routing_matrices]
-        .into_iter()
-        .flatten()
-    {
-        out.extend_from_slice(b);
+    if docs.is_none() {
+        for b in [&call.messages, &call.response_message, &call.metadata, &call.extra].into_iter().flatten() {
+            out.extend_from_slice(b);
+        }
     }
-    debug_assert_eq!((out.len() - start) as u64, call_body_len(call, delta));
+    if let Some(r) = &call.routing_matrices {
+        out.extend_from_slice(r);
+    }
+    if let Some(d) = docs {
+        out.extend_from_slice(d);
+    }
+    debug_assert_eq!((out.len() - start) as u64, call_body_len(call, delta, docs));
 }
 
 /// A call record viewed in place: every slice borrows the buffer it was decoded from.
@@ -211,6 +225,18 @@ pub struct CallRecord<'a> {
     pub metadata: Option<&'a [u8]>,
     pub extra: Option<&'a [u8]>,
     pub routing_matrices: Option<&'a [u8]>,
+    /// Format version 2: the four documents above are `None` and stored in
+    /// this docs block instead (format-spec/record.md §7); resolve it with
+    /// [`super::docs::open`] and the call's columns.
+    pub docs: Option<DocsRef<'a>>,
+}
+
+/// A call's docs block, in place, and which documents it holds (messages,
+/// response_message, metadata, extra).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DocsRef<'a> {
+    pub block: &'a [u8],
+    pub present: [bool; 4],
 }
 
 fn limit_check(value: u64, max: u64, what: &str, at: usize) -> Result<(), DecodeError> {
@@ -245,7 +271,7 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
     let prompt_len = c.u32("prompt length")?;
     let prefix_len = c.u32("prefix length")?;
     let completion_len = c.u32("completion length")?;
-    let _reserved = c.u32("reserved")?;
+    let docs_len = c.u32("docs length")? as usize;
     limit_check(u64::from(prompt_len), PROMPT_TOKENS_MAX, "prompt length", 48)?;
     limit_check(u64::from(completion_len), COMPLETION_TOKENS_MAX, "completion length", 56)?;
     if prefix_len > prompt_len {
@@ -260,6 +286,16 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
     }
     let [trace_len, session_len, uids_len, model_len, finish_len, msg_len, resp_len, meta_len, extra_len, routing_len] =
         lens;
+    if has(F_DOCS) {
+        if msg_len + resp_len + meta_len + extra_len != 0 {
+            return Err(DecodeError::new(84, "a record with a docs block has plain document lengths"));
+        }
+        if docs_len < super::docs::HEADER_BYTES {
+            return Err(DecodeError::new(60, format!("docs length {docs_len} is shorter than its header")));
+        }
+    } else if docs_len != 0 {
+        return Err(DecodeError::new(60, "docs length without the docs flag"));
+    }
     let prompt_suffix = c.u32s((prompt_len - prefix_len) as usize, "prompt suffix column")?;
     let completion = c.u32s(completion_len as usize, "completion column")?;
     let logprobs = if has(F_LOGPROBS) { Some(c.f32s(completion_len as usize, "logprobs column")?) } else { None };
@@ -291,6 +327,12 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
     let metadata = opt_bytes(F_METADATA, meta_len, "metadata")?;
     let extra = opt_bytes(F_EXTRA, extra_len, "extra")?;
     let routing_matrices = opt_bytes(F_ROUTING, routing_len, "routing_matrices")?;
+    let present = [has(F_MESSAGES), has(F_RESPONSE), has(F_METADATA), has(F_EXTRA)];
+    let (messages, response_message, metadata, extra, docs) = if has(F_DOCS) {
+        (None, None, None, None, Some(DocsRef { block: c.bytes(docs_len, "docs block")?, present }))
+    } else {
+        (messages, response_message, metadata, extra, None)
+    };
     if c.pos() != body.len() {
         return Err(DecodeError::new(
             c.pos(),
@@ -318,6 +360,7 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
         metadata,
         extra,
         routing_matrices,
+        docs,
     })
 }
 
@@ -394,7 +437,7 @@ mod tests {
         };
         let delta = Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends };
         let mut out = Vec::new();
-        encode_call(&mut out, &call, &delta);
+        encode_call(&mut out, &call, &delta, None);
         assert_eq!(out.len(), CALL_HEADER_BYTES + 3 * 4 + 2);
         // kind=call, relation=extends, flags = logprobs | parent = 0x0401
         assert_eq!(&out[..4], &[1, 1, 0x01, 0x04]);
@@ -408,11 +451,50 @@ mod tests {
     }
 
     #[test]
+    fn docs_block_replaces_the_plain_documents() {
+        let messages = br#"[{"role":"user","content":"hi"}]"#.to_vec();
+        let extra = format!(
+            r#"{{"pad":"{}","raw_request":{{"messages":{}}},"raw_response":{{"prompt_token_ids":[7,8,9]}}}}"#,
+            "y".repeat(300),
+            String::from_utf8_lossy(&messages)
+        );
+        let call = Call {
+            trace_id: "t".into(),
+            session_id: "s".into(),
+            prompt_token_ids: vec![7, 8, 9],
+            messages: Some(messages),
+            extra: Some(extra.into_bytes()),
+            routing_matrices: Some(vec![1, 2]),
+            ..Default::default()
+        };
+        let docs = super::super::docs::encode(&call).expect("a docs block pays off");
+        let mut out = Vec::new();
+        encode_call(&mut out, &call, &Delta::ROOT, Some(&docs));
+        assert_eq!(out.len() as u64, call_body_len(&call, &Delta::ROOT, Some(&docs)));
+        // flags: messages | extra | routing | docs
+        assert_eq!(u16::from_le_bytes([out[2], out[3]]), (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11));
+        assert_eq!(u32::from_le_bytes([out[60], out[61], out[62], out[63]]) as usize, docs.len());
+        let buf = aligned(&out);
+        let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..out.len()];
+        let rec = decode_call(bytes).expect("decode");
+        assert_eq!((rec.messages, rec.extra), (None, None));
+        assert_eq!(rec.routing_matrices, Some(&[1u8, 2][..]));
+        let d = rec.docs.expect("docs");
+        assert_eq!(d.present, [true, false, false, true]);
+        let cols = super::super::docs::Columns { prompt: Some(&[7, 8, 9]), completion: &[], logprobs: None };
+        let got = super::super::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols)).expect("resolve");
+        assert_eq!((got.messages, got.extra), (call.messages.clone(), call.extra.clone()));
+        for cut in 0..bytes.len() {
+            assert!(decode_call(&bytes[..cut]).is_err());
+        }
+    }
+
+    #[test]
     fn truncated_bodies_never_panic() {
         let call =
             Call { trace_id: "t".into(), session_id: "s".into(), prompt_token_ids: vec![1, 2], ..Default::default() };
         let mut out = Vec::new();
-        encode_call(&mut out, &call, &Delta::ROOT);
+        encode_call(&mut out, &call, &Delta::ROOT, None);
         let buf = aligned(&out);
         let bytes = &bytemuck::cast_slice::<u64, u8>(&buf)[..out.len()];
         for cut in 0..bytes.len() {

@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::format::frame::{frame_bytes, read_frame, FrameRead};
 use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL};
 use crate::format::segment::{decode_footer, decode_header, decode_trailer, FooterEntry, HEADER_BYTES, TRAILER_BYTES};
-use crate::format::{DecodeError, FORMAT_VERSION};
+use crate::format::{DecodeError, FORMAT_VERSION, FORMAT_VERSION_MIN};
 use crate::record::{Annotation, Target};
 use crate::storage::mmap::Mapping;
 use std::fs::File;
@@ -417,11 +417,11 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
             format!("header says segment {}, file name says {id}", header.segment_id),
         ));
     }
-    if header.format_version != FORMAT_VERSION {
+    if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&header.format_version) {
         return Err(Error::new(
             crate::error::ErrorKind::Incompatible,
             format!(
-                "{} has format version {}, this build reads {FORMAT_VERSION}; use a matching trajlog",
+                "{} has format version {}, this build reads {FORMAT_VERSION_MIN} to {FORMAT_VERSION}; use a matching trajlog",
                 path.display(),
                 header.format_version
             ),

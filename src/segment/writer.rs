@@ -6,7 +6,8 @@
 //! when a single record is larger than the room left.
 
 use crate::error::{Error, Result};
-use crate::format::segment::{encode_footer, encode_header, new_header, FooterEntry, HEADER_BYTES};
+use crate::format::segment::{decode_header, encode_footer, encode_header, new_header, FooterEntry, HEADER_BYTES};
+use crate::format::FORMAT_VERSION;
 use crate::storage::fault::{self, Faults};
 use crate::storage::{mmap::Mapping, segment_path, sync_dir};
 use std::fs::{File, OpenOptions};
@@ -35,6 +36,8 @@ pub struct ActiveSegment {
     /// Current file length (preallocated).
     capacity: u64,
     pub entries: Vec<FooterEntry>,
+    /// The segment's format version (a reopened segment keeps its own).
+    pub format_version: u32,
     /// Earlier mappings of this file (before it grew), which snapshots may
     /// still hold: a retired file is deleted only once none of them is alive.
     old_maps: Vec<Weak<Mapping>>,
@@ -71,6 +74,7 @@ impl ActiveSegment {
             len: HEADER_BYTES,
             capacity,
             entries: Vec::new(),
+            format_version: FORMAT_VERSION,
             old_maps: Vec::new(),
             faults,
         })
@@ -98,6 +102,7 @@ impl ActiveSegment {
         file.set_len(capacity).map_err(|e| Error::io(format!("preallocate {}", path.display()), e))?;
         fault::sync(&faults, &file, &path, true).map_err(|e| Error::io(format!("fsync {}", path.display()), e))?;
         let map = Arc::new(Mapping::map(&file, capacity, &path)?);
+        let header = decode_header(map.bytes()).map_err(|e| Error::corrupt(&path, e.offset, e.what))?;
         Ok(Self {
             id,
             path: Arc::new(path),
@@ -106,6 +111,7 @@ impl ActiveSegment {
             len: valid_end,
             capacity,
             entries,
+            format_version: header.format_version,
             old_maps: Vec::new(),
             faults,
         })

@@ -563,6 +563,7 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
         metadata: str_col("metadata")?.map(str::as_bytes),
         extra: str_col("extra")?.map(str::as_bytes),
         routing_matrices: routing.is_valid(row).then(|| routing.value(row)),
+        docs: None,
     };
     Ok((record, dp.is_valid(row).then(|| dp.value(row))))
 }

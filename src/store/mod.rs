@@ -294,6 +294,8 @@ impl Store {
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;
+        // Structure-aware documents, made here so that appenders share the work.
+        let docs = crate::format::docs::encode(&call);
         let mut s = lock(&self.inner.send);
         for id in std::iter::once(&call.session_id).chain(&call.session_uids) {
             if s.sealed.contains(id) {
@@ -324,7 +326,7 @@ impl Store {
         s.next_seq += 1;
         let seq = s.next_seq;
         s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
-        self.send_in_order(s, Cmd::Append { seq, call: Box::new(call), permit })?;
+        self.send_in_order(s, Cmd::Append { seq, call: Box::new(call), docs, permit })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 

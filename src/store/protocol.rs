@@ -13,6 +13,9 @@ pub(super) enum Cmd {
     Append {
         seq: u64,
         call: Box<Call>,
+        /// Its documents as a docs block (format-spec/record.md §7), made by
+        /// the appender's thread; `None` stores them plain.
+        docs: Option<Vec<u8>>,
         /// Its room in the queue; the writer drops it once the call is handled.
         permit: Permit,
     },

@@ -145,9 +145,9 @@ impl Writer {
         match cmd {
             // The permits are dropped at the end of their arm, giving the
             // record's room in the queue back.
-            Cmd::Append { seq, call, permit: _permit } => {
+            Cmd::Append { seq, call, docs, permit: _permit } => {
                 if !self.poisoned() {
-                    if let Err(e) = self.append_call(*call) {
+                    if let Err(e) = self.append_call(*call, docs) {
                         self.fail(&e);
                     }
                 }
@@ -240,19 +240,21 @@ impl Writer {
         Ok(Loc { segment: a.id, offset: a.len + pending })
     }
 
-    pub(super) fn append_call(&mut self, call: Call) -> Result<()> {
+    pub(super) fn append_call(&mut self, call: Call, docs: Option<Vec<u8>>) -> Result<()> {
         if !self.delta.knows(&call.session_id) {
             self.load_contexts(&call.session_id)?;
         }
         let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
-        let body_len = call_body_len(&call, &delta);
+        // A segment of format version 1 (reopened) holds plain documents only.
+        let docs = docs.filter(|_| self.active().is_ok_and(|a| a.format_version >= 2));
+        let body_len = call_body_len(&call, &delta, docs.as_deref());
         if frame_bytes(body_len) > RECORD_BYTES_MAX {
             // Unreachable with validated input (the per-field limits sum below it).
             return Err(Error::limit("RECORD_BYTES_MAX", "record bytes", body_len, RECORD_BYTES_MAX));
         }
         let loc = self.reserve(frame_bytes(body_len))?;
         let mut body = Vec::with_capacity(body_len as usize);
-        encode_call(&mut body, &call, &delta);
+        encode_call(&mut body, &call, &delta, docs.as_deref());
         write_frame(&mut self.buf, &body);
         self.pending.push(FooterEntry {
             frame_offset: loc.offset,

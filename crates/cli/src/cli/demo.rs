@@ -7,9 +7,9 @@ use trajlog::{Call, CallView, CompactOptions, Durability, Options, Relation, Sto
 use trajlog_sim::{simulate, Shape, SimConfig};
 
 /// Whether `view` holds every non-token field of `want` exactly (documents byte for byte).
-fn same_documents(view: &CallView<'_>, want: &Call) -> bool {
-    let got = view.to_call_without_tokens();
-    got.trace_id == want.trace_id
+fn same_documents(view: &CallView<'_>, want: &Call) -> trajlog::Result<bool> {
+    let got = view.to_call_without_tokens()?;
+    Ok(got.trace_id == want.trace_id
         && got.session_id == want.session_id
         && got.timestamp.to_bits() == want.timestamp.to_bits()
         && got.model == want.model
@@ -19,7 +19,7 @@ fn same_documents(view: &CallView<'_>, want: &Call) -> bool {
         && got.messages == want.messages
         && got.response_message == want.response_message
         && got.metadata == want.metadata
-        && got.extra == want.extra
+        && got.extra == want.extra)
 }
 
 pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) -> trajlog::Result<i32> {
@@ -104,7 +104,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
     let mut documents_exact = 0usize;
     for s in &batch {
         for (want, view) in s.calls.iter().zip(snap.session(&s.session_id, None, None)?) {
-            if same_documents(&view, want) {
+            if same_documents(&view, want)? {
                 documents_exact += 1;
             } else {
                 mismatches.push(format!("{}: documents", want.trace_id));
@@ -170,7 +170,7 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
                 && view.completion_token_ids() == want.completion_token_ids.as_slice()
                 && view.logprobs().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
                     == want.logprobs.as_ref().map(|l| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
-                && same_documents(&view, want)
+                && same_documents(&view, want)?
             {
                 exact_after += 1;
             }

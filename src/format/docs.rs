@@ -1,0 +1,728 @@
+//! The docs block of a call record (format-spec/record.md §7): a call's four
+//! JSON documents stored together, structure-aware and compressed.
+//!
+//! Real rLLM gateway traces repeat their token columns as JSON text inside
+//! `extra` (`raw_response.prompt_token_ids`, `choices[0].token_ids`, one
+//! `logprobs.content[i]` object per generated token) and repeat `messages` in
+//! `raw_request.messages`. The docs block cuts such values out of the text and
+//! records a **splice** in their place: "insert the prompt column as a JSON
+//! list here", "insert logprob 17 as Python writes a float here". A value is
+//! cut only when rendering the reference gives back **the very bytes** that
+//! were there; anything else stays in the text verbatim. Decoding is
+//! therefore byte-exact by construction, never a guess.
+//!
+//! What remains (the templates and their splice tables) is compressed with
+//! zstd as one frame. Token columns are untouched: they stay in the record,
+//! uncompressed and viewed in place.
+
+use super::{Cursor, DecodeError, PutLe};
+use crate::limits::JSON_BYTES_PER_CALL_MAX;
+use crate::record::Call;
+use crate::trace_json::write_py_float;
+use std::fmt::Write as _;
+
+/// Payload stored as is.
+pub const CODEC_NONE: u8 = 0;
+/// Payload compressed as one zstd frame.
+pub const CODEC_ZSTD: u8 = 1;
+const ZSTD_LEVEL: i32 = 3;
+/// Payloads shorter than this are not worth a zstd frame.
+const COMPRESS_MIN: usize = 256;
+
+/// Bytes of the docs block header.
+pub const HEADER_BYTES: usize = 8;
+const DOC_ENTRY_BYTES: usize = 12;
+const SPLICE_BYTES: usize = 12;
+
+/// Document names, in the order they are stored.
+const DOC_NAMES: [u8; 4] = [1, 2, 3, 4];
+const DOC_FIELDS: [&str; 4] = ["messages", "response_message", "metadata", "extra"];
+const DOC_EXTRA: usize = 3;
+
+/// Splice references (record.md §7.2).
+const REF_PROMPT: u8 = 1;
+const REF_COMPLETION: u8 = 2;
+const REF_LOGPROB: u8 = 3;
+const REF_TOKEN_BYTES: u8 = 4;
+const REF_MESSAGES: u8 = 5;
+
+/// List styles: the separator between elements.
+const LIST_COMPACT: u8 = 0;
+const LIST_SPACED: u8 = 1;
+/// Float styles for a logprob.
+const FLOAT_PYTHON: u8 = 0;
+const FLOAT_F64: u8 = 1;
+const FLOAT_F32: u8 = 2;
+
+/// The four documents of a call, owned (decoded from a docs block).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Docs {
+    pub messages: Option<Vec<u8>>,
+    pub response_message: Option<Vec<u8>>,
+    pub metadata: Option<Vec<u8>>,
+    pub extra: Option<Vec<u8>>,
+}
+
+impl Docs {
+    fn slot(&mut self, i: usize) -> &mut Option<Vec<u8>> {
+        match i {
+            0 => &mut self.messages,
+            1 => &mut self.response_message,
+            2 => &mut self.metadata,
+            _ => &mut self.extra,
+        }
+    }
+}
+
+/// The token columns a docs block may refer to. `prompt` is the full prompt
+/// (materialized from the prefix-delta chain); it is needed only when
+/// [`Block::needs_prompt`] says so.
+#[derive(Debug, Clone, Copy)]
+pub struct Columns<'a> {
+    pub prompt: Option<&'a [u32]>,
+    pub completion: &'a [u32],
+    pub logprobs: Option<&'a [f32]>,
+}
+
+// ---------------------------------------------------------------- encoding
+
+#[derive(Debug, Clone, Copy)]
+struct Cut {
+    start: usize,
+    end: usize,
+    reference: u8,
+    style: u8,
+    arg: u32,
+    /// For a token-bytes reference: where the token's string literal starts
+    /// in the original text (turned into a distance in the template).
+    token_at: usize,
+}
+
+/// The docs block for `call`'s documents (a validated call), or `None` when
+/// storing the documents as they are is at least as small.
+pub fn encode(call: &Call) -> Option<Vec<u8>> {
+    let docs = [&call.messages, &call.response_message, &call.metadata, &call.extra];
+    let plain: usize = docs.iter().map(|d| d.as_ref().map_or(0, Vec::len)).sum();
+    if plain == 0 {
+        return None;
+    }
+    let mut cuts: [Vec<Cut>; 4] = Default::default();
+    if let Some(extra) = &call.extra {
+        let mut scratch = String::new();
+        extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch);
+    }
+    let n_docs = docs.iter().filter(|d| d.is_some()).count();
+    let mut payload = Vec::with_capacity(plain + 64);
+    let mut templates: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(n_docs);
+    for (i, doc) in docs.iter().enumerate() {
+        let Some(doc) = doc else { continue };
+        let (text, splices) = template(doc, &cuts[i]);
+        payload.put_u8(DOC_NAMES[i]);
+        payload.put_u8(0);
+        payload.put_u16(0);
+        payload.put_u32(text.len() as u32);
+        payload.put_u32((splices.len() / SPLICE_BYTES) as u32);
+        templates.push((text, splices));
+    }
+    for (text, splices) in &templates {
+        payload.extend_from_slice(text);
+        payload.extend_from_slice(splices);
+    }
+    let raw_len = payload.len();
+    let (codec, body) = if raw_len >= COMPRESS_MIN {
+        match zstd::bulk::compress(&payload, ZSTD_LEVEL) {
+            Ok(z) if z.len() < raw_len => (CODEC_ZSTD, z),
+            _ => (CODEC_NONE, payload),
+        }
+    } else {
+        (CODEC_NONE, payload)
+    };
+    if HEADER_BYTES + body.len() >= plain {
+        return None;
+    }
+    let mut out = Vec::with_capacity(HEADER_BYTES + body.len());
+    out.put_u8(codec);
+    out.put_u8(0);
+    out.put_u16(n_docs as u16);
+    out.put_u32(raw_len as u32);
+    out.extend_from_slice(&body);
+    Some(out)
+}
+
+/// `doc` with the cuts taken out, and its splice table.
+fn template(doc: &[u8], cuts: &[Cut]) -> (Vec<u8>, Vec<u8>) {
+    let cut_bytes: usize = cuts.iter().map(|c| c.end - c.start).sum();
+    let mut text = Vec::with_capacity(doc.len() - cut_bytes);
+    let mut splices = Vec::with_capacity(cuts.len() * SPLICE_BYTES);
+    // (original end of a cut, bytes removed up to there), to map an original
+    // position before a cut into the template.
+    let mut removed_at: Vec<(usize, usize)> = Vec::new();
+    let mut removed = 0;
+    let mut pos = 0;
+    for cut in cuts {
+        text.extend_from_slice(doc.get(pos..cut.start).unwrap_or_default());
+        let offset = text.len();
+        let arg = if cut.reference == REF_TOKEN_BYTES {
+            let before = match removed_at.binary_search_by(|&(end, _)| end.cmp(&cut.token_at)) {
+                Ok(i) => removed_at.get(i).map_or(0, |r| r.1),
+                Err(0) => 0,
+                Err(i) => removed_at.get(i - 1).map_or(0, |r| r.1),
+            };
+            (offset - (cut.token_at - before)) as u32
+        } else {
+            cut.arg
+        };
+        splices.put_u32(offset as u32);
+        splices.put_u8(cut.reference);
+        splices.put_u8(cut.style);
+        splices.put_u16(0);
+        splices.put_u32(arg);
+        removed += cut.end - cut.start;
+        removed_at.push((cut.end, removed));
+        pos = cut.end;
+    }
+    text.extend_from_slice(doc.get(pos..).unwrap_or_default());
+    (text, splices)
+}
+
+/// The values of `extra` that are copies of the columns or of `messages`.
+fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let Some(top) = object_at(extra, skip_ws(extra, 0)) else { return };
+    for e in top {
+        match e.key {
+            b"raw_request" => {
+                let (Some(fields), Some(messages)) = (object_at(extra, e.start), &call.messages) else { continue };
+                for f in fields {
+                    if f.key == b"messages" && extra.get(f.start..f.end) == Some(messages.as_slice()) {
+                        cuts.push(Cut::plain(f.start, f.end, REF_MESSAGES, 0, 0));
+                    }
+                }
+            }
+            b"raw_response" => response_cuts(extra, e.start, call, cuts, scratch),
+            _ => {}
+        }
+    }
+    cuts.sort_by_key(|c| c.start);
+}
+
+impl Cut {
+    fn plain(start: usize, end: usize, reference: u8, style: u8, arg: u32) -> Self {
+        Cut { start, end, reference, style, arg, token_at: 0 }
+    }
+}
+
+fn response_cuts(text: &[u8], at: usize, call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let Some(fields) = object_at(text, at) else { return };
+    for f in fields {
+        match f.key {
+            b"prompt_token_ids" => ids_cut(text, &f, REF_PROMPT, &call.prompt_token_ids, cuts, scratch),
+            b"choices" => {
+                let Some(first) = array_at(text, f.start).and_then(|items| items.into_iter().next()) else { continue };
+                let Some(choice) = object_at(text, first.0) else { continue };
+                for g in choice {
+                    match g.key {
+                        b"token_ids" => ids_cut(text, &g, REF_COMPLETION, &call.completion_token_ids, cuts, scratch),
+                        b"prompt_token_ids" => ids_cut(text, &g, REF_PROMPT, &call.prompt_token_ids, cuts, scratch),
+                        b"logprobs" => logprobs_cuts(text, g.start, call, cuts, scratch),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn logprobs_cuts(text: &[u8], at: usize, call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let Some(lp) = &call.logprobs else { return };
+    let Some(fields) = object_at(text, at) else { return };
+    for f in fields {
+        match f.key {
+            // Chat completions: one object per generated token.
+            b"content" => {
+                let Some(items) = array_at(text, f.start) else { continue };
+                for (i, (start, _)) in items.into_iter().enumerate() {
+                    let Some(entry) = object_at(text, start) else { continue };
+                    let mut token_at = None;
+                    for g in entry {
+                        match g.key {
+                            b"token" if text.get(g.start) == Some(&b'"') => token_at = Some(g.start),
+                            b"logprob" => logprob_cut(text, &g, i, lp, cuts, scratch),
+                            b"bytes" => {
+                                if let Some(t) = token_at {
+                                    token_bytes_cut(text, &g, t, cuts, scratch);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            // Completions: a list of floats.
+            b"token_logprobs" => {
+                let Some(items) = array_at(text, f.start) else { continue };
+                for (i, (start, end)) in items.into_iter().enumerate() {
+                    let e = Entry { key: b"", start, end };
+                    logprob_cut(text, &e, i, lp, cuts, scratch);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn ids_cut(text: &[u8], e: &Entry<'_>, reference: u8, ids: &[u32], cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let Some(orig) = text.get(e.start..e.end) else { return };
+    for style in [LIST_COMPACT, LIST_SPACED] {
+        scratch.clear();
+        write_list(scratch, ids.iter().copied(), style);
+        if scratch.as_bytes() == orig {
+            cuts.push(Cut::plain(e.start, e.end, reference, style, 0));
+            return;
+        }
+    }
+}
+
+fn logprob_cut(text: &[u8], e: &Entry<'_>, i: usize, lp: &[f32], cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let (Some(orig), Some(&v)) = (text.get(e.start..e.end), lp.get(i)) else { return };
+    // Cheap test first: only a value that parses to the column's is rendered.
+    let Some(parsed) = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok()) else { return };
+    let styles: &[u8] = if parsed.to_bits() == f64::from(v).to_bits() {
+        &[FLOAT_PYTHON, FLOAT_F64]
+    } else if (parsed as f32).to_bits() == v.to_bits() {
+        &[FLOAT_F32]
+    } else {
+        return;
+    };
+    for &style in styles {
+        scratch.clear();
+        write_float(scratch, v, style);
+        if scratch.as_bytes() == orig {
+            cuts.push(Cut::plain(e.start, e.end, REF_LOGPROB, style, i as u32));
+            return;
+        }
+    }
+}
+
+fn token_bytes_cut(text: &[u8], e: &Entry<'_>, token_at: usize, cuts: &mut Vec<Cut>, scratch: &mut String) {
+    let (Some(orig), Some(token)) = (text.get(e.start..e.end), string_value(text, token_at)) else { return };
+    for style in [LIST_COMPACT, LIST_SPACED] {
+        scratch.clear();
+        write_list(scratch, token.bytes().map(u32::from), style);
+        if scratch.as_bytes() == orig {
+            cuts.push(Cut { start: e.start, end: e.end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
+            return;
+        }
+    }
+}
+
+fn write_list(out: &mut String, items: impl Iterator<Item = u32>, style: u8) {
+    let sep = if style == LIST_SPACED { ", " } else { "," };
+    out.push('[');
+    for (i, v) in items.enumerate() {
+        if i > 0 {
+            out.push_str(sep);
+        }
+        let _ = write!(out, "{v}");
+    }
+    out.push(']');
+}
+
+fn write_float(out: &mut String, v: f32, style: u8) {
+    match style {
+        FLOAT_PYTHON => write_py_float(out, f64::from(v)),
+        FLOAT_F64 => {
+            let _ = write!(out, "{:?}", f64::from(v));
+        }
+        _ => {
+            let _ = write!(out, "{v:?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- decoding
+
+/// A docs block, decompressed and its table checked; [`Block::resolve`]
+/// renders the documents.
+#[derive(Debug)]
+pub struct Block {
+    payload: Vec<u8>,
+    /// Per document: (index into `DOC_FIELDS`, text range, splice range).
+    docs: Vec<(usize, std::ops::Range<usize>, std::ops::Range<usize>)>,
+}
+
+/// Decompress `block` and check its table. `present[i]`: whether the record's
+/// flags say document `i` (messages, response_message, metadata, extra) is
+/// present; the table must list exactly those, in that order.
+pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
+    let mut c = Cursor::new(block);
+    let codec = c.u8("docs codec")?;
+    let _reserved = c.u8("docs reserved")?;
+    let n_docs = c.u16("docs count")? as usize;
+    let raw_len = c.u32("docs raw length")? as usize;
+    let limit = JSON_BYTES_PER_CALL_MAX as usize + 4 * DOC_ENTRY_BYTES;
+    if raw_len > limit {
+        return Err(DecodeError::new(4, format!("docs raw length {raw_len} is over its limit {limit}")));
+    }
+    let rest = block.get(HEADER_BYTES..).unwrap_or_default();
+    let payload = match codec {
+        CODEC_NONE => rest.to_vec(),
+        CODEC_ZSTD => zstd::bulk::decompress(rest, raw_len)
+            .map_err(|e| DecodeError::new(HEADER_BYTES, format!("docs: zstd frame does not decompress ({e})")))?,
+        other => return Err(DecodeError::new(0, format!("unknown docs codec {other}"))),
+    };
+    if payload.len() != raw_len {
+        return Err(DecodeError::new(4, format!("docs: {} bytes, the header says {raw_len}", payload.len())));
+    }
+    let want: Vec<usize> = (0..4).filter(|&i| present[i]).collect();
+    if n_docs != want.len() {
+        return Err(DecodeError::new(2, format!("docs: {n_docs} documents, the record's flags say {}", want.len())));
+    }
+    let mut t = Cursor::new(&payload);
+    let mut entries = Vec::with_capacity(n_docs);
+    for &field in &want {
+        let name = t.u8("doc name")?;
+        let _ = t.u8("doc reserved")?;
+        let _ = t.u16("doc reserved")?;
+        let text_len = t.u32("doc text length")? as usize;
+        let n_splices = t.u32("doc splice count")? as usize;
+        if DOC_NAMES.get(field) != Some(&name) {
+            return Err(DecodeError::new(t.pos(), format!("docs: document {name} where {} belongs", DOC_FIELDS[field])));
+        }
+        entries.push((field, text_len, n_splices));
+    }
+    let mut pos = t.pos();
+    let mut docs = Vec::with_capacity(n_docs);
+    for (field, text_len, n_splices) in entries {
+        let text_end = pos.checked_add(text_len);
+        let splice_end = n_splices.checked_mul(SPLICE_BYTES).and_then(|s| text_end?.checked_add(s));
+        let (Some(text_end), Some(splice_end)) = (text_end, splice_end) else {
+            return Err(DecodeError::new(pos, "docs: lengths overflow"));
+        };
+        if splice_end > payload.len() {
+            return Err(DecodeError::new(pos, format!("docs: {} runs past the payload", DOC_FIELDS[field])));
+        }
+        docs.push((field, pos..text_end, text_end..splice_end));
+        pos = splice_end;
+    }
+    if pos != payload.len() {
+        return Err(DecodeError::new(pos, format!("docs: {} trailing bytes", payload.len() - pos)));
+    }
+    Ok(Block { payload, docs })
+}
+
+impl Block {
+    fn splices(&self, range: &std::ops::Range<usize>) -> impl Iterator<Item = Result<Splice, DecodeError>> + '_ {
+        let bytes = self.payload.get(range.clone()).unwrap_or_default();
+        let base = range.start;
+        (0..bytes.len() / SPLICE_BYTES).map(move |i| {
+            let mut c = Cursor::at(bytes, i * SPLICE_BYTES);
+            let at = |e: DecodeError| DecodeError::new(base + e.offset as usize, e.what);
+            Ok(Splice {
+                offset: c.u32("splice offset").map_err(at)? as usize,
+                reference: c.u8("splice reference").map_err(at)?,
+                style: c.u8("splice style").map_err(at)?,
+                arg: {
+                    let _ = c.u16("splice reserved").map_err(at)?;
+                    c.u32("splice argument").map_err(at)?
+                },
+            })
+        })
+    }
+
+    /// Whether a splice refers to the prompt column.
+    pub fn needs_prompt(&self) -> bool {
+        self.docs.iter().any(|(_, _, s)| self.splices(s).any(|r| r.is_ok_and(|s| s.reference == REF_PROMPT)))
+    }
+
+    /// Render the documents. Fails (never panics) on a splice that does not
+    /// fit: an offset out of order or past the text, an unknown reference or
+    /// style, an argument out of range, a missing column.
+    pub fn resolve(&self, cols: &Columns<'_>) -> Result<Docs, DecodeError> {
+        let mut docs = Docs::default();
+        let mut total = 0usize;
+        let mut scratch = String::new();
+        for (field, text_range, splice_range) in &self.docs {
+            let text = self.payload.get(text_range.clone()).unwrap_or_default();
+            let mut out = Vec::with_capacity(text.len());
+            let mut pos = 0;
+            for splice in self.splices(splice_range) {
+                let s = splice?;
+                let err = |what: String| DecodeError::new(splice_range.start, format!("docs: {what}"));
+                if s.offset < pos || s.offset > text.len() {
+                    return Err(err(format!("splice offset {} out of order or past the text", s.offset)));
+                }
+                out.extend_from_slice(text.get(pos..s.offset).unwrap_or_default());
+                pos = s.offset;
+                scratch.clear();
+                match (s.reference, s.style) {
+                    (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
+                        let prompt = cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
+                        write_list(&mut scratch, prompt.iter().copied(), s.style);
+                    }
+                    (REF_COMPLETION, LIST_COMPACT | LIST_SPACED) => {
+                        write_list(&mut scratch, cols.completion.iter().copied(), s.style)
+                    }
+                    (REF_LOGPROB, FLOAT_PYTHON | FLOAT_F64 | FLOAT_F32) => {
+                        let v = cols
+                            .logprobs
+                            .and_then(|lp| lp.get(s.arg as usize))
+                            .ok_or_else(|| err(format!("logprob {} is not in the column", s.arg)))?;
+                        write_float(&mut scratch, *v, s.style);
+                    }
+                    (REF_TOKEN_BYTES, LIST_COMPACT | LIST_SPACED) => {
+                        let token = (s.arg as usize)
+                            .checked_sub(0)
+                            .and_then(|d| s.offset.checked_sub(d))
+                            .and_then(|at| string_value(text, at))
+                            .ok_or_else(|| err("the token of a bytes splice is not a string".into()))?;
+                        write_list(&mut scratch, token.bytes().map(u32::from), s.style);
+                    }
+                    (REF_MESSAGES, 0) => {
+                        let messages = docs
+                            .messages
+                            .as_deref()
+                            .filter(|_| *field == DOC_EXTRA)
+                            .ok_or_else(|| err("a messages splice without messages".into()))?;
+                        out.extend_from_slice(messages);
+                    }
+                    (r, st) => return Err(err(format!("unknown splice reference {r} style {st}"))),
+                }
+                out.extend_from_slice(scratch.as_bytes());
+                if total + out.len() > JSON_BYTES_PER_CALL_MAX as usize {
+                    return Err(err(format!("documents over their limit {JSON_BYTES_PER_CALL_MAX}")));
+                }
+            }
+            out.extend_from_slice(text.get(pos..).unwrap_or_default());
+            total += out.len();
+            *docs.slot(*field) = Some(out);
+        }
+        Ok(docs)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Splice {
+    offset: usize,
+    reference: u8,
+    style: u8,
+    arg: u32,
+}
+
+// ---------------------------------------------------------------- a JSON span scanner
+
+/// A key of an object and its value's byte range.
+struct Entry<'a> {
+    key: &'a [u8],
+    start: usize,
+    end: usize,
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+        i += 1;
+    }
+    i
+}
+
+/// End (exclusive) of the string literal starting at `i` (a `"`).
+fn string_end(b: &[u8], i: usize) -> Option<usize> {
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match b.get(j)? {
+            b'"' => return Some(j + 1),
+            b'\\' => j += 2,
+            _ => j += 1,
+        }
+    }
+}
+
+/// The string literal at `i`, unescaped.
+fn string_value(b: &[u8], i: usize) -> Option<String> {
+    let end = string_end(b, i)?;
+    let lit = b.get(i..end)?;
+    let inner = lit.get(1..lit.len() - 1)?;
+    if !inner.contains(&b'\\') {
+        return std::str::from_utf8(inner).ok().map(str::to_owned);
+    }
+    serde_json::from_slice::<String>(lit).ok()
+}
+
+/// End (exclusive) of the JSON value starting at `i`.
+fn value_end(b: &[u8], i: usize) -> Option<usize> {
+    match *b.get(i)? {
+        b'"' => string_end(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match *b.get(j)? {
+                    b'"' => {
+                        j = string_end(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while let Some(&c) = b.get(j) {
+                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
+                    break;
+                }
+                j += 1;
+            }
+            (j > i).then_some(j)
+        }
+    }
+}
+
+/// The entries of the object starting at `i` (a `{`), keys raw (escapes not
+/// resolved: a key with an escape matches nothing here).
+fn object_at(b: &[u8], i: usize) -> Option<Vec<Entry<'_>>> {
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut j = skip_ws(b, i + 1);
+    if b.get(j) == Some(&b'}') {
+        return Some(out);
+    }
+    loop {
+        let key_end = string_end(b, j)?;
+        let key = b.get(j + 1..key_end - 1)?;
+        j = skip_ws(b, key_end);
+        if b.get(j) != Some(&b':') {
+            return None;
+        }
+        let start = skip_ws(b, j + 1);
+        let end = value_end(b, start)?;
+        out.push(Entry { key, start, end });
+        j = skip_ws(b, end);
+        match b.get(j)? {
+            b',' => j = skip_ws(b, j + 1),
+            b'}' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+/// The (start, end) of each item of the array starting at `i` (a `[`).
+fn array_at(b: &[u8], i: usize) -> Option<Vec<(usize, usize)>> {
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    let mut out = Vec::new();
+    let mut j = skip_ws(b, i + 1);
+    if b.get(j) == Some(&b']') {
+        return Some(out);
+    }
+    loop {
+        let end = value_end(b, j)?;
+        out.push((j, end));
+        j = skip_ws(b, end);
+        match b.get(j)? {
+            b',' => j = skip_ws(b, j + 1),
+            b']' => return Some(out),
+            _ => return None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call_with(extra: &str, messages: Option<&str>) -> Call {
+        Call {
+            trace_id: "t".into(),
+            session_id: "s".into(),
+            prompt_token_ids: vec![1, 2, 3],
+            completion_token_ids: vec![10, 11],
+            logprobs: Some(vec![-0.5, -2.1e-5]),
+            messages: messages.map(|m| m.as_bytes().to_vec()),
+            extra: Some(extra.as_bytes().to_vec()),
+            ..Default::default()
+        }
+    }
+
+    fn round_trip(call: &Call) -> Option<Docs> {
+        let block = encode(call)?;
+        let present = [
+            call.messages.is_some(),
+            call.response_message.is_some(),
+            call.metadata.is_some(),
+            call.extra.is_some(),
+        ];
+        let b = open(&block, present).expect("open");
+        let cols = Columns {
+            prompt: Some(&call.prompt_token_ids),
+            completion: &call.completion_token_ids,
+            logprobs: call.logprobs.as_deref(),
+        };
+        let docs = b.resolve(&cols).expect("resolve");
+        assert_eq!(docs.messages, call.messages);
+        assert_eq!(docs.extra, call.extra);
+        Some(docs)
+    }
+
+    fn padded(inner: &str) -> String {
+        // Long enough for the block to pay off.
+        format!(r#"{{"pad":"{}",{inner}}}"#, "x".repeat(600))
+    }
+
+    #[test]
+    fn references_round_trip_and_cut() {
+        let msgs = r#"[{"role":"user","content":"hi"}]"#;
+        let extra = padded(&format!(
+            r#""raw_request":{{"messages":{msgs},"n":1}},"raw_response":{{"choices":[{{"logprobs":{{"content":[{{"token":"ab","logprob":-0.5,"bytes":[97,98]}},{{"token":"\u00e9","logprob":-2.099999983329326e-05,"bytes":[195, 169]}}]}},"token_ids":[10,11]}}],"prompt_token_ids":[1, 2, 3]}}"#
+        ));
+        let call = call_with(&extra, Some(msgs));
+        let mut cuts = Vec::new();
+        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new());
+        let refs: Vec<u8> = cuts.iter().map(|c| c.reference).collect();
+        assert_eq!(refs, [REF_MESSAGES, REF_LOGPROB, REF_TOKEN_BYTES, REF_LOGPROB, REF_TOKEN_BYTES, REF_COMPLETION, REF_PROMPT]);
+        assert!(round_trip(&call).is_some());
+    }
+
+    #[test]
+    fn mismatches_stay_verbatim() {
+        // Ids that differ from the columns, a logprob written with another
+        // precision, bytes that are not the token's: all kept as written.
+        let extra = padded(
+            r#""raw_response":{"choices":[{"logprobs":{"content":[{"token":"a","logprob":-0.50,"bytes":[1]}]},"token_ids":[10,12]}],"prompt_token_ids":[1,2]}"#,
+        );
+        let call = call_with(&extra, None);
+        let mut cuts = Vec::new();
+        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new());
+        assert!(cuts.is_empty(), "{cuts:?}");
+        assert!(round_trip(&call).is_some());
+    }
+
+    #[test]
+    fn corrupt_blocks_are_errors() {
+        let extra = padded(r#""raw_response":{"prompt_token_ids":[1,2,3]}"#);
+        let call = call_with(&extra, None);
+        let block = encode(&call).expect("block");
+        let present = [false, false, false, true];
+        for cut in 0..block.len() {
+            let _ = open(&block[..cut], present).and_then(|b| b.resolve(&Columns { prompt: None, completion: &[], logprobs: None }));
+        }
+        let b = open(&block, present).expect("open");
+        assert!(b.needs_prompt());
+        assert!(b.resolve(&Columns { prompt: None, completion: &[], logprobs: None }).is_err());
+        assert!(open(&block, [true, false, false, true]).is_err());
+    }
+}
