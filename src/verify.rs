@@ -28,10 +28,28 @@ pub struct VerifyReport {
     pub segments: usize,
     pub records: u64,
     pub bytes: u64,
+    /// How the call records' bytes split: token columns (u32 ids, f32
+    /// logprobs, as stored after prefix-delta), JSON documents (plain, or
+    /// their docs blocks), and the rest (headers, ids, framing is not counted).
+    pub split: ByteSplit,
     /// Damage: bytes that fail validation, missing or unexplained files.
     pub problems: Vec<Problem>,
     /// An interrupted write at the end of the active segment (not damage).
     pub torn_tail: Option<Problem>,
+}
+
+/// Bytes of call records by what they hold.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ByteSplit {
+    pub calls: u64,
+    pub token_bytes: u64,
+    /// Documents stored plain.
+    pub plain_doc_bytes: u64,
+    /// Documents stored in docs blocks (format-spec/record.md §7).
+    pub docs_block_bytes: u64,
+    /// Calls whose documents are in a docs block.
+    pub docs_blocks: u64,
+    pub other_bytes: u64,
 }
 
 /// Verify the store in `dir`.
@@ -174,6 +192,32 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                     if let Ok(rec) = decode_call(body) {
                         if let Some(p) = rec.parent {
                             parents.push((path.clone(), loc, p));
+                        }
+                        let s = &mut report.split;
+                        let tokens =
+                            4 * (rec.prompt_suffix.len() + rec.completion.len() + rec.logprobs.map_or(0, <[f32]>::len));
+                        let plain = [rec.messages, rec.response_message, rec.metadata, rec.extra]
+                            .iter()
+                            .flatten()
+                            .map(|d| d.len())
+                            .sum::<usize>();
+                        let block = rec.docs.map_or(0, |d| d.block.len());
+                        s.calls += 1;
+                        s.token_bytes += tokens as u64;
+                        s.plain_doc_bytes += plain as u64;
+                        s.docs_block_bytes += block as u64;
+                        s.other_bytes += (body.len() - tokens - plain - block) as u64;
+                        if let Some(d) = rec.docs {
+                            s.docs_blocks += 1;
+                            // The block decompresses and its table fits (its
+                            // splices are checked when the call is read).
+                            if let Err(e) = crate::format::docs::open(d.block, d.present) {
+                                report.problems.push(Problem {
+                                    path: path.clone(),
+                                    offset: loc.offset,
+                                    what: format!("docs block of the call at offset {}: {}", loc.offset, e.what),
+                                });
+                            }
                         }
                     }
                 }

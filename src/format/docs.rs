@@ -39,6 +39,10 @@ const DOC_NAMES: [u8; 4] = [1, 2, 3, 4];
 const DOC_FIELDS: [&str; 4] = ["messages", "response_message", "metadata", "extra"];
 const DOC_EXTRA: usize = 3;
 
+fn field_name(i: usize) -> &'static str {
+    DOC_FIELDS.get(i).copied().unwrap_or("?")
+}
+
 /// Splice references (record.md §7.2).
 const REF_PROMPT: u8 = 1;
 const REF_COMPLETION: u8 = 2;
@@ -114,10 +118,10 @@ pub fn encode(call: &Call) -> Option<Vec<u8>> {
     let n_docs = docs.iter().filter(|d| d.is_some()).count();
     let mut payload = Vec::with_capacity(plain + 64);
     let mut templates: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(n_docs);
-    for (i, doc) in docs.iter().enumerate() {
+    for ((doc, cuts), name) in docs.iter().zip(&cuts).zip(DOC_NAMES) {
         let Some(doc) = doc else { continue };
-        let (text, splices) = template(doc, &cuts[i]);
-        payload.put_u8(DOC_NAMES[i]);
+        let (text, splices) = template(doc, cuts);
+        payload.put_u8(name);
         payload.put_u8(0);
         payload.put_u16(0);
         payload.put_u32(text.len() as u32);
@@ -374,7 +378,7 @@ pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
     if payload.len() != raw_len {
         return Err(DecodeError::new(4, format!("docs: {} bytes, the header says {raw_len}", payload.len())));
     }
-    let want: Vec<usize> = (0..4).filter(|&i| present[i]).collect();
+    let want: Vec<usize> = present.iter().enumerate().filter(|(_, &p)| p).map(|(i, _)| i).collect();
     if n_docs != want.len() {
         return Err(DecodeError::new(2, format!("docs: {n_docs} documents, the record's flags say {}", want.len())));
     }
@@ -387,7 +391,7 @@ pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
         let text_len = t.u32("doc text length")? as usize;
         let n_splices = t.u32("doc splice count")? as usize;
         if DOC_NAMES.get(field) != Some(&name) {
-            return Err(DecodeError::new(t.pos(), format!("docs: document {name} where {} belongs", DOC_FIELDS[field])));
+            return Err(DecodeError::new(t.pos(), format!("docs: document {name} where {} belongs", field_name(field))));
         }
         entries.push((field, text_len, n_splices));
     }
@@ -400,7 +404,7 @@ pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
             return Err(DecodeError::new(pos, "docs: lengths overflow"));
         };
         if splice_end > payload.len() {
-            return Err(DecodeError::new(pos, format!("docs: {} runs past the payload", DOC_FIELDS[field])));
+            return Err(DecodeError::new(pos, format!("docs: {} runs past the payload", field_name(field))));
         }
         docs.push((field, pos..text_end, text_end..splice_end));
         pos = splice_end;

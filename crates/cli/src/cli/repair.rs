@@ -28,6 +28,19 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
         report.records,
         super::human_bytes(report.bytes),
     );
+    let s = &report.split;
+    if s.calls > 0 {
+        println!(
+            "call records: {} calls, {} token columns, {} documents ({} in {} docs blocks, {} plain), {} other",
+            s.calls,
+            super::human_bytes(s.token_bytes),
+            super::human_bytes(s.docs_block_bytes + s.plain_doc_bytes),
+            super::human_bytes(s.docs_block_bytes),
+            s.docs_blocks,
+            super::human_bytes(s.plain_doc_bytes),
+            super::human_bytes(s.other_bytes),
+        );
+    }
     Ok(match (report.problems.is_empty(), report.torn_tail.is_some()) {
         (false, _) => EXIT_DAMAGED,
         (true, true) => EXIT_TORN_TAIL,
