@@ -354,13 +354,30 @@ pub fn json_string(s: &str) -> String {
 /// Write token ids as a JSON list of integers.
 pub fn write_ids(out: &mut String, ids: &[u32]) {
     out.push('[');
-    for (i, id) in ids.iter().enumerate() {
+    for (i, &id) in ids.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
-        let _ = write!(out, "{id}");
+        push_u32(out, id);
     }
     out.push(']');
+}
+
+/// Append `v` in decimal (the hot loop of token lists: no formatter).
+pub fn push_u32(out: &mut String, mut v: u32) {
+    let mut buf = [0u8; 10];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        if let Some(slot) = buf.get_mut(i) {
+            *slot = b'0' + (v % 10) as u8;
+        }
+        v /= 10;
+        if v == 0 || i == 0 {
+            break;
+        }
+    }
+    out.extend(buf.get(i..).unwrap_or_default().iter().map(|&d| char::from(d)));
 }
 
 /// Join verbatim JSON texts into a JSON list.
@@ -649,14 +666,43 @@ pub fn write_py_float(out: &mut String, v: f64) {
     // same distance from `v`, Python takes the even one and Rust the upper
     // one; Rust's exact formatting at that length rounds ties to even, so it
     // is Python's choice whenever it round-trips (it does but at rare
-    // binade edges, where the shortest stays).
-    let shortest = format!("{:e}", v.abs());
-    let len = shortest.split_once('e').map_or(0, |(m, _)| m.chars().filter(char::is_ascii_digit).count());
-    let nearest = format!("{:.*e}", len.saturating_sub(1), v.abs());
-    let sci = if nearest.parse::<f64>().is_ok_and(|x| x == v.abs()) { nearest } else { shortest };
-    let (mantissa, exponent) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
-    let exponent: i32 = exponent.parse().unwrap_or(0);
-    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    // binade edges, where the shortest stays). Both are written on the
+    // stack: this runs once per logprob of every gateway trace.
+    let mut shortest = StackBuf::default();
+    let _ = write!(shortest, "{:e}", v.abs());
+    let len = shortest.mantissa().iter().filter(|b| b.is_ascii_digit()).count();
+    // Two strings of `len` digits can be equally near `v` and both round-trip
+    // only when their distance (10^-(len-1) relative, halved) is below half
+    // an ulp (at most 2^-53 relative): never for len <= 15.
+    let mut nearest = StackBuf::default();
+    let sci = if len <= 15 {
+        &shortest
+    } else {
+        let _ = write!(nearest, "{:.*e}", len.saturating_sub(1), v.abs());
+        if nearest.as_bytes() == shortest.as_bytes()
+            || std::str::from_utf8(nearest.as_bytes()).ok().and_then(|t| t.parse::<f64>().ok()) == Some(v.abs())
+        {
+            &nearest
+        } else {
+            &shortest
+        }
+    };
+    let exponent: i32 = sci.exponent();
+    let mut digit_buf = [0u8; 40];
+    let mut n_digits = 0;
+    for &b in sci.mantissa().iter().filter(|b| b.is_ascii_digit()) {
+        if let Some(slot) = digit_buf.get_mut(n_digits) {
+            *slot = b;
+            n_digits += 1;
+        }
+    }
+    let digits = std::str::from_utf8(digit_buf.get(..n_digits).unwrap_or_default()).unwrap_or("0");
+    layout(out, digits, exponent);
+}
+
+/// Python's layout of `digits` (d.ddd) times 10^`exponent`: positional from
+/// 1e-4 up to 1e16, else exponent form with a signed two-digit exponent.
+fn layout(out: &mut String, digits: &str, exponent: i32) {
     if !(-4..16).contains(&exponent) {
         let (first, rest) = digits.split_at(1);
         out.push_str(first);
@@ -669,7 +715,7 @@ pub fn write_py_float(out: &mut String, v: f64) {
     } else if exponent >= 0 {
         let int_len = exponent as usize + 1;
         if digits.len() <= int_len {
-            out.push_str(&digits);
+            out.push_str(digits);
             out.extend(std::iter::repeat_n('0', int_len - digits.len()));
             out.push_str(".0");
         } else {
@@ -681,7 +727,50 @@ pub fn write_py_float(out: &mut String, v: f64) {
     } else {
         out.push_str("0.");
         out.extend(std::iter::repeat_n('0', exponent.unsigned_abs() as usize - 1));
-        out.push_str(&digits);
+        out.push_str(digits);
+    }
+}
+
+/// A small formatting buffer on the stack (floats in `{:e}` form fit).
+struct StackBuf {
+    b: [u8; 48],
+    n: usize,
+}
+
+impl Default for StackBuf {
+    fn default() -> Self {
+        StackBuf { b: [0; 48], n: 0 }
+    }
+}
+
+impl StackBuf {
+    fn as_bytes(&self) -> &[u8] {
+        self.b.get(..self.n).unwrap_or_default()
+    }
+    /// The part before `e`.
+    fn mantissa(&self) -> &[u8] {
+        let t = self.as_bytes();
+        t.split(|&c| c == b'e').next().unwrap_or_default()
+    }
+    /// The exponent after `e` (0 without one).
+    fn exponent(&self) -> i32 {
+        let t = self.as_bytes();
+        t.iter()
+            .position(|&c| c == b'e')
+            .and_then(|i| t.get(i + 1..))
+            .and_then(|e| std::str::from_utf8(e).ok())
+            .and_then(|e| e.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl std::fmt::Write for StackBuf {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.n + s.len();
+        let slot = self.b.get_mut(self.n..end).ok_or(std::fmt::Error)?;
+        slot.copy_from_slice(s.as_bytes());
+        self.n = end;
+        Ok(())
     }
 }
 
@@ -804,6 +893,41 @@ mod tests {
 #[cfg(test)]
 mod py_float_tests {
     use super::*;
+
+    /// The formatter before its fast path: both passes always.
+    fn reference(v: f64) -> String {
+        let shortest = format!("{:e}", v.abs());
+        let len = shortest.split_once('e').map_or(0, |(m, _)| m.chars().filter(char::is_ascii_digit).count());
+        let nearest = format!("{:.*e}", len.saturating_sub(1), v.abs());
+        let sci = if nearest.parse::<f64>().is_ok_and(|x| x == v.abs()) { nearest } else { shortest };
+        let (mantissa, exponent) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+        let mut out = String::new();
+        if v.is_sign_negative() {
+            out.push('-');
+        }
+        // Same layout code, fed the reference digits.
+        let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+        let exponent: i32 = exponent.parse().unwrap_or(0);
+        let mut tail = String::new();
+        layout(&mut tail, &digits, exponent);
+        out.push_str(&tail);
+        out
+    }
+
+    #[test]
+    fn the_fast_path_writes_what_both_passes_write() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in 0..200_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let v = if i % 2 == 0 { f64::from(f32::from_bits(x as u32)) } else { f64::from_bits(x) };
+            if !v.is_finite() || v == 0.0 {
+                continue;
+            }
+            assert_eq!(py_float(v), reference(v), "{v:?}");
+        }
+    }
 
     #[test]
     fn floats_are_written_as_python_writes_them() {

@@ -191,3 +191,35 @@ fn a_store_reads_docs_blocks_exactly_before_and_after_reopen_and_compaction() {
     assert!(report.calls > 0, "{report:?}");
     check_store(&store);
 }
+
+/// Timing of the docs codec on the realistic shape (not a test of speed:
+/// run it by hand, in release, to see where a call's time goes):
+/// `cargo test --release --test docs -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn docs_codec_timing() {
+    let cfg = SimConfig { sessions: 8, steps: 8, seed: 1, shape: Shape::Gateway, ..SimConfig::default() };
+    let calls: Vec<Call> = simulate(&cfg).into_iter().flat_map(|s| s.calls).collect();
+    let t = std::time::Instant::now();
+    let blocks: Vec<Vec<u8>> = calls.iter().filter_map(encode).collect();
+    let enc = t.elapsed().as_secs_f64() / calls.len() as f64;
+    let t = std::time::Instant::now();
+    for (call, block) in calls.iter().zip(&blocks) {
+        std::hint::black_box(resolve(call, block));
+    }
+    let dec = t.elapsed().as_secs_f64() / calls.len() as f64;
+    let t = std::time::Instant::now();
+    for call in &calls {
+        call.validate().expect("valid");
+    }
+    let val = t.elapsed().as_secs_f64() / calls.len() as f64;
+    let plain: usize = calls.iter().map(|c| c.extra.as_ref().map_or(0, Vec::len)).sum();
+    println!(
+        "{} calls, {:.0} KB extra per call: encode {:.0} µs, resolve {:.0} µs, validate {:.0} µs per call",
+        calls.len(),
+        plain as f64 / calls.len() as f64 / 1e3,
+        enc * 1e6,
+        dec * 1e6,
+        val * 1e6
+    );
+}

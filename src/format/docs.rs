@@ -18,7 +18,7 @@
 use super::{Cursor, DecodeError, PutLe};
 use crate::limits::JSON_BYTES_PER_CALL_MAX;
 use crate::record::Call;
-use crate::trace_json::write_py_float;
+use crate::trace_json::{push_u32, write_py_float};
 use std::fmt::Write as _;
 
 /// Payload stored as is.
@@ -134,7 +134,7 @@ pub fn encode(call: &Call) -> Option<Vec<u8>> {
     }
     let raw_len = payload.len();
     let (codec, body) = if raw_len >= COMPRESS_MIN {
-        match zstd::bulk::compress(&payload, ZSTD_LEVEL) {
+        match compress(&payload) {
             Ok(z) if z.len() < raw_len => (CODEC_ZSTD, z),
             _ => (CODEC_NONE, payload),
         }
@@ -151,6 +151,39 @@ pub fn encode(call: &Call) -> Option<Vec<u8>> {
     out.put_u32(raw_len as u32);
     out.extend_from_slice(&body);
     Some(out)
+}
+
+thread_local! {
+    // One zstd context per thread, reused: making one per call costs more
+    // than compressing a typical call's documents.
+    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> = const { std::cell::RefCell::new(None) };
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> = const { std::cell::RefCell::new(None) };
+}
+
+fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    COMPRESSOR.with(|c| {
+        let mut c = c.try_borrow_mut().map_err(std::io::Error::other)?;
+        if c.is_none() {
+            *c = Some(zstd::bulk::Compressor::new(ZSTD_LEVEL)?);
+        }
+        match c.as_mut() {
+            Some(c) => c.compress(data),
+            None => zstd::bulk::compress(data, ZSTD_LEVEL),
+        }
+    })
+}
+
+fn decompress(data: &[u8], capacity: usize) -> std::io::Result<Vec<u8>> {
+    DECOMPRESSOR.with(|d| {
+        let mut d = d.try_borrow_mut().map_err(std::io::Error::other)?;
+        if d.is_none() {
+            *d = Some(zstd::bulk::Decompressor::new()?);
+        }
+        match d.as_mut() {
+            Some(d) => d.decompress(data, capacity),
+            None => zstd::bulk::decompress(data, capacity),
+        }
+    })
 }
 
 /// `doc` with the cuts taken out, and its splice table.
@@ -190,22 +223,42 @@ fn template(doc: &[u8], cuts: &[Cut]) -> (Vec<u8>, Vec<u8>) {
 }
 
 /// The values of `extra` that are copies of the columns or of `messages`.
+/// One pass over the text: a value is scanned again only where it is a leaf
+/// compared with a column.
 fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let Some(top) = object_at(extra, skip_ws(extra, 0)) else { return };
-    for e in top {
-        match e.key {
-            b"raw_request" => {
-                let (Some(fields), Some(messages)) = (object_at(extra, e.start), &call.messages) else { continue };
-                for f in fields {
-                    if f.key == b"messages" && extra.get(f.start..f.end) == Some(messages.as_slice()) {
-                        cuts.push(Cut::plain(f.start, f.end, REF_MESSAGES, 0, 0));
-                    }
+    let t = extra;
+    let mut st = Finder { call, cuts, scratch };
+    walk_object(t, skip_ws(t, 0), &mut |key, at| match key {
+        b"raw_request" => {
+            let messages = st.call.messages.as_deref()?;
+            walk_object(t, at, &mut |key, at| {
+                if key != b"messages" {
+                    return None;
                 }
-            }
-            b"raw_response" => response_cuts(extra, e.start, call, cuts, scratch),
-            _ => {}
+                let end = value_end(t, at)?;
+                if t.get(at..end) == Some(messages) {
+                    st.cuts.push(Cut::plain(at, end, REF_MESSAGES, 0, 0));
+                }
+                Some(end)
+            })
         }
-    }
+        b"raw_response" => walk_object(t, at, &mut |key, at| match key {
+            b"prompt_token_ids" => st.ids(t, at, REF_PROMPT),
+            b"choices" => walk_array(t, at, &mut |i, at| {
+                if i > 0 {
+                    return None;
+                }
+                walk_object(t, at, &mut |key, at| match key {
+                    b"token_ids" => st.ids(t, at, REF_COMPLETION),
+                    b"prompt_token_ids" => st.ids(t, at, REF_PROMPT),
+                    b"logprobs" => st.logprobs(t, at),
+                    _ => None,
+                })
+            }),
+            _ => None,
+        }),
+        _ => None,
+    });
     cuts.sort_by_key(|c| c.start);
 }
 
@@ -215,107 +268,94 @@ impl Cut {
     }
 }
 
-fn response_cuts(text: &[u8], at: usize, call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let Some(fields) = object_at(text, at) else { return };
-    for f in fields {
-        match f.key {
-            b"prompt_token_ids" => ids_cut(text, &f, REF_PROMPT, &call.prompt_token_ids, cuts, scratch),
-            b"choices" => {
-                let Some(first) = array_at(text, f.start).and_then(|items| items.into_iter().next()) else { continue };
-                let Some(choice) = object_at(text, first.0) else { continue };
-                for g in choice {
-                    match g.key {
-                        b"token_ids" => ids_cut(text, &g, REF_COMPLETION, &call.completion_token_ids, cuts, scratch),
-                        b"prompt_token_ids" => ids_cut(text, &g, REF_PROMPT, &call.prompt_token_ids, cuts, scratch),
-                        b"logprobs" => logprobs_cuts(text, g.start, call, cuts, scratch),
-                        _ => {}
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
+/// What the walk of `extra` compares values with, and the cuts it found.
+struct Finder<'c> {
+    call: &'c Call,
+    cuts: &'c mut Vec<Cut>,
+    scratch: &'c mut String,
 }
 
-fn logprobs_cuts(text: &[u8], at: usize, call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let Some(lp) = &call.logprobs else { return };
-    let Some(fields) = object_at(text, at) else { return };
-    for f in fields {
-        match f.key {
-            // Chat completions: one object per generated token.
-            b"content" => {
-                let Some(items) = array_at(text, f.start) else { continue };
-                for (i, (start, _)) in items.into_iter().enumerate() {
-                    let Some(entry) = object_at(text, start) else { continue };
-                    let mut token_at = None;
-                    for g in entry {
-                        match g.key {
-                            b"token" if text.get(g.start) == Some(&b'"') => token_at = Some(g.start),
-                            b"logprob" => logprob_cut(text, &g, i, lp, cuts, scratch),
-                            b"bytes" => {
-                                if let Some(t) = token_at {
-                                    token_bytes_cut(text, &g, t, cuts, scratch);
-                                }
-                            }
-                            _ => {}
+impl Finder<'_> {
+    /// A list of ids at `at`: cut when it renders as `column` does.
+    fn ids(&mut self, t: &[u8], at: usize, reference: u8) -> Option<usize> {
+        let end = value_end(t, at)?;
+        let ids = if reference == REF_PROMPT { &self.call.prompt_token_ids } else { &self.call.completion_token_ids };
+        let orig = t.get(at..end)?;
+        for style in [LIST_COMPACT, LIST_SPACED] {
+            self.scratch.clear();
+            write_list(self.scratch, ids.iter().copied(), style);
+            if self.scratch.as_bytes() == orig {
+                self.cuts.push(Cut::plain(at, end, reference, style, 0));
+                break;
+            }
+        }
+        Some(end)
+    }
+
+    /// `choices[0].logprobs`: chat's `content[]` objects, or completions'
+    /// `token_logprobs` list.
+    fn logprobs(&mut self, t: &[u8], at: usize) -> Option<usize> {
+        walk_object(t, at, &mut |key, at| match key {
+            b"content" => walk_array(t, at, &mut |i, at| {
+                let mut token_at = None;
+                walk_object(t, at, &mut |key, at| match key {
+                    b"token" if t.get(at) == Some(&b'"') => {
+                        token_at = Some(at);
+                        string_end(t, at)
+                    }
+                    b"logprob" => self.logprob(t, at, i),
+                    b"bytes" => {
+                        let end = value_end(t, at)?;
+                        if let Some(token_at) = token_at {
+                            self.token_bytes(t, at, end, token_at);
                         }
+                        Some(end)
                     }
-                }
+                    _ => None,
+                })
+            }),
+            b"token_logprobs" => walk_array(t, at, &mut |i, at| self.logprob(t, at, i)),
+            _ => None,
+        })
+    }
+
+    /// A logprob at `at`, entry `i`: cut when it renders as the column's `i`.
+    fn logprob(&mut self, t: &[u8], at: usize, i: usize) -> Option<usize> {
+        let end = value_end(t, at)?;
+        let (Some(orig), Some(&v)) = (t.get(at..end), self.call.logprobs.as_ref().and_then(|lp| lp.get(i))) else {
+            return Some(end);
+        };
+        // Cheap test first: only a value that parses to the column's is rendered.
+        let Some(parsed) = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok()) else { return Some(end) };
+        let styles: &[u8] = if parsed.to_bits() == f64::from(v).to_bits() {
+            &[FLOAT_PYTHON, FLOAT_F64]
+        } else if (parsed as f32).to_bits() == v.to_bits() {
+            &[FLOAT_F32]
+        } else {
+            return Some(end);
+        };
+        for &style in styles {
+            self.scratch.clear();
+            write_float(self.scratch, v, style);
+            if self.scratch.as_bytes() == orig {
+                self.cuts.push(Cut::plain(at, end, REF_LOGPROB, style, i as u32));
+                break;
             }
-            // Completions: a list of floats.
-            b"token_logprobs" => {
-                let Some(items) = array_at(text, f.start) else { continue };
-                for (i, (start, end)) in items.into_iter().enumerate() {
-                    let e = Entry { key: b"", start, end };
-                    logprob_cut(text, &e, i, lp, cuts, scratch);
-                }
+        }
+        Some(end)
+    }
+
+    /// A token's `bytes` at `at..end`: cut when they are the UTF-8 of the
+    /// token literal at `token_at`.
+    fn token_bytes(&mut self, t: &[u8], at: usize, end: usize, token_at: usize) {
+        let (Some(orig), Some(token)) = (t.get(at..end), string_value(t, token_at)) else { return };
+        for style in [LIST_COMPACT, LIST_SPACED] {
+            self.scratch.clear();
+            write_list(self.scratch, token.bytes().map(u32::from), style);
+            if self.scratch.as_bytes() == orig {
+                self.cuts.push(Cut { start: at, end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
+                return;
             }
-            _ => {}
-        }
-    }
-}
-
-fn ids_cut(text: &[u8], e: &Entry<'_>, reference: u8, ids: &[u32], cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let Some(orig) = text.get(e.start..e.end) else { return };
-    for style in [LIST_COMPACT, LIST_SPACED] {
-        scratch.clear();
-        write_list(scratch, ids.iter().copied(), style);
-        if scratch.as_bytes() == orig {
-            cuts.push(Cut::plain(e.start, e.end, reference, style, 0));
-            return;
-        }
-    }
-}
-
-fn logprob_cut(text: &[u8], e: &Entry<'_>, i: usize, lp: &[f32], cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let (Some(orig), Some(&v)) = (text.get(e.start..e.end), lp.get(i)) else { return };
-    // Cheap test first: only a value that parses to the column's is rendered.
-    let Some(parsed) = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok()) else { return };
-    let styles: &[u8] = if parsed.to_bits() == f64::from(v).to_bits() {
-        &[FLOAT_PYTHON, FLOAT_F64]
-    } else if (parsed as f32).to_bits() == v.to_bits() {
-        &[FLOAT_F32]
-    } else {
-        return;
-    };
-    for &style in styles {
-        scratch.clear();
-        write_float(scratch, v, style);
-        if scratch.as_bytes() == orig {
-            cuts.push(Cut::plain(e.start, e.end, REF_LOGPROB, style, i as u32));
-            return;
-        }
-    }
-}
-
-fn token_bytes_cut(text: &[u8], e: &Entry<'_>, token_at: usize, cuts: &mut Vec<Cut>, scratch: &mut String) {
-    let (Some(orig), Some(token)) = (text.get(e.start..e.end), string_value(text, token_at)) else { return };
-    for style in [LIST_COMPACT, LIST_SPACED] {
-        scratch.clear();
-        write_list(scratch, token.bytes().map(u32::from), style);
-        if scratch.as_bytes() == orig {
-            cuts.push(Cut { start: e.start, end: e.end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
-            return;
         }
     }
 }
@@ -327,7 +367,7 @@ fn write_list(out: &mut String, items: impl Iterator<Item = u32>, style: u8) {
         if i > 0 {
             out.push_str(sep);
         }
-        let _ = write!(out, "{v}");
+        push_u32(out, v);
     }
     out.push(']');
 }
@@ -371,7 +411,7 @@ pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
     let rest = block.get(HEADER_BYTES..).unwrap_or_default();
     let payload = match codec {
         CODEC_NONE => rest.to_vec(),
-        CODEC_ZSTD => zstd::bulk::decompress(rest, raw_len)
+        CODEC_ZSTD => decompress(rest, raw_len)
             .map_err(|e| DecodeError::new(HEADER_BYTES, format!("docs: zstd frame does not decompress ({e})")))?,
         other => return Err(DecodeError::new(0, format!("unknown docs codec {other}"))),
     };
@@ -515,13 +555,6 @@ struct Splice {
 
 // ---------------------------------------------------------------- a JSON span scanner
 
-/// A key of an object and its value's byte range.
-struct Entry<'a> {
-    key: &'a [u8],
-    start: usize,
-    end: usize,
-}
-
 fn skip_ws(b: &[u8], mut i: usize) -> usize {
     while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
         i += 1;
@@ -593,16 +626,18 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
     }
 }
 
-/// The entries of the object starting at `i` (a `{`), keys raw (escapes not
-/// resolved: a key with an escape matches nothing here).
-fn object_at(b: &[u8], i: usize) -> Option<Vec<Entry<'_>>> {
+/// Walk the object starting at `i` (a `{`): `visit(key, value_start)`
+/// returns the value's end when it walked the value itself, `None` to have it
+/// skipped here. Keys are raw (escapes not resolved: a key with an escape
+/// matches nothing). Returns the end of the object, `None` when the text is
+/// not an object there.
+fn walk_object(b: &[u8], i: usize, visit: &mut dyn FnMut(&[u8], usize) -> Option<usize>) -> Option<usize> {
     if b.get(i) != Some(&b'{') {
         return None;
     }
-    let mut out = Vec::new();
     let mut j = skip_ws(b, i + 1);
     if b.get(j) == Some(&b'}') {
-        return Some(out);
+        return Some(j + 1);
     }
     loop {
         let key_end = string_end(b, j)?;
@@ -612,34 +647,40 @@ fn object_at(b: &[u8], i: usize) -> Option<Vec<Entry<'_>>> {
             return None;
         }
         let start = skip_ws(b, j + 1);
-        let end = value_end(b, start)?;
-        out.push(Entry { key, start, end });
+        let end = match visit(key, start) {
+            Some(end) if end > start => end,
+            _ => value_end(b, start)?,
+        };
         j = skip_ws(b, end);
         match b.get(j)? {
             b',' => j = skip_ws(b, j + 1),
-            b'}' => return Some(out),
+            b'}' => return Some(j + 1),
             _ => return None,
         }
     }
 }
 
-/// The (start, end) of each item of the array starting at `i` (a `[`).
-fn array_at(b: &[u8], i: usize) -> Option<Vec<(usize, usize)>> {
+/// Walk the array starting at `i` (a `[`): `visit(index, item_start)` as for
+/// [`walk_object`].
+fn walk_array(b: &[u8], i: usize, visit: &mut dyn FnMut(usize, usize) -> Option<usize>) -> Option<usize> {
     if b.get(i) != Some(&b'[') {
         return None;
     }
-    let mut out = Vec::new();
     let mut j = skip_ws(b, i + 1);
     if b.get(j) == Some(&b']') {
-        return Some(out);
+        return Some(j + 1);
     }
+    let mut n = 0;
     loop {
-        let end = value_end(b, j)?;
-        out.push((j, end));
+        let end = match visit(n, j) {
+            Some(end) if end > j => end,
+            _ => value_end(b, j)?,
+        };
+        n += 1;
         j = skip_ws(b, end);
         match b.get(j)? {
             b',' => j = skip_ws(b, j + 1),
-            b']' => return Some(out),
+            b']' => return Some(j + 1),
             _ => return None,
         }
     }
