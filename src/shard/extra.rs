@@ -72,10 +72,11 @@ fn members(text: &str) -> Option<Vec<(String, usize, usize)>> {
 
 /// Take the member `key` out of `text` when its frame is compact: returns
 /// the text without it, its value, and the offset where it goes back.
-fn cut(text: &str, key: &str) -> Option<(String, String, u32)> {
-    let all = members(text)?;
-    let mut found = all.iter().filter(|(k, _, _)| k == key);
-    let &(_, start, end) = found.next()?;
+/// `all` lists `text`'s members (key, value range) and is updated to the
+/// returned text's (so that `text` is parsed once for every cut).
+fn cut(text: &str, all: &mut Vec<(String, usize, usize)>, key: &str) -> Option<(String, String, u32)> {
+    let mut found = all.iter().enumerate().filter(|(_, (k, _, _))| k == key);
+    let (index, &(_, start, end)) = found.next()?;
     if found.next().is_some() {
         return None;
     }
@@ -100,8 +101,18 @@ fn cut(text: &str, key: &str) -> Option<(String, String, u32)> {
         (b'{', _) => (key_start, end),
         _ => return None,
     };
+    let at = u32::try_from(from).ok()?;
     let rest = format!("{}{}", text.get(..from)?, text.get(to..)?);
-    Some((rest, value.to_owned(), u32::try_from(from).ok()?))
+    let value = value.to_owned();
+    // The other members keep their bytes; those after the cut move left.
+    all.remove(index);
+    for (_, s, e) in all.iter_mut() {
+        if *s >= to {
+            *s -= to - from;
+            *e -= to - from;
+        }
+    }
+    Some((rest, value, at))
 }
 
 /// Put the member `key` with value text `value` back into `text` at byte
@@ -135,9 +146,14 @@ pub fn insert(text: &str, at: u32, key: &str, value: &str) -> Option<String> {
 pub fn split(extra: Option<&str>) -> SplitExtra {
     let Some(original) = extra else { return SplitExtra::default() };
     let mut out = SplitExtra { extra: Some(original.to_owned()), ..SplitExtra::default() };
+    // Cheap test first: most calls carry none of the keys.
+    if !MOVED.iter().any(|(_, key)| original.contains(&format!("{}:", json_string(key)))) {
+        return out;
+    }
+    let Some(mut all) = members(original) else { return out };
     let mut text = original.to_owned();
     for (i, (_, key)) in MOVED.iter().enumerate() {
-        if let Some((rest, value, at)) = cut(&text, key) {
+        if let Some((rest, value, at)) = cut(&text, &mut all, key) {
             text = rest;
             if let Some(slot) = out.moved.get_mut(i) {
                 *slot = Some(value);
