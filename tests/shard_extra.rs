@@ -272,3 +272,45 @@ fn the_moved_documents_leave_extra_small() {
     assert!(in_extra * 10 < appended, "extra keeps {in_extra} of {appended} bytes");
     assert!(in_columns + in_extra <= appended, "{in_columns} + {in_extra} > {appended}");
 }
+
+#[test]
+fn a_splice_that_does_not_fit_is_corrupt_not_misread() {
+    use trajlog::shard::reader::{verify_shard, ShardFile};
+    use trajlog::shard::schema::steps_schema;
+    use trajlog::shard::writer::TableWriter;
+    let dir = tempdir();
+    let calls: Vec<Call> = edge_calls().into_iter().filter(|c| c.session_id == "edge:0").collect();
+    let (_store, _) = compact_all(dir.path(), &calls, &CompactOptions::default());
+    let (batch, _) = steps_batches(dir.path()).remove(0);
+    // Every offset moved past the end of its `extra`: a well-checksummed file
+    // whose rows cannot be rebuilt.
+    let splice = batch.column_by_name("extra_splice").unwrap().as_list::<i32>();
+    let mut bad = arrow_array::builder::ListBuilder::new(arrow_array::builder::UInt32Builder::new())
+        .with_field(std::sync::Arc::new(arrow_schema::Field::new("item", arrow_schema::DataType::UInt32, false)));
+    for row in 0..batch.num_rows() {
+        if splice.is_null(row) {
+            bad.append(false);
+        } else {
+            for _ in 0..splice.value(row).len() {
+                bad.values().append_value(1 << 20);
+            }
+            bad.append(true);
+        }
+    }
+    let index = batch.schema().index_of("extra_splice").unwrap();
+    let mut columns = batch.columns().to_vec();
+    columns[index] = std::sync::Arc::new(bad.finish());
+    let damaged = RecordBatch::try_new(steps_schema(), columns).unwrap();
+    let out = tempdir();
+    let mut w = TableWriter::new(out.path(), "steps", 1, steps_schema(), trajlog::ShardCompression::default(), 1 << 30)
+        .unwrap();
+    w.write_row_group(&damaged, 0).unwrap();
+    let written = w.finish().unwrap();
+    let path = out.path().join(&written[0].staged);
+    let shard = ShardFile::open(&path, 0, written[0].shard.checksum).unwrap();
+    let err = shard.read_row_group(0).unwrap_err();
+    assert!(matches!(err.kind(), trajlog::ErrorKind::Corrupt { .. }), "{err}");
+    assert!(err.message().contains("extra_splice"), "{err}");
+    let problems = verify_shard(&path, written[0].shard.checksum);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+}
