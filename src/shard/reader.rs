@@ -430,7 +430,9 @@ impl ShardFile {
             );
         }
         let batch = arrow_select_concat(&batches, self.meta.schema(), &self.path)?;
-        if self.version < 3 || kv_value(self.meta.metadata(), META_TABLE) != Some("steps") {
+        // By the schema, not the table name: a format 3 `steps` file has
+        // `extra_splice` (checked at open), a `trajectories` file never.
+        if self.version < 3 || batch.schema().column_with_name("extra_splice").is_none() {
             return Ok(batch);
         }
         self.rejoin_extra(&batch, rg)
