@@ -4,7 +4,8 @@
 //! `tests/fixtures/store-v1` was written by format version 1,
 //! `tests/fixtures/store-v2` by store format 2 (manifest 2, shard format 1) and
 //! `tests/fixtures/store-v3` by store format 3 (manifest 3 with shard
-//! checksums, shard format 2), each with
+//! checksums, shard format 2) and `tests/fixtures/store-shard-v3` by store
+//! format 4 (shard format 3: raw bodies and key order in `steps` columns), each with
 //! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
 //! overwrite an existing fixture).
 
@@ -236,4 +237,89 @@ fn reads_the_v3_fixture_with_shard_checksums_exactly() {
     let shard = trajlog::shard::reader::ShardFile::open(&snap.shard_paths()[0], 0, None).unwrap();
     assert!(shard.has_checksums());
     assert_eq!(shard.row_groups(), 2);
+}
+
+fn fixture_shard3_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-shard-v3")
+}
+
+/// The v1 calls plus a sealed session of calls whose `extra` carries what
+/// shard format 3 moves into columns (format-spec/shard.md §2.1), and cases
+/// it keeps in `extra`.
+fn fixture_shard3_calls() -> Vec<Call> {
+    let mut calls = fixture_calls();
+    let extras = [
+        r#"{"raw_request":{"model":"m","messages":[{"role":"user","content":"hi"}]},"raw_response":{"id":"c1","usage":{"prompt_tokens":2}},"token_counts":{"prompt":2}}"#,
+        r#"{"raw_request":{"model":"m"},"raw_response":null,"token_counts":{}}"#,
+        r#"{"z":1,"raw_response":{"é":"😀"},"a":[],"raw_request":"last"}"#,
+        "{ \"raw_request\" : {\"kept\": true}, \"raw_response\":{\"moved\":1}}",
+        r#"{"raw_request":1,"raw_request":2}"#,
+    ];
+    for (i, e) in extras.iter().enumerate() {
+        calls.push(Call {
+            trace_id: format!("g/{i}"),
+            session_id: "task-3:0".into(),
+            timestamp: 200.0 + i as f64,
+            prompt_token_ids: vec![3, 1, 4, i as u32],
+            completion_token_ids: vec![1, 5],
+            logprobs: Some(vec![-0.5, -1.25]),
+            extra: Some(e.as_bytes().to_vec()),
+            ..Default::default()
+        });
+    }
+    // A parsed trace in an odd key order: its key order moves to `key_order`.
+    let trace = r#"{"raw_response":{"choices":[]},"session_id":"task-3:0","trace_id":"g/p","prompt_token_ids":[9],"completion_token_ids":[8],"raw_request":{"messages":[]},"timestamp":300.5}"#;
+    calls.push(trajlog::trace_json::parse_trace(trace, 0.0).unwrap());
+    calls
+}
+
+/// Store format 4: shard format 3 (`raw_request`, `raw_response`, `key_order`
+/// and `extra_splice` columns in `steps`).
+fn write_fixture_shard3() {
+    let dir = fixture_shard3_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_shard3_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.seal_session("task-3:0").unwrap();
+    store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(3)).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_shard_format_3_fixture_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_shard3_dir().exists() {
+        write_fixture_shard3();
+    }
+    let dir = fixture_shard3_dir();
+    let store = Store::open_read_only(&dir).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls = fixture_shard3_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id != "task-2:0", "{}", c.trace_id);
+        assert_exact(&v, c);
+        if c.session_id == "task-3:0" {
+            // Whole-Call equality (no NaN logprob in this session).
+            assert_eq!(&v.to_call().unwrap(), c, "{}", c.trace_id);
+        }
+    }
+    assert_eq!(snap.get("a/2").unwrap().unwrap().relation(), Relation::TitoBreak);
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    let (_, manifest) = read_manifest(&dir);
+    for s in &manifest.shards {
+        let path = dir.join("shards").join(&s.path);
+        assert!(trajlog::shard::reader::verify_shard(&path, s.checksum).is_empty(), "{}", s.path);
+    }
+    let steps = snap.shard_paths()[0].clone();
+    let reader = parquet::file::serialized_reader::SerializedFileReader::new(std::fs::File::open(&steps).unwrap());
+    let meta = parquet::file::reader::FileReader::metadata(&reader.unwrap()).file_metadata().clone();
+    let kv = meta.key_value_metadata().unwrap();
+    let version = kv.iter().find(|k| k.key == "trajlog.shard_format_version").unwrap();
+    assert_eq!(version.value.as_deref(), Some("3"));
 }

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use trajlog::format::manifest::{decode_manifest, ShardChecksum};
 use trajlog::shard::reader::{verify_shard, ShardFile};
-use trajlog::shard::schema::{decode_chunk_crcs, steps_schema, META_CHUNK_CRC32, META_FORMAT_VERSION};
+use trajlog::shard::schema::{decode_chunk_crcs, steps_schema_of, META_CHUNK_CRC32, META_FORMAT_VERSION};
 use trajlog::{Call, CompactOptions, ErrorKind, Options, ShardCompression, Store};
 
 /// A deterministic pseudo-random stream (xorshift64*).
@@ -77,13 +77,13 @@ fn manifest_checksum(dir: &Path, shard: &Path) -> Option<ShardChecksum> {
     m.shards.iter().find(|s| s.path == format!("steps/{name}")).unwrap().checksum
 }
 
-/// The recorded column chunk ranges of a format 2 shard.
+/// The recorded column chunk ranges of a shard this build wrote (format 3).
 fn chunk_ranges(shard: &Path) -> Vec<(u64, u64)> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let reader = SerializedFileReader::new(std::fs::File::open(shard).unwrap()).unwrap();
     let kv = reader.metadata().file_metadata().key_value_metadata().unwrap();
     let version = kv.iter().find(|k| k.key == META_FORMAT_VERSION).unwrap().value.clone();
-    assert_eq!(version.as_deref(), Some("2"));
+    assert_eq!(version.as_deref(), Some("3"));
     let text = kv.iter().find(|k| k.key == META_CHUNK_CRC32).unwrap().value.clone().unwrap();
     let rgs = decode_chunk_crcs(&text).unwrap();
     assert!(rgs.len() >= 5, "several row groups");
@@ -286,12 +286,13 @@ fn unknown_shard_format_is_incompatible() {
     use parquet::file::properties::WriterProperties;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("part-000001-0000.parquet");
-    for (version, incompatible) in [("3", true), ("0", true), ("1", false)] {
+    for (version, incompatible) in [(4, true), (0, true), (1, false)] {
         let props = WriterProperties::builder()
-            .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), version.to_owned())]))
+            .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), version.to_string())]))
             .build();
-        let mut w = ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), steps_schema(), Some(props)).unwrap();
-        w.write(&arrow_array::RecordBatch::new_empty(steps_schema())).unwrap();
+        let schema = steps_schema_of(version);
+        let mut w = ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), schema.clone(), Some(props)).unwrap();
+        w.write(&arrow_array::RecordBatch::new_empty(schema)).unwrap();
         w.close().unwrap();
         let result = ShardFile::open(&path, 0, None);
         if incompatible {
@@ -301,14 +302,17 @@ fn unknown_shard_format_is_incompatible() {
             assert!(result.is_ok(), "format 1 files carry no checksums and still open");
         }
     }
-    // Format 2 without its checksum list is corrupt, not silently unchecked.
-    let props = WriterProperties::builder()
-        .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), "2".to_owned())]))
-        .build();
-    let mut w = ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), steps_schema(), Some(props)).unwrap();
-    w.write(&arrow_array::RecordBatch::new_empty(steps_schema())).unwrap();
-    w.close().unwrap();
-    let err = ShardFile::open(&path, 0, None).unwrap_err();
-    assert!(matches!(err.kind(), ErrorKind::Corrupt { .. }), "{err}");
-    assert!(err.message().contains(META_CHUNK_CRC32), "{err}");
+    // Formats 2 and 3 without their checksum list are corrupt, not silently unchecked.
+    for version in [2, 3] {
+        let props = WriterProperties::builder()
+            .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), version.to_string())]))
+            .build();
+        let schema = steps_schema_of(version);
+        let mut w = ArrowWriter::try_new(std::fs::File::create(&path).unwrap(), schema.clone(), Some(props)).unwrap();
+        w.write(&arrow_array::RecordBatch::new_empty(schema)).unwrap();
+        w.close().unwrap();
+        let err = ShardFile::open(&path, 0, None).unwrap_err();
+        assert!(matches!(err.kind(), ErrorKind::Corrupt { .. }), "{err}");
+        assert!(err.message().contains(META_CHUNK_CRC32), "{err}");
+    }
 }

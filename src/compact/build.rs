@@ -45,6 +45,7 @@ impl StepInput {
     pub fn approx_bytes(&self) -> usize {
         4 * (self.prompt.len() + 2 * self.completion.len())
             + self.messages.as_ref().map_or(0, String::len)
+            + self.response_message.as_ref().map_or(0, String::len)
             + self.metadata.as_ref().map_or(0, String::len)
             + self.extra.as_ref().map_or(0, String::len)
             + 128
@@ -70,10 +71,14 @@ pub struct StepsBuilder {
     messages: StringBuilder,
     response_message: StringBuilder,
     metadata: StringBuilder,
+    raw_request: StringBuilder,
+    raw_response: StringBuilder,
     session_uids: ListBuilder<StringBuilder>,
     latency_ms: Float64Builder,
     routing_matrices: BinaryBuilder,
     extra: StringBuilder,
+    key_order: StringBuilder,
+    extra_splice: ListBuilder<UInt32Builder>,
     source_segment: UInt64Builder,
     source_offset: UInt64Builder,
     pub rows: usize,
@@ -132,10 +137,14 @@ impl Default for StepsBuilder {
             messages: StringBuilder::new(),
             response_message: StringBuilder::new(),
             metadata: StringBuilder::new(),
+            raw_request: StringBuilder::new(),
+            raw_response: StringBuilder::new(),
             session_uids: list_str(),
             latency_ms: Float64Builder::new(),
             routing_matrices: BinaryBuilder::new(),
             extra: StringBuilder::new(),
+            key_order: StringBuilder::new(),
+            extra_splice: list_u32(),
             source_segment: UInt64Builder::new(),
             source_offset: UInt64Builder::new(),
             rows: 0,
@@ -171,13 +180,26 @@ impl StepsBuilder {
         self.messages.append_option(s.messages.as_deref());
         self.response_message.append_option(s.response_message.as_deref());
         self.metadata.append_option(s.metadata.as_deref());
+        // format-spec/shard.md §2.1: the raw bodies and the key order leave
+        // `extra` for their own columns, and come back byte for byte on read.
+        let split = crate::shard::extra::split(s.extra.as_deref());
+        let [key_order, raw_request, raw_response] = &split.moved;
+        self.raw_request.append_option(raw_request.as_deref());
+        self.raw_response.append_option(raw_response.as_deref());
         for u in &s.session_uids {
             self.session_uids.values().append_value(u);
         }
         self.session_uids.append(true);
         self.latency_ms.append_option(s.latency_ms);
         self.routing_matrices.append_option(s.routing_matrices.as_deref());
-        self.extra.append_option(s.extra.as_deref());
+        self.extra.append_option(split.extra.as_deref());
+        self.key_order.append_option(key_order.as_deref());
+        if split.splice.is_empty() {
+            self.extra_splice.append(false);
+        } else {
+            self.extra_splice.values().append_slice(&split.splice);
+            self.extra_splice.append(true);
+        }
         self.source_segment.append_value(s.loc.segment);
         self.source_offset.append_value(s.loc.offset);
         self.rows += 1;
@@ -204,10 +226,14 @@ impl StepsBuilder {
             Arc::new(self.messages.finish()),
             Arc::new(self.response_message.finish()),
             Arc::new(self.metadata.finish()),
+            Arc::new(self.raw_request.finish()),
+            Arc::new(self.raw_response.finish()),
             Arc::new(self.session_uids.finish()),
             Arc::new(self.latency_ms.finish()),
             Arc::new(self.routing_matrices.finish()),
             Arc::new(self.extra.finish()),
+            Arc::new(self.key_order.finish()),
+            Arc::new(self.extra_splice.finish()),
             Arc::new(self.source_segment.finish()),
             Arc::new(self.source_offset.finish()),
         ];

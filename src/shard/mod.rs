@@ -3,6 +3,7 @@
 //! indexes and reads. Below the indexes and the store; compaction
 //! (`crate::compact`) builds its rows and drives the writer.
 
+pub mod extra;
 pub mod reader;
 pub mod schema;
 pub mod writer;

@@ -10,7 +10,7 @@
 //! (and their manifests) carry no checksums and are decoded unchecked.
 
 use crate::shard::schema::{
-    chunk_range, decode_chunk_crcs, steps_schema, trajectories_schema, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION,
+    chunk_range, decode_chunk_crcs, steps_schema_of, trajectories_schema, ChunkCrc, META_CHUNK_CRC32, META_FORMAT_VERSION,
     META_TABLE, SHARD_FORMAT_VERSION, SHARD_FORMAT_VERSION_MIN,
 };
 use crate::shard::writer::parquet_err;
@@ -20,7 +20,8 @@ use crate::format::record::{CallRecord, Loc, Relation};
 use crate::error::Problem;
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Float64Type, Int64Type, UInt32Type, UInt64Type};
-use arrow_array::{Array, RecordBatch};
+use arrow_array::builder::StringBuilder;
+use arrow_array::{Array, ArrayRef, RecordBatch};
 use parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder,
 };
@@ -45,6 +46,9 @@ pub struct ShardFile {
     /// at open to match the metadata and to cover the file from byte 4 to the
     /// footer. `None` for format 1 files.
     chunks: Option<Vec<Vec<ChunkCrc>>>,
+    /// Its `trajlog.shard_format_version` (format 3: documents moved out of
+    /// `extra`, spliced back by [`ShardFile::read_row_group`]).
+    version: u32,
 }
 
 /// What the store's index needs of one `steps` row.
@@ -161,7 +165,7 @@ impl ShardFile {
     /// footer's crc32 first.
     pub fn open(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
         let f = Self::open_any(path, id, expected)?;
-        if f.meta.schema().fields() != steps_schema().fields() {
+        if f.meta.schema().fields() != steps_schema_of(f.version).fields() {
             return Err(corrupt(path, "schema is not the steps schema of format-spec/shard.md"));
         }
         Ok(f)
@@ -207,8 +211,8 @@ impl ShardFile {
         let footer = tail.get(..footer_len as usize).unwrap_or_default();
         let metadata = ParquetMetaDataReader::decode_metadata(footer).map_err(|e| corrupt_at(path, footer_start, e))?;
         let version = kv_value(&metadata, META_FORMAT_VERSION).and_then(|v| v.parse::<u32>().ok());
-        match version {
-            Some(v) if (SHARD_FORMAT_VERSION_MIN..=SHARD_FORMAT_VERSION).contains(&v) => {}
+        let version = match version {
+            Some(v) if (SHARD_FORMAT_VERSION_MIN..=SHARD_FORMAT_VERSION).contains(&v) => v,
             Some(v) => {
                 return Err(Error::new(
                     ErrorKind::Incompatible,
@@ -219,12 +223,12 @@ impl ShardFile {
                 ))
             }
             None => return Err(corrupt_at(path, footer_start, "no trajlog shard format version in its metadata")),
-        }
+        };
         check_chunk_bounds(&metadata, path, footer_start)?;
-        let chunks = if version == Some(1) { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
+        let chunks = if version == 1 { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
             .map_err(|e| corrupt_at(path, footer_start, e))?;
-        Ok(Self { id, path: path.to_path_buf(), meta, chunks })
+        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version })
     }
 
     /// Number of row groups.
@@ -366,7 +370,8 @@ impl ShardFile {
 
     /// The index entries of every row, in row order.
     pub fn index_rows(&self, out: &mut Vec<ShardRow>) -> Result<()> {
-        let schema = steps_schema();
+        // Column positions differ between formats: looked up in the file's schema.
+        let schema = self.meta.schema();
         let names = ["trace_id", "session_id", "timestamp", "session_uids", "source_segment", "source_offset"];
         let idx: Vec<usize> = names.iter().filter_map(|n| schema.index_of(n).ok()).collect();
         for rg in 0..self.row_groups() {
@@ -411,7 +416,10 @@ impl ShardFile {
         Ok(())
     }
 
-    /// Decode one whole row group.
+    /// Decode one whole row group. A `steps` row group comes in the columns
+    /// of shard format 2 whatever the file's format: a format 3 row group's documents moved out
+    /// of `extra` are spliced back into it (shard.md §2.1) and their columns
+    /// dropped, so that [`call_from_row`] sees each call's `extra` as appended.
     pub fn read_row_group(&self, rg: u32) -> Result<RecordBatch> {
         let rg = rg as usize;
         let reader = self.row_group_reader(rg, None, usize::MAX >> 1)?;
@@ -421,7 +429,54 @@ impl ShardFile {
                 b.map_err(|e| corrupt_at(&self.path, self.row_group_offset(rg), format!("row group {rg}: {e}")))?,
             );
         }
-        arrow_select_concat(&batches, &self.path)
+        let batch = arrow_select_concat(&batches, self.meta.schema(), &self.path)?;
+        // By the schema, not the table name: a format 3 `steps` file has
+        // `extra_splice` (checked at open), a `trajectories` file never.
+        if self.version < 3 || batch.schema().column_with_name("extra_splice").is_none() {
+            return Ok(batch);
+        }
+        self.rejoin_extra(&batch, rg)
+    }
+
+    /// format-spec/shard.md §2.1: `extra` rebuilt from `extra`, `key_order`,
+    /// `raw_request`, `raw_response` and `extra_splice`, in a batch of the
+    /// format 2 columns.
+    fn rejoin_extra(&self, batch: &RecordBatch, rg: usize) -> Result<RecordBatch> {
+        let at = self.row_group_offset(rg);
+        let bad = |what: String| corrupt_at(&self.path, at, format!("row group {rg}: {what}"));
+        let column = |name: &str| batch.column_by_name(name).ok_or_else(|| bad(format!("no column {name}")));
+        let text = |name: &str| column(name)?.as_string_opt::<i32>().ok_or_else(|| bad(format!("{name} type")));
+        let extra = text("extra")?;
+        let moved = [text("key_order")?, text("raw_request")?, text("raw_response")?];
+        let splice = column("extra_splice")?.as_list_opt::<i32>().ok_or_else(|| bad("extra_splice type".into()))?;
+        let offsets =
+            splice.values().as_primitive_opt::<UInt32Type>().ok_or_else(|| bad("extra_splice items".into()))?.values();
+        let mut out = StringBuilder::with_capacity(batch.num_rows(), extra.value_data().len());
+        for row in 0..batch.num_rows() {
+            let docs = moved.map(|c| c.is_valid(row).then(|| c.value(row)));
+            let at = if splice.is_null(row) {
+                &[][..]
+            } else {
+                list_range(splice.value_offsets(), row)
+                    .and_then(|r| offsets.get(r))
+                    .ok_or_else(|| bad(format!("row {row}: extra_splice offsets")))?
+            };
+            match extra.is_valid(row).then(|| extra.value(row)) {
+                Some(e) if at.is_empty() && docs.iter().all(Option::is_none) => out.append_value(e),
+                None if at.is_empty() && docs.iter().all(Option::is_none) => out.append_null(),
+                Some(e) => out.append_value(crate::shard::extra::join(e, docs, at).ok_or_else(|| {
+                    bad(format!("row {row}: extra_splice {at:?} does not fit its extra and moved documents"))
+                })?),
+                None => return Err(bad(format!("row {row}: documents moved out of a null extra"))),
+            }
+        }
+        let rebuilt: ArrayRef = Arc::new(out.finish());
+        let schema = steps_schema_of(2);
+        let mut columns = Vec::with_capacity(schema.fields().len());
+        for f in schema.fields() {
+            columns.push(if f.name() == "extra" { rebuilt.clone() } else { column(f.name())?.clone() });
+        }
+        RecordBatch::try_new(schema, columns).map_err(|e| bad(e.to_string()))
     }
 }
 
@@ -450,7 +505,7 @@ pub fn verify_shard(path: &Path, expected: Option<ShardChecksum>) -> Vec<Problem
     }
     let table = kv_value(shard.meta.metadata(), META_TABLE).unwrap_or_default().to_owned();
     let schema = match table.as_str() {
-        "steps" => steps_schema(),
+        "steps" => steps_schema_of(shard.version),
         "trajectories" => trajectories_schema(),
         other => {
             problems.push(problem(corrupt(path, format!("unknown table {other:?} in {META_TABLE}"))));
@@ -482,10 +537,10 @@ pub fn verify_shard(path: &Path, expected: Option<ShardChecksum>) -> Vec<Problem
     problems
 }
 
-fn arrow_select_concat(batches: &[RecordBatch], path: &Path) -> Result<RecordBatch> {
+fn arrow_select_concat(batches: &[RecordBatch], schema: &arrow_schema::SchemaRef, path: &Path) -> Result<RecordBatch> {
     match batches {
         [one] => Ok(one.clone()),
-        [] => Ok(RecordBatch::new_empty(steps_schema())),
+        [] => Ok(RecordBatch::new_empty(schema.clone())),
         _ => Err(corrupt(path, "a row group decoded into several batches")),
     }
 }

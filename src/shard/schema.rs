@@ -6,8 +6,10 @@ use std::sync::Arc;
 
 /// Version of the shard format (format-spec/shard.md) this build writes; stored
 /// in each file's key-value metadata under [`META_FORMAT_VERSION`]. Version 2
-/// adds the column chunk checksums ([`META_CHUNK_CRC32`], shard.md §7).
-pub const SHARD_FORMAT_VERSION: u32 = 2;
+/// adds the column chunk checksums ([`META_CHUNK_CRC32`], shard.md §7);
+/// version 3 the `raw_request`, `raw_response`, `key_order` and
+/// `extra_splice` columns of `steps` (shard.md §2.1).
+pub const SHARD_FORMAT_VERSION: u32 = 3;
 /// The oldest shard format this build reads (version 1: no checksums).
 pub const SHARD_FORMAT_VERSION_MIN: u32 = 1;
 pub const META_FORMAT_VERSION: &str = "trajlog.shard_format_version";
@@ -20,9 +22,16 @@ fn list_of(item: DataType, nullable_items: bool) -> DataType {
     DataType::List(Arc::new(Field::new("item", item, nullable_items)))
 }
 
-/// One row per call.
+/// One row per call, as this build writes it (shard format 3).
 pub fn steps_schema() -> Arc<Schema> {
-    Arc::new(Schema::new(vec![
+    steps_schema_of(SHARD_FORMAT_VERSION)
+}
+
+/// The `steps` schema of shard format `version`: formats 1 and 2 lack the
+/// columns format 3 moved out of `extra` (shard.md §2.1).
+pub fn steps_schema_of(version: u32) -> Arc<Schema> {
+    let moved = version >= 3;
+    let fields = vec![
         Field::new("trace_id", DataType::Utf8, false),
         Field::new("session_id", DataType::Utf8, false),
         Field::new("call_index", DataType::UInt32, false),
@@ -40,13 +49,21 @@ pub fn steps_schema() -> Arc<Schema> {
         Field::new("messages", DataType::Utf8, true),
         Field::new("response_message", DataType::Utf8, true),
         Field::new("metadata", DataType::Utf8, true),
+        Field::new("raw_request", DataType::Utf8, true),
+        Field::new("raw_response", DataType::Utf8, true),
         Field::new("session_uids", list_of(DataType::Utf8, false), false),
         Field::new("latency_ms", DataType::Float64, true),
         Field::new("routing_matrices", DataType::Binary, true),
         Field::new("extra", DataType::Utf8, true),
+        Field::new("key_order", DataType::Utf8, true),
+        Field::new("extra_splice", list_of(DataType::UInt32, false), true),
         Field::new("source_segment", DataType::UInt64, false),
         Field::new("source_offset", DataType::UInt64, false),
-    ]))
+    ];
+    let moved_only = ["raw_request", "raw_response", "key_order", "extra_splice"];
+    Arc::new(Schema::new(
+        fields.into_iter().filter(|f| moved || !moved_only.contains(&f.name().as_str())).collect::<Vec<_>>(),
+    ))
 }
 
 /// One row per chain of calls linked by exact extension.

@@ -54,6 +54,11 @@ def make_traces(seed: int = 7, sessions: int = 12, steps: int = 5):
                     "messages": [{"role": "user", "content": f"turn {step}"}],
                     "metadata": {"group_id": f"task-{task}"},
                     "finish_reason": "stop",
+                    # As the rLLM gateway stores them; every 3rd call streamed (no raw response).
+                    "raw_request": {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": f"turn {step}"}], "logprobs": True},
+                    "raw_response": None
+                    if step % 3 == 2
+                    else {"id": f"chatcmpl-{s}-{step}", "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}},
                 }
             )
             nxt = list(prompt)

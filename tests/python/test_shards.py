@@ -1,6 +1,8 @@
 """The Parquet shards are read by pyarrow, DuckDB and Hugging Face datasets,
 and the tokens they hold equal what went in through `trajlog ingest`."""
 
+import json
+
 import numpy as np
 import pyarrow.dataset as ds
 
@@ -49,7 +51,7 @@ def test_pyarrow_reads_steps_and_trajectories_exactly(compacted_store):
     for table in ("steps", "trajectories"):
         for f in (store / "shards" / table).glob("*.parquet"):
             meta = pq.ParquetFile(f).metadata
-            assert meta.metadata[b"trajlog.shard_format_version"] == b"2"
+            assert meta.metadata[b"trajlog.shard_format_version"] == b"3"
             assert meta.metadata[b"trajlog.table"] == table.encode()
             assert meta.row_group(0).column(0).compression == "ZSTD"
 
@@ -99,3 +101,29 @@ def test_hf_datasets_loads_the_shards(compacted_store, tmp_path, monkeypatch):
         cache_dir=str(tmp_path / "c"),
     )
     assert sum(check_trajectory(r, traces) for r in trajs) == len(traces)
+
+
+def test_duckdb_queries_the_raw_bodies_as_json(compacted_store):
+    """Shard format 3: `raw_request` and `raw_response` are plain JSON text
+    columns, out of `extra` (format-spec/shard.md §2.1)."""
+    import duckdb
+
+    store, traces = compacted_store
+    steps_glob = str(store / "shards" / "steps" / "*.parquet")
+    rows = duckdb.sql(
+        f"SELECT trace_id, raw_request, raw_response, extra, "
+        f"json_extract(raw_response, '$.usage.completion_tokens')::INTEGER FROM '{steps_glob}'"
+    ).fetchall()
+    assert len(rows) == len(traces)
+    for trace_id, raw_request, raw_response, extra, completion_tokens in rows:
+        want = traces[trace_id]
+        assert json.loads(raw_request) == want["raw_request"]
+        if want["raw_response"] is None:
+            # A JSON null stays in `extra`; the column is SQL NULL.
+            assert raw_response is None and completion_tokens is None
+            assert json.loads(extra)["raw_response"] is None
+        else:
+            assert json.loads(raw_response) == want["raw_response"]
+            assert completion_tokens == len(want["completion_token_ids"])
+        assert "raw_request" not in json.loads(extra)
+        assert "\x00key_order" not in json.loads(extra)
