@@ -4,8 +4,9 @@
 //! `tests/fixtures/store-v1` was written by format version 1,
 //! `tests/fixtures/store-v2` by store format 2 (manifest 2, shard format 1) and
 //! `tests/fixtures/store-v3` by store format 3 (manifest 3 with shard
-//! checksums, shard format 2) and `tests/fixtures/store-shard-v3` by store
-//! format 4 (shard format 3: raw bodies and key order in `steps` columns), each with
+//! checksums, shard format 2) and `tests/fixtures/store-v4` by store format 4
+//! (segment format 2 with docs blocks, shard format 3 with raw bodies and key
+//! order in `steps` columns), each with
 //! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
 //! overwrite an existing fixture).
 
@@ -239,15 +240,63 @@ fn reads_the_v3_fixture_with_shard_checksums_exactly() {
     assert_eq!(shard.row_groups(), 2);
 }
 
-fn fixture_shard3_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-shard-v3")
+fn fixture_v4_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v4")
 }
 
-/// The v1 calls plus a sealed session of calls whose `extra` carries what
-/// shard format 3 moves into columns (format-spec/shard.md §2.1), and cases
-/// it keeps in `extra`.
-fn fixture_shard3_calls() -> Vec<Call> {
+/// A gateway-shaped `extra` for `call` (rLLM's `raw_request` and vLLM's
+/// `raw_response` repeating its messages and columns), so that the call is
+/// stored with a docs block (format-spec/record.md §7).
+fn gateway_extra(call: &Call) -> Vec<u8> {
+    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let content: Vec<String> = call
+        .completion_token_ids
+        .iter()
+        .zip(call.logprobs.as_deref().unwrap_or_default())
+        .map(|(id, lp)| {
+            let token = format!("t{id}");
+            let bytes = token.bytes().map(|b| b.to_string()).collect::<Vec<_>>().join(",");
+            format!(r#"{{"token":"{token}","logprob":{},"bytes":[{bytes}],"top_logprobs":[]}}"#, trajlog::trace_json::py_float(f64::from(*lp)))
+        })
+        .collect();
+    let messages = String::from_utf8_lossy(call.messages.as_deref().unwrap_or(b"[]")).into_owned();
+    format!(
+        r#"{{"token_counts":{{"prompt":{}}},"raw_request":{{"model":"m","messages":{messages},"logprobs":true}},"raw_response":{{"id":"chatcmpl-1","choices":[{{"index":0,"logprobs":{{"content":[{}]}},"finish_reason":"stop","token_ids":[{}]}}],"prompt_token_ids":[{}]}}}}"#,
+        call.prompt_token_ids.len(),
+        content.join(","),
+        ids(&call.completion_token_ids),
+        ids(&call.prompt_token_ids),
+    )
+    .into_bytes()
+}
+
+/// The v1 calls with gateway-shaped documents (docs blocks), plus a sealed
+/// session of calls whose `extra` carries what shard format 3 moves into
+/// columns (format-spec/shard.md §2.1), and cases it keeps in `extra`.
+fn fixture_v4_calls() -> Vec<Call> {
     let mut calls = fixture_calls();
+    for c in calls.iter_mut().filter(|c| c.session_id == "task-1:0") {
+        c.extra = Some(gateway_extra(c));
+    }
+    // An open session, left in the log: its records keep their docs blocks.
+    let mut prompt: Vec<u32> = (100..160).collect();
+    for step in 0..3u32 {
+        let completion: Vec<u32> = (0..24).map(|i| 500 + 30 * step + i).collect();
+        let mut call = Call {
+            trace_id: format!("o/{step}"),
+            session_id: "task-4:0".into(),
+            timestamp: 400.0 + f64::from(step),
+            logprobs: Some(completion.iter().map(|&t| -(t as f32) / 7000.0).collect()),
+            prompt_token_ids: prompt.clone(),
+            completion_token_ids: completion.clone(),
+            messages: Some(format!(r#"[{{"role":"user","content":"open step {step}"}}]"#).into_bytes()),
+            ..Default::default()
+        };
+        call.extra = Some(gateway_extra(&call));
+        calls.push(call);
+        prompt.extend_from_slice(&completion);
+        prompt.extend([7, 7]);
+    }
     let extras = [
         r#"{"raw_request":{"model":"m","messages":[{"role":"user","content":"hi"}]},"raw_response":{"id":"c1","usage":{"prompt_tokens":2}},"token_counts":{"prompt":2}}"#,
         r#"{"raw_request":{"model":"m"},"raw_response":null,"token_counts":{}}"#,
@@ -273,13 +322,14 @@ fn fixture_shard3_calls() -> Vec<Call> {
     calls
 }
 
-/// Store format 4: shard format 3 (`raw_request`, `raw_response`, `key_order`
-/// and `extra_splice` columns in `steps`).
-fn write_fixture_shard3() {
-    let dir = fixture_shard3_dir();
+/// Store format 4: segment format 2 (docs blocks) and shard format 3
+/// (`raw_request`, `raw_response`, `key_order` and `extra_splice` columns in
+/// `steps`).
+fn write_fixture_v4() {
+    let dir = fixture_v4_dir();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
     let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
-    for c in fixture_shard3_calls() {
+    for c in fixture_v4_calls() {
         store.append(c).unwrap();
     }
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
@@ -291,21 +341,22 @@ fn write_fixture_shard3() {
 }
 
 #[test]
-fn reads_the_shard_format_3_fixture_exactly() {
-    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_shard3_dir().exists() {
-        write_fixture_shard3();
+fn reads_the_v4_fixture_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v4_dir().exists() {
+        write_fixture_v4();
     }
-    let dir = fixture_shard3_dir();
+    let dir = fixture_v4_dir();
     let store = Store::open_read_only(&dir).expect("fixture opens");
     let snap = store.snapshot();
-    let calls = fixture_shard3_calls();
+    let calls = fixture_v4_calls();
     assert_eq!(snap.call_count(), calls.len());
     for c in &calls {
         let v = snap.get(&c.trace_id).unwrap().unwrap();
-        assert_eq!(v.is_compacted(), c.session_id != "task-2:0", "{}", c.trace_id);
+        let open = ["task-2:0", "task-4:0"].contains(&c.session_id.as_str());
+        assert_eq!(v.is_compacted(), !open, "{}", c.trace_id);
         assert_exact(&v, c);
-        if c.session_id == "task-3:0" {
-            // Whole-Call equality (no NaN logprob in this session).
+        // Whole-Call equality where no NaN logprob stands in the way.
+        if c.session_id != "task-2:0" {
             assert_eq!(&v.to_call().unwrap(), c, "{}", c.trace_id);
         }
     }
@@ -322,4 +373,9 @@ fn reads_the_shard_format_3_fixture_exactly() {
     let kv = meta.key_value_metadata().unwrap();
     let version = kv.iter().find(|k| k.key == "trajlog.shard_format_version").unwrap();
     assert_eq!(version.value.as_deref(), Some("3"));
+    // The open session's records are segment format 2 with docs blocks
+    let report = trajlog::verify::verify_dir(&dir).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    // (and the compacted task-1:0's, whose segment still holds task-2:0).
+    assert_eq!(report.split.docs_blocks, 7, "{:?}", report.split);
 }
