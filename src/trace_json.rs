@@ -661,42 +661,32 @@ pub fn write_py_float(out: &mut String, v: f64) {
         out.push_str("0.0");
         return;
     }
-    // Rust's `{:e}` gives the shortest round-trip digits, as Python's repr
-    // does: `d.ddddde-5`. Where two strings of that length round-trip at the
-    // same distance from `v`, Python takes the even one and Rust the upper
-    // one; Rust's exact formatting at that length rounds ties to even, so it
-    // is Python's choice whenever it round-trips (it does but at rare
-    // binade edges, where the shortest stays). Both are written on the
-    // stack: this runs once per logprob of every gateway trace.
-    let mut shortest = StackBuf::default();
-    let _ = write!(shortest, "{:e}", v.abs());
-    let len = shortest.mantissa().iter().filter(|b| b.is_ascii_digit()).count();
-    // Two strings of `len` digits can be equally near `v` and both round-trip
-    // only when their distance (10^-(len-1) relative, halved) is below half
-    // an ulp (at most 2^-53 relative): never for len <= 15.
-    let mut nearest = StackBuf::default();
-    let sci = if len <= 15 {
-        &shortest
-    } else {
-        let _ = write!(nearest, "{:.*e}", len.saturating_sub(1), v.abs());
-        if nearest.as_bytes() == shortest.as_bytes()
-            || std::str::from_utf8(nearest.as_bytes()).ok().and_then(|t| t.parse::<f64>().ok()) == Some(v.abs())
-        {
-            &nearest
-        } else {
-            &shortest
-        }
+    // Ryu gives the shortest digits that round-trip and, of those, the
+    // nearest to `v`, ties to even: exactly Python's repr digits (David Gay's
+    // algorithm). Only its layout differs; take digits and exponent from it.
+    let mut ryu_buf = ryu::Buffer::new();
+    let text = ryu_buf.format_finite(v.abs()).as_bytes();
+    let (mantissa, exp_part) = match text.iter().position(|&c| c == b'e') {
+        Some(i) => (text.get(..i).unwrap_or_default(), text.get(i + 1..).unwrap_or_default()),
+        None => (text, &b""[..]),
     };
-    let exponent: i32 = sci.exponent();
+    let exp_part: i32 = std::str::from_utf8(exp_part).ok().and_then(|e| e.parse().ok()).unwrap_or(0);
     let mut digit_buf = [0u8; 40];
     let mut n_digits = 0;
-    for &b in sci.mantissa().iter().filter(|b| b.is_ascii_digit()) {
-        if let Some(slot) = digit_buf.get_mut(n_digits) {
-            *slot = b;
+    let mut int_digits = None;
+    for &c in mantissa {
+        if c == b'.' {
+            int_digits = Some(n_digits);
+        } else if let Some(slot) = digit_buf.get_mut(n_digits) {
+            *slot = c;
             n_digits += 1;
         }
     }
-    let digits = std::str::from_utf8(digit_buf.get(..n_digits).unwrap_or_default()).unwrap_or("0");
+    let all = digit_buf.get(..n_digits).unwrap_or_default();
+    let first = all.iter().position(|&c| c != b'0').unwrap_or(0);
+    let last = all.iter().rposition(|&c| c != b'0').map_or(first + 1, |i| i + 1);
+    let exponent = int_digits.unwrap_or(n_digits) as i32 - 1 - first as i32 + exp_part;
+    let digits = std::str::from_utf8(all.get(first..last).unwrap_or(b"0")).unwrap_or("0");
     layout(out, digits, exponent);
 }
 
@@ -728,49 +718,6 @@ fn layout(out: &mut String, digits: &str, exponent: i32) {
         out.push_str("0.");
         out.extend(std::iter::repeat_n('0', exponent.unsigned_abs() as usize - 1));
         out.push_str(digits);
-    }
-}
-
-/// A small formatting buffer on the stack (floats in `{:e}` form fit).
-struct StackBuf {
-    b: [u8; 48],
-    n: usize,
-}
-
-impl Default for StackBuf {
-    fn default() -> Self {
-        StackBuf { b: [0; 48], n: 0 }
-    }
-}
-
-impl StackBuf {
-    fn as_bytes(&self) -> &[u8] {
-        self.b.get(..self.n).unwrap_or_default()
-    }
-    /// The part before `e`.
-    fn mantissa(&self) -> &[u8] {
-        let t = self.as_bytes();
-        t.split(|&c| c == b'e').next().unwrap_or_default()
-    }
-    /// The exponent after `e` (0 without one).
-    fn exponent(&self) -> i32 {
-        let t = self.as_bytes();
-        t.iter()
-            .position(|&c| c == b'e')
-            .and_then(|i| t.get(i + 1..))
-            .and_then(|e| std::str::from_utf8(e).ok())
-            .and_then(|e| e.parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl std::fmt::Write for StackBuf {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        let end = self.n + s.len();
-        let slot = self.b.get_mut(self.n..end).ok_or(std::fmt::Error)?;
-        slot.copy_from_slice(s.as_bytes());
-        self.n = end;
-        Ok(())
     }
 }
 

@@ -256,7 +256,10 @@ fn gateway_extra(call: &Call) -> Vec<u8> {
         .map(|(id, lp)| {
             let token = format!("t{id}");
             let bytes = token.bytes().map(|b| b.to_string()).collect::<Vec<_>>().join(",");
-            format!(r#"{{"token":"{token}","logprob":{},"bytes":[{bytes}],"top_logprobs":[]}}"#, trajlog::trace_json::py_float(f64::from(*lp)))
+            format!(
+                r#"{{"token":"{token}","logprob":{},"bytes":[{bytes}],"top_logprobs":[]}}"#,
+                trajlog::trace_json::py_float(f64::from(*lp))
+            )
         })
         .collect();
     let messages = String::from_utf8_lossy(call.messages.as_deref().unwrap_or(b"[]")).into_owned();

@@ -18,14 +18,14 @@
 use super::{Cursor, DecodeError, PutLe};
 use crate::limits::JSON_BYTES_PER_CALL_MAX;
 use crate::record::Call;
-use crate::trace_json::{push_u32, write_py_float};
+use crate::trace_json::write_py_float;
 use std::fmt::Write as _;
 
 /// Payload stored as is.
 pub const CODEC_NONE: u8 = 0;
 /// Payload compressed as one zstd frame.
 pub const CODEC_ZSTD: u8 = 1;
-const ZSTD_LEVEL: i32 = 3;
+const ZSTD_LEVEL: i32 = 1;
 /// Payloads shorter than this are not worth a zstd frame.
 const COMPRESS_MIN: usize = 256;
 
@@ -281,13 +281,8 @@ impl Finder<'_> {
         let end = value_end(t, at)?;
         let ids = if reference == REF_PROMPT { &self.call.prompt_token_ids } else { &self.call.completion_token_ids };
         let orig = t.get(at..end)?;
-        for style in [LIST_COMPACT, LIST_SPACED] {
-            self.scratch.clear();
-            write_list(self.scratch, ids.iter().copied(), style);
-            if self.scratch.as_bytes() == orig {
-                self.cuts.push(Cut::plain(at, end, reference, style, 0));
-                break;
-            }
+        if let Some(style) = list_style(orig, ids.iter().copied()) {
+            self.cuts.push(Cut::plain(at, end, reference, style, 0));
         }
         Some(end)
     }
@@ -349,27 +344,79 @@ impl Finder<'_> {
     /// token literal at `token_at`.
     fn token_bytes(&mut self, t: &[u8], at: usize, end: usize, token_at: usize) {
         let (Some(orig), Some(token)) = (t.get(at..end), string_value(t, token_at)) else { return };
-        for style in [LIST_COMPACT, LIST_SPACED] {
-            self.scratch.clear();
-            write_list(self.scratch, token.bytes().map(u32::from), style);
-            if self.scratch.as_bytes() == orig {
-                self.cuts.push(Cut { start: at, end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
-                return;
-            }
+        if let Some(style) = list_style(orig, token.bytes().map(u32::from)) {
+            self.cuts.push(Cut { start: at, end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
         }
     }
 }
 
-fn write_list(out: &mut String, items: impl Iterator<Item = u32>, style: u8) {
-    let sep = if style == LIST_SPACED { ", " } else { "," };
-    out.push('[');
+/// The list style in which `items` render as exactly `orig`, if any: a
+/// scan of `orig` that compares as it parses (what [`write_list`] would
+/// write, without writing it).
+fn list_style(orig: &[u8], mut items: impl Iterator<Item = u32>) -> Option<u8> {
+    let rest = orig.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    let Some(first) = items.next() else { return rest.is_empty().then_some(LIST_COMPACT) };
+    let mut style = None;
+    let mut pos = 0;
+    let mut want = Some(first);
+    while let Some(v) = want {
+        // One decimal, no sign, no leading zero.
+        let start = pos;
+        let mut n: u64 = 0;
+        while let Some(d) = rest.get(pos).filter(|d| d.is_ascii_digit()) {
+            n = n * 10 + u64::from(d - b'0');
+            pos += 1;
+            if pos - start > 10 {
+                return None;
+            }
+        }
+        if pos == start || (rest.get(start) == Some(&b'0') && pos - start > 1) || n != u64::from(v) {
+            return None;
+        }
+        want = items.next();
+        if want.is_none() {
+            break;
+        }
+        let sep = match rest.get(pos..pos + 2) {
+            Some(b", ") => LIST_SPACED,
+            _ if rest.get(pos) == Some(&b',') => LIST_COMPACT,
+            _ => return None,
+        };
+        if *style.get_or_insert(sep) != sep {
+            return None;
+        }
+        pos += if sep == LIST_SPACED { 2 } else { 1 };
+    }
+    (pos == rest.len()).then_some(style.unwrap_or(LIST_COMPACT))
+}
+
+fn write_list(out: &mut Vec<u8>, items: impl Iterator<Item = u32>, style: u8) {
+    let sep: &[u8] = if style == LIST_SPACED { b", " } else { b"," };
+    out.push(b'[');
     for (i, v) in items.enumerate() {
         if i > 0 {
-            out.push_str(sep);
+            out.extend_from_slice(sep);
         }
-        push_u32(out, v);
+        push_decimal(out, v);
     }
-    out.push(']');
+    out.push(b']');
+}
+
+/// Append `v` in decimal.
+fn push_decimal(out: &mut Vec<u8>, mut v: u32) {
+    let mut buf = [0u8; 10];
+    let mut i = buf.len();
+    while i > 0 {
+        i -= 1;
+        if let Some(slot) = buf.get_mut(i) {
+            *slot = b'0' + (v % 10) as u8;
+        }
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(buf.get(i..).unwrap_or_default());
 }
 
 fn write_float(out: &mut String, v: f32, style: u8) {
@@ -502,10 +549,10 @@ impl Block {
                 match (s.reference, s.style) {
                     (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
                         let prompt = cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
-                        write_list(&mut scratch, prompt.iter().copied(), s.style);
+                        write_list(&mut out, prompt.iter().copied(), s.style);
                     }
                     (REF_COMPLETION, LIST_COMPACT | LIST_SPACED) => {
-                        write_list(&mut scratch, cols.completion.iter().copied(), s.style)
+                        write_list(&mut out, cols.completion.iter().copied(), s.style)
                     }
                     (REF_LOGPROB, FLOAT_PYTHON | FLOAT_F64 | FLOAT_F32) => {
                         let v = cols
@@ -520,7 +567,7 @@ impl Block {
                             .and_then(|d| s.offset.checked_sub(d))
                             .and_then(|at| string_value(text, at))
                             .ok_or_else(|| err("the token of a bytes splice is not a string".into()))?;
-                        write_list(&mut scratch, token.bytes().map(u32::from), s.style);
+                        write_list(&mut out, token.bytes().map(u32::from), s.style);
                     }
                     (REF_MESSAGES, 0) => {
                         let messages = docs
@@ -740,6 +787,33 @@ mod tests {
         let refs: Vec<u8> = cuts.iter().map(|c| c.reference).collect();
         assert_eq!(refs, [REF_MESSAGES, REF_LOGPROB, REF_TOKEN_BYTES, REF_LOGPROB, REF_TOKEN_BYTES, REF_COMPLETION, REF_PROMPT]);
         assert!(round_trip(&call).is_some());
+    }
+
+    #[test]
+    fn list_style_is_what_write_list_writes() {
+        let cases: &[&[u32]] = &[&[], &[0], &[7], &[1, 2, 3], &[0, 10, 4294967295], &[120, 3]];
+        for &items in cases {
+            for style in [LIST_COMPACT, LIST_SPACED] {
+                let mut text = Vec::new();
+                write_list(&mut text, items.iter().copied(), style);
+                let want = if items.len() < 2 { LIST_COMPACT } else { style };
+                assert_eq!(list_style(&text, items.iter().copied()), Some(want), "{}", String::from_utf8_lossy(&text));
+            }
+        }
+        for (text, items) in [
+            ("[1,2]", &[1u32, 3][..]),
+            ("[1, 2,3]", &[1, 2, 3]),
+            ("[01]", &[1]),
+            ("[1 ]", &[1]),
+            ("[ 1]", &[1]),
+            ("[1,2]", &[1]),
+            ("[1]", &[1, 2]),
+            ("[4294967296]", &[0]),
+            ("[]", &[1]),
+            ("[-1]", &[1]),
+        ] {
+            assert_eq!(list_style(text.as_bytes(), items.iter().copied()), None, "{text}");
+        }
     }
 
     #[test]
