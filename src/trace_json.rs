@@ -10,7 +10,7 @@
 //! exported dict has the same keys and values as the one ingested.
 
 use crate::error::{Error, Result};
-use crate::record::Call;
+use crate::record::{Call, ValidCall};
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -105,7 +105,7 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
     if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
-    parse_gateway(map, &order, now, false)
+    parse_gateway(map, &order, now, false).map(ValidCall::into_inner)
 }
 
 /// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
@@ -114,7 +114,36 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
 /// verbatim with the other fields. Never takes the SDK shape.
 pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
     let (map, order) = object_in_order(text)?;
+    parse_gateway(map, &order, now, true).map(ValidCall::into_inner)
+}
+
+/// [`parse_gateway_exact`] of a trace given as its members, in document
+/// order (a repeated key: the last value, kept where it first came): the
+/// same [`Call`] as parsing the JSON object those members make, without
+/// writing that object and parsing it again. The gateway builds its trace
+/// this way from the parts of a call it has already parsed. The values are
+/// [`RawValue`]s, so valid JSON; the call is checked as [`Call::validate`]
+/// checks it and comes back as a [`ValidCall`] for [`crate::Store::append_valid`].
+pub fn gateway_members_exact<'a>(
+    members: impl IntoIterator<Item = (&'a str, &'a RawValue)>,
+    now: f64,
+) -> Result<ValidCall> {
+    let (map, order) = dedup_members(members.into_iter().map(|(k, v)| (k.to_owned(), v)));
     parse_gateway(map, &order, now, true)
+}
+
+/// Members in document order into a map (a repeated key: the last value)
+/// and the keys in the order written (a repeated key: where it first came).
+fn dedup_members<'a>(members: impl IntoIterator<Item = (String, &'a RawValue)>) -> (RawMap<'a>, Vec<String>) {
+    let members = members.into_iter();
+    let mut order = Vec::with_capacity(members.size_hint().0);
+    let mut map = RawMap::new();
+    for (k, v) in members {
+        if map.insert(k.clone(), v).is_none() {
+            order.push(k);
+        }
+    }
+    (map, order)
 }
 
 /// A JSON object's members (a repeated key: the last value), and its keys
@@ -138,17 +167,13 @@ fn object_in_order(text: &str) -> Result<(RawMap<'_>, Vec<String>)> {
     let mut de = serde_json::Deserializer::from_str(text);
     let members = serde::de::Deserializer::deserialize_map(&mut de, Members).map_err(not_object)?;
     de.end().map_err(not_object)?;
-    let mut order = Vec::with_capacity(members.len());
-    let mut map = RawMap::new();
-    for (k, v) in members {
-        if map.insert(k.clone(), v).is_none() {
-            order.push(k);
-        }
-    }
-    Ok((map, order))
+    Ok(dedup_members(members))
 }
 
-fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<Call> {
+/// Every JSON document of the call (`messages`, `response_message`,
+/// `metadata`, `extra`) is written from the parsed [`RawValue`]s, so the
+/// check does not parse them again ([`ValidCall`]).
+fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<ValidCall> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
@@ -213,8 +238,7 @@ fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs
         pairs.sort_unstable_by_key(|&(k, _)| k);
     }
     call.extra = object_of(pairs);
-    call.validate()?;
-    Ok(call)
+    ValidCall::from_parsed_json(call)
 }
 
 /// The fields of the gateway shape that have columns.

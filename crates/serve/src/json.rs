@@ -8,6 +8,7 @@
 //! logprobs reach the store as the upstream printed them).
 
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::value::RawValue;
 use std::fmt;
 
@@ -40,7 +41,26 @@ impl<'de> Deserialize<'de> for Obj {
     }
 }
 
+/// Written as [`Obj::to_json`] writes it (values verbatim), so that
+/// [`Obj::to_raw`] is that text as a [`RawValue`] without parsing it again.
+impl Serialize for Obj {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
+    }
+}
+
 impl Obj {
+    /// [`Obj::to_json`] as a [`RawValue`]: its members are raw values, so
+    /// the text is valid JSON as written and is not parsed again
+    /// (`serde_json::value::to_raw_value` does not re-check).
+    pub fn to_raw(&self) -> Box<RawValue> {
+        serde_json::value::to_raw_value(self).unwrap_or_else(|_| raw(self.to_json()))
+    }
+
     /// Parse `text` as an object; None when it is not a JSON object.
     pub fn parse(text: &str) -> Option<Obj> {
         serde_json::from_str(text).ok()
