@@ -21,7 +21,31 @@ fn is_null(v: &RawValue) -> bool {
     v.get() == "null"
 }
 
+/// Token ids written as a compact list of decimal integers (`[1,22,3]`, what
+/// vLLM prints), read without a JSON parse; None for anything else, which
+/// [`parse_ids`] then parses in full (and refuses with its error).
+fn compact_ids(text: &str) -> Option<Vec<u32>> {
+    let inner = text.as_bytes().strip_prefix(b"[")?.strip_suffix(b"]")?;
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    let mut out = Vec::with_capacity(inner.len() / 6 + 1);
+    let mut cur: Option<u32> = None;
+    for &c in inner {
+        match c {
+            b'0'..=b'9' => cur = Some(cur.unwrap_or(0).checked_mul(10)?.checked_add(u32::from(c - b'0'))?),
+            b',' => out.push(cur.take()?),
+            _ => return None,
+        }
+    }
+    out.push(cur?);
+    Some(out)
+}
+
 fn parse_ids(field: &str, raw: &RawValue) -> Result<Vec<u32>> {
+    if let Some(ids) = compact_ids(raw.get()) {
+        return Ok(ids);
+    }
     let items: Vec<&RawValue> = serde_json::from_str(raw.get())
         .map_err(|e| Error::invalid(field, format!("must be a list of token ids ({e})")))?;
     let mut out = Vec::with_capacity(items.len());
@@ -651,6 +675,37 @@ pub(crate) fn exact_f32(text: &str) -> Option<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compact_ids_read_as_the_json_parse() {
+        let slow = |t: &str| -> std::result::Result<Vec<u32>, ()> {
+            let items: Vec<&RawValue> = serde_json::from_str(t).map_err(|_| ())?;
+            items.iter().map(|v| v.get().parse::<u32>().map_err(|_| ())).collect()
+        };
+        for t in [
+            "[]",
+            "[0]",
+            "[1,22,333]",
+            "[4294967295]",
+            "[4294967296]",
+            "[1, 2]",
+            "[-0]",
+            "[1e3]",
+            "[1.0]",
+            "[null]",
+            "[\"1\"]",
+            "[[1]]",
+        ] {
+            let raw = RawValue::from_string(t.to_owned()).expect("valid JSON");
+            let fast = compact_ids(t);
+            if let Some(fast) = &fast {
+                assert_eq!(Ok(fast.clone()), slow(t), "{t}");
+            }
+            assert_eq!(parse_ids("ids", &raw).map_err(|_| ()), slow(t), "{t}");
+        }
+        assert_eq!(compact_ids("[1,22,333]"), Some(vec![1, 22, 333]));
+        assert_eq!(compact_ids("[4294967296]"), None);
+    }
 
     fn keys(line: &str) -> Vec<String> {
         object_keys(line).expect("a JSON object")

@@ -63,21 +63,20 @@ pub fn prepare(mut body: Obj, inj: &Injection<'_>) -> Prepared {
     Prepared { body, raw, requested_logprobs, stream }
 }
 
-/// A response's (or a stream chunk's) `choices`, each parsed once: its
-/// verbatim text and its members (None: not an object). The trace and the
-/// sanitizing both read them, so no choice is parsed twice.
-pub type Choices = Vec<(Box<RawValue>, Option<Obj>)>;
+/// A response's (or a stream chunk's) `choices`, each read once as an
+/// object (None: not an object), in one pass over the list. The trace and
+/// the sanitizing both read them, so no choice is parsed twice.
+pub type Choices = Vec<Option<Obj>>;
 
 /// Parse `obj`'s `choices`; None when absent or not a list.
 pub fn parse_choices(obj: &Obj) -> Option<Choices> {
-    let list = obj.get("choices").and_then(json::list)?;
-    Some(list.into_iter().map(|c| (c.to_owned(), Obj::parse(c.get()))).collect())
+    obj.get("choices").and_then(json::objects)
 }
 
-/// The first choice as the trace reads it (rLLM's `choices[0]`); empty when
+/// The first choice as the trace reads it (rLLM's `choices[0]`); None when
 /// there is none or it is not an object.
 pub fn first_choice(choices: Option<&Choices>) -> Option<&Obj> {
-    choices.and_then(|l| l.first()).and_then(|(_, c)| c.as_ref())
+    choices.and_then(|l| l.first()).and_then(Option::as_ref)
 }
 
 /// Strip vLLM-only fields (and `logprobs` unless requested) from a response
@@ -95,31 +94,37 @@ pub fn sanitize_parsed(obj: &mut Obj, choices: Option<Choices>, strip_vllm: bool
             changed |= obj.remove(k);
         }
     }
-    let Some(choices) = choices else { return changed };
-    let mut out: Vec<String> = Vec::with_capacity(choices.len());
-    let mut choices_changed = false;
-    for (text, parsed) in choices {
-        match parsed {
-            Some(mut co) => {
-                let mut this = false;
-                if strip_vllm {
-                    for k in STRIP_CHOICE {
-                        this |= co.remove(k);
-                    }
-                }
-                if !requested_logprobs {
-                    this |= co.remove("logprobs");
-                }
-                choices_changed |= this;
-                out.push(if this { co.to_json() } else { String::from(Box::<str>::from(text)) });
+    let Some(mut choices) = choices else { return changed };
+    // Which choices lose a key: those are written again, the others kept verbatim.
+    let mut edited = vec![false; choices.len()];
+    for (co, this) in choices.iter_mut().zip(edited.iter_mut()) {
+        let Some(co) = co else { continue };
+        if strip_vllm {
+            for k in STRIP_CHOICE {
+                *this |= co.remove(k);
             }
-            None => out.push(String::from(Box::<str>::from(text))),
+        }
+        if !requested_logprobs {
+            *this |= co.remove("logprobs");
         }
     }
-    if choices_changed {
-        obj.set("choices", json::raw(json::join_list(out.iter().map(String::as_str))));
+    if !edited.contains(&true) {
+        return changed;
     }
-    changed | choices_changed
+    // A choice kept as it came needs its verbatim text: the list is read again only then.
+    let verbatim = if edited.contains(&false) { obj.get("choices").and_then(json::list) } else { None };
+    let verbatim = verbatim.unwrap_or_default();
+    let written: Vec<Option<Box<RawValue>>> =
+        choices.iter().zip(&edited).map(|(co, this)| co.as_ref().filter(|_| *this).map(Obj::to_raw)).collect();
+    let null = json::raw("null".into());
+    let items: Vec<&RawValue> = written
+        .iter()
+        .enumerate()
+        .map(|(i, w)| w.as_deref().or_else(|| verbatim.get(i).copied()).unwrap_or(&null))
+        .collect();
+    let list = json::raw_list(&items);
+    obj.set("choices", list);
+    true
 }
 
 /// The gateway-side facts of one call, for its trace record.
@@ -193,28 +198,29 @@ impl Record<'_> {
     }
 }
 
-/// Logprob texts of a choice: `logprobs.content[].logprob`, else
+/// Logprobs of a choice, verbatim: `logprobs.content[].logprob`, else
 /// `logprobs.token_logprobs[]`, nulls skipped (read in one pass, [`lp`]).
-fn choice_logprobs(choice: &Obj, out: &mut Vec<String>) {
+fn choice_logprobs<'a>(choice: &'a Obj, out: &mut Vec<&'a RawValue>) {
     let Some(v) = choice.get_some("logprobs") else { return };
     let mut de = serde_json::Deserializer::from_str(v.get());
     let Ok(found) = serde::Deserializer::deserialize_any(&mut de, lp::Logprobs) else { return };
     match found {
         lp::Found { content: Some(content), .. } => {
-            out.extend(content.into_iter().flatten().map(|v| v.get().to_owned()));
+            out.extend(content.into_iter().flatten());
         }
         lp::Found { token_logprobs: Some(tl), .. } => {
-            out.extend(tl.iter().filter(|v| v.get() != "null").map(|v| v.get().to_owned()));
+            out.extend(tl.into_iter().filter(|v| v.get() != "null"));
         }
         _ => {}
     }
 }
 
-fn logprobs_json(lps: &[String]) -> String {
+/// The logprobs list, `null` when empty (rLLM's `logprobs or None`).
+fn logprobs_val<T: std::ops::Deref<Target = RawValue>>(lps: &[T]) -> Val<'static> {
     if lps.is_empty() {
-        "null".to_owned()
+        own("null".to_owned())
     } else {
-        json::join_list(lps.iter().map(String::as_str))
+        Val::Own(json::raw_list(lps))
     }
 }
 
@@ -296,6 +302,21 @@ fn model_of<'a>(request: &'a Obj, fallback: Option<&'a RawValue>) -> Val<'a> {
     ref_or(request.get("model").filter(string).or_else(|| fallback.filter(string)), "\"\"")
 }
 
+/// The upstream body `text`, which parsed as the object `obj`, as the raw
+/// value rLLM stores as `raw_response` (the text without the whitespace
+/// around it). An upstream that writes compact JSON without repeated keys
+/// (vLLM does) wrote exactly what writing `obj` again gives: that is checked
+/// byte for byte and taken without parsing the body a second time; any
+/// other body is parsed.
+pub fn response_raw(obj: &Obj, text: &str) -> trajlog::Result<Box<RawValue>> {
+    let trimmed = text.trim_matches([' ', '\t', '\n', '\r']);
+    let written = obj.to_raw();
+    if written.get() == trimmed {
+        return Ok(written);
+    }
+    serde_json::from_str(text).map_err(|e| trajlog::Error::invalid("raw_response", e.to_string()))
+}
+
 /// The trace record of a non-streaming call (rLLM's `build_trace_record`).
 /// `raw_request` is `request` as forwarded ([`Prepared::raw`]); `response`
 /// is the upstream body (`raw_response`, a JSON object), `response_obj` its
@@ -321,7 +342,7 @@ pub fn record_from_response<'a>(
         ref_or(response_obj.get_some("prompt_token_ids").or_else(|| get_some("prompt_token_ids")), "[]"),
         ref_or(get_some("message").or_else(|| get_some("delta")), "{}"),
         ref_or(get_some("token_ids"), "[]"),
-        own(logprobs_json(&lps)),
+        logprobs_val(&lps),
         ref_or(choice.and_then(|c| c.get("routing_matrices")).filter(|v| json::truthy(v)), "null"),
         ref_or(choice.and_then(|c| c.get("finish_reason")), "null"),
         own(weight_json(response_obj.get_some("weight_version"), facts.weight_version)),
@@ -339,7 +360,7 @@ pub struct StreamAssembly {
     prompt_ids: Option<Box<RawValue>>,
     model: Option<Box<RawValue>>,
     completion_ids: Vec<String>,
-    logprobs: Vec<String>,
+    logprobs: Vec<Box<RawValue>>,
     role: Option<Box<RawValue>>,
     content: String,
     tool_calls: Vec<String>,
@@ -377,7 +398,9 @@ impl StreamAssembly {
         if let Some(ids) = choice.get_some("token_ids").and_then(json::list) {
             self.completion_ids.extend(ids.iter().map(|v| v.get().to_owned()));
         }
-        choice_logprobs(choice, &mut self.logprobs);
+        let mut lps = Vec::new();
+        choice_logprobs(choice, &mut lps);
+        self.logprobs.extend(lps.into_iter().map(ToOwned::to_owned));
         if let Some(delta) = choice.get_some("delta").and_then(|d| Obj::parse(d.get())) {
             if let Some(role) = delta.get_some("role").filter(|r| json::truthy(r)) {
                 self.role = Some(role.to_owned());
@@ -419,7 +442,7 @@ impl StreamAssembly {
             ref_or(self.prompt_ids.as_deref(), "[]"),
             Val::Own(msg.to_raw()),
             own(json::join_list(self.completion_ids.iter().map(String::as_str))),
-            own(logprobs_json(&self.logprobs)),
+            logprobs_val(&self.logprobs),
             own("null".into()),
             ref_or(self.finish_reason.as_deref(), "null"),
             own(weight_json(None, facts.weight_version)),
@@ -625,6 +648,35 @@ mod tests {
     }
 
     #[test]
+    fn sanitize_rewrites_only_the_choices_it_changes() {
+        let mut o = obj(
+            r#"{"choices":[{"a":1,"token_ids":[1]}, 5 ,{"b" : [ 2 ]},{"c":3,"logprobs":null}],"prompt_token_ids":[1]}"#,
+        );
+        assert!(sanitize(&mut o, true, false));
+        assert_eq!(o.to_json(), r#"{"choices":[{"a":1},5,{"b" : [ 2 ]},{"c":3}]}"#);
+        let mut o = obj(r#"{"choices":[{"b" : 1}],"id":"x"}"#);
+        assert!(!sanitize(&mut o, true, false));
+        assert_eq!(o.to_json(), r#"{"choices":[{"b" : 1}],"id":"x"}"#);
+        let mut o = obj(r#"{"choices":{"token_ids":[1]}}"#);
+        assert!(!sanitize(&mut o, true, false));
+    }
+
+    #[test]
+    fn raw_response_is_the_body_without_surrounding_whitespace() {
+        for text in [
+            r#"{"a":1,"b":[1, 2]}"#,
+            "\n {\"a\":1,\"b\":[1,2]}\r\n",
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":"\u00e9"}"#,
+            r#"{"a":{}}"#,
+        ] {
+            let got = response_raw(&obj(text), text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+            let want = serde_json::from_str::<&RawValue>(text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+            assert_eq!(got, want, "{text}");
+        }
+    }
+
+    #[test]
     fn one_pass_logprobs_read_as_the_obj_walk() {
         let cases = [
             r#"{"logprobs":{"content":[{"token":"a","logprob":-0.5,"bytes":[97],"top_logprobs":[{"logprob":-9}]},{"logprob":-1e-3}]}}"#,
@@ -644,6 +696,7 @@ mod tests {
             let choice = obj(c);
             let mut fast = Vec::new();
             choice_logprobs(&choice, &mut fast);
+            let fast: Vec<&str> = fast.iter().map(|v| v.get()).collect();
             assert_eq!(fast, logprobs_by_obj(&choice), "{c}");
         }
     }

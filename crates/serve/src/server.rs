@@ -947,13 +947,10 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
             latency_ms,
             timestamp: now(),
         };
-        // The body parsed as an object, so it is one JSON value: this cannot fail.
-        let call = serde_json::from_str::<&serde_json::value::RawValue>(text)
-            .map_err(|e| trajlog::Error::invalid("raw_response", e.to_string()))
-            .and_then(|response| {
-                capture::record_from_response(&facts, &p.body, &p.raw, &resp_obj, choices.as_ref(), response)
-                    .to_call(now())
-            });
+        let call = capture::response_raw(&resp_obj, text).and_then(|response| {
+            capture::record_from_response(&facts, &p.body, &p.raw, &resp_obj, choices.as_ref(), &response)
+                .to_call(now())
+        });
         if let Err(e) = capture(&app, call).await {
             return error(
                 StatusCode::SERVICE_UNAVAILABLE,
