@@ -969,7 +969,10 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
 }
 
 async fn read_body(app: &App, resp: reqwest::Response, timeout: Option<Duration>) -> Result<Bytes, Upstream> {
-    let mut out = Vec::new();
+    // Sized once from Content-Length, not grown chunk by chunk (at most
+    // 16 MiB up front: a header is not a body; the limit is checked as it comes).
+    let hint = resp.content_length().unwrap_or(0).min(app.config.response_bytes_max as u64).min(16 << 20);
+    let mut out = Vec::with_capacity(usize::try_from(hint).unwrap_or(0));
     let mut s = resp.bytes_stream();
     loop {
         match with_timeout(timeout, s.next()).await {
