@@ -84,6 +84,6 @@ pub mod verify;
 pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression};
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
-pub use record::{Annotation, Call, Target};
+pub use record::{Annotation, Call, Target, ValidCall};
 pub use snapshot::{CallView, Docs, SegmentInfo, SessionInfo, Snapshot};
 pub use store::{Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store};

@@ -78,16 +78,59 @@ fn check_short(field: &str, s: &Option<String>) -> Result<()> {
     Ok(())
 }
 
-fn check_json(field: &str, doc: &Option<Vec<u8>>) -> Result<u64> {
+/// The size of a JSON document; with `parse`, also checks it is valid JSON.
+fn check_json(field: &str, doc: &Option<Vec<u8>>, parse: bool) -> Result<u64> {
     let Some(doc) = doc else { return Ok(0) };
-    serde_json::from_slice::<serde::de::IgnoredAny>(doc)
-        .map_err(|e| Error::invalid(field, format!("not valid JSON ({e})")))?;
+    if parse {
+        serde_json::from_slice::<serde::de::IgnoredAny>(doc)
+            .map_err(|e| Error::invalid(field, format!("not valid JSON ({e})")))?;
+    }
     Ok(doc.len() as u64)
+}
+
+/// A [`Call`] that passed the boundary check, which [`crate::Store::append_valid`]
+/// takes without checking it again. Only trajlog builds one: [`ValidCall::new`]
+/// runs [`Call::validate`]; the trace parsers ([`crate::trace_json`]) build
+/// one from JSON they parsed themselves, whose documents are valid JSON by
+/// construction, and check everything else (every limit) as `validate` does.
+/// It gives the call out only by reference or by value, so it cannot be
+/// changed after the check.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidCall(Call);
+
+impl ValidCall {
+    /// Check `call` ([`Call::validate`]).
+    pub fn new(call: Call) -> Result<ValidCall> {
+        call.validate()?;
+        Ok(ValidCall(call))
+    }
+
+    /// Check `call` whose JSON documents (`messages`, `response_message`,
+    /// `metadata`, `extra`) the caller built from values serde_json parsed:
+    /// every check of [`Call::validate`] but re-parsing those documents.
+    pub(crate) fn from_parsed_json(call: Call) -> Result<ValidCall> {
+        call.check(false)?;
+        Ok(ValidCall(call))
+    }
+
+    pub fn call(&self) -> &Call {
+        &self.0
+    }
+
+    pub fn into_inner(self) -> Call {
+        self.0
+    }
 }
 
 impl Call {
     /// Check every field against the limits and the format's rules.
     pub fn validate(&self) -> Result<()> {
+        self.check(true)
+    }
+
+    /// [`Call::validate`]; `parse_json`: also check the JSON documents parse
+    /// (false only where they were built from parsed JSON, [`ValidCall`]).
+    fn check(&self, parse_json: bool) -> Result<()> {
         check_id("trace_id", &self.trace_id)?;
         check_id("session_id", &self.session_id)?;
         if self.session_uids.len() as u64 > SESSION_UIDS_MAX {
@@ -150,10 +193,10 @@ impl Call {
             }
         }
         let mut json = 0;
-        json += check_json("messages", &self.messages)?;
-        json += check_json("response_message", &self.response_message)?;
-        json += check_json("metadata", &self.metadata)?;
-        json += check_json("extra", &self.extra)?;
+        json += check_json("messages", &self.messages, parse_json)?;
+        json += check_json("response_message", &self.response_message, parse_json)?;
+        json += check_json("metadata", &self.metadata, parse_json)?;
+        json += check_json("extra", &self.extra, parse_json)?;
         if let Some(extra) = &self.extra {
             if extra.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
                 return Err(Error::invalid("extra", "must be a JSON object"));

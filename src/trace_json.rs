@@ -10,7 +10,7 @@
 //! exported dict has the same keys and values as the one ingested.
 
 use crate::error::{Error, Result};
-use crate::record::Call;
+use crate::record::{Call, ValidCall};
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -21,7 +21,31 @@ fn is_null(v: &RawValue) -> bool {
     v.get() == "null"
 }
 
+/// Token ids written as a compact list of decimal integers (`[1,22,3]`, what
+/// vLLM prints), read without a JSON parse; None for anything else, which
+/// [`parse_ids`] then parses in full (and refuses with its error).
+fn compact_ids(text: &str) -> Option<Vec<u32>> {
+    let inner = text.as_bytes().strip_prefix(b"[")?.strip_suffix(b"]")?;
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    let mut out = Vec::with_capacity(inner.len() / 6 + 1);
+    let mut cur: Option<u32> = None;
+    for &c in inner {
+        match c {
+            b'0'..=b'9' => cur = Some(cur.unwrap_or(0).checked_mul(10)?.checked_add(u32::from(c - b'0'))?),
+            b',' => out.push(cur.take()?),
+            _ => return None,
+        }
+    }
+    out.push(cur?);
+    Some(out)
+}
+
 fn parse_ids(field: &str, raw: &RawValue) -> Result<Vec<u32>> {
+    if let Some(ids) = compact_ids(raw.get()) {
+        return Ok(ids);
+    }
     let items: Vec<&RawValue> = serde_json::from_str(raw.get())
         .map_err(|e| Error::invalid(field, format!("must be a list of token ids ({e})")))?;
     let mut out = Vec::with_capacity(items.len());
@@ -105,7 +129,7 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
     if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
-    parse_gateway(map, &order, now, false)
+    parse_gateway(map, &order, now, false).map(ValidCall::into_inner)
 }
 
 /// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
@@ -114,7 +138,36 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
 /// verbatim with the other fields. Never takes the SDK shape.
 pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
     let (map, order) = object_in_order(text)?;
+    parse_gateway(map, &order, now, true).map(ValidCall::into_inner)
+}
+
+/// [`parse_gateway_exact`] of a trace given as its members, in document
+/// order (a repeated key: the last value, kept where it first came): the
+/// same [`Call`] as parsing the JSON object those members make, without
+/// writing that object and parsing it again. The gateway builds its trace
+/// this way from the parts of a call it has already parsed. The values are
+/// [`RawValue`]s, so valid JSON; the call is checked as [`Call::validate`]
+/// checks it and comes back as a [`ValidCall`] for [`crate::Store::append_valid`].
+pub fn gateway_members_exact<'a>(
+    members: impl IntoIterator<Item = (&'a str, &'a RawValue)>,
+    now: f64,
+) -> Result<ValidCall> {
+    let (map, order) = dedup_members(members.into_iter().map(|(k, v)| (k.to_owned(), v)));
     parse_gateway(map, &order, now, true)
+}
+
+/// Members in document order into a map (a repeated key: the last value)
+/// and the keys in the order written (a repeated key: where it first came).
+fn dedup_members<'a>(members: impl IntoIterator<Item = (String, &'a RawValue)>) -> (RawMap<'a>, Vec<String>) {
+    let members = members.into_iter();
+    let mut order = Vec::with_capacity(members.size_hint().0);
+    let mut map = RawMap::new();
+    for (k, v) in members {
+        if map.insert(k.clone(), v).is_none() {
+            order.push(k);
+        }
+    }
+    (map, order)
 }
 
 /// A JSON object's members (a repeated key: the last value), and its keys
@@ -138,17 +191,13 @@ fn object_in_order(text: &str) -> Result<(RawMap<'_>, Vec<String>)> {
     let mut de = serde_json::Deserializer::from_str(text);
     let members = serde::de::Deserializer::deserialize_map(&mut de, Members).map_err(not_object)?;
     de.end().map_err(not_object)?;
-    let mut order = Vec::with_capacity(members.len());
-    let mut map = RawMap::new();
-    for (k, v) in members {
-        if map.insert(k.clone(), v).is_none() {
-            order.push(k);
-        }
-    }
-    Ok((map, order))
+    Ok(dedup_members(members))
 }
 
-fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<Call> {
+/// Every JSON document of the call (`messages`, `response_message`,
+/// `metadata`, `extra`) is written from the parsed [`RawValue`]s, so the
+/// check does not parse them again ([`ValidCall`]).
+fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<ValidCall> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
@@ -213,8 +262,7 @@ fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs
         pairs.sort_unstable_by_key(|&(k, _)| k);
     }
     call.extra = object_of(pairs);
-    call.validate()?;
-    Ok(call)
+    ValidCall::from_parsed_json(call)
 }
 
 /// The fields of the gateway shape that have columns.
@@ -731,6 +779,37 @@ pub fn py_float(v: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compact_ids_read_as_the_json_parse() {
+        let slow = |t: &str| -> std::result::Result<Vec<u32>, ()> {
+            let items: Vec<&RawValue> = serde_json::from_str(t).map_err(|_| ())?;
+            items.iter().map(|v| v.get().parse::<u32>().map_err(|_| ())).collect()
+        };
+        for t in [
+            "[]",
+            "[0]",
+            "[1,22,333]",
+            "[4294967295]",
+            "[4294967296]",
+            "[1, 2]",
+            "[-0]",
+            "[1e3]",
+            "[1.0]",
+            "[null]",
+            "[\"1\"]",
+            "[[1]]",
+        ] {
+            let raw = RawValue::from_string(t.to_owned()).expect("valid JSON");
+            let fast = compact_ids(t);
+            if let Some(fast) = &fast {
+                assert_eq!(Ok(fast.clone()), slow(t), "{t}");
+            }
+            assert_eq!(parse_ids("ids", &raw).map_err(|_| ()), slow(t), "{t}");
+        }
+        assert_eq!(compact_ids("[1,22,333]"), Some(vec![1, 22, 333]));
+        assert_eq!(compact_ids("[4294967296]"), None);
+    }
 
     fn keys(line: &str) -> Vec<String> {
         object_keys(line).expect("a JSON object")

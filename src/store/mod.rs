@@ -61,7 +61,7 @@ use crate::format::record::{
 use crate::format::segment::FooterEntry;
 use crate::index::{sessions_of, CallMeta, Index};
 use crate::limits::*;
-use crate::record::{Annotation, Call, Target};
+use crate::record::{Annotation, Call, Target, ValidCall};
 use crate::segment::recovery::{load_segment, OnDamage};
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
@@ -290,7 +290,13 @@ impl Store {
     /// is full: see [`Options::queue_depth`], [`Options::queue_bytes`]);
     /// [`Receipt::wait`] or [`Store::flush`] make it durable.
     pub fn append(&self, call: Call) -> Result<Receipt> {
-        call.validate()?;
+        self.append_valid(ValidCall::new(call)?)
+    }
+
+    /// [`Store::append`] for a call already checked ([`ValidCall`]): the
+    /// boundary check is not run twice.
+    pub fn append_valid(&self, call: ValidCall) -> Result<Receipt> {
+        let call = call.into_inner();
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;

@@ -33,6 +33,7 @@ pub(crate) struct Args {
     pub calls: usize,
     pub completion_tokens: usize,
     pub rllm_python: Option<PathBuf>,
+    pub baseline_serve: Option<PathBuf>,
     pub dir: Option<PathBuf>,
     pub json: bool,
 }
@@ -371,15 +372,21 @@ fn run_inner(args: &Args) -> Res<()> {
     let mut mock_cmd = Command::new(&exe);
     mock_cmd.args(["mock-vllm", "--port", "0"]);
     let mock = spawn_listening(mock_cmd, "trajlog mock-vllm")?;
-    let mut serve_cmd = Command::new(&exe);
-    serve_cmd
-        .args(["serve", "--port", "0", "--durability", "sync", "--log-level", "warn", "--store"])
-        .arg(tmp.join("store"))
-        .arg("--worker")
-        .arg(format!("{}/v1", mock.url));
-    let serve = spawn_listening(serve_cmd, "trajlog serve")?;
+    let serve_cmd = |exe: &Path, store: &str| {
+        let mut cmd = Command::new(exe);
+        cmd.args(["serve", "--port", "0", "--durability", "sync", "--log-level", "warn", "--store"])
+            .arg(tmp.join(store))
+            .arg("--worker")
+            .arg(format!("{}/v1", mock.url));
+        cmd
+    };
+    let serve = spawn_listening(serve_cmd(&exe, "store"), "trajlog serve")?;
     let mut gateways: Vec<(Target, Proc)> =
         vec![(Target { name: "trajlog serve", base: serve.url.clone(), direct: false }, serve)];
+    if let Some(other) = &args.baseline_serve {
+        let p = spawn_listening(serve_cmd(other, "store-baseline"), "the baseline trajlog serve")?;
+        gateways.push((Target { name: "trajlog serve, baseline", base: p.url.clone(), direct: false }, p));
+    }
     if let Some(python) = &args.rllm_python {
         for (name, store) in [("rLLM gateway, SQLite", "sqlite"), ("rLLM gateway, memory", "memory")] {
             let p = spawn_rllm(python, &repo, &tmp, &mock.url, store)?;
@@ -449,7 +456,7 @@ fn print_rows(rows: &[Row], args: &Args) {
         args.turns, args.completion_tokens
     );
     println!(
-        "{:<22} {:>8} {:>7} {:>9} {:>8} {:>8} {:>10} {:>10} {:>10} {:>6}",
+        "{:<24} {:>8} {:>7} {:>9} {:>8} {:>8} {:>10} {:>10} {:>10} {:>6}",
         "target", "sessions", "calls", "calls/s", "p50 ms", "p99 ms", "added p50", "added p99", "CPU ms/call", "exact"
     );
     for r in rows {
@@ -457,7 +464,7 @@ fn print_rows(rows: &[Row], args: &Args) {
         let added =
             |f: fn(&Row) -> f64| d.filter(|_| r.target != "mock, direct").map(|d| format!("{:.3}", f(r) - f(d)));
         println!(
-            "{:<22} {:>8} {:>7} {:>9.0} {:>8.3} {:>8.3} {:>10} {:>10} {:>10} {:>6}",
+            "{:<24} {:>8} {:>7} {:>9.0} {:>8.3} {:>8.3} {:>10} {:>10} {:>10} {:>6}",
             r.target,
             r.sessions,
             r.calls,

@@ -31,6 +31,8 @@ pub struct Injection<'a> {
 pub struct Prepared {
     /// The body forwarded upstream (and stored as `raw_request`).
     pub body: Obj,
+    /// `body` as JSON text ([`Obj::to_raw`]), written once.
+    pub raw: Box<RawValue>,
     /// The client asked for logprobs itself (so they are not stripped).
     pub requested_logprobs: bool,
     /// `stream: true`.
@@ -57,43 +59,72 @@ pub fn prepare(mut body: Obj, inj: &Injection<'_>) -> Prepared {
         }
     }
     let stream = body.get("stream").is_some_and(|v| v.get() == "true");
-    Prepared { body, requested_logprobs, stream }
+    let raw = body.to_raw();
+    Prepared { body, raw, requested_logprobs, stream }
+}
+
+/// A response's (or a stream chunk's) `choices`, each read once as an
+/// object (None: not an object), in one pass over the list. The trace and
+/// the sanitizing both read them, so no choice is parsed twice.
+pub type Choices = Vec<Option<Obj>>;
+
+/// Parse `obj`'s `choices`; None when absent or not a list.
+pub fn parse_choices(obj: &Obj) -> Option<Choices> {
+    obj.get("choices").and_then(json::objects)
+}
+
+/// The first choice as the trace reads it (rLLM's `choices[0]`); None when
+/// there is none or it is not an object.
+pub fn first_choice(choices: Option<&Choices>) -> Option<&Obj> {
+    choices.and_then(|l| l.first()).and_then(Option::as_ref)
 }
 
 /// Strip vLLM-only fields (and `logprobs` unless requested) from a response
 /// object or a stream chunk. Returns whether anything changed.
 pub fn sanitize(obj: &mut Obj, strip_vllm: bool, requested_logprobs: bool) -> bool {
+    let choices = parse_choices(obj);
+    sanitize_parsed(obj, choices, strip_vllm, requested_logprobs)
+}
+
+/// [`sanitize`] with `obj`'s choices already parsed ([`parse_choices`]).
+pub fn sanitize_parsed(obj: &mut Obj, choices: Option<Choices>, strip_vllm: bool, requested_logprobs: bool) -> bool {
     let mut changed = false;
     if strip_vllm {
         for k in STRIP_ROOT {
             changed |= obj.remove(k);
         }
     }
-    let Some(choices) = obj.get("choices").and_then(json::list) else { return changed };
-    let mut out: Vec<String> = Vec::with_capacity(choices.len());
-    let mut choices_changed = false;
-    for c in choices {
-        match Obj::parse(c.get()) {
-            Some(mut co) => {
-                let mut this = false;
-                if strip_vllm {
-                    for k in STRIP_CHOICE {
-                        this |= co.remove(k);
-                    }
-                }
-                if !requested_logprobs {
-                    this |= co.remove("logprobs");
-                }
-                choices_changed |= this;
-                out.push(if this { co.to_json() } else { c.get().to_owned() });
+    let Some(mut choices) = choices else { return changed };
+    // Which choices lose a key: those are written again, the others kept verbatim.
+    let mut edited = vec![false; choices.len()];
+    for (co, this) in choices.iter_mut().zip(edited.iter_mut()) {
+        let Some(co) = co else { continue };
+        if strip_vllm {
+            for k in STRIP_CHOICE {
+                *this |= co.remove(k);
             }
-            None => out.push(c.get().to_owned()),
+        }
+        if !requested_logprobs {
+            *this |= co.remove("logprobs");
         }
     }
-    if choices_changed {
-        obj.set("choices", json::raw(json::join_list(out.iter().map(String::as_str))));
+    if !edited.contains(&true) {
+        return changed;
     }
-    changed | choices_changed
+    // A choice kept as it came needs its verbatim text: the list is read again only then.
+    let verbatim = if edited.contains(&false) { obj.get("choices").and_then(json::list) } else { None };
+    let verbatim = verbatim.unwrap_or_default();
+    let written: Vec<Option<Box<RawValue>>> =
+        choices.iter().zip(&edited).map(|(co, this)| co.as_ref().filter(|_| *this).map(Obj::to_raw)).collect();
+    let null = json::raw("null".into());
+    let items: Vec<&RawValue> = written
+        .iter()
+        .enumerate()
+        .map(|(i, w)| w.as_deref().or_else(|| verbatim.get(i).copied()).unwrap_or(&null))
+        .collect();
+    let list = json::raw_list(&items);
+    obj.set("choices", list);
+    true
 }
 
 /// The gateway-side facts of one call, for its trace record.
@@ -108,34 +139,88 @@ pub struct CallFacts<'a> {
     pub timestamp: f64,
 }
 
-fn first_choice(resp: &Obj) -> Option<Obj> {
-    resp.get("choices").and_then(json::list).and_then(|l| l.first().and_then(|c| Obj::parse(c.get())))
+/// One value of a trace record: borrowed from a body the gateway parsed, or
+/// written here.
+#[derive(Debug)]
+pub enum Val<'a> {
+    Ref(&'a RawValue),
+    Own(Box<RawValue>),
 }
 
-fn text_or<'a>(v: Option<&'a RawValue>, default: &'a str) -> &'a str {
-    v.map(RawValue::get).unwrap_or(default)
-}
-
-/// Logprob texts of a choice: `logprobs.content[].logprob`, else
-/// `logprobs.token_logprobs[]`, nulls skipped.
-fn choice_logprobs(choice: &Obj, out: &mut Vec<String>) {
-    let Some(lp) = choice.get_some("logprobs").and_then(|v| Obj::parse(v.get())) else { return };
-    if let Some(content) = lp.get_some("content").and_then(json::list) {
-        for e in content {
-            if let Some(v) = Obj::parse(e.get()).and_then(|o| o.get_some("logprob").map(|v| v.get().to_owned())) {
-                out.push(v);
-            }
+impl Val<'_> {
+    pub fn get(&self) -> &RawValue {
+        match self {
+            Val::Ref(v) => v,
+            Val::Own(v) => v,
         }
-    } else if let Some(tl) = lp.get_some("token_logprobs").and_then(json::list) {
-        out.extend(tl.iter().filter(|v| v.get() != "null").map(|v| v.get().to_owned()));
     }
 }
 
-fn logprobs_json(lps: &[String]) -> String {
+/// JSON text the gateway wrote itself (valid by construction).
+fn own(text: String) -> Val<'static> {
+    Val::Own(json::raw(text))
+}
+
+fn ref_or<'a>(v: Option<&'a RawValue>, default: &str) -> Val<'a> {
+    match v {
+        Some(v) => Val::Ref(v),
+        None => own(default.to_owned()),
+    }
+}
+
+/// A trace record: the 17 keys of rLLM's `TraceRecord`, in order (contract
+/// §3.1), each with its value as JSON.
+#[derive(Debug)]
+pub struct Record<'a>(Vec<(&'static str, Val<'a>)>);
+
+impl Record<'_> {
+    /// The record as JSON text: what rLLM's gateway stores for the call.
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{");
+        for (i, (k, v)) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&json::string(k));
+            out.push(':');
+            out.push_str(v.get().get());
+        }
+        out.push('}');
+        out
+    }
+
+    /// The record as a checked [`trajlog::Call`]: the call
+    /// [`trajlog::trace_json::parse_gateway_exact`] makes of
+    /// [`Record::to_json`], built from the members without writing and
+    /// parsing that text ([`trajlog::trace_json::gateway_members_exact`]).
+    pub fn to_call(&self, now: f64) -> trajlog::Result<trajlog::ValidCall> {
+        trajlog::trace_json::gateway_members_exact(self.0.iter().map(|(k, v)| (*k, v.get())), now)
+    }
+}
+
+/// Logprobs of a choice, verbatim: `logprobs.content[].logprob`, else
+/// `logprobs.token_logprobs[]`, nulls skipped (read in one pass, [`lp`]).
+fn choice_logprobs<'a>(choice: &'a Obj, out: &mut Vec<&'a RawValue>) {
+    let Some(v) = choice.get_some("logprobs") else { return };
+    let mut de = serde_json::Deserializer::from_str(v.get());
+    let Ok(found) = serde::Deserializer::deserialize_any(&mut de, lp::Logprobs) else { return };
+    match found {
+        lp::Found { content: Some(content), .. } => {
+            out.extend(content.into_iter().flatten());
+        }
+        lp::Found { token_logprobs: Some(tl), .. } => {
+            out.extend(tl.into_iter().filter(|v| v.get() != "null"));
+        }
+        _ => {}
+    }
+}
+
+/// The logprobs list, `null` when empty (rLLM's `logprobs or None`).
+fn logprobs_val<T: std::ops::Deref<Target = RawValue>>(lps: &[T]) -> Val<'static> {
     if lps.is_empty() {
-        "null".to_owned()
+        own("null".to_owned())
     } else {
-        json::join_list(lps.iter().map(String::as_str))
+        Val::Own(json::raw_list(lps))
     }
 }
 
@@ -174,26 +259,26 @@ fn weight_json(resp_wv: Option<&RawValue>, dispatch: Option<i64>) -> String {
     dispatch.map(|w| w.to_string()).unwrap_or_else(|| "null".into())
 }
 
-/// Write the 17 keys of rLLM's `TraceRecord`, in order (contract §3.1).
+/// The 17 keys of rLLM's `TraceRecord`, in order (contract §3.1).
 #[allow(clippy::too_many_arguments)]
-fn record(
+fn record<'a>(
     facts: &CallFacts<'_>,
-    model: &str,
-    messages: &str,
-    prompt_ids: &str,
-    response_message: &str,
-    completion_ids: &str,
-    logprobs: &str,
-    routing_matrices: &str,
-    finish_reason: &str,
-    weight_version: &str,
-    token_counts: &str,
-    raw_request: &str,
-    raw_response: &str,
-) -> String {
-    let pairs: [(&str, &str); 17] = [
-        ("trace_id", &json::string(facts.trace_id)),
-        ("session_id", &json::string(facts.session_id)),
+    model: Val<'a>,
+    messages: Val<'a>,
+    prompt_ids: Val<'a>,
+    response_message: Val<'a>,
+    completion_ids: Val<'a>,
+    logprobs: Val<'a>,
+    routing_matrices: Val<'a>,
+    finish_reason: Val<'a>,
+    weight_version: Val<'a>,
+    token_counts: Val<'a>,
+    raw_request: Val<'a>,
+    raw_response: Val<'a>,
+) -> Record<'a> {
+    Record(vec![
+        ("trace_id", own(json::string(facts.trace_id))),
+        ("session_id", own(json::string(facts.session_id))),
         ("model", model),
         ("messages", messages),
         ("prompt_token_ids", prompt_ids),
@@ -203,65 +288,67 @@ fn record(
         ("routing_matrices", routing_matrices),
         ("finish_reason", finish_reason),
         ("weight_version", weight_version),
-        ("latency_ms", &f64_json(facts.latency_ms)),
+        ("latency_ms", own(f64_json(facts.latency_ms))),
         ("token_counts", token_counts),
-        ("timestamp", &f64_json(facts.timestamp)),
-        ("metadata", "{}"),
+        ("timestamp", own(f64_json(facts.timestamp))),
+        ("metadata", own("{}".to_owned())),
         ("raw_request", raw_request),
         ("raw_response", raw_response),
-    ];
-    let mut out = String::with_capacity(pairs.iter().map(|(k, v)| k.len() + v.len() + 4).sum::<usize>() + 2);
-    out.push('{');
-    for (i, (k, v)) in pairs.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        out.push_str(&json::string(k));
-        out.push(':');
-        out.push_str(v);
-    }
-    out.push('}');
-    out
+    ])
 }
 
-fn model_of(request: &Obj, fallback: Option<&RawValue>) -> String {
-    match request.get("model").filter(|m| m.get().starts_with('"')) {
-        Some(m) => m.get().to_owned(),
-        None => match fallback.filter(|m| m.get().starts_with('"')) {
-            Some(m) => m.get().to_owned(),
-            None => "\"\"".to_owned(),
-        },
+fn model_of<'a>(request: &'a Obj, fallback: Option<&'a RawValue>) -> Val<'a> {
+    let string = |m: &&RawValue| m.get().starts_with('"');
+    ref_or(request.get("model").filter(string).or_else(|| fallback.filter(string)), "\"\"")
+}
+
+/// The upstream body `text`, which parsed as the object `obj`, as the raw
+/// value rLLM stores as `raw_response` (the text without the whitespace
+/// around it). An upstream that writes compact JSON without repeated keys
+/// (vLLM does) wrote exactly what writing `obj` again gives: that is checked
+/// byte for byte and taken without parsing the body a second time; any
+/// other body is parsed.
+pub fn response_raw(obj: &Obj, text: &str) -> trajlog::Result<Box<RawValue>> {
+    let trimmed = text.trim_matches([' ', '\t', '\n', '\r']);
+    let written = obj.to_raw();
+    if written.get() == trimmed {
+        return Ok(written);
     }
+    serde_json::from_str(text).map_err(|e| trajlog::Error::invalid("raw_response", e.to_string()))
 }
 
 /// The trace record of a non-streaming call (rLLM's `build_trace_record`).
-/// `response_text` is the upstream body, which must be a JSON object.
-pub fn record_from_response(facts: &CallFacts<'_>, request: &Obj, response: &Obj, response_text: &str) -> String {
-    let choice = first_choice(response).unwrap_or_default();
-    let prompt_ids = response
-        .get_some("prompt_token_ids")
-        .or_else(|| choice.get_some("prompt_token_ids"))
-        .map(|v| v.get().to_owned())
-        .unwrap_or_else(|| "[]".into());
-    let response_message = text_or(choice.get_some("message").or_else(|| choice.get_some("delta")), "{}").to_owned();
-    let completion_ids = text_or(choice.get_some("token_ids"), "[]").to_owned();
+/// `raw_request` is `request` as forwarded ([`Prepared::raw`]); `response`
+/// is the upstream body (`raw_response`, a JSON object), `response_obj` its
+/// members and `choices` its parsed choices ([`parse_choices`]).
+pub fn record_from_response<'a>(
+    facts: &CallFacts<'_>,
+    request: &'a Obj,
+    raw_request: &'a RawValue,
+    response_obj: &'a Obj,
+    choices: Option<&'a Choices>,
+    response: &'a RawValue,
+) -> Record<'a> {
+    let choice = first_choice(choices);
+    let get_some = |k: &str| choice.and_then(|c| c.get_some(k));
     let mut lps = Vec::new();
-    choice_logprobs(&choice, &mut lps);
-    let routing = choice.get("routing_matrices").filter(|v| json::truthy(v)).map(|v| v.get()).unwrap_or("null");
+    if let Some(c) = choice {
+        choice_logprobs(c, &mut lps);
+    }
     record(
         facts,
-        &model_of(request, response.get("model")),
-        text_or(request.get("messages"), "[]"),
-        &prompt_ids,
-        &response_message,
-        &completion_ids,
-        &logprobs_json(&lps),
-        routing,
-        text_or(choice.get("finish_reason"), "null"),
-        &weight_json(response.get_some("weight_version"), facts.weight_version),
-        &token_counts(response.get_some("usage")),
-        &request.to_json(),
-        response_text,
+        model_of(request, response_obj.get("model")),
+        ref_or(request.get("messages"), "[]"),
+        ref_or(response_obj.get_some("prompt_token_ids").or_else(|| get_some("prompt_token_ids")), "[]"),
+        ref_or(get_some("message").or_else(|| get_some("delta")), "{}"),
+        ref_or(get_some("token_ids"), "[]"),
+        logprobs_val(&lps),
+        ref_or(choice.and_then(|c| c.get("routing_matrices")).filter(|v| json::truthy(v)), "null"),
+        ref_or(choice.and_then(|c| c.get("finish_reason")), "null"),
+        own(weight_json(response_obj.get_some("weight_version"), facts.weight_version)),
+        own(token_counts(response_obj.get_some("usage"))),
+        Val::Ref(raw_request),
+        Val::Ref(response),
     )
 }
 
@@ -270,15 +357,15 @@ pub fn record_from_response(facts: &CallFacts<'_>, request: &Obj, response: &Obj
 #[derive(Debug, Default)]
 pub struct StreamAssembly {
     chunks: usize,
-    prompt_ids: Option<String>,
-    model: Option<String>,
+    prompt_ids: Option<Box<RawValue>>,
+    model: Option<Box<RawValue>>,
     completion_ids: Vec<String>,
-    logprobs: Vec<String>,
-    role: Option<String>,
+    logprobs: Vec<Box<RawValue>>,
+    role: Option<Box<RawValue>>,
     content: String,
     tool_calls: Vec<String>,
-    finish_reason: Option<String>,
-    usage: Option<String>,
+    finish_reason: Option<Box<RawValue>>,
+    usage: Option<Box<RawValue>>,
 }
 
 impl StreamAssembly {
@@ -287,28 +374,36 @@ impl StreamAssembly {
         self.chunks == 0
     }
 
-    /// Take one parsed chunk.
+    /// Take one parsed chunk ([`StreamAssembly::push_parsed`]).
+    pub fn push(&mut self, chunk: &Obj) {
+        self.push_parsed(chunk, parse_choices(chunk).as_ref());
+    }
+
+    /// Take one parsed chunk with its parsed `choices`.
     ///
     /// With `n > 1`, vLLM streams every choice as `choices[0]` with its own
     /// `index`; only choice 0 is assembled (rLLM interleaves them all into
     /// one trace, contract §7.3.2).
-    pub fn push(&mut self, chunk: &Obj) {
-        let choice = first_choice(chunk).filter(|c| c.get("index").is_none_or(|i| i.get() == "0")).unwrap_or_default();
+    pub fn push_parsed(&mut self, chunk: &Obj, choices: Option<&Choices>) {
+        let empty = Obj::default();
+        let choice = first_choice(choices).filter(|c| c.get("index").is_none_or(|i| i.get() == "0")).unwrap_or(&empty);
         if self.chunks == 0 {
             self.prompt_ids = chunk
                 .get_some("prompt_token_ids")
                 .or_else(|| choice.get_some("prompt_token_ids"))
-                .map(|v| v.get().to_owned());
-            self.model = chunk.get("model").filter(|m| m.get().starts_with('"')).map(|m| m.get().to_owned());
+                .map(|v| v.to_owned());
+            self.model = chunk.get("model").filter(|m| m.get().starts_with('"')).map(|m| m.to_owned());
         }
         self.chunks += 1;
         if let Some(ids) = choice.get_some("token_ids").and_then(json::list) {
             self.completion_ids.extend(ids.iter().map(|v| v.get().to_owned()));
         }
-        choice_logprobs(&choice, &mut self.logprobs);
+        let mut lps = Vec::new();
+        choice_logprobs(choice, &mut lps);
+        self.logprobs.extend(lps.into_iter().map(ToOwned::to_owned));
         if let Some(delta) = choice.get_some("delta").and_then(|d| Obj::parse(d.get())) {
             if let Some(role) = delta.get_some("role").filter(|r| json::truthy(r)) {
-                self.role = Some(role.get().to_owned());
+                self.role = Some(role.to_owned());
             }
             if let Some(c) = delta.get_some("content").and_then(|c| serde_json::from_str::<String>(c.get()).ok()) {
                 self.content.push_str(&c);
@@ -318,17 +413,18 @@ impl StreamAssembly {
             }
         }
         if let Some(f) = choice.get_some("finish_reason") {
-            self.finish_reason = Some(f.get().to_owned());
+            self.finish_reason = Some(f.to_owned());
         }
         if let Some(u) = chunk.get("usage").filter(|u| json::truthy(u)) {
-            self.usage = Some(u.get().to_owned());
+            self.usage = Some(u.to_owned());
         }
     }
 
-    /// The trace record once the stream ended.
-    pub fn record(&self, facts: &CallFacts<'_>, request: &Obj) -> String {
+    /// The trace record once the stream ended; `raw_request` is `request`
+    /// as forwarded ([`Prepared::raw`]).
+    pub fn record<'a>(&'a self, facts: &CallFacts<'_>, request: &'a Obj, raw_request: &'a RawValue) -> Record<'a> {
         let mut msg = Obj::default();
-        msg.set("role", json::raw(self.role.clone().unwrap_or_else(|| "\"assistant\"".into())));
+        msg.set("role", self.role.clone().unwrap_or_else(|| json::raw("\"assistant\"".into())));
         if !self.content.is_empty() {
             msg.set("content", json::raw(json::string(&self.content)));
         }
@@ -336,25 +432,186 @@ impl StreamAssembly {
             msg.set("tool_calls", json::raw(json::join_list(self.tool_calls.iter().map(String::as_str))));
         }
         let model = match &self.model {
-            Some(m) => m.clone(),
+            Some(m) => Val::Ref(m),
             None => model_of(request, None),
         };
-        let usage = self.usage.as_deref().and_then(|u| RawValue::from_string(u.to_owned()).ok());
         record(
             facts,
-            &model,
-            text_or(request.get("messages"), "[]"),
-            self.prompt_ids.as_deref().unwrap_or("[]"),
-            &msg.to_json(),
-            &json::join_list(self.completion_ids.iter().map(String::as_str)),
-            &logprobs_json(&self.logprobs),
-            "null",
-            self.finish_reason.as_deref().unwrap_or("null"),
-            &weight_json(None, facts.weight_version),
-            &token_counts(usage.as_deref()),
-            &request.to_json(),
-            "null",
+            model,
+            ref_or(request.get("messages"), "[]"),
+            ref_or(self.prompt_ids.as_deref(), "[]"),
+            Val::Own(msg.to_raw()),
+            own(json::join_list(self.completion_ids.iter().map(String::as_str))),
+            logprobs_val(&self.logprobs),
+            own("null".into()),
+            ref_or(self.finish_reason.as_deref(), "null"),
+            own(weight_json(None, facts.weight_version)),
+            own(token_counts(self.usage.as_deref())),
+            Val::Ref(raw_request),
+            own("null".into()),
         )
+    }
+}
+
+/// The logprobs of a choice's `logprobs` object in one pass, read as the
+/// gateway's [`Obj`] walk reads them: not an object, nothing; `content`
+/// (the last one, unless `null` or not a list) wins over `token_logprobs`;
+/// a `content` entry that is not an object, or whose (last) `logprob` is
+/// missing or `null`, gives nothing.
+mod lp {
+    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde_json::value::RawValue;
+    use std::fmt;
+
+    #[derive(Default)]
+    pub struct Found<'de> {
+        pub content: Option<Vec<Option<&'de RawValue>>>,
+        pub token_logprobs: Option<Vec<&'de RawValue>>,
+    }
+
+    /// Any value a visitor does not look into: consumed, giving the default.
+    macro_rules! other_values {
+        () => {
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Default::default())
+            }
+        };
+    }
+    macro_rules! other_seq {
+        () => {
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Default::default())
+            }
+        };
+    }
+    macro_rules! other_map {
+        () => {
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Default::default())
+            }
+        };
+    }
+
+    /// A key, compared without allocating.
+    struct Key;
+    impl<'de> Visitor<'de> for Key {
+        type Value = Option<&'static str>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a key")
+        }
+        fn visit_str<E>(self, k: &str) -> Result<Self::Value, E> {
+            Ok(["content", "token_logprobs", "logprob"].into_iter().find(|w| *w == k))
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Key {
+        type Value = Option<&'static str>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_str(self)
+        }
+    }
+
+    /// The `logprobs` object.
+    pub struct Logprobs;
+    impl<'de> Visitor<'de> for Logprobs {
+        type Value = Found<'de>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("logprobs")
+        }
+        other_values!();
+        other_seq!();
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = Found::default();
+            while let Some(k) = map.next_key_seed(Key)? {
+                match k {
+                    Some("content") => found.content = map.next_value_seed(ListOf(Entry))?,
+                    Some("token_logprobs") => found.token_logprobs = map.next_value_seed(ListOf(Raw))?,
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(found)
+        }
+    }
+
+    /// A list of `T`s; None when not a list.
+    struct ListOf<T>(T);
+    impl<'de, T: DeserializeSeed<'de> + Copy> Visitor<'de> for ListOf<T> {
+        type Value = Option<Vec<T::Value>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a list")
+        }
+        other_values!();
+        other_map!();
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(v) = seq.next_element_seed(self.0)? {
+                out.push(v);
+            }
+            Ok(Some(out))
+        }
+    }
+    impl<'de, T: DeserializeSeed<'de> + Copy> DeserializeSeed<'de> for ListOf<T> {
+        type Value = Option<Vec<T::Value>>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    /// Any value, verbatim.
+    #[derive(Clone, Copy)]
+    struct Raw;
+    impl<'de> DeserializeSeed<'de> for Raw {
+        type Value = &'de RawValue;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            serde::Deserialize::deserialize(d)
+        }
+    }
+
+    /// A `content` entry: its last `logprob` unless `null`; None when not an object.
+    #[derive(Clone, Copy)]
+    struct Entry;
+    impl<'de> Visitor<'de> for Entry {
+        type Value = Option<&'de RawValue>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a logprob entry")
+        }
+        other_values!();
+        other_seq!();
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut lp: Option<&'de RawValue> = None;
+            while let Some(k) = map.next_key_seed(Key)? {
+                if k == Some("logprob") {
+                    lp = Some(map.next_value()?);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(lp.filter(|v| v.get() != "null"))
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Entry {
+        type Value = Option<&'de RawValue>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
     }
 }
 
@@ -364,6 +621,84 @@ mod tests {
 
     fn obj(t: &str) -> Obj {
         Obj::parse(t).unwrap_or_default()
+    }
+
+    /// The call built from the members is the one parsing the record's text gives.
+    fn same_call(rec: &Record<'_>) {
+        let direct = rec.to_call(5.0).map(trajlog::ValidCall::into_inner).map_err(|e| e.to_string());
+        let parsed = trajlog::trace_json::parse_gateway_exact(&rec.to_json(), 5.0).map_err(|e| e.to_string());
+        assert_eq!(direct, parsed);
+        assert!(direct.is_ok());
+    }
+
+    /// The old walk of a choice's logprobs, one `Obj` parse per level.
+    fn logprobs_by_obj(choice: &Obj) -> Vec<String> {
+        let mut out = Vec::new();
+        let Some(lp) = choice.get_some("logprobs").and_then(|v| Obj::parse(v.get())) else { return out };
+        if let Some(content) = lp.get_some("content").and_then(json::list) {
+            for e in content {
+                if let Some(v) = Obj::parse(e.get()).and_then(|o| o.get_some("logprob").map(|v| v.get().to_owned())) {
+                    out.push(v);
+                }
+            }
+        } else if let Some(tl) = lp.get_some("token_logprobs").and_then(json::list) {
+            out.extend(tl.iter().filter(|v| v.get() != "null").map(|v| v.get().to_owned()));
+        }
+        out
+    }
+
+    #[test]
+    fn sanitize_rewrites_only_the_choices_it_changes() {
+        let mut o = obj(
+            r#"{"choices":[{"a":1,"token_ids":[1]}, 5 ,{"b" : [ 2 ]},{"c":3,"logprobs":null}],"prompt_token_ids":[1]}"#,
+        );
+        assert!(sanitize(&mut o, true, false));
+        assert_eq!(o.to_json(), r#"{"choices":[{"a":1},5,{"b" : [ 2 ]},{"c":3}]}"#);
+        let mut o = obj(r#"{"choices":[{"b" : 1}],"id":"x"}"#);
+        assert!(!sanitize(&mut o, true, false));
+        assert_eq!(o.to_json(), r#"{"choices":[{"b" : 1}],"id":"x"}"#);
+        let mut o = obj(r#"{"choices":{"token_ids":[1]}}"#);
+        assert!(!sanitize(&mut o, true, false));
+    }
+
+    #[test]
+    fn raw_response_is_the_body_without_surrounding_whitespace() {
+        for text in [
+            r#"{"a":1,"b":[1, 2]}"#,
+            "\n {\"a\":1,\"b\":[1,2]}\r\n",
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":"\u00e9"}"#,
+            r#"{"a":{}}"#,
+        ] {
+            let got = response_raw(&obj(text), text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+            let want = serde_json::from_str::<&RawValue>(text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+            assert_eq!(got, want, "{text}");
+        }
+    }
+
+    #[test]
+    fn one_pass_logprobs_read_as_the_obj_walk() {
+        let cases = [
+            r#"{"logprobs":{"content":[{"token":"a","logprob":-0.5,"bytes":[97],"top_logprobs":[{"logprob":-9}]},{"logprob":-1e-3}]}}"#,
+            r#"{"logprobs":{"content":[1,"x",null,[],{"logprob":null},{"logprob":-1,"logprob":-2},{"token":"\"logprob\""}]}}"#,
+            r#"{"logprobs":{"content":null,"token_logprobs":[-0.25,null,-1.5E2]}}"#,
+            r#"{"logprobs":{"content":{"logprob":1},"token_logprobs":[-1]}}"#,
+            r#"{"logprobs":{"content":[{"logprob":-1}],"content":"no"}}"#,
+            r#"{"logprobs":{"token_logprobs":[-1],"token_logprobs":[-2,-3],"content":[]}}"#,
+            r#"{"logprobs":{"token_logprobs":{"a":1}}}"#,
+            r#"{"logprobs":[{"logprob":-1}]}"#,
+            r#"{"logprobs":null}"#,
+            r#"{"logprobs":"x"}"#,
+            r#"{"logprobs":{"content":[{"logprob":-4.0}]}}"#,
+            r#"{}"#,
+        ];
+        for c in cases {
+            let choice = obj(c);
+            let mut fast = Vec::new();
+            choice_logprobs(&choice, &mut fast);
+            let fast: Vec<&str> = fast.iter().map(|v| v.get()).collect();
+            assert_eq!(fast, logprobs_by_obj(&choice), "{c}");
+        }
     }
 
     #[test]
@@ -395,9 +730,12 @@ mod tests {
         a.push(&obj(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{}"}}]},"logprobs":{"content":[{"logprob":-0.25}]},"finish_reason":"tool_calls","token_ids":[8]}]}"#));
         let facts =
             CallFacts { trace_id: "t", session_id: "s", weight_version: Some(3), latency_ms: 1.5, timestamp: 10.0 };
-        let rec = a.record(&facts, &obj(r#"{"model":"req","messages":[{"role":"user","content":"x"}]}"#));
+        let req = obj(r#"{"model":"req","messages":[{"role":"user","content":"x"}]}"#);
+        let raw_req = req.to_raw();
+        let rec = a.record(&facts, &req, &raw_req);
+        same_call(&rec);
         assert_eq!(
-            rec,
+            rec.to_json(),
             r#"{"trace_id":"t","session_id":"s","model":"up","messages":[{"role":"user","content":"x"}],"prompt_token_ids":[1,2],"response_message":{"role":"assistant","tool_calls":[{"index":0,"function":{"name":"f"}},{"index":0,"function":{"arguments":"{}"}}]},"completion_token_ids":[7,8],"logprobs":[-0.5,-0.25],"routing_matrices":null,"finish_reason":"tool_calls","weight_version":3,"latency_ms":1.5,"token_counts":{},"timestamp":10.0,"metadata":{},"raw_request":{"model":"req","messages":[{"role":"user","content":"x"}]},"raw_response":null}"#
         );
     }
@@ -408,8 +746,12 @@ mod tests {
         let text = r#"{"choices":[{"message":{"role":"assistant","content":"hi"},"finish_reason":"stop","token_ids":[5],"routing_matrices":["ab"]}],"weight_version":9,"usage":{"prompt_tokens":1}}"#;
         let facts =
             CallFacts { trace_id: "t", session_id: "s", weight_version: Some(3), latency_ms: 2.0, timestamp: 1.0 };
-        let rec: serde_json::Value =
-            serde_json::from_str(&record_from_response(&facts, &req, &obj(text), text)).unwrap_or_default();
+        let (resp, raw_req) = (obj(text), req.to_raw());
+        let choices = parse_choices(&resp);
+        let raw_resp = json::raw(text.to_owned());
+        let rec = record_from_response(&facts, &req, &raw_req, &resp, choices.as_ref(), &raw_resp);
+        same_call(&rec);
+        let rec: serde_json::Value = serde_json::from_str(&rec.to_json()).unwrap_or_default();
         assert_eq!(rec["weight_version"], 9);
         assert_eq!(rec["logprobs"], serde_json::Value::Null);
         assert_eq!(rec["routing_matrices"], serde_json::json!(["ab"]));

@@ -7,7 +7,8 @@
 //! contract §2.1) and numbers keep their exact decimal text (token ids and
 //! logprobs reach the store as the upstream printed them).
 
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::de::{Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::value::RawValue;
 use std::fmt;
 
@@ -15,32 +16,113 @@ use std::fmt;
 #[derive(Debug, Clone, Default)]
 pub struct Obj(pub Vec<(String, Box<RawValue>)>);
 
-impl<'de> Deserialize<'de> for Obj {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Obj;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Obj, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Box<RawValue>>()? {
-                    // A repeated key: the last one wins, as in Python's json.
-                    if let Some(slot) = out.iter_mut().find(|(ok, _): &&mut (String, Box<RawValue>)| *ok == k) {
-                        slot.1 = v;
-                    } else {
-                        out.push((k, v));
-                    }
-                }
-                Ok(Obj(out))
+/// Reads an object's members (a repeated key: the last one wins, as in
+/// Python's json).
+struct ObjVisitor;
+
+impl<'de> Visitor<'de> for ObjVisitor {
+    type Value = Obj;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Obj, A::Error> {
+        let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some((k, v)) = map.next_entry::<String, Box<RawValue>>()? {
+            if let Some(slot) = out.iter_mut().find(|(ok, _): &&mut (String, Box<RawValue>)| *ok == k) {
+                slot.1 = v;
+            } else {
+                out.push((k, v));
             }
         }
-        d.deserialize_map(V)
+        Ok(Obj(out))
+    }
+}
+
+impl<'de> Deserialize<'de> for Obj {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(ObjVisitor)
+    }
+}
+
+/// A list's items each read as an object in one pass over the list: None
+/// when the value is not a list, an item None when it is not an object.
+pub fn objects(v: &RawValue) -> Option<Vec<Option<Obj>>> {
+    struct Item;
+    impl<'de> Visitor<'de> for Item {
+        type Value = Option<Obj>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            ObjVisitor.visit_map(map).map(Some)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Item {
+        type Value = Option<Obj>;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    struct List;
+    impl<'de> Visitor<'de> for List {
+        type Value = Vec<Option<Obj>>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON list")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(item) = seq.next_element_seed(Item)? {
+                out.push(item);
+            }
+            Ok(out)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(v.get());
+    de.deserialize_seq(List).ok()
+}
+
+/// Written as [`Obj::to_json`] writes it (values verbatim), so that
+/// [`Obj::to_raw`] is that text as a [`RawValue`] without parsing it again.
+impl Serialize for Obj {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            m.serialize_entry(k, v)?;
+        }
+        m.end()
     }
 }
 
 impl Obj {
+    /// [`Obj::to_json`] as a [`RawValue`]: its members are raw values, so
+    /// the text is valid JSON as written and is not parsed again
+    /// (`serde_json::value::to_raw_value` does not re-check).
+    pub fn to_raw(&self) -> Box<RawValue> {
+        serde_json::value::to_raw_value(self).unwrap_or_else(|_| raw(self.to_json()))
+    }
+
     /// Parse `text` as an object; None when it is not a JSON object.
     pub fn parse(text: &str) -> Option<Obj> {
         serde_json::from_str(text).ok()
@@ -125,6 +207,13 @@ pub fn truthy(v: &RawValue) -> bool {
 /// The items of a JSON list, verbatim; None when `v` is not a list.
 pub fn list(v: &RawValue) -> Option<Vec<&RawValue>> {
     serde_json::from_str(v.get()).ok()
+}
+
+/// Raw values as one JSON list, written without parsing it again
+/// (`to_raw_value` writes each value verbatim and does not re-check).
+pub fn raw_list<T: std::ops::Deref<Target = RawValue>>(items: &[T]) -> Box<RawValue> {
+    let refs: Vec<&RawValue> = items.iter().map(|v| &**v).collect();
+    serde_json::value::to_raw_value(&refs).unwrap_or_else(|_| raw(join_list(refs.iter().map(|v| v.get()))))
 }
 
 /// Join verbatim JSON texts into a list.

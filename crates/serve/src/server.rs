@@ -416,13 +416,12 @@ fn store_error(e: String) -> Response {
 
 /// Hand a trace record to the store; with `Sync` durability, wait until it
 /// is durable (concurrent waits share one group commit).
-async fn capture(app: &Arc<App>, record: String) -> Result<(), String> {
+async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> Result<(), String> {
     let store = app.store.clone();
     let sync = app.config.durability == DurabilityMode::Sync;
     app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
     let r = blocking(move || {
-        let call = trajlog::trace_json::parse_gateway_exact(&record, now())?;
-        let receipt = store.append(call)?;
+        let receipt = store.append_valid(call?)?;
         if sync {
             receipt.wait()?;
         }
@@ -884,7 +883,7 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         None
     };
     let forward_body: Bytes = match &prepared {
-        Some(p) => Bytes::from(p.body.to_json()),
+        Some(p) => Bytes::from(p.raw.get().to_owned()),
         None => body,
     };
     let Some(lease) = app.router.route(sid.as_deref()) else {
@@ -938,6 +937,7 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         app.metrics.calls_upstream_status_error.fetch_add(1, Ordering::Relaxed);
         return raw_response(status, content_type, bytes);
     }
+    let choices = capture::parse_choices(&resp_obj);
     if let (Some(sid), Some(p), Some(text)) = (&sid, &prepared, text) {
         let trace_id = new_id();
         let facts = CallFacts {
@@ -947,8 +947,11 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
             latency_ms,
             timestamp: now(),
         };
-        let record = capture::record_from_response(&facts, &p.body, &resp_obj, text);
-        if let Err(e) = capture(&app, record).await {
+        let call = capture::response_raw(&resp_obj, text).and_then(|response| {
+            capture::record_from_response(&facts, &p.body, &p.raw, &resp_obj, choices.as_ref(), &response)
+                .to_call(now())
+        });
+        if let Err(e) = capture(&app, call).await {
             return error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("the call succeeded upstream but its trace was not stored: {e}"),
@@ -958,7 +961,7 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
     app.metrics.calls_ok.fetch_add(1, Ordering::Relaxed);
     tracing::debug!(session = sid.as_deref().unwrap_or(""), path = %v1_path, %status, latency_ms, "call");
     let requested = prepared.as_ref().is_none_or(|p| p.requested_logprobs);
-    if capture::sanitize(&mut resp_obj, app.config.strip_vllm_fields, requested) {
+    if capture::sanitize_parsed(&mut resp_obj, choices, app.config.strip_vllm_fields, requested) {
         json_response(status, resp_obj.to_json())
     } else {
         raw_response(status, content_type, bytes)
@@ -966,7 +969,10 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
 }
 
 async fn read_body(app: &App, resp: reqwest::Response, timeout: Option<Duration>) -> Result<Bytes, Upstream> {
-    let mut out = Vec::new();
+    // Sized once from Content-Length, not grown chunk by chunk (at most
+    // 16 MiB up front: a header is not a body; the limit is checked as it comes).
+    let hint = resp.content_length().unwrap_or(0).min(app.config.response_bytes_max as u64).min(16 << 20);
+    let mut out = Vec::with_capacity(usize::try_from(hint).unwrap_or(0));
     let mut s = resp.bytes_stream();
     loop {
         match with_timeout(timeout, s.next()).await {
@@ -1082,8 +1088,8 @@ fn stream_response(
                     latency_ms,
                     timestamp: now(),
                 };
-                let record = asm.record(&facts, &p.body);
-                if let Err(e) = capture(&app, record).await {
+                let call = asm.record(&facts, &p.body, &p.raw).to_call(now());
+                if let Err(e) = capture(&app, call).await {
                     let msg = format!("data: {{\"error\":{}}}\n\n", json::string(&format!("trace not stored: {e}")));
                     let _ = tx.send(Ok(Bytes::from(msg))).await;
                     let _ = tx.send(Err(std::io::Error::other(e))).await;
@@ -1124,9 +1130,10 @@ fn sse_line(
             return;
         }
         if let Some(mut chunk) = data.ok().and_then(Obj::parse) {
-            asm.push(&chunk);
+            let choices = capture::parse_choices(&chunk);
+            asm.push_parsed(&chunk, choices.as_ref());
             out.extend_from_slice(b"data: ");
-            if capture::sanitize(&mut chunk, strip, requested) {
+            if capture::sanitize_parsed(&mut chunk, choices, strip, requested) {
                 out.extend_from_slice(chunk.to_json().as_bytes());
             } else {
                 out.extend_from_slice(data.unwrap_or("").as_bytes());

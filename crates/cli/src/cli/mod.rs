@@ -216,6 +216,10 @@ enum Command {
         /// runs rLLM's gateway from compat/ beside trajlog serve, with its SQLite and memory stores.
         #[arg(long, value_name = "PYTHON")]
         rllm_python: Option<PathBuf>,
+        /// Another trajlog binary (say, a build of an earlier commit): its `trajlog serve` runs
+        /// beside this one's under the same load, as "trajlog serve, baseline".
+        #[arg(long, value_name = "TRAJLOG")]
+        baseline_serve: Option<PathBuf>,
         /// Scratch directory for the store and rLLM's database (removed after); default: the temp directory.
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -338,13 +342,14 @@ pub fn main() -> i32 {
                 log_level,
             })
         }
-        Command::BenchGateway { sessions, turns, calls, completion_tokens, rllm_python, dir, json } => {
+        Command::BenchGateway { sessions, turns, calls, completion_tokens, rllm_python, baseline_serve, dir, json } => {
             crate::bench_gateway::run(&crate::bench_gateway::Args {
                 sessions,
                 turns,
                 calls,
                 completion_tokens,
                 rllm_python,
+                baseline_serve,
                 dir,
                 json,
             })
