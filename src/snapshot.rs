@@ -13,6 +13,7 @@ use crate::index::{CallMeta, Index};
 use crate::record::Call;
 use crate::segment::SegmentRef;
 use crate::shard::reader::{call_from_row, ShardFile, ShardPos};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// What a snapshot sees.
@@ -130,7 +131,11 @@ impl<'a> CallView<'a> {
     }
     /// An owned copy of the call as it was appended.
     pub fn to_call(&self) -> Result<Call> {
-        let prompt = self.prompt()?;
+        self.to_call_with_prompt(self.prompt()?)
+    }
+
+    /// [`CallView::to_call`] with the full prompt already materialized.
+    pub(crate) fn to_call_with_prompt(&self, prompt: Vec<u32>) -> Result<Call> {
         let mut call = self.call_with_docs(self.docs_with(Some(&prompt))?);
         call.prompt_token_ids = prompt;
         call.completion_token_ids = self.record.completion.to_vec();
@@ -263,6 +268,22 @@ impl Snapshot {
     /// damaged call makes the whole read fail; see [`Snapshot::session_each`].
     pub fn session(&self, session_id: &str, since: Option<f64>, limit: Option<usize>) -> Result<Vec<CallView<'_>>> {
         self.session_each(session_id, since, limit).into_iter().collect()
+    }
+
+    /// A session's calls as owned [`Call`]s, as [`Snapshot::session`] lists
+    /// them. Each prompt is rebuilt from its parent's context, read just
+    /// before (a window's first call walks its chain once): O(session tokens),
+    /// where `to_call` on each view walks every call's chain.
+    pub fn session_calls(&self, session_id: &str, since: Option<f64>, limit: Option<usize>) -> Result<Vec<Call>> {
+        let mut ctx = Contexts::default();
+        self.session(session_id, since, limit)?
+            .iter()
+            .map(|v| {
+                let prompt = ctx.prompt(v)?;
+                ctx.remember(v.loc, &prompt, v.completion_token_ids());
+                v.to_call_with_prompt(prompt)
+            })
+            .collect()
     }
 
     /// Like [`Snapshot::session`], one result per call: a damaged call (or one
@@ -480,5 +501,43 @@ impl Snapshot {
         let path =
             self.view.segments.get(&call.loc.segment).map(|s| s.path.as_path().to_path_buf()).unwrap_or_default();
         Error::corrupt(path, call.loc.offset, what)
+    }
+}
+
+/// Recent contexts (`prompt ++ completion`) of a session being read in order,
+/// so that each prompt is rebuilt from its parent's context instead of walking
+/// the whole chain for every call: O(session tokens) for a whole session.
+#[derive(Default)]
+pub(crate) struct Contexts {
+    map: HashMap<Loc, Arc<Vec<u32>>>,
+    order: VecDeque<Loc>,
+}
+
+impl Contexts {
+    const KEEP: usize = 16;
+
+    pub(crate) fn prompt(&self, view: &CallView<'_>) -> Result<Vec<u32>> {
+        if let Some(ctx) = view.parent().and_then(|p| self.map.get(&p)) {
+            if let Some(prefix) = ctx.get(..view.prompt_prefix_len()) {
+                let mut out = Vec::with_capacity(view.prompt_len());
+                out.extend_from_slice(prefix);
+                out.extend_from_slice(view.prompt_suffix());
+                return Ok(out);
+            }
+        }
+        view.prompt()
+    }
+
+    pub(crate) fn remember(&mut self, loc: Loc, prompt: &[u32], completion: &[u32]) {
+        let mut ctx = Vec::with_capacity(prompt.len() + completion.len());
+        ctx.extend_from_slice(prompt);
+        ctx.extend_from_slice(completion);
+        self.map.insert(loc, Arc::new(ctx));
+        self.order.push_back(loc);
+        while self.order.len() > Self::KEEP {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
     }
 }

@@ -172,6 +172,16 @@ fn a_store_reads_docs_blocks_exactly_before_and_after_reopen_and_compaction() {
             let got = snap.get(&want.trace_id).expect("read").expect("present").to_call().expect("call");
             assert_eq!(&got, want, "{}", want.trace_id);
         }
+        // Whole sessions, prompts rebuilt call after call, and windows of them.
+        let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
+        for sid in sessions {
+            let views = snap.session(sid, None, None).expect("session");
+            let each: Vec<Call> = views.iter().map(|v| v.to_call().expect("call")).collect();
+            assert_eq!(snap.session_calls(sid, None, None).expect("session calls"), each, "{sid}");
+            let since = each.first().map(|c| c.timestamp);
+            let window: Vec<Call> = each.iter().filter(|c| Some(c.timestamp) > since).take(2).cloned().collect();
+            assert_eq!(snap.session_calls(sid, since, Some(2)).expect("window"), window, "{sid}");
+        }
     };
     {
         let store = Store::open(dir.path(), Options::default()).expect("open");

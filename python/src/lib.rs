@@ -466,6 +466,27 @@ impl Call {
     }
 }
 
+/// A stored call as the gateway-shaped trace dict `Call.to_dict()` returns:
+/// ids as ints, logprobs as the exact float32 values (or, when the trace
+/// kept them verbatim beside the column, as given).
+fn call_dict(py: Python<'_>, mut call: RCall) -> PyResult<Bound<'_, PyAny>> {
+    let logprobs = call.logprobs.take();
+    let verbatim = call.extra.as_deref().is_some_and(has_verbatim_logprobs);
+    let prompt = std::mem::take(&mut call.prompt_token_ids);
+    let completion = std::mem::take(&mut call.completion_token_ids);
+    if !verbatim {
+        call.logprobs = logprobs.as_ref().map(|_| Vec::new());
+    }
+    let text = trajlog::trace_json::export_call(&call);
+    let d = trace_dict::json_to_py(py, &text)?;
+    d.set_item(intern!(py, "prompt_token_ids"), PyList::new(py, prompt)?)?;
+    d.set_item(intern!(py, "completion_token_ids"), PyList::new(py, completion)?)?;
+    if let (false, Some(lp)) = (verbatim, logprobs) {
+        d.set_item(intern!(py, "logprobs"), PyList::new(py, lp.iter().map(|&x| f64::from(x)))?)?;
+    }
+    Ok(d)
+}
+
 /// An SDK record as the Python side passes it to `append_sdk_batch`.
 type SdkRecord = (String, String, String, String, String, Vec<String>, f64, f64);
 
@@ -651,6 +672,24 @@ impl NativeStore {
             .map(|c| c.trace_id().to_owned())
             .collect();
         calls_of(py, &snap, ids)
+    }
+
+    /// The session's calls as gateway-shaped trace dicts (what `to_dict`
+    /// gives for each), oldest first. Each prompt is rebuilt from the call
+    /// before it (O(session tokens)); the GIL is released while the store is
+    /// read.
+    #[pyo3(signature = (session_id, since = None, limit = None))]
+    fn session_dicts<'py>(
+        &self,
+        py: Python<'py>,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let store = self.get()?;
+        let snap = store.snapshot();
+        let calls = py.detach(|| snap.session_calls(session_id, since, limit)).map_err(to_py)?;
+        calls.into_iter().map(|c| call_dict(py, c)).collect()
     }
 
     /// One Arrow C Data Interface record batch per call of the session

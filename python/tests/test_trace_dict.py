@@ -144,6 +144,14 @@ def test_random_traces_read_back_equal_key_order_included(tmp_path, seed):
             got = {c.trace_id: c.to_dict() for c in store.session(s)}
             for want in mine:
                 assert json.dumps(got[want["trace_id"]]) == json.dumps(want)
+            # session_dicts (prompts rebuilt call after call) gives the same
+            # dicts, in the session's order, for a window too.
+            listed = [c.to_dict() for c in store.session(s)]
+            assert [json.dumps(d) for d in store.session_dicts(s)] == [json.dumps(d) for d in listed]
+            if len(listed) > 2:
+                since = listed[0]["timestamp"]
+                window = [json.dumps(d) for d in store.session_dicts(s, since=since, limit=2)]
+                assert window == [json.dumps(c.to_dict()) for c in store.session(s, since=since, limit=2)]
     # And after reopening (read from the files).
     with trajlog.Store(tmp_path / "s", read_only=True) as store:
         for t in traces:

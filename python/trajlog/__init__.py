@@ -484,6 +484,12 @@ class Store:
         """A session's calls, oldest first (timestamp > since; at most limit)."""
         return self._native.session(_text("session_id", session_id), _since(since), _count("limit", limit))
 
+    def session_dicts(self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None) -> list:
+        """A session's calls as gateway-shaped trace dicts (each what
+        `Call.to_dict()` gives), oldest first; each prompt is rebuilt from the
+        call before it, so a whole session reads in O(its tokens)."""
+        return self._native.session_dicts(_text("session_id", session_id), _since(since), _count("limit", limit))
+
     def session_arrow(self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None):
         """A session's calls as a `pyarrow.Table`, oldest first, imported
         through the Arrow C Data Interface without a copy.

@@ -192,7 +192,7 @@ class TrajlogTraceStore(_LazyStore):
         return await self._read(self._get_sync, trace_id)
 
     def _session_sync(self, session_id: str, since: Optional[float], limit: Optional[int]) -> list:
-        return [c.to_dict() for c in self._get().session(session_id, since=since, limit=limit)]
+        return self._get().session_dicts(session_id, since=since, limit=limit)
 
     async def get_session_traces(
         self, session_id: str, since: Optional[float] = None, limit: Optional[int] = None

@@ -13,16 +13,14 @@
 mod build;
 
 use crate::error::{Error, Result};
-use crate::format::record::Loc;
 use crate::limits::{DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS};
 use crate::shard::schema::{steps_schema, trajectories_schema};
 pub use crate::shard::writer::ShardCompression;
 use crate::shard::writer::TableWriter;
-use crate::snapshot::CallView;
+use crate::snapshot::{CallView, Contexts};
 use crate::storage::SHARDS_DIR;
 use crate::store::Store;
 use build::{chains, group_id, StepInput, StepsBuilder, TrajectoriesBuilder};
-use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -154,43 +152,6 @@ fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
     bytes.map(|b| String::from_utf8(b).map_err(|_| Error::invalid(field, "JSON text is not UTF-8"))).transpose()
 }
 
-/// Recent contexts (`prompt ++ completion`) of the session being compacted, so
-/// that prompts are rebuilt from the parent's context instead of walking the
-/// whole chain for every call.
-struct Contexts {
-    map: HashMap<Loc, Arc<Vec<u32>>>,
-    order: VecDeque<Loc>,
-}
-
-impl Contexts {
-    const KEEP: usize = 16;
-
-    fn prompt(&self, view: &CallView<'_>) -> Result<Vec<u32>> {
-        if let Some(ctx) = view.parent().and_then(|p| self.map.get(&p)) {
-            if let Some(prefix) = ctx.get(..view.prompt_prefix_len()) {
-                let mut out = Vec::with_capacity(view.prompt_len());
-                out.extend_from_slice(prefix);
-                out.extend_from_slice(view.prompt_suffix());
-                return Ok(out);
-            }
-        }
-        view.prompt()
-    }
-
-    fn remember(&mut self, loc: Loc, prompt: &[u32], completion: &[u32]) {
-        let mut ctx = Vec::with_capacity(prompt.len() + completion.len());
-        ctx.extend_from_slice(prompt);
-        ctx.extend_from_slice(completion);
-        self.map.insert(loc, Arc::new(ctx));
-        self.order.push_back(loc);
-        while self.order.len() > Self::KEEP {
-            if let Some(old) = self.order.pop_front() {
-                self.map.remove(&old);
-            }
-        }
-    }
-}
-
 /// The steps of one session's calls not yet compacted (None if there are none).
 fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> Result<Option<Vec<StepInput>>> {
     let calls = snap.session(sid, None, None)?;
@@ -198,7 +159,7 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
     if own.iter().all(|c| c.is_compacted()) {
         return Ok(None);
     }
-    let mut ctx = Contexts { map: HashMap::new(), order: VecDeque::new() };
+    let mut ctx = Contexts::default();
     let mut inputs = Vec::with_capacity(own.len());
     let mut bytes = 0;
     for (i, c) in own.iter().enumerate() {

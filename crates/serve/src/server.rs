@@ -506,7 +506,7 @@ async fn get_trace(app: &Arc<App>, id: &str) -> Response {
 fn traces_of(snap: &trajlog::Snapshot, sid: &str, w: &Window) -> trajlog::Result<Vec<String>> {
     // trajlog's `since` is exclusive; rLLM's is inclusive.
     let since = w.since.map(f64::next_down);
-    snap.session(sid, since, w.limit)?.iter().map(|v| v.to_call().map(|c| trace_json(&c))).collect()
+    Ok(snap.session_calls(sid, since, w.limit)?.iter().map(trace_json).collect())
 }
 
 async fn session_traces(app: &Arc<App>, sid: &str, w: Window) -> Response {
