@@ -427,7 +427,7 @@ impl Call {
             call.logprobs = None;
         }
         let text = trajlog::trace_json::export_call(&call);
-        let d = trace_dict::json_to_py(py, &text)?;
+        let d = gc_paused(py, || trace_dict::json_to_py(py, &text))?;
         let prompt = if v.prompt_prefix_len() == 0 {
             PyList::new(py, v.prompt_suffix())?
         } else {
@@ -464,6 +464,22 @@ impl Call {
             v.relation().name()
         ))
     }
+}
+
+/// Run `f` with Python's cyclic garbage collector paused (restored as it
+/// was). A trace dict is thousands of containers with no cycles; while many
+/// are built and kept, the collector would walk them again and again.
+fn gc_paused<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    let gc = py.import("gc")?;
+    let was_enabled = gc.call_method0("isenabled")?.is_truthy()?;
+    if was_enabled {
+        gc.call_method0("disable")?;
+    }
+    let out = f();
+    if was_enabled {
+        gc.call_method0("enable")?;
+    }
+    out
 }
 
 /// A stored call as the gateway-shaped trace dict `Call.to_dict()` returns:
@@ -689,7 +705,7 @@ impl NativeStore {
         let store = self.get()?;
         let snap = store.snapshot();
         let calls = py.detach(|| snap.session_calls(session_id, since, limit)).map_err(to_py)?;
-        calls.into_iter().map(|c| call_dict(py, c)).collect()
+        gc_paused(py, || calls.into_iter().map(|c| call_dict(py, c)).collect())
     }
 
     /// One Arrow C Data Interface record batch per call of the session
