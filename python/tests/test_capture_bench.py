@@ -20,7 +20,7 @@ def test_capture_benchmark_smoke(tmp_path):
         assert r["calls"] == 6 and r["calls_per_s"] > 0 and r["append_p99_us"] >= r["append_p50_us"] > 0
         assert r["bytes_on_disk"] > 0
     assert set(report["big_call_append_us"]) == {"list", "numpy"}
-    assert len(report["session_read"]) == 3
+    assert len(report["session_read"]) == 4
     # The lean traces carry the same tokens and much less besides.
     lean = bench.main(args + ["--shape", "lean", "--dir", str(tmp_path / "lean")])
     assert lean["workload"]["shape"] == "lean"
