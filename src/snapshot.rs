@@ -152,7 +152,8 @@ impl<'a> CallView<'a> {
         self.docs_with(None)
     }
 
-    fn docs_with(&self, prompt: Option<&[u32]>) -> Result<Docs> {
+    /// [`CallView::docs`] with the full prompt when the caller has it.
+    pub(crate) fn docs_with(&self, prompt: Option<&[u32]>) -> Result<Docs> {
         let r = &self.record;
         let Some(d) = r.docs else {
             return Ok(Docs {

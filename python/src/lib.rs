@@ -421,26 +421,8 @@ impl Call {
     /// as the exact float32 values, or as given when they were not all
     /// float32), built here from the stored JSON documents.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let v = view(self.snap.get(), &self.trace_id)?;
-        let mut call = v.to_call_without_tokens().map_err(to_py)?;
-        if call.extra.as_deref().is_some_and(has_verbatim_logprobs) {
-            call.logprobs = None;
-        }
-        let text = trajlog::trace_json::export_call(&call);
-        let d = gc_paused(py, || trace_dict::json_to_py(py, &text))?;
-        let prompt = if v.prompt_prefix_len() == 0 {
-            PyList::new(py, v.prompt_suffix())?
-        } else {
-            PyList::new(py, v.prompt().map_err(to_py)?)?
-        };
-        d.set_item(intern!(py, "prompt_token_ids"), prompt)?;
-        d.set_item(intern!(py, "completion_token_ids"), PyList::new(py, v.completion_token_ids())?)?;
-        if call.logprobs.is_some() {
-            if let Some(lp) = v.logprobs() {
-                d.set_item(intern!(py, "logprobs"), PyList::new(py, lp.iter().map(|&x| f64::from(x)))?)?;
-            }
-        }
-        Ok(d)
+        let call = view(self.snap.get(), &self.trace_id)?.to_call().map_err(to_py)?;
+        gc_paused(py, || call_dict(py, call))
     }
 
     /// The gateway-shaped trace as JSON text (logprobs kept verbatim beside
@@ -470,16 +452,23 @@ impl Call {
 /// was). A trace dict is thousands of containers with no cycles; while many
 /// are built and kept, the collector would walk them again and again.
 fn gc_paused<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    /// Turns the collector back on however `f` ends (a panic included).
+    struct Resume<'py>(Option<Bound<'py, PyModule>>);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            if let Some(gc) = &self.0 {
+                let _ = gc.call_method0("enable");
+            }
+        }
+    }
     let gc = py.import("gc")?;
-    let was_enabled = gc.call_method0("isenabled")?.is_truthy()?;
-    if was_enabled {
+    let _resume = if gc.call_method0("isenabled")?.is_truthy()? {
         gc.call_method0("disable")?;
-    }
-    let out = f();
-    if was_enabled {
-        gc.call_method0("enable")?;
-    }
-    out
+        Resume(Some(gc))
+    } else {
+        Resume(None)
+    };
+    f()
 }
 
 /// A stored call as the gateway-shaped trace dict `Call.to_dict()` returns:

@@ -19,7 +19,6 @@ use super::{Cursor, DecodeError, PutLe};
 use crate::limits::JSON_BYTES_PER_CALL_MAX;
 use crate::record::Call;
 use crate::trace_json::write_py_float;
-use std::fmt::Write as _;
 
 /// Payload stored as is.
 pub const CODEC_NONE: u8 = 0;
@@ -32,6 +31,8 @@ const COMPRESS_MIN: usize = 256;
 /// Bytes of the docs block header.
 pub const HEADER_BYTES: usize = 8;
 const DOC_ENTRY_BYTES: usize = 12;
+/// The most a decompressed payload may hold (record.md §7.1).
+const RAW_LEN_MAX: usize = JSON_BYTES_PER_CALL_MAX as usize + 4 * DOC_ENTRY_BYTES;
 const SPLICE_BYTES: usize = 12;
 
 /// Document names, in the order they are stored.
@@ -53,10 +54,11 @@ const REF_MESSAGES: u8 = 5;
 /// List styles: the separator between elements.
 const LIST_COMPACT: u8 = 0;
 const LIST_SPACED: u8 = 1;
-/// Float styles for a logprob.
+/// The float style of a logprob: Python's `repr` of the `f32` widened to
+/// `f64` (what vLLM, rLLM and `json.dumps` write), fully specified in
+/// record.md §7.2. Formatters whose output a crate or toolchain may change
+/// (Rust's `{:?}`) are deliberately not styles.
 const FLOAT_PYTHON: u8 = 0;
-const FLOAT_F64: u8 = 1;
-const FLOAT_F32: u8 = 2;
 
 /// The four documents of a call, owned (decoded from a docs block).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -133,6 +135,11 @@ pub fn encode(call: &Call) -> Option<Vec<u8>> {
         payload.extend_from_slice(splices);
     }
     let raw_len = payload.len();
+    if raw_len > RAW_LEN_MAX {
+        // Splice tables can outgrow what they cut (12 bytes for a `[97]`):
+        // a block a reader would refuse is never written.
+        return None;
+    }
     let (codec, body) = if raw_len >= COMPRESS_MIN {
         match compress(&payload) {
             Ok(z) if z.len() < raw_len => (CODEC_ZSTD, z),
@@ -321,20 +328,12 @@ impl Finder<'_> {
             return Some(end);
         };
         // Cheap test first: only a value that parses to the column's is rendered.
-        let Some(parsed) = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok()) else { return Some(end) };
-        let styles: &[u8] = if parsed.to_bits() == f64::from(v).to_bits() {
-            &[FLOAT_PYTHON, FLOAT_F64]
-        } else if (parsed as f32).to_bits() == v.to_bits() {
-            &[FLOAT_F32]
-        } else {
-            return Some(end);
-        };
-        for &style in styles {
+        let parsed = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok());
+        if parsed.map(f64::to_bits) == Some(f64::from(v).to_bits()) {
             self.scratch.clear();
-            write_float(self.scratch, v, style);
+            write_py_float(self.scratch, f64::from(v));
             if self.scratch.as_bytes() == orig {
-                self.cuts.push(Cut::plain(at, end, REF_LOGPROB, style, i as u32));
-                break;
+                self.cuts.push(Cut::plain(at, end, REF_LOGPROB, FLOAT_PYTHON, i as u32));
             }
         }
         Some(end)
@@ -419,17 +418,6 @@ fn push_decimal(out: &mut Vec<u8>, mut v: u32) {
     out.extend_from_slice(buf.get(i..).unwrap_or_default());
 }
 
-fn write_float(out: &mut String, v: f32, style: u8) {
-    match style {
-        FLOAT_PYTHON => write_py_float(out, f64::from(v)),
-        FLOAT_F64 => {
-            let _ = write!(out, "{:?}", f64::from(v));
-        }
-        _ => {
-            let _ = write!(out, "{v:?}");
-        }
-    }
-}
 
 // ---------------------------------------------------------------- decoding
 
@@ -451,9 +439,8 @@ pub fn open(block: &[u8], present: [bool; 4]) -> Result<Block, DecodeError> {
     let _reserved = c.u8("docs reserved")?;
     let n_docs = c.u16("docs count")? as usize;
     let raw_len = c.u32("docs raw length")? as usize;
-    let limit = JSON_BYTES_PER_CALL_MAX as usize + 4 * DOC_ENTRY_BYTES;
-    if raw_len > limit {
-        return Err(DecodeError::new(4, format!("docs raw length {raw_len} is over its limit {limit}")));
+    if raw_len > RAW_LEN_MAX {
+        return Err(DecodeError::new(4, format!("docs raw length {raw_len} is over its limit {RAW_LEN_MAX}")));
     }
     let rest = block.get(HEADER_BYTES..).unwrap_or_default();
     let payload = match codec {
@@ -540,6 +527,9 @@ impl Block {
             for splice in self.splices(splice_range) {
                 let s = splice?;
                 let err = |what: String| DecodeError::new(splice_range.start, format!("docs: {what}"));
+                if matches!(s.reference, REF_PROMPT | REF_COMPLETION | REF_MESSAGES) && s.arg != 0 {
+                    return Err(err(format!("splice reference {} with argument {}", s.reference, s.arg)));
+                }
                 if s.offset < pos || s.offset > text.len() {
                     return Err(err(format!("splice offset {} out of order or past the text", s.offset)));
                 }
@@ -554,17 +544,17 @@ impl Block {
                     (REF_COMPLETION, LIST_COMPACT | LIST_SPACED) => {
                         write_list(&mut out, cols.completion.iter().copied(), s.style)
                     }
-                    (REF_LOGPROB, FLOAT_PYTHON | FLOAT_F64 | FLOAT_F32) => {
+                    (REF_LOGPROB, FLOAT_PYTHON) => {
                         let v = cols
                             .logprobs
                             .and_then(|lp| lp.get(s.arg as usize))
                             .ok_or_else(|| err(format!("logprob {} is not in the column", s.arg)))?;
-                        write_float(&mut scratch, *v, s.style);
+                        write_py_float(&mut scratch, f64::from(*v));
                     }
                     (REF_TOKEN_BYTES, LIST_COMPACT | LIST_SPACED) => {
-                        let token = (s.arg as usize)
-                            .checked_sub(0)
-                            .and_then(|d| s.offset.checked_sub(d))
+                        let token = s
+                            .offset
+                            .checked_sub(s.arg as usize)
                             .and_then(|at| string_value(text, at))
                             .ok_or_else(|| err("the token of a bytes splice is not a string".into()))?;
                         write_list(&mut out, token.bytes().map(u32::from), s.style);
