@@ -209,9 +209,21 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                         s.other_bytes += (body.len() - tokens - plain - block) as u64;
                         if let Some(d) = rec.docs {
                             s.docs_blocks += 1;
-                            // The block decompresses and its table fits (its
-                            // splices are checked when the call is read).
-                            if let Err(e) = crate::format::docs::open(d.block, d.present) {
+                            // The block decompresses, its table fits and every
+                            // splice resolves against the record's columns (the
+                            // prompt's values do not matter to that, only its
+                            // length: zeros stand in for a delta-encoded one).
+                            let checked = crate::format::docs::open(d.block, d.present).and_then(|b| {
+                                let zeros =
+                                    if b.needs_prompt() { vec![0u32; rec.prompt_len as usize] } else { Vec::new() };
+                                let cols = crate::format::docs::Columns {
+                                    prompt: Some(&zeros),
+                                    completion: rec.completion,
+                                    logprobs: rec.logprobs,
+                                };
+                                b.resolve(&cols).map(drop)
+                            });
+                            if let Err(e) = checked {
                                 report.problems.push(Problem {
                                     path: path.clone(),
                                     offset: loc.offset,

@@ -181,6 +181,17 @@ fn compress(data: &[u8]) -> std::io::Result<Vec<u8>> {
 }
 
 fn decompress(data: &[u8], capacity: usize) -> std::io::Result<Vec<u8>> {
+    // The frame's own header says how much it holds: a frame that disagrees
+    // with the docs header is refused before anything is allocated for it.
+    match zstd::zstd_safe::get_frame_content_size(data) {
+        Ok(Some(n)) if n == capacity as u64 => {}
+        Ok(found) => {
+            return Err(std::io::Error::other(format!(
+                "the frame holds {found:?} bytes, the docs header says {capacity}"
+            )))
+        }
+        Err(_) => return Err(std::io::Error::other("not a zstd frame header")),
+    }
     DECOMPRESSOR.with(|d| {
         let mut d = d.try_borrow_mut().map_err(std::io::Error::other)?;
         if d.is_none() {
