@@ -214,18 +214,23 @@ fn sigkill_during_compaction() {
             .arg(dir.path())
             .args(["--row-group-rows", "16"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn trajlog compact");
         // A random moment (no verdict waits on it); the exit status then says
         // exactly whether the kill landed or the compaction had finished.
         std::thread::sleep(Duration::from_millis(rng.range(1, 150) as u64));
         let _ = child.kill(); // an error only if it already exited
-        let status = child.wait().expect("wait for trajlog compact");
+        let out = child.wait_with_output().expect("wait for trajlog compact");
+        let status = out.status;
         if status.signal() == Some(SIGKILL) {
             killed_mid_run += 1;
         } else {
-            assert!(status.success(), "round {round}: an uninterrupted compaction failed: {status}");
+            assert!(
+                status.success(),
+                "round {round}: an uninterrupted compaction failed: {status}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
             finished += 1;
         }
         check(dir.path(), &sent, &sent.keys().cloned().collect(), "compaction", round);
