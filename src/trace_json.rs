@@ -412,20 +412,25 @@ pub fn write_ids(out: &mut String, ids: &[u32]) {
 }
 
 /// Append `v` in decimal (the hot loop of token lists: no formatter).
-pub fn push_u32(out: &mut String, mut v: u32) {
+pub fn push_u32(out: &mut String, v: u32) {
     let mut buf = [0u8; 10];
+    out.extend(decimal(v, &mut buf).iter().map(|&d| char::from(d)));
+}
+
+/// The decimal digits of `v`, written at the end of `buf`.
+pub(crate) fn decimal(mut v: u32, buf: &mut [u8; 10]) -> &[u8] {
     let mut i = buf.len();
-    loop {
+    while i > 0 {
         i -= 1;
         if let Some(slot) = buf.get_mut(i) {
             *slot = b'0' + (v % 10) as u8;
         }
         v /= 10;
-        if v == 0 || i == 0 {
+        if v == 0 {
             break;
         }
     }
-    out.extend(buf.get(i..).unwrap_or_default().iter().map(|&d| char::from(d)));
+    buf.get(i..).unwrap_or_default()
 }
 
 /// Join verbatim JSON texts into a JSON list.

@@ -18,7 +18,7 @@
 use super::{Cursor, DecodeError, PutLe};
 use crate::limits::JSON_BYTES_PER_CALL_MAX;
 use crate::record::Call;
-use crate::trace_json::write_py_float;
+use crate::trace_json::{decimal, write_py_float};
 
 /// Payload stored as is.
 pub const CODEC_NONE: u8 = 0;
@@ -407,27 +407,11 @@ fn write_list(out: &mut Vec<u8>, items: impl Iterator<Item = u32>, style: u8) {
         if i > 0 {
             out.extend_from_slice(sep);
         }
-        push_decimal(out, v);
+        out.extend_from_slice(decimal(v, &mut [0u8; 10]));
     }
     out.push(b']');
 }
 
-/// Append `v` in decimal.
-fn push_decimal(out: &mut Vec<u8>, mut v: u32) {
-    let mut buf = [0u8; 10];
-    let mut i = buf.len();
-    while i > 0 {
-        i -= 1;
-        if let Some(slot) = buf.get_mut(i) {
-            *slot = b'0' + (v % 10) as u8;
-        }
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(buf.get(i..).unwrap_or_default());
-}
 
 
 // ---------------------------------------------------------------- decoding
