@@ -5,7 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== %s (%s GB free)\n' "$*" "$(free_gb)"; }
+free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1024 / 1024}'; }
+# The whole run builds a debug, a release and a fuzz target tree plus a venv
+# (about 8 GB with torch). Say what the disk holds, so that a full disk is
+# plain in the log, and name the disk when a step fails.
+trap 'echo "error: a step failed; the disk now has $(free_gb) GB free" >&2' ERR
+echo "disk: $(free_gb) GB free at the start"
+# One non-incremental build per profile: incremental caches only pay off when
+# the same crate is rebuilt, and they cost about a GB here.
+export CARGO_INCREMENTAL=0
 
 step "format check"
 cargo fmt --all -- --check
@@ -23,6 +32,14 @@ fi
 step "tests (unit, property, recovery, crash, integration, doc; every crate)"
 cargo test --workspace --locked
 
+# The debug tree is not used again below. Where the disk is short, it goes, so
+# that the release, fuzz and Python builds have room (a local rerun then builds
+# it again).
+if [ "$(free_gb)" -lt 20 ]; then
+    echo "disk: $(free_gb) GB free; removing target/debug (not needed by the steps below)"
+    rm -rf target/debug
+fi
+
 step "fuzz (each target ${FUZZ_SECONDS:-10} s over its seed corpus; stable toolchain)"
 FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash scripts/fuzz.sh
 
@@ -33,8 +50,8 @@ step "python tests (the binding; pyarrow, DuckDB, HF datasets read the shards)"
 cargo build --release --locked --quiet
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy, aiosqlite, fastapi, uvicorn, httpx, openai, pytest_asyncio, yaml" 2>/dev/null; then
     python3 -m venv .venv
-    .venv/bin/pip install --quiet --upgrade pip
-    .venv/bin/pip install --quiet -r tests/python/requirements.txt
+    .venv/bin/pip install --quiet --no-cache-dir --upgrade pip
+    .venv/bin/pip install --quiet --no-cache-dir -r tests/python/requirements.txt
 fi
 # torch, for the real multi-worker DataLoader test. The PyPI wheel brings ~3 GB
 # of CUDA libraries (~80 s to install here); skipped, with a warning (and the
@@ -66,4 +83,5 @@ cargo run --release --locked --quiet -- verify --store "$demo_dir"
 rm -rf "$(dirname "$demo_dir")"
 
 echo
+echo "disk: $(free_gb) GB free at the end"
 echo "all checks passed"
