@@ -382,3 +382,104 @@ fn reads_the_v4_fixture_exactly() {
     // (and the compacted task-1:0's, whose segment still holds task-2:0).
     assert_eq!(report.split.docs_blocks, 7, "{:?}", report.split);
 }
+
+fn fixture_v5_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v5")
+}
+
+/// Store format 5: the v4 store, compacted, then rewards set after the
+/// compaction and published in the rewards side table
+/// (format-spec/shard.md §8) by a second compaction.
+fn write_fixture_v5() {
+    let dir = fixture_v5_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_v4_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.seal_session("task-3:0").unwrap();
+    store.compact(&trajlog::CompactOptions::default()).unwrap();
+    store.set_reward(Target::Session("task-1:0".into()), 2.5).unwrap();
+    store.set_reward(Target::Trace("g/1".into()), 0.75).unwrap();
+    store.compact(&trajlog::CompactOptions::default()).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+/// A rewards side table row: (session id, trace id, reward).
+type SideRow = (String, Option<String>, Option<f64>);
+
+/// The rows of a rewards side table, and its key-value metadata.
+fn side_table(path: &std::path::Path) -> (Vec<SideRow>, Vec<(String, String)>) {
+    use arrow_array::cast::AsArray;
+    use arrow_array::Array;
+    let builder =
+        parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).unwrap())
+            .unwrap();
+    let kv = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
+    let kv = kv.into_iter().map(|e| (e.key, e.value.unwrap_or_default())).collect();
+    let mut rows = Vec::new();
+    for batch in builder.build().unwrap() {
+        let batch = batch.unwrap();
+        let (s, t) = (batch.column(0).as_string::<i32>(), batch.column(1).as_string::<i32>());
+        let r = batch.column(2).as_primitive::<arrow_array::types::Float64Type>();
+        for i in 0..batch.num_rows() {
+            rows.push((
+                s.value(i).to_owned(),
+                (!t.is_null(i)).then(|| t.value(i).to_owned()),
+                (!r.is_null(i)).then(|| r.value(i)),
+            ));
+        }
+    }
+    (rows, kv)
+}
+
+#[test]
+fn reads_the_v5_fixture_with_its_rewards_side_table() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v5_dir().exists() {
+        write_fixture_v5();
+    }
+    let dir = fixture_v5_dir();
+    {
+        let store = Store::open_read_only(&dir).expect("fixture opens");
+        let snap = store.snapshot();
+        for c in &fixture_v4_calls() {
+            assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), c);
+        }
+        assert_eq!(snap.session_reward("task-1:0"), Some(2.5));
+        assert_eq!(snap.trace_reward("g/1"), Some(0.75));
+    }
+    let path = dir.join("shards").join("_rewards.parquet");
+    let (rows, kv) = side_table(&path);
+    let want = vec![
+        ("task-1:0".to_owned(), None, Some(2.5)),
+        ("task-3:0".to_owned(), None, None),
+        ("task-3:0".to_owned(), Some("g/1".to_owned()), Some(0.75)),
+    ];
+    assert_eq!(rows, want);
+    assert!(kv.contains(&("trajlog.rewards_format_version".to_owned(), "1".to_owned())), "{kv:?}");
+    assert!(kv.iter().any(|(k, v)| k == "trajlog.rewards_through" && v.split_once(':').is_some()), "{kv:?}");
+    // A writer opening a copy reads `through`: nothing is noted again, and a
+    // compaction keeps the same rows.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    store.compact(&trajlog::CompactOptions::default()).unwrap();
+    store.close().unwrap();
+    assert_eq!(side_table(&copy.path().join("shards").join("_rewards.parquet")).0, want);
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dst = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_dir(&p, &dst);
+        } else {
+            std::fs::copy(&p, &dst).unwrap();
+        }
+    }
+}

@@ -30,6 +30,7 @@ mod receipt;
 mod recovery;
 mod recovery_report;
 mod retire;
+mod rewards;
 #[cfg(test)]
 mod tests;
 mod writer;
@@ -123,6 +124,17 @@ impl Store {
         // operation (else refuse); they are deleted once the store loaded.
         let leftovers = crate::inventory::leftovers(&dir, &manifest, &crate::inventory::inventory(&dir)?)?;
         let mut loaded = load_dir(&dir, manifest, options.recovery, true)?;
+        // Rewards the side table does not reflect yet (store/rewards.rs).
+        let mut rewards = rewards::RewardsTable::open(&dir)?;
+        for (loc, target) in std::mem::take(&mut loaded.rewards) {
+            if rewards.after_through(loc) {
+                for s in rewards::sessions_of_target(&loaded.index, &target) {
+                    if loaded.shard_sessions.contains(&s) {
+                        rewards.dirty.insert(s);
+                    }
+                }
+            }
+        }
         for leftover in &leftovers {
             leftover.dispose(&dir)?;
         }
@@ -190,6 +202,7 @@ impl Store {
             shard_sessions: loaded.shard_sessions.into_iter().collect(),
             shard_traces: loaded.shard_traces.into_iter().collect(),
             journal: None,
+            rewards,
             compactions: 0,
             damage,
             retiring: Vec::new(),

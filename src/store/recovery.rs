@@ -37,6 +37,8 @@ pub(super) struct Loaded {
     pub(super) damage: Vec<Problem>,
     /// What recovery found and did (see [`Store::recovery_report`]).
     pub(super) report: RecoveryReport,
+    /// Every reward annotation replayed: its log position and target.
+    pub(super) rewards: Vec<(Loc, Target)>,
 }
 
 /// Apply one footer entry (and, for annotations, the record) to `index`.
@@ -44,7 +46,13 @@ pub(super) struct Loaded {
 /// A damaged annotation stays confined: seals and deletions are applied from
 /// the footer entry (kind and target), which is all they hold; a damaged
 /// reward is skipped. Either way the damage is reported in `damage`.
-pub(super) fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry, damage: &mut Vec<Problem>) {
+pub(super) fn apply_entry(
+    index: &mut Index,
+    seg: &SegmentRef,
+    e: &FooterEntry,
+    damage: &mut Vec<Problem>,
+    rewards: &mut Vec<(Loc, Target)>,
+) {
     let loc = Loc { segment: seg.id, offset: e.frame_offset };
     if e.kind == KIND_CALL {
         index.apply_call(CallMeta {
@@ -79,6 +87,9 @@ pub(super) fn apply_entry(index: &mut Index, seg: &SegmentRef, e: &FooterEntry, 
         }
     };
     apply_annotation(index, &ann);
+    if let Annotation::Reward { target, .. } = ann {
+        rewards.push((loc, target));
+    }
 }
 
 pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
@@ -169,6 +180,7 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
     let mut rows = rows.into_iter().peekable();
     let last = manifest.segments.last().map(|s| s.id);
     let mut damage = Vec::new();
+    let mut rewards = Vec::new();
     let mut report = RecoveryReport { mode: recovery, read_only: !writable, events: Vec::new() };
     let mut active_skipped = false;
     let on_damage = match recovery {
@@ -225,7 +237,7 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
                 apply_shard_row(&mut index, &row);
                 continue;
             }
-            apply_entry(&mut index, &r, e, &mut damage);
+            apply_entry(&mut index, &r, e, &mut damage, &mut rewards);
         }
         if !seg.sealed {
             active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
@@ -246,6 +258,7 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
         active_skipped,
         damage,
         report,
+        rewards,
     })
 }
 

@@ -363,3 +363,26 @@ fn queue_bytes_is_validated_and_has_a_setter() {
     let err = Store::open(dir.path(), Options::default().queue_bytes(0)).err().expect("refused");
     assert!(matches!(err.kind(), ErrorKind::InvalidInput { field } if field == "queue_bytes"), "{err}");
 }
+
+#[test]
+fn a_reward_set_while_its_session_is_compacted_reaches_the_side_table() {
+    // The compaction freezes the reward the session had when it began; one
+    // set meanwhile must reach the side table (format-spec/shard.md §8).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for n in 0..3 {
+        store.append(call("a", n)).expect("append");
+    }
+    store.set_reward(Target::Session("a".into()), 1.0).expect("reward");
+    store.seal_session("a").expect("seal");
+    let report = crate::compact::run_with(&store, &crate::compact::CompactOptions::default(), &mut || {
+        store.set_reward(Target::Session("a".into()), 2.0).expect("reward meanwhile");
+    })
+    .expect("compact");
+    assert_eq!(report.sessions, 1);
+    let table = super::rewards::RewardsTable::open(dir.path()).expect("side table");
+    assert!(table.listed.contains("a"), "the session is listed: {table:?}");
+    assert!(table.through.is_some());
+    assert_eq!(store.snapshot().session_reward("a"), Some(2.0));
+    store.close().expect("close");
+}

@@ -21,6 +21,8 @@ pub(super) struct Writer {
     /// While a compaction is under way: the trace ids whose live call changed
     /// since it began.
     pub(super) journal: Option<Journal>,
+    /// The rewards side table (store/rewards.rs).
+    pub(super) rewards: super::rewards::RewardsTable,
     /// Compactions begun (their tokens).
     pub(super) compactions: u64,
     /// Damage confined at open (published with every view).
@@ -157,6 +159,9 @@ impl Writer {
                 if !self.poisoned() {
                     match self.append_annotation(&ann) {
                         Ok(count) => {
+                            if let Annotation::Reward { target, .. } = &ann {
+                                self.note_reward(target);
+                            }
                             if let Some(reply) = reply {
                                 let _ = reply.send(count);
                             }
@@ -199,6 +204,21 @@ impl Writer {
                     }),
                 };
                 self.commit(true);
+                // The side table follows the publication, once the log is
+                // durable: it never reflects a reward the log could lose. A
+                // failure leaves the previous table and is reported, without
+                // poisoning (the next publication writes it).
+                let result = result.and_then(|outcome| match self.write_rewards() {
+                    Ok(()) => Ok(outcome),
+                    Err(e) => Err(Error::new(
+                        e.kind().clone(),
+                        format!(
+                            "the shards were published, but the rewards side table (shards/{}) was not rewritten: {}; the next compaction rewrites it",
+                            super::rewards::REWARDS_FILE,
+                            e.message()
+                        ),
+                    )),
+                });
                 // What `prepared` still holds is freed by the caller.
                 let _ = reply.send((result, prepared));
             }

@@ -1,0 +1,195 @@
+//! The rewards side table, `DIR/shards/_rewards.parquet` (format-spec/shard.md
+//! §8): the current rewards of sessions whose rewards changed after they were
+//! compacted, for readers of the shards (a shard row keeps the reward its
+//! session had when it was compacted).
+//!
+//! The writer notes, in `dirty`, every session a reward annotation concerns
+//! while the session has shard rows or a compaction is under way; each
+//! publication rewrites the table with the current rewards of the sessions it
+//! listed plus the dirty ones, and records how far into the log it reflects
+//! (`through`). At open, the reward annotations found in the log after that
+//! point are noted again, so a crash between a reward and the next
+//! publication loses nothing: the work and the table stay proportional to the
+//! rewards set after compaction, not to the store.
+
+use super::*;
+use crate::shard::writer::parquet_err;
+use arrow_array::builder::{Float64Builder, StringBuilder};
+use arrow_array::cast::AsArray;
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::ArrowWriter;
+use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
+use std::collections::BTreeSet;
+
+/// The side table's file name, in `DIR/shards/`.
+pub const REWARDS_FILE: &str = "_rewards.parquet";
+/// `trajlog.rewards_format_version` of the files written here.
+pub const REWARDS_FORMAT_VERSION: &str = "1";
+const KEY_VERSION: &str = "trajlog.rewards_format_version";
+const KEY_THROUGH: &str = "trajlog.rewards_through";
+
+/// The writer's state of the side table.
+#[derive(Debug, Default)]
+pub(super) struct RewardsTable {
+    /// Reward annotations before this log position are reflected in the file
+    /// (None: no usable file, so every reward annotation in the log counts).
+    pub(super) through: Option<Loc>,
+    /// The sessions the file lists.
+    pub(super) listed: BTreeSet<Arc<str>>,
+    /// Sessions whose rewards may differ from their shard rows' and are not
+    /// in the file yet.
+    pub(super) dirty: HashSet<Arc<str>>,
+}
+
+/// The side table's schema (format-spec/shard.md §8).
+pub fn rewards_schema() -> Schema {
+    Schema::new(vec![
+        Field::new("session_id", DataType::Utf8, false),
+        Field::new("trace_id", DataType::Utf8, true),
+        Field::new("reward", DataType::Float64, true),
+    ])
+}
+
+impl RewardsTable {
+    /// Read the file the last publication wrote, if any. A missing file is
+    /// an empty table reflecting nothing; so is an unreadable one (it is
+    /// rebuilt, from every reward annotation in the log, at the next
+    /// publication). A file of another format version is refused.
+    pub(super) fn open(dir: &Path) -> Result<RewardsTable> {
+        let path = dir.join(SHARDS_DIR).join(REWARDS_FILE);
+        let Ok(file) = File::open(&path) else { return Ok(RewardsTable::default()) };
+        let Ok(builder) = ParquetRecordBatchReaderBuilder::try_new(file) else { return Ok(RewardsTable::default()) };
+        let kv = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
+        let get = |k: &str| kv.iter().find(|e| e.key == k).and_then(|e| e.value.clone());
+        match get(KEY_VERSION) {
+            Some(v) if v == REWARDS_FORMAT_VERSION => {}
+            Some(v) => {
+                return Err(Error::new(
+                    ErrorKind::Incompatible,
+                    format!(
+                        "{}: rewards side table format {v:?} (this build reads 1); use a matching trajlog",
+                        path.display()
+                    ),
+                ))
+            }
+            None => return Ok(RewardsTable::default()),
+        }
+        let Some(through) = get(KEY_THROUGH).as_deref().and_then(parse_loc) else {
+            return Ok(RewardsTable::default());
+        };
+        let mut listed = BTreeSet::new();
+        let Ok(reader) = builder.build() else { return Ok(RewardsTable::default()) };
+        for batch in reader {
+            let Ok(batch) = batch else { return Ok(RewardsTable::default()) };
+            let Some(col) = batch.column_by_name("session_id").and_then(|c| c.as_string_opt::<i32>()) else {
+                return Ok(RewardsTable::default());
+            };
+            listed.extend(col.iter().flatten().map(Arc::from));
+        }
+        Ok(RewardsTable { through: Some(through), listed, dirty: HashSet::new() })
+    }
+
+    /// Whether a reward annotation at `loc`, found at open, is not yet
+    /// reflected in the file.
+    pub(super) fn after_through(&self, loc: Loc) -> bool {
+        self.through.is_none_or(|t| loc >= t)
+    }
+}
+
+fn parse_loc(s: &str) -> Option<Loc> {
+    let (segment, offset) = s.split_once(':')?;
+    Some(Loc { segment: segment.parse().ok()?, offset: offset.parse().ok()? })
+}
+
+/// The sessions a reward on `target` concerns (a trace's sessions: its
+/// primary session and its uids).
+pub(super) fn sessions_of_target(index: &Index, target: &Target) -> Vec<Arc<str>> {
+    match target {
+        Target::Session(s) => vec![Arc::from(s.as_str())],
+        Target::Trace(t) => index.traces.get(t.as_str()).map(|m| m.sessions.to_vec()).unwrap_or_default(),
+    }
+}
+
+/// The side table's bytes: a session row (trace_id null, the session's
+/// reward) then one row per rewarded trace of the session, for each session
+/// of `sessions` that still exists, in session order.
+fn encode(index: &Index, sessions: &BTreeSet<Arc<str>>, through: Loc) -> Result<(Vec<u8>, BTreeSet<Arc<str>>)> {
+    let mut sid = StringBuilder::new();
+    let mut tid = StringBuilder::new();
+    let mut reward = Float64Builder::new();
+    let mut listed = BTreeSet::new();
+    for s in sessions {
+        let Some(entry) = index.sessions.get(s.as_ref()) else { continue };
+        listed.insert(s.clone());
+        sid.append_value(s.as_ref());
+        tid.append_null();
+        reward.append_option(entry.reward);
+        for key in entry.calls.iter() {
+            if let Some(v) = index.trace_rewards.get(key.trace_id.as_ref()) {
+                sid.append_value(s.as_ref());
+                tid.append_value(key.trace_id.as_ref());
+                reward.append_value(*v);
+            }
+        }
+    }
+    let columns: Vec<ArrayRef> = vec![Arc::new(sid.finish()), Arc::new(tid.finish()), Arc::new(reward.finish())];
+    let batch = RecordBatch::try_new(Arc::new(rewards_schema()), columns)
+        .map_err(|e| Error::new(ErrorKind::Io, format!("internal: rewards side table batch: {e}")))?;
+    let props = WriterProperties::builder()
+        .set_key_value_metadata(Some(vec![
+            KeyValue::new(KEY_VERSION.to_owned(), REWARDS_FORMAT_VERSION.to_owned()),
+            KeyValue::new(KEY_THROUGH.to_owned(), format!("{}:{}", through.segment, through.offset)),
+        ]))
+        .build();
+    let mut bytes = Vec::new();
+    let mut w = ArrowWriter::try_new(&mut bytes, batch.schema(), Some(props))
+        .map_err(|e| parquet_err("rewards side table", e))?;
+    w.write(&batch).map_err(|e| parquet_err("rewards side table", e))?;
+    w.close().map_err(|e| parquet_err("rewards side table", e))?;
+    Ok((bytes, listed))
+}
+
+impl Writer {
+    /// Note a reward annotation applied now: the sessions it concerns are
+    /// dirty if they have shard rows, or if a compaction is under way (it may
+    /// be compacting them with the reward they had when it began).
+    pub(super) fn note_reward(&mut self, target: &Target) {
+        for s in sessions_of_target(&self.index, target) {
+            if self.journal.is_some() || self.shard_sessions.contains(&s) {
+                self.rewards.dirty.insert(s);
+            }
+        }
+    }
+
+    /// Rewrite the side table after a publication (format-spec/shard.md §8):
+    /// the sessions listed plus the dirty ones, with their current rewards,
+    /// reflecting the log up to its end now. Nothing to do while no shard
+    /// exists. On failure the table on disk is the previous one and the
+    /// dirty sessions stay noted, for the next publication.
+    pub(super) fn write_rewards(&mut self) -> Result<()> {
+        if self.manifest.shards.is_empty() && self.rewards.listed.is_empty() {
+            return Ok(());
+        }
+        self.write_buf()?;
+        let through = {
+            let a = self.active()?;
+            Loc { segment: a.id, offset: a.len }
+        };
+        if self.rewards.dirty.is_empty() && self.rewards.through == Some(through) {
+            return Ok(());
+        }
+        let mut sessions = self.rewards.listed.clone();
+        sessions.extend(self.rewards.dirty.iter().cloned());
+        let (bytes, listed) = encode(&self.index, &sessions, through)?;
+        let shards_dir = self.dir.join(SHARDS_DIR);
+        fs::create_dir_all(&shards_dir).map_err(|e| Error::io(format!("create {}", shards_dir.display()), e))?;
+        crate::storage::write_atomic(&shards_dir, REWARDS_FILE, &bytes, &self.options.faults)?;
+        self.rewards.listed = listed;
+        self.rewards.dirty.clear();
+        self.rewards.through = Some(through);
+        Ok(())
+    }
+}
