@@ -342,3 +342,69 @@ def test_rewards_side_table_errors_name_the_problem(rewarded, tmp_path):
     other = tmp_path / "r.parquet"
     write_rewards(other, [("a:0", None, 4.0)])
     assert {key(s): s["reward"] for s in TrajectoryDataset(traj, rewards=str(other))}[("a:0", 0)] == 4.0
+
+
+# -- token-balanced micro-batches ----------------------------------------------
+
+
+def mb_tokens(mb):
+    return sum(len(as_np(s["token_ids"])) for s in mb)
+
+
+@pytest.mark.parametrize("keep_groups", [False, True])
+@pytest.mark.parametrize("world,budget,per_step", [(1, 300, None), (2, 200, 8), (3, 150, 6), (4, 400, None)])
+def test_token_balanced_micro_batches(shards, world, budget, per_step, keep_groups):
+    path, _ = shards
+    make = lambda r, epoch=0: TrajectoryDataset(path, rank=r, world_size=world, seed=3, token_budget=budget,  # noqa: E731
+                                                samples_per_step=per_step, keep_groups=keep_groups)
+    everything = sorted(key(s) for s in TrajectoryDataset(path, shuffle=False))
+    groups = {key(s): s["group_id"] for s in TrajectoryDataset(path, shuffle=False)}
+    ranks = [make(r) for r in range(world)]
+    counts = [ds.micro_batches_per_step() for ds in ranks]
+    assert all(c == counts[0] for c in counts), f"equal micro-batch counts per step on every rank: {counts}"
+    runs = [list(ds) for ds in ranks]
+    assert all(len(run) == sum(counts[0]) == len(ds) for run, ds in zip(runs, ranks))
+    seen = sorted(key(s) for run in runs for mb in run for s in mb)
+    assert seen == everything, "every sample exactly once per epoch over the ranks"
+    where = {}
+    for r, run in enumerate(runs):
+        for i, mb in enumerate(run):
+            unit_tokens = mb_tokens(mb)
+            if keep_groups:
+                assert unit_tokens <= budget or len({groups[key(s)] for s in mb}) == 1, "over budget only as one group"
+            else:
+                assert unit_tokens <= budget or len(mb) == 1, "over budget only as one sample"
+            for s in mb:
+                where.setdefault(groups[key(s)], set()).add((r, i))
+                # The token counts come from call_starts/completion_lens: check them.
+                assert len(as_np(s["token_ids"])) == int(as_np(s["call_starts"])[-1] + as_np(s["completion_lens"])[-1])
+    if keep_groups:
+        assert all(len(places) == 1 for places in where.values()), "a group's samples share one micro-batch"
+    else:
+        assert any(len(places) > 1 for places in where.values()), "groups are split when not asked (the check can fail)"
+    again = [[[key(s) for s in mb] for mb in make(r)] for r in range(world)]
+    assert again == [[[key(s) for s in mb] for mb in run] for run in runs], "deterministic"
+    later = [make(r) for r in range(world)]
+    for ds in later:
+        ds.set_epoch(1)
+    assert [[[key(s) for s in mb] for mb in ds] for ds in later] != again
+
+
+def test_token_balanced_micro_batches_with_a_dataloader_and_resume(shards):
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    make = lambda: TrajectoryDataset(path, rank=1, world_size=2, seed=3, token_budget=200, samples_per_step=8)  # noqa: E731
+    expected = [[key(s) for s in mb] for mb in make()]
+    ds = make()
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, collate_fn=lambda mb: mb)
+    got = [[key(s) for s in mb] for mb in loader]
+    assert got == expected, "with batch_size=None the loader yields the rank's micro-batches in order"
+    packed = collate(next(iter(loader)), mode="pack")
+    assert as_np(packed["cu_seqlens"])[-1] == as_np(packed["token_ids"]).shape[1]
+    for taken in (1, len(got) // 2):
+        resumed = make()
+        resumed.load_state_dict(ds.state_dict(batches=taken, loader=loader))
+        tail = [[key(s) for s in mb] for mb in torch.utils.data.DataLoader(resumed, batch_size=None, num_workers=2, collate_fn=lambda mb: mb)]
+        assert tail == got[taken:]
+    with pytest.raises(ValueError, match="batch_size=None"):
+        ds.state_dict(batches=1, num_workers=2, batch_size=4)

@@ -195,7 +195,9 @@ class TrajectoryDataset(_Base):
         then yields lists of samples (use `DataLoader(batch_size=None)`). Each
         epoch's order (the block shuffle) is cut into steps of
         `samples_per_step` samples over all ranks (None: the whole epoch is one
-        step; a last step with fewer samples than ranks joins the one before).
+        step; a step closes once it holds `samples_per_step` samples and
+        world_size units, and a last step with fewer units than ranks joins
+        the one before).
         A step's samples are packed first-fit decreasing into micro-batches of
         at most N tokens (a sample longer than N gets a micro-batch of its
         own), the micro-batch count is raised to a multiple of world_size by
@@ -205,8 +207,9 @@ class TrajectoryDataset(_Base):
         the unit packed is a GRPO group (`group_id`) instead of a sample: a
         group's samples stay in one micro-batch (a group over N tokens gets one
         of its own). Every sample appears exactly once per epoch over all
-        ranks (no wrap-around padding); a rank gets an empty micro-batch only
-        when a step has fewer units than ranks. `micro_batches_per_step()`
+        ranks (no wrap-around padding); a rank can get an empty micro-batch
+        only when every micro-batch of a step holds a single unit and their
+        count is not a multiple of world_size (the trainer still steps). `micro_batches_per_step()`
         gives the counts. Deterministic per (seed, epoch).
         """
         if world_size < 1 or not 0 <= rank < world_size:
@@ -346,13 +349,14 @@ class TrajectoryDataset(_Base):
             units = list(members.values())
         else:
             units = [[i] for i in range(len(order))]
-        # Steps: consecutive units, samples_per_step samples each (a unit is never split).
+        # Steps: consecutive units, at least samples_per_step samples and
+        # world_size units each (a unit is never split).
         steps, current, count = [], [], 0
         per_step = self.samples_per_step or len(order) or 1
         for u in units:
             current.append(u)
             count += len(u)
-            if count >= per_step:
+            if count >= per_step and len(current) >= self.world_size:
                 steps.append(current)
                 current, count = [], 0
         if current:
