@@ -21,9 +21,10 @@ log-normal around `--completion-tokens`; float32 logprobs; GRPO groups of
     timed apart), `set_format("torch")`, iterating rows;
   * plain `pyarrow`: `iter_batches`, a `torch.from_numpy` per list cell.
 
-Each reader is timed over one full pass after its setup (the worker start-up
-of a DataLoader is inside the pass: a trainer pays it every epoch); samples/s
-and tokens/s (tokens = all of `token_ids`). Then the padding waste (padding
+Each reader is timed over full passes after its setup (the median of
+`--repeat`, 3 by default; the worker start-up of a DataLoader is inside the
+pass: a trainer pays it every epoch); samples/s and tokens/s (tokens = all of
+`token_ids`). Then the padding waste (padding
 tokens / all tokens) of fixed-size batches padded to their longest sample,
 against token-balanced micro-batches (`token_budget`, each counted as padded to
 the whole budget, the static-shape worst case; a micro-batch over the budget —
@@ -76,10 +77,17 @@ def build_store(path: str, args) -> dict:
     return {"sessions": args.sessions, "calls": calls}
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+REPEAT = 3  # passes per reader; the median is reported (set by --repeat)
+
+
+def timed(fn, repeat=1):
+    """(fn's result, median seconds over `repeat` calls)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, sorted(times)[len(times) // 2]
 
 
 def read_trajlog(shards: str, workers: int, batch_size=None):
@@ -106,7 +114,7 @@ def read_trajlog(shards: str, workers: int, batch_size=None):
                 tokens += int(item["attention_mask"].sum())
         return n, tokens
 
-    return timed(run)
+    return timed(run, REPEAT)
 
 
 def read_hf(shards: str, cache: str):
@@ -123,7 +131,7 @@ def read_hf(shards: str, cache: str):
             tokens += row["token_ids"].shape[0]
         return n, tokens
 
-    return timed(run), load_s
+    return timed(run, REPEAT), load_s
 
 
 def read_pyarrow(shards: str):
@@ -145,7 +153,7 @@ def read_pyarrow(shards: str):
                     tokens += t.shape[0]
         return n, tokens
 
-    return timed(run)
+    return timed(run, REPEAT)
 
 
 def padding_waste(shards: str, args) -> list:
@@ -197,6 +205,7 @@ def main(argv=None) -> dict:
     p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
     p.add_argument("--samples-per-step", type=int, default=256, help="samples per optimizer step over all ranks")
     p.add_argument("--world", type=int, default=4, help="ranks for the padding comparison")
+    p.add_argument("--repeat", type=int, default=3, help="passes per reader (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", help="build the store here (default: a temporary directory, removed)")
     p.add_argument("--skip-hf", action="store_true", help="leave Hugging Face datasets out")
@@ -206,7 +215,10 @@ def main(argv=None) -> dict:
     if args.smoke:
         args.sessions, args.turns_max, args.completion_tokens, args.workers = 24, 3, 40, "0,2"
         args.token_budget, args.samples_per_step, args.world, args.group_size = 1024, 8, 2, 4
+        args.repeat = 1
     workers = [int(w) for w in args.workers.split(",") if w != ""]
+    global REPEAT
+    REPEAT = max(args.repeat, 1)
 
     tmp = None
     root = args.dir
