@@ -29,7 +29,8 @@ tokens / all tokens) of fixed-size batches padded to their longest sample,
 against token-balanced micro-batches (`token_budget`, each counted as padded to
 the whole budget, the static-shape worst case; a micro-batch over the budget —
 a lone sample or GRPO group longer than it — counts at its own size and is
-reported), over `--world` ranks.
+reported), over `--world` ranks, beside the bound no packing beats: ceil(a
+step's tokens / (world x budget)) micro-batches per rank.
 Fixed seeds; the store is built in a temporary directory (or `--dir`).
 """
 
@@ -158,8 +159,6 @@ def read_pyarrow(shards: str):
 
 def padding_waste(shards: str, args) -> list:
     """Padding tokens / all tokens: fixed-size batches vs token-balanced micro-batches."""
-    import warnings
-
     rows = []
     lengths = []
     for r in range(args.world):
@@ -171,26 +170,31 @@ def padding_waste(shards: str, args) -> list:
             batch = ls[i : i + args.batch_size]
             real += sum(batch)
             padded += len(batch) * max(batch)
-    rows.append({"batching": f"fixed {args.batch_size} samples, padded to the longest", "micro_batches": sum(-(-len(ls) // args.batch_size) for ls in lengths), "over_budget": 0,
+    rows.append({"batching": f"fixed {args.batch_size} samples, padded to the longest", "micro_batches": sum(-(-len(ls) // args.batch_size) for ls in lengths), "over_budget": 0, "waste_bound": None,
                  "waste": (padded - real) / padded})
     for keep in (False, True):
         real = padded = count = over = 0
-        per_rank = []
+        per_rank, step_tokens = [], {}
         for r in range(args.world):
-            with warnings.catch_warnings():
-                ds = TrajectoryDataset(shards, rank=r, world_size=args.world, seed=0, token_budget=args.token_budget,
-                                       samples_per_step=args.samples_per_step, keep_groups=keep,
-                                       columns=["call_starts", "completion_lens"])
+            ds = TrajectoryDataset(shards, rank=r, world_size=args.world, seed=0, token_budget=args.token_budget,
+                                   samples_per_step=args.samples_per_step, keep_groups=keep,
+                                   columns=["call_starts", "completion_lens"])
             per_rank.append(ds.micro_batches_per_step())
-            for mb in ds:
+            step_of = np.repeat(np.arange(len(per_rank[-1])), per_rank[-1])
+            for i, mb in enumerate(ds):
                 t = sum(int(s["call_starts"][-1] + s["completion_lens"][-1]) for s in mb)
                 real += t
                 padded += max(t, args.token_budget)  # an over-budget micro-batch: its own size
                 count += 1
                 over += t > args.token_budget
+                step_tokens[step_of[i]] = step_tokens.get(step_of[i], 0) + t
         assert all(p == per_rank[0] for p in per_rank), "equal micro-batch counts per step"
+        # No packing does better than ceil(step tokens / (world x budget))
+        # micro-batches per rank per step (over-budget samples aside).
+        bound = sum(args.world * -(-t // (args.world * args.token_budget)) * args.token_budget for t in step_tokens.values())
         rows.append({"batching": f"token budget {args.token_budget}, FFD" + (", groups kept" if keep else ""),
-                     "micro_batches": count, "over_budget": over, "waste": (padded - real) / padded})
+                     "micro_batches": count, "over_budget": over, "waste": (padded - real) / padded,
+                     "waste_bound": (bound - real) / bound})
     return rows
 
 
@@ -203,7 +207,7 @@ def main(argv=None) -> dict:
     p.add_argument("--workers", default="0,2,4", help="DataLoader num_workers to measure, comma-separated")
     p.add_argument("--batch-size", type=int, default=8, help="fixed-size batches for the padding comparison")
     p.add_argument("--token-budget", type=int, default=16384, help="tokens per micro-batch")
-    p.add_argument("--samples-per-step", type=int, default=256, help="samples per optimizer step over all ranks")
+    p.add_argument("--samples-per-step", type=int, default=512, help="samples per optimizer step over all ranks (64 prompts x 8 rollouts)")
     p.add_argument("--world", type=int, default=4, help="ranks for the padding comparison")
     p.add_argument("--repeat", type=int, default=3, help="passes per reader (the median is reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -269,10 +273,11 @@ def main(argv=None) -> dict:
             print(f"| {r['reader']:<40} | {r['setup_s']:>8.2f} | {r['pass_s']:>7.2f} | {r['samples_per_s']:>10.0f} | {r['tokens_per_s'] / 1e6:>10.2f} |")
         print()
         print(f"padding waste over {args.world} ranks (padding tokens / all tokens):")
-        print(f"| {'batching':<44} | {'micro-batches':>13} | {'over budget':>11} | {'waste':>6} |")
-        print(f"|{'-' * 46}|{'-' * 15}|{'-' * 13}|{'-' * 8}|")
+        print(f"| {'batching':<44} | {'micro-batches':>13} | {'over budget':>11} | {'waste':>6} | {'bound':>6} |")
+        print(f"|{'-' * 46}|{'-' * 15}|{'-' * 13}|{'-' * 8}|{'-' * 8}|")
         for r in report["padding"]:
-            print(f"| {r['batching']:<44} | {r['micro_batches']:>13} | {r['over_budget']:>11} | {100 * r['waste']:>5.1f}% |")
+            bound = "" if r["waste_bound"] is None else f"{100 * r['waste_bound']:.1f}%"
+            print(f"| {r['batching']:<44} | {r['micro_batches']:>13} | {r['over_budget']:>11} | {100 * r['waste']:>5.1f}% | {bound:>6} |")
     return report
 
 

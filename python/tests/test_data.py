@@ -366,28 +366,43 @@ def test_token_balanced_micro_batches(shards, world, budget, per_step, keep_grou
     assert all(len(run) == sum(counts[0]) == len(ds) for run, ds in zip(runs, ranks))
     seen = sorted(key(s) for run in runs for mb in run for s in mb)
     assert seen == everything, "every sample exactly once per epoch over the ranks"
-    where = {}
+    steps = np.cumsum([0] + counts[0])  # micro-batch index -> step
+    where, together = {}, {}
     for r, run in enumerate(runs):
         for i, mb in enumerate(run):
-            unit_tokens = mb_tokens(mb)
-            if keep_groups:
-                assert unit_tokens <= budget or len({groups[key(s)] for s in mb}) == 1, "over budget only as one group"
-            else:
-                assert unit_tokens <= budget or len(mb) == 1, "over budget only as one sample"
+            assert mb_tokens(mb) <= budget or len(mb) == 1, "over budget only as a lone sample"
+            step = int(np.searchsorted(steps, i, side="right")) - 1
             for s in mb:
-                where.setdefault(groups[key(s)], set()).add((r, i))
+                where.setdefault(groups[key(s)], set()).add((r, step))
+                together.setdefault(groups[key(s)], set()).add((r, i))
                 # The token counts come from call_starts/completion_lens: check them.
                 assert len(as_np(s["token_ids"])) == int(as_np(s["call_starts"])[-1] + as_np(s["completion_lens"])[-1])
     if keep_groups:
-        assert all(len(places) == 1 for places in where.values()), "a group's samples share one micro-batch"
+        assert all(len(places) == 1 for places in where.values()), f"a group on one rank in one step: {where}"
     else:
-        assert any(len(places) > 1 for places in where.values()), "groups are split when not asked (the check can fail)"
+        assert any(len(places) > 1 for places in together.values()), "groups are split when not asked (the check can fail)"
     again = [[[key(s) for s in mb] for mb in make(r)] for r in range(world)]
     assert again == [[[key(s) for s in mb] for mb in run] for run in runs], "deterministic"
     later = [make(r) for r in range(world)]
     for ds in later:
         ds.set_epoch(1)
     assert [[[key(s) for s in mb] for mb in ds] for ds in later] != again
+
+
+def test_groups_that_fit_the_budget_share_a_micro_batch(shards):
+    path, _ = shards
+    groups = {}
+    for s in TrajectoryDataset(path, shuffle=False):
+        groups.setdefault(s["group_id"], []).append(key(s))
+    # One rank: no rank has to split a micro-batch to match another's count.
+    mbs = list(TrajectoryDataset(path, seed=1, token_budget=500, samples_per_step=8, keep_groups=True))
+    assert len(mbs) > 2
+    for mb in mbs:
+        keys = {key(s) for s in mb}
+        for members in groups.values():
+            assert set(members) <= keys or not set(members) & keys, "a group that fits stays whole"
+    split = list(TrajectoryDataset(path, seed=1, token_budget=500, samples_per_step=8))
+    assert any(len({s["group_id"] for s in mb}) > 1 for mb in split), "without keep_groups they mix (the check can fail)"
 
 
 def test_token_balanced_micro_batches_with_a_dataloader_and_resume(shards):

@@ -185,6 +185,22 @@ def _ffd(sizes: Sequence[int], budget: int) -> list:
     return bins
 
 
+def _split_until(bins: list, lengths: np.ndarray, done) -> None:
+    """Split micro-batches (lists of positions) until `done(len(bins))`: the
+    one with the most tokens among those holding two samples or more gives
+    every other sample, by size, to a new one; with none left to split, an
+    empty micro-batch is added."""
+    while not done(len(bins)):
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        b = max(splittable, key=lambda b: (int(lengths[bins[b]].sum()), -b))
+        ranked = sorted(bins[b], key=lambda i: (-int(lengths[i]), i))
+        bins[b], extra = ranked[0::2], ranked[1::2]
+        bins.append(extra)
+
+
 class TrajectoryDataset(_Base):
     def __init__(
         self,
@@ -218,12 +234,17 @@ class TrajectoryDataset(_Base):
         splitting the fullest micro-batches, and the micro-batches are dealt to
         ranks, largest first, to the rank with the fewest tokens that still has
         room, so every rank gets the same number per step. With `keep_groups`,
-        the unit packed is a GRPO group (`group_id`) instead of a sample: a
-        group's samples stay in one micro-batch (a group over N tokens gets one
-        of its own). Every sample appears exactly once per epoch over all
-        ranks (no wrap-around padding); a rank can get an empty micro-batch
-        only when every micro-batch of a step holds a single unit and their
-        count is not a multiple of world_size (the trainer still steps). `micro_batches_per_step()`
+        a GRPO group (`group_id`) is the unit of a step and of a rank: whole
+        groups are dealt to ranks (largest first, to the rank with the fewest
+        tokens), so all of a group's samples are on one rank in one step; each
+        rank then packs first-fit decreasing, a group that fits the budget as
+        one item (so it usually shares one micro-batch), a larger one sample by
+        sample, and ranks with fewer micro-batches than the most split their
+        fullest ones (which can separate a group's samples, on that rank).
+        Every sample appears exactly once per epoch over all ranks (no
+        wrap-around padding); a rank can get an empty micro-batch only when
+        it has fewer samples in a step than the micro-batches every rank must
+        yield (the trainer still steps). `micro_batches_per_step()`
         gives the counts. Deterministic per (seed, epoch).
         """
         if world_size < 1 or not 0 <= rank < world_size:
@@ -380,35 +401,58 @@ class TrajectoryDataset(_Base):
                 steps.append(current)
         mine = []
         for step in steps:
-            sizes = [int(lengths[u].sum()) for u in step]
-            bins = [[step[j] for j in b] for b in _ffd(sizes, self.token_budget)]
-            # Raise the count to a multiple of world_size: split the bin with
-            # the most tokens among those holding two units or more.
-            while len(bins) % self.world_size:
-                splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
-                if not splittable:
-                    bins.append([])
-                    continue
-                b = max(splittable, key=lambda b: (sum(int(lengths[u].sum()) for u in bins[b]), -b))
-                ranked = sorted(bins[b], key=lambda u: (-int(lengths[u].sum()), u[0]))
-                bins[b], extra = ranked[0::2], ranked[1::2]
-                bins.append(extra)
-            tokens = [sum(int(lengths[u].sum()) for u in b) for b in bins]
-            per_rank = len(bins) // self.world_size
-            loads, counts = [0] * self.world_size, [0] * self.world_size
-            mine_step = []
-            for b in sorted(range(len(bins)), key=lambda b: (-tokens[b], b)):
-                r = min((r for r in range(self.world_size) if counts[r] < per_rank), key=lambda r: (loads[r], r))
-                loads[r] += tokens[b]
-                counts[r] += 1
-                if r == self.rank:
-                    rows = sorted(i for u in bins[b] for i in u)  # positions in the epoch's order
-                    mine_step.append((rows[0] if rows else -1, order[rows] if rows else np.empty((0, 2), dtype=np.int64)))
+            if self.keep_groups:
+                bins = self._groups_to_ranks_then_pack(step, lengths)[self.rank]
+            else:
+                bins = self._pack_then_deal(step, lengths)[self.rank]
             # Within a rank: micro-batches in the order of their first sample.
-            mine_step.sort(key=lambda pos_mb: pos_mb[0])
-            mine.append([mb for _, mb in mine_step])
+            bins = sorted((sorted(b) for b in bins), key=lambda b: b[0] if b else -1)
+            mine.append([order[b] if b else np.empty((0, 2), dtype=np.int64) for b in bins])
         self._mb_cache = (self.epoch, mine)
         return mine
+
+    def _pack_then_deal(self, step: list, lengths: np.ndarray) -> list:
+        """Per rank, its micro-batches (lists of positions in the epoch's
+        order) of one step: the step's samples packed first-fit decreasing,
+        the count raised to a multiple of world_size by splitting the fullest
+        micro-batch that holds two samples or more, then dealt largest first to
+        the rank with the fewest tokens among those still short of their share."""
+        world = self.world_size
+        sizes = [int(lengths[u].sum()) for u in step]
+        bins = [[i for j in b for i in step[j]] for b in _ffd(sizes, self.token_budget)]
+        _split_until(bins, lengths, lambda n: n % world == 0)
+        tokens = [int(lengths[b].sum()) for b in bins]
+        per_rank = len(bins) // world
+        loads, out = [0] * world, [[] for _ in range(world)]
+        for b in sorted(range(len(bins)), key=lambda b: (-tokens[b], b)):
+            r = min((r for r in range(world) if len(out[r]) < per_rank), key=lambda r: (loads[r], r))
+            loads[r] += tokens[b]
+            out[r].append(bins[b])
+        return out
+
+    def _groups_to_ranks_then_pack(self, step: list, lengths: np.ndarray) -> list:
+        """Per rank, its micro-batches of one step when GRPO groups are kept
+        together: whole groups dealt to ranks largest first (to the rank with
+        the fewest tokens), then each rank packs first-fit decreasing — a
+        group that fits the budget as one item, a larger one sample by sample —
+        and ranks short of the most micro-batches split their fullest ones."""
+        world, budget = self.world_size, self.token_budget
+        tok = [int(lengths[u].sum()) for u in step]
+        loads, units = [0] * world, [[] for _ in range(world)]
+        for j in sorted(range(len(step)), key=lambda j: (-tok[j], step[j][0])):
+            r = min(range(world), key=lambda r: (loads[r], r))
+            loads[r] += tok[j]
+            units[r].append(j)
+        out = []
+        for mine in units:
+            items = []
+            for j in sorted(mine, key=lambda j: step[j][0]):
+                items.extend([step[j]] if tok[j] <= budget else [[i] for i in step[j]])
+            out.append([[i for k in b for i in items[k]] for b in _ffd([int(lengths[it].sum()) for it in items], budget)])
+        most = max(len(bins) for bins in out)
+        for bins in out:
+            _split_until(bins, lengths, lambda n: n >= most)
+        return out
 
     def micro_batches_per_step(self) -> list:
         """Micro-batches per step this epoch (the same on every rank)."""
