@@ -199,12 +199,14 @@ def test_a_plain_dataloader_resumes_exactly_from_the_batches_count(shards, worke
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
     full = [batch_keys(b) for b in loader]
     assert full == loader_order(ds, workers, batch_size), "the documented order"
+    assert ds.batches_per_epoch(loader=loader) == len(full)
     assert sorted(k for b in full for k in b) == sorted(key(s) for s in ds._iter_worker(0, 1))
     for taken in sorted({1, 2, len(full) // 2, len(full) - 1, len(full)}):
         state = ds.state_dict(batches=taken, loader=loader)
         resumed = make()
         resumed.load_state_dict(state)
         resumed.set_epoch(1)  # the loaded epoch: keeps the position
+        assert resumed.batches_per_epoch(num_workers=workers, batch_size=batch_size) == len(full) - taken
         got = [batch_keys(b) for b in torch.utils.data.DataLoader(resumed, batch_size=batch_size, num_workers=workers)]
         assert got == full[taken:], f"resumed after {taken} batches"
         # Resuming a resumed run: count batches from the loaded state.
@@ -229,6 +231,8 @@ def test_state_dict_errors_name_what_is_wrong(shards):
         ds.state_dict(batches=len(ds) + 1, num_workers=0, batch_size=1)
     with pytest.raises(ValueError, match="batch_size"):
         ds.state_dict(batches=1, num_workers=2)
+    with pytest.raises(ValueError, match="invalid batch_size: 0"):
+        ds.batches_per_epoch(num_workers=2, batch_size=0)
 
 
 @pytest.mark.parametrize("workers", [0, 2, 3])
@@ -423,3 +427,17 @@ def test_token_balanced_micro_batches_with_a_dataloader_and_resume(shards):
         assert tail == got[taken:]
     with pytest.raises(ValueError, match="batch_size=None"):
         ds.state_dict(batches=1, num_workers=2, batch_size=4)
+
+
+def test_drop_last_drops_each_workers_partial_batch_and_resumes(shards):
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    make = lambda: TrajectoryDataset(path, seed=6, columns=SCALARS)  # noqa: E731
+    ds = make()
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, drop_last=True)
+    full = [batch_keys(b) for b in loader]
+    assert full == loader_order(ds, 2, 4, drop_last=True) and all(len(b) == 4 for b in full)
+    assert ds.batches_per_epoch(loader=loader) == len(full)
+    resumed = make()
+    resumed.load_state_dict(ds.state_dict(batches=3, loader=loader))
+    assert [batch_keys(b) for b in torch.utils.data.DataLoader(resumed, batch_size=4, num_workers=2, drop_last=True)] == full[3:]

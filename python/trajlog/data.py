@@ -513,20 +513,9 @@ class TrajectoryDataset(_Base):
             else:
                 out["consumed"] = list(state["consumed"])
             return out
-        if loader is not None:
-            num_workers = loader.num_workers if num_workers is None else num_workers
-            batch_size = loader.batch_size if batch_size == "unset" else batch_size
-            drop_last = loader.drop_last if drop_last is None else drop_last
-        if num_workers is None or batch_size == "unset":
-            raise ValueError("state_dict(batches=...) needs the loader, or num_workers and batch_size")
         if batches < 0:
             raise ValueError(f"invalid batches: {batches} (batches yielded, at least 0)")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"invalid batch_size: {batch_size}")
-        if self.token_budget is not None and batch_size is not None:
-            raise ValueError("token_budget micro-batches are batches already: use batch_size=None")
-        workers = max(int(num_workers), 1)
-        b = 1 if batch_size is None else int(batch_size)
+        workers, b, drop_last = self._loader_args(loader, num_workers, batch_size, drop_last)
         base = self._base if self._base is not None else self._start_state(workers)
         self._check_workers(base, workers)
         if "worker" in base:
@@ -551,6 +540,36 @@ class TrajectoryDataset(_Base):
             remaining[w] -= 1
             nxt = (w + 1) % workers
         return {**self._fixed(), "num_workers": workers, "consumed": consumed, "next_worker": nxt}
+
+    def batches_per_epoch(
+        self, *, loader: Any = None, num_workers: Optional[int] = None, batch_size: Any = "unset", drop_last: Optional[bool] = None
+    ) -> int:
+        """The batches a DataLoader yields from the start state (the epoch's
+        start, or the loaded state) to the end of the epoch: each worker's
+        samples in batches of batch_size, its last one partial unless
+        drop_last. More than ceil(len(ds) / batch_size) with several workers."""
+        workers, b, drop_last = self._loader_args(loader, num_workers, batch_size, drop_last)
+        base = self._base if self._base is not None else self._start_state(workers)
+        self._check_workers(base, workers)
+        if "worker" in base:
+            raise ValueError("the loaded state is one DataLoader worker's (torchdata); StatefulDataLoader counts its own batches")
+        _, parts = self._plan(workers)
+        rest = [len(p) - c for p, c in zip(parts, base["consumed"])]
+        return sum(r // b if drop_last else -(-r // b) for r in rest)
+
+    def _loader_args(self, loader, num_workers, batch_size, drop_last) -> tuple:
+        """(plan workers, samples per batch, drop_last) from a loader or the arguments."""
+        if loader is not None:
+            num_workers = loader.num_workers if num_workers is None else num_workers
+            batch_size = loader.batch_size if batch_size == "unset" else batch_size
+            drop_last = loader.drop_last if drop_last is None else drop_last
+        if num_workers is None or batch_size == "unset":
+            raise ValueError("pass the loader, or num_workers and batch_size (None: unbatched)")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"invalid batch_size: {batch_size}")
+        if self.token_budget is not None and batch_size is not None:
+            raise ValueError("token_budget micro-batches are batches already: use batch_size=None")
+        return max(int(num_workers), 1), 1 if batch_size is None else int(batch_size), bool(drop_last)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`'s dict: the next iteration yields what the
