@@ -136,8 +136,14 @@ def read_hf(shards: str, cache: str):
 
 
 def read_pyarrow(shards: str):
+    import warnings
+
     import pyarrow.parquet as pq
     import torch
+
+    # Arrow's buffers are read-only; torch warns once that it cannot mark
+    # tensors so. Nothing here writes to them.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
     def run():
         n = tokens = 0

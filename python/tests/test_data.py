@@ -3,7 +3,7 @@ resume (in process, with a torch DataLoader's workers, with torchdata's
 StatefulDataLoader), the row-group plan of workers, current rewards from the
 side table, token-balanced micro-batches, exact content, collate."""
 
-import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -441,3 +441,22 @@ def test_drop_last_drops_each_workers_partial_batch_and_resumes(shards):
     resumed = make()
     resumed.load_state_dict(ds.state_dict(batches=3, loader=loader))
     assert [batch_keys(b) for b in torch.utils.data.DataLoader(resumed, batch_size=4, num_workers=2, drop_last=True)] == full[3:]
+
+
+def test_the_readme_duckdb_recipes_follow_the_same_rule(rewarded):
+    duckdb = pytest.importorskip("duckdb")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```sql\n")[1:]]
+    steps_sql, traj_sql = [b for b in blocks if "_rewards.parquet" in b]
+    write_rewards(
+        rewarded / "_rewards.parquet",
+        [("a:0", None, 2.0), ("a:0", "a:0/1", -1.0), ("b:0", None, None), ("b:0", "b:0/0", 3.0),
+         ("c:0", None, None), ("c:0", "c:0/1", None), ("d:0", None, None)],
+    )
+    store_dir = str(rewarded.parent)
+    con = duckdb.connect()
+    rows = con.execute(traj_sql.replace("DIR", store_dir)).fetchall()
+    expected = {key(s): s["reward"] for s in TrajectoryDataset(rewarded / "trajectories")}
+    assert {(sid, int(seg)): r for sid, seg, r in rows} == expected
+    steps = {tid: r for tid, _, _, r in con.execute(steps_sql.replace("DIR", store_dir)).fetchall()}
+    assert steps == {**{f"{s}:0/{i}": 0.5 for s in "abcde" for i in (0, 1)}, "a:0/1": -1.0, "b:0/0": 3.0, "c:0/1": None}

@@ -4,10 +4,13 @@
     ds = TrajectoryDataset("/data/traces/shards/trajectories", rank=rank, world_size=world, seed=0)
     loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=4,
                                          collate_fn=lambda b: collate(b, mode="pad"))
-    for epoch in range(start_epoch, E):
-        ds.set_epoch(epoch)
-        for step, batch in enumerate(loader, start=start_batch): ...
-            state = ds.state_dict(batches=step + 1, loader=loader)   # exact resume point
+    if checkpoint:
+        ds.load_state_dict(checkpoint)         # resume mid-epoch, exactly
+    for epoch in range(ds.epoch, E):
+        ds.set_epoch(epoch)                    # the loaded epoch keeps its position
+        for n, batch in enumerate(loader, start=1):
+            ...
+            checkpoint = ds.state_dict(batches=n, loader=loader)   # n since the epoch's start or the load
 
 Each sample is a dict of numpy arrays (torch tensors when torch is installed:
 `torch.from_numpy`, no copy): `token_ids` (uint32 widened to int64 under
