@@ -248,7 +248,9 @@ class TrajectoryDataset(_Base):
         wrap-around padding); a rank can get an empty micro-batch only when
         it has fewer samples in a step than the micro-batches every rank must
         yield (the trainer still steps). `micro_batches_per_step()`
-        gives the counts. Deterministic per (seed, epoch).
+        gives the counts. Deterministic per (seed, epoch). Packing a step
+        costs about (its samples x its micro-batches) Python steps, so give
+        big epochs a `samples_per_step` (the global batch).
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid rank/world_size: rank {rank} of {world_size}")
@@ -321,12 +323,12 @@ class TrajectoryDataset(_Base):
             order = np.concatenate([order, order[: padded - len(order)]])
         return order[self.rank * per_rank : (self.rank + 1) * per_rank]
 
-    def _items(self) -> list:
-        """The rank's items of the epoch, in order: (k, 2) arrays of (group,
-        row) pairs — one sample each, or one micro-batch each in token mode."""
+    def _items(self):
+        """The rank's items of the epoch, in order: the rank order itself, an
+        (N, 2) array of (group, row) pairs, or in token mode a list of
+        micro-batches, each a (k, 2) array."""
         if self.token_budget is None:
-            order = self._rank_order()
-            return [order[i : i + 1] for i in range(len(order))]
+            return self._rank_order()
         return [mb for step in self._rank_micro_batches() for mb in step]
 
     def _plan(self, workers: int) -> tuple:
@@ -336,15 +338,15 @@ class TrajectoryDataset(_Base):
             items = self._items()
             parts: list = [[] for _ in range(workers)]
             if self.token_budget is None:
-                # Runs of one row group, each to the least-loaded worker.
+                # Runs of one row group, in order, each to the least-loaded worker.
+                cuts = (np.flatnonzero(items[1:, 0] != items[:-1, 0]) + 1).tolist()
                 loads = [0] * workers
-                start = 0
-                for i in range(1, len(items) + 1):
-                    if i == len(items) or items[i][0, 0] != items[start][0, 0]:
+                for start, end in zip([0] + cuts, cuts + [len(items)]):
+                    if end > start:
                         w = min(range(workers), key=lambda j: (loads[j], j))
-                        parts[w].extend(range(start, i))
-                        loads[w] += i - start
-                        start = i
+                        parts[w].append(np.arange(start, end))
+                        loads[w] += end - start
+                parts = [np.concatenate(p) if p else np.empty(0, dtype=np.int64) for p in parts]
             else:
                 # Micro-batches round robin: with batch_size=None the loader
                 # yields the rank's micro-batches in order.
@@ -378,7 +380,8 @@ class TrajectoryDataset(_Base):
         if self._mb_cache is not None and self._mb_cache[0] == self.epoch:
             return self._mb_cache[1]
         order = self._global_order()
-        lengths = np.array([self._lengths[g][r] for g, r in order], dtype=np.int64)
+        first_row = np.concatenate([[0], np.cumsum([len(x) for x in self._lengths])])
+        lengths = np.concatenate(self._lengths)[first_row[order[:, 0]] + order[:, 1]] if len(order) else np.empty(0, np.int64)
         # Units: samples, or groups in order of first appearance.
         if self.keep_groups:
             members: dict = {}
@@ -698,10 +701,10 @@ class TrajectoryDataset(_Base):
     def _generate(self, items, mine, live, worker) -> Iterator:
         rewards = self._load_rewards()
         cache: dict = {}
+        sample_mode = self.token_budget is None
         for i in mine:
-            item = items[i]
             samples = []
-            for g, row in item:
+            for g, row in (items[i],) if sample_mode else items[i]:
                 g = int(g)
                 if g not in cache:
                     if len(cache) >= 8:  # token mode revisits a step's row groups; keep a few
@@ -710,7 +713,7 @@ class TrajectoryDataset(_Base):
                 samples.append(self._sample(cache[g], int(row), rewards))
             live["consumed"][worker] += 1
             live["next_worker"] = (worker + 1) % live["num_workers"]
-            yield samples if self.token_budget is not None else samples[0]
+            yield samples[0] if sample_mode else samples
 
 
 def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Optional[int] = None) -> dict:
