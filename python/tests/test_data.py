@@ -102,8 +102,12 @@ def test_resume_yields_exactly_the_remaining_samples(shards):
     resumed = TrajectoryDataset(path, rank=0, world_size=2, seed=2)
     resumed.load_state_dict(state)
     assert first + [key(s) for s in resumed] == full
-    with pytest.raises(ValueError):
-        TrajectoryDataset(path, world_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        TrajectoryDataset(path, world_size=3, seed=2).load_state_dict(state)
+    # A version-1 state (before workers were planned) still loads.
+    old = TrajectoryDataset(path, rank=0, world_size=2, seed=2)
+    old.load_state_dict({"epoch": 0, "seed": 2, "consumed": 5, "world_size": 2})
+    assert [key(s) for s in old] == full[5:]
 
 
 def test_collate_pads_and_packs_with_matching_masks(shards):
