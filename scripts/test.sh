@@ -53,16 +53,19 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, d
     .venv/bin/pip install --quiet --no-cache-dir --upgrade pip
     .venv/bin/pip install --quiet --no-cache-dir -r tests/python/requirements.txt
 fi
-# torch, for the real multi-worker DataLoader test. The PyPI wheel brings ~3 GB
-# of CUDA libraries (~80 s to install here); skipped, with a warning (and the
-# test then reports itself skipped), when the disk has under 12 GB free.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+# torch, for the real multi-worker DataLoader tests, and torchdata (small,
+# pure Python) for the StatefulDataLoader resume tests. The torch wheel brings
+# ~3 GB of CUDA libraries (~80 s to install here); skipped, with a warning (and
+# the tests then report themselves skipped), when the disk has under 12 GB free.
+if ! .venv/bin/python -c "import torch, torchdata" 2>/dev/null; then
     free_kb=$(df -Pk . | awk 'NR==2 {print $4}')
     if [ "${free_kb:-0}" -gt $((12 * 1024 * 1024)) ]; then
         .venv/bin/pip install --quiet --no-cache-dir torch \
-            || echo "warning: installing torch failed; the DataLoader test will be skipped"
+            || echo "warning: installing torch failed; the DataLoader tests will be skipped"
+        .venv/bin/pip install --quiet --no-cache-dir torchdata \
+            || echo "warning: installing torchdata failed; the StatefulDataLoader tests will be skipped"
     else
-        echo "warning: under 12 GB free; not installing torch, the DataLoader test will be skipped"
+        echo "warning: under 12 GB free; not installing torch/torchdata, the DataLoader tests will be skipped"
     fi
 fi
 # The Python package, built and installed the way users do it (maturin via pip).

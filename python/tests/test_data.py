@@ -1,7 +1,13 @@
 """TrajectoryDataset: partitions across ranks and workers, determinism,
-resume, exact content, collate; a real torch DataLoader when torch is present."""
+resume (in process, with a torch DataLoader's workers, with torchdata's
+StatefulDataLoader), the row-group plan of workers, current rewards from the
+side table, token-balanced micro-batches, exact content, collate."""
+
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import trajlog
@@ -25,6 +31,8 @@ def shards(tmp_path_factory):
                 calls[tid] = (list(prompt), completion, lp)
                 prompt = prompt + completion + [7]
             store.seal(sid)
+            if s % 5 == 4:  # several compactions: several shard files, row groups of 5, 5, 5, 5, 3 rows
+                store.compact()
         store.compact()
     return str(path / "shards" / "trajectories"), calls
 
@@ -94,8 +102,12 @@ def test_resume_yields_exactly_the_remaining_samples(shards):
     resumed = TrajectoryDataset(path, rank=0, world_size=2, seed=2)
     resumed.load_state_dict(state)
     assert first + [key(s) for s in resumed] == full
-    with pytest.raises(ValueError):
-        TrajectoryDataset(path, world_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="world_size"):
+        TrajectoryDataset(path, world_size=3, seed=2).load_state_dict(state)
+    # A version-1 state (before workers were planned) still loads.
+    old = TrajectoryDataset(path, rank=0, world_size=2, seed=2)
+    old.load_state_dict({"epoch": 0, "seed": 2, "consumed": 5, "world_size": 2})
+    assert [key(s) for s in old] == full[5:]
 
 
 def test_collate_pads_and_packs_with_matching_masks(shards):
@@ -112,15 +124,343 @@ def test_collate_pads_and_packs_with_matching_masks(shards):
     assert as_np(packed["token_ids"]).shape[1] == sum(lens[:2])
     assert as_np(packed["cu_seqlens"]).tolist() == [0, lens[0], lens[0] + lens[1]]
     assert len(packed["overflow"]) == 2
-    with pytest.raises(ValueError):
-        collate(batch, mode="pack")
+    assert as_np(collate(batch, mode="pack")["token_ids"]).shape[1] == sum(lens), "no budget: every sample"
+    with pytest.raises(ValueError, match="token_budget"):
+        collate(batch, mode="pack", token_budget=0)
 
 
-def test_a_real_torch_dataloader_with_several_workers(shards):
+# -- workers: the row-group plan, the order a DataLoader yields, resume -------
+
+
+def loader_order(ds, workers, batch_size, drop_last=False):
+    """The keys a torch DataLoader yields, per batch, built from the plan the
+    way torch delivers batches: round robin over workers, each worker's
+    batches of batch_size from its own samples, an exhausted worker skipped."""
+    w = max(workers, 1)
+    b = batch_size or 1
+    per_worker = []
+    for k in range(w):
+        keys = [key(s) for s in ds._iter_worker(k, w)]
+        batches = [keys[i : i + b] for i in range(0, len(keys), b)]
+        per_worker.append([x for x in batches if len(x) == b or not drop_last])
+    out, r = [], 0
+    while any(r < len(p) for p in per_worker):
+        out.extend(p[r] for p in per_worker if r < len(p))
+        r += 1
+    return out
+
+
+def test_each_worker_reads_only_its_row_groups_and_workers_cover_the_rank(shards):
+    path, _ = shards
+    for world, rank, workers in [(1, 0, 2), (1, 0, 3), (2, 1, 2), (3, 0, 4)]:
+        whole = [key(s) for s in TrajectoryDataset(path, rank=rank, world_size=world, seed=5)._iter_worker(0, 1)]
+        reads, parts = [], []
+        for w in range(workers):
+            ds = TrajectoryDataset(path, rank=rank, world_size=world, seed=5)
+            calls = []
+            original = ds._read_group
+            ds._read_group = lambda g, original=original, calls=calls: calls.append(g) or original(g)
+            parts.append([key(s) for s in ds._iter_worker(w, workers)])
+            reads.append(calls)
+        assert sorted(k for p in parts for k in p) == sorted(whole), "every sample of the rank exactly once"
+        for w, calls in enumerate(reads):
+            assert len(calls) == len(set(calls)), f"worker {w} read a row group twice: {calls}"
+        flat = [g for calls in reads for g in calls]
+        assert len(flat) == len(set(flat)), f"a row group read by two workers: {reads}"
+        sizes = sorted(len(p) for p in parts)
+        assert sizes[-1] - sizes[0] <= 5, f"balanced to within one row group (5 rows here): {sizes}"
+        for p in parts:  # each worker walks the rank order
+            assert p == [k for k in whole if k in set(p)]
+
+
+def test_workers_are_disjoint_and_cover_the_rank(shards):
+    path, _ = shards
+    ds = TrajectoryDataset(path, rank=1, world_size=2, seed=5)
+    whole = [key(s) for s in ds._iter_worker(0, 1)]
+    parts = [[key(s) for s in TrajectoryDataset(path, rank=1, world_size=2, seed=5)._iter_worker(w, 3)] for w in range(3)]
+    assert sorted(k for p in parts for k in p) == sorted(whole)
+    assert all(not set(a) & set(b) for i, a in enumerate(parts) for b in parts[i + 1 :])
+
+
+def batch_keys(batch):
+    """The sample keys of a DataLoader batch (collated dict, or one sample)."""
+    if isinstance(batch["session_id"], str):
+        return [(batch["session_id"], int(batch["segment_index"]))]
+    return list(zip(batch["session_id"], (int(i) for i in batch["segment_index"])))
+
+
+SCALARS = ["session_id", "segment_index"]
+
+
+@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("batch_size", [None, 1, 4])
+def test_a_plain_dataloader_resumes_exactly_from_the_batches_count(shards, workers, batch_size):
     torch = pytest.importorskip("torch")
     path, _ = shards
+    make = lambda: TrajectoryDataset(path, rank=0, world_size=2, seed=4, columns=SCALARS)  # noqa: E731
+    ds = make()
+    ds.set_epoch(1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    full = [batch_keys(b) for b in loader]
+    assert full == loader_order(ds, workers, batch_size), "the documented order"
+    assert ds.batches_per_epoch(loader=loader) == len(full)
+    assert sorted(k for b in full for k in b) == sorted(key(s) for s in ds._iter_worker(0, 1))
+    for taken in sorted({1, 2, len(full) // 2, len(full) - 1, len(full)}):
+        state = ds.state_dict(batches=taken, loader=loader)
+        resumed = make()
+        resumed.load_state_dict(state)
+        resumed.set_epoch(1)  # the loaded epoch: keeps the position
+        assert resumed.batches_per_epoch(num_workers=workers, batch_size=batch_size) == len(full) - taken
+        got = [batch_keys(b) for b in torch.utils.data.DataLoader(resumed, batch_size=batch_size, num_workers=workers)]
+        assert got == full[taken:], f"resumed after {taken} batches"
+        # Resuming a resumed run: count batches from the loaded state.
+        if 0 < taken < len(full) - 1:
+            again = make()
+            again.load_state_dict(resumed.state_dict(batches=1, num_workers=workers, batch_size=batch_size))
+            got = [batch_keys(b) for b in torch.utils.data.DataLoader(again, batch_size=batch_size, num_workers=workers)]
+            assert got == full[taken + 1 :]
+
+
+def test_state_dict_errors_name_what_is_wrong(shards):
+    path, _ = shards
     ds = TrajectoryDataset(path, seed=4)
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=3)
-    got = [key(s) for s in loader]
-    assert got == [key(s) for s in TrajectoryDataset(path, seed=4)._iter_worker(0, 1)]
-    assert isinstance(next(iter(loader))["loss_mask"], torch.Tensor)
+    state = ds.state_dict(batches=3, num_workers=2, batch_size=2)
+    with pytest.raises(ValueError, match="num_workers=2"):
+        other = TrajectoryDataset(path, seed=4)
+        other.load_state_dict(state)
+        list(other._iter_worker(0, 3))
+    with pytest.raises(ValueError, match="seed"):
+        TrajectoryDataset(path, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="more than the"):
+        ds.state_dict(batches=len(ds) + 1, num_workers=0, batch_size=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        ds.state_dict(batches=1, num_workers=2)
+    with pytest.raises(ValueError, match="invalid batch_size: 0"):
+        ds.batches_per_epoch(num_workers=2, batch_size=0)
+
+
+@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_torchdata_stateful_dataloader_resumes_exactly(shards, workers, batch_size):
+    pytest.importorskip("torch")
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    path, _ = shards
+    make = lambda: TrajectoryDataset(path, rank=1, world_size=2, seed=9, columns=SCALARS)  # noqa: E731
+    full = [batch_keys(b) for b in sdl.StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers)]
+    assert full == loader_order(make(), workers, batch_size)
+    for taken in sorted({1, len(full) // 2, len(full) - 1}):
+        loader = sdl.StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers)
+        it = iter(loader)
+        first = [batch_keys(next(it)) for _ in range(taken)]
+        state = loader.state_dict()
+        del it
+        resumed = sdl.StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers)
+        resumed.load_state_dict(state)
+        assert first + [batch_keys(b) for b in resumed] == full, f"resumed after {taken} batches"
+
+
+def test_a_real_torch_dataloader_yields_tensors(shards):
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    loader = torch.utils.data.DataLoader(TrajectoryDataset(path, seed=4), batch_size=None, num_workers=2)
+    sample = next(iter(loader))
+    assert isinstance(sample["loss_mask"], torch.Tensor) and sample["token_ids"].dtype == torch.int64
+
+
+# -- rewards current at read time ---------------------------------------------
+
+
+@pytest.fixture()
+def rewarded(tmp_path):
+    """A compacted store whose sessions carry shard rewards, and the keys of
+    its samples: 5 sessions, session 'b' with a TI/TO break (two samples)."""
+    path = tmp_path / "s"
+    with trajlog.Store(path) as store:
+        for sid in ["a:0", "b:0", "c:0", "d:0", "e:0"]:
+            prompt = [1, 2, 3]
+            for step in range(2):
+                completion = [10 + step, 11]
+                store.append(trace_id=f"{sid}/{step}", session_id=sid, prompt_token_ids=prompt,
+                             completion_token_ids=completion, logprobs=np.zeros(2, np.float32), timestamp=float(step))
+                store.set_reward(0.5, trace_id=f"{sid}/{step}")
+                # b's second call does not extend its first: a new chain (segment 1).
+                prompt = [9, 9] if sid == "b:0" else prompt + completion
+            store.seal(sid)
+        store.compact()
+    return path / "shards"
+
+
+def write_rewards(path, rows):
+    table = pa.table(
+        {
+            "session_id": pa.array([r[0] for r in rows], pa.string()),
+            "trace_id": pa.array([r[1] for r in rows], pa.string()),
+            "reward": pa.array([r[2] for r in rows], pa.float64()),
+        },
+        schema=pa.schema([pa.field("session_id", pa.string(), nullable=False), pa.field("trace_id", pa.string()), pa.field("reward", pa.float64())]),
+    )
+    pq.write_table(table, path)
+
+
+def rewards_by_key(ds):
+    return {key(s): (s["trace_ids"], s["reward"]) for s in ds}
+
+
+def test_rewards_follow_the_side_table_rule(rewarded):
+    shards_dir = rewarded
+    before = rewards_by_key(TrajectoryDataset(shards_dir / "trajectories", shuffle=False))
+    assert {r for _, r in before.values()} == {0.5}, "the shards hold the rewards at compaction"
+    assert ("b:0", 1) in before and before[("b:0", 1)][0] == ["b:0/1"]
+    write_rewards(
+        shards_dir / "_rewards.parquet",
+        [
+            ("a:0", None, 2.0),  # a session reward: wins over everything
+            ("a:0", "a:0/1", -1.0),
+            ("b:0", None, None),  # no session reward: each sample's last trace decides
+            ("b:0", "b:0/0", 3.0),  # segment 0 ends with b:0/0; segment 1 (b:0/1) is not listed
+            ("c:0", None, None),
+            ("c:0", "c:0/1", None),  # listed with a null reward: the reward is null
+            ("d:0", None, None),  # listed, nothing else: the shard's reward
+        ],
+    )
+    ds = TrajectoryDataset(shards_dir / "trajectories", shuffle=False)
+    got = {k: r for k, (_, r) in rewards_by_key(ds).items()}
+    assert got == {("a:0", 0): 2.0, ("b:0", 0): 3.0, ("b:0", 1): 0.5, ("c:0", 0): None, ("d:0", 0): 0.5, ("e:0", 0): 0.5}
+    # Re-read at each iteration: a later compaction's table is seen by the next epoch.
+    write_rewards(shards_dir / "_rewards.parquet", [("e:0", None, 7.0)])
+    ds.set_epoch(1)
+    assert {k: r for k, (_, r) in rewards_by_key(ds).items()}[("e:0", 0)] == 7.0
+    assert {r for _, r in rewards_by_key(TrajectoryDataset(shards_dir / "trajectories", rewards=None)).values()} == {0.5}
+    # Only the reward column asked for: the rule still applies.
+    only = TrajectoryDataset(shards_dir / "trajectories", columns=["reward"], shuffle=False)
+    assert sorted(s["reward"] for s in only) == [0.5, 0.5, 0.5, 0.5, 0.5, 7.0]
+    assert set(next(iter(only))) == {"reward"}
+
+
+def test_rewards_side_table_errors_name_the_problem(rewarded, tmp_path):
+    traj = rewarded / "trajectories"
+    with pytest.raises(FileNotFoundError, match="rewards side table not found"):
+        TrajectoryDataset(traj, rewards=str(tmp_path / "missing.parquet"))
+    write_rewards(rewarded / "_rewards.parquet", [("a:0", "a:0/1", 1.0)])
+    with pytest.raises(ValueError, match="'a:0' has trace rows but no session row"):
+        list(TrajectoryDataset(traj))
+    pq.write_table(pa.table({"session_id": ["a:0"], "reward": [1.0]}), rewarded / "_rewards.parquet")
+    with pytest.raises(ValueError, match="missing column 'trace_id'"):
+        list(TrajectoryDataset(traj))
+    other = tmp_path / "r.parquet"
+    write_rewards(other, [("a:0", None, 4.0)])
+    assert {key(s): s["reward"] for s in TrajectoryDataset(traj, rewards=str(other))}[("a:0", 0)] == 4.0
+
+
+# -- token-balanced micro-batches ----------------------------------------------
+
+
+def mb_tokens(mb):
+    return sum(len(as_np(s["token_ids"])) for s in mb)
+
+
+@pytest.mark.parametrize("keep_groups", [False, True])
+@pytest.mark.parametrize("world,budget,per_step", [(1, 300, None), (2, 200, 8), (3, 150, 6), (4, 400, None)])
+def test_token_balanced_micro_batches(shards, world, budget, per_step, keep_groups):
+    path, _ = shards
+    make = lambda r, epoch=0: TrajectoryDataset(path, rank=r, world_size=world, seed=3, token_budget=budget,  # noqa: E731
+                                                samples_per_step=per_step, keep_groups=keep_groups)
+    everything = sorted(key(s) for s in TrajectoryDataset(path, shuffle=False))
+    groups = {key(s): s["group_id"] for s in TrajectoryDataset(path, shuffle=False)}
+    ranks = [make(r) for r in range(world)]
+    counts = [ds.micro_batches_per_step() for ds in ranks]
+    assert all(c == counts[0] for c in counts), f"equal micro-batch counts per step on every rank: {counts}"
+    runs = [list(ds) for ds in ranks]
+    assert all(len(run) == sum(counts[0]) == len(ds) for run, ds in zip(runs, ranks))
+    seen = sorted(key(s) for run in runs for mb in run for s in mb)
+    assert seen == everything, "every sample exactly once per epoch over the ranks"
+    steps = np.cumsum([0] + counts[0])  # micro-batch index -> step
+    where, together = {}, {}
+    for r, run in enumerate(runs):
+        for i, mb in enumerate(run):
+            assert mb_tokens(mb) <= budget or len(mb) == 1, "over budget only as a lone sample"
+            step = int(np.searchsorted(steps, i, side="right")) - 1
+            for s in mb:
+                where.setdefault(groups[key(s)], set()).add((r, step))
+                together.setdefault(groups[key(s)], set()).add((r, i))
+                # The token counts come from call_starts/completion_lens: check them.
+                assert len(as_np(s["token_ids"])) == int(as_np(s["call_starts"])[-1] + as_np(s["completion_lens"])[-1])
+    if keep_groups:
+        assert all(len(places) == 1 for places in where.values()), f"a group on one rank in one step: {where}"
+    else:
+        assert any(len(places) > 1 for places in together.values()), "groups are split when not asked (the check can fail)"
+    again = [[[key(s) for s in mb] for mb in make(r)] for r in range(world)]
+    assert again == [[[key(s) for s in mb] for mb in run] for run in runs], "deterministic"
+    later = [make(r) for r in range(world)]
+    for ds in later:
+        ds.set_epoch(1)
+    assert [[[key(s) for s in mb] for mb in ds] for ds in later] != again
+
+
+def test_groups_that_fit_the_budget_share_a_micro_batch(shards):
+    path, _ = shards
+    groups = {}
+    for s in TrajectoryDataset(path, shuffle=False):
+        groups.setdefault(s["group_id"], []).append(key(s))
+    # One rank: no rank has to split a micro-batch to match another's count.
+    mbs = list(TrajectoryDataset(path, seed=1, token_budget=500, samples_per_step=8, keep_groups=True))
+    assert len(mbs) > 2
+    for mb in mbs:
+        keys = {key(s) for s in mb}
+        for members in groups.values():
+            assert set(members) <= keys or not set(members) & keys, "a group that fits stays whole"
+    split = list(TrajectoryDataset(path, seed=1, token_budget=500, samples_per_step=8))
+    assert any(len({s["group_id"] for s in mb}) > 1 for mb in split), "without keep_groups they mix (the check can fail)"
+
+
+def test_token_balanced_micro_batches_with_a_dataloader_and_resume(shards):
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    make = lambda: TrajectoryDataset(path, rank=1, world_size=2, seed=3, token_budget=200, samples_per_step=8)  # noqa: E731
+    expected = [[key(s) for s in mb] for mb in make()]
+    ds = make()
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, collate_fn=lambda mb: mb)
+    got = [[key(s) for s in mb] for mb in loader]
+    assert got == expected, "with batch_size=None the loader yields the rank's micro-batches in order"
+    packed = collate(next(iter(loader)), mode="pack")
+    assert as_np(packed["cu_seqlens"])[-1] == as_np(packed["token_ids"]).shape[1]
+    for taken in (1, len(got) // 2):
+        resumed = make()
+        resumed.load_state_dict(ds.state_dict(batches=taken, loader=loader))
+        tail = [[key(s) for s in mb] for mb in torch.utils.data.DataLoader(resumed, batch_size=None, num_workers=2, collate_fn=lambda mb: mb)]
+        assert tail == got[taken:]
+    with pytest.raises(ValueError, match="batch_size=None"):
+        ds.state_dict(batches=1, num_workers=2, batch_size=4)
+
+
+def test_drop_last_drops_each_workers_partial_batch_and_resumes(shards):
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    make = lambda: TrajectoryDataset(path, seed=6, columns=SCALARS)  # noqa: E731
+    ds = make()
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, drop_last=True)
+    full = [batch_keys(b) for b in loader]
+    assert full == loader_order(ds, 2, 4, drop_last=True) and all(len(b) == 4 for b in full)
+    assert ds.batches_per_epoch(loader=loader) == len(full)
+    resumed = make()
+    resumed.load_state_dict(ds.state_dict(batches=3, loader=loader))
+    assert [batch_keys(b) for b in torch.utils.data.DataLoader(resumed, batch_size=4, num_workers=2, drop_last=True)] == full[3:]
+
+
+def test_the_readme_duckdb_recipes_follow_the_same_rule(rewarded):
+    duckdb = pytest.importorskip("duckdb")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```sql\n")[1:]]
+    steps_sql, traj_sql = [b for b in blocks if "_rewards.parquet" in b]
+    write_rewards(
+        rewarded / "_rewards.parquet",
+        [("a:0", None, 2.0), ("a:0", "a:0/1", -1.0), ("b:0", None, None), ("b:0", "b:0/0", 3.0),
+         ("c:0", None, None), ("c:0", "c:0/1", None), ("d:0", None, None)],
+    )
+    store_dir = str(rewarded.parent)
+    con = duckdb.connect()
+    rows = con.execute(traj_sql.replace("DIR", store_dir)).fetchall()
+    expected = {key(s): s["reward"] for s in TrajectoryDataset(rewarded / "trajectories")}
+    assert {(sid, int(seg)): r for sid, seg, r in rows} == expected
+    steps = {tid: r for tid, _, _, r in con.execute(steps_sql.replace("DIR", store_dir)).fetchall()}
+    assert steps == {**{f"{s}:0/{i}": 0.5 for s in "abcde" for i in (0, 1)}, "a:0/1": -1.0, "b:0/0": 3.0, "c:0/1": None}

@@ -4,40 +4,75 @@
     ds = TrajectoryDataset("/data/traces/shards/trajectories", rank=rank, world_size=world, seed=0)
     loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=4,
                                          collate_fn=lambda b: collate(b, mode="pad"))
-    for epoch in range(E):
-        ds.set_epoch(epoch)
-        for batch in loader: ...
+    if checkpoint:
+        ds.load_state_dict(checkpoint)         # resume mid-epoch, exactly
+    for epoch in range(ds.epoch, E):
+        ds.set_epoch(epoch)                    # the loaded epoch keeps its position
+        for n, batch in enumerate(loader, start=1):
+            ...
+            checkpoint = ds.state_dict(batches=n, loader=loader)   # n since the epoch's start or the load
 
 Each sample is a dict of numpy arrays (torch tensors when torch is installed:
-`torch.from_numpy`, no copy): `token_ids` (uint32 → int64 tensors for
-embedding lookups are left to the trainer), `loss_mask` (uint8), `logprobs`
-(float32), `call_starts`, `completion_lens`, plus the scalar columns
-(`session_id`, `group_id`, `segment_index`, `num_calls`, `reward`, …).
+`torch.from_numpy`, no copy): `token_ids` (uint32 widened to int64 under
+torch), `loss_mask` (uint8), `logprobs` (float32), `call_starts`,
+`completion_lens`, plus the scalar columns (`session_id`, `group_id`,
+`segment_index`, `num_calls`, `reward`, …). `reward` is the current reward
+(see Rewards below), not necessarily the one written at compaction.
 
 Policies:
+
 - Order: deterministic for (seed, epoch). With `shuffle`, row groups are
   permuted and rows are permuted within each row group (a block shuffle: reads
-  stay row-group local); without, file order.
+  stay row-group local); without, file order. This is the *rank order*.
 - Ranks: every rank gets the same number of samples, ceil(N / world_size). The
   order is padded by wrapping around to its start (like
   `torch.utils.data.DistributedSampler(drop_last=False)`), so up to
   world_size - 1 samples appear twice per epoch; rank r takes the r-th
   contiguous slice.
-- DataLoader workers: worker w of W takes every W-th sample of its rank's
-  slice, so workers never overlap and, with `batch_size=None`, the loader yields
-  the rank's order exactly.
-- Resume: `state_dict()` records the epoch and how many samples of the rank's
-  order were consumed; `load_state_dict()` makes the next iteration yield
-  exactly the remaining ones.
+- DataLoader workers (the *plan* for W workers): the rank order is cut into
+  runs of rows from one row group; runs are handed out in rank order, each to
+  the worker with the fewest samples so far (ties: the lowest worker id). So
+  each row group of the rank's slice is read and decoded by one worker, once
+  per epoch (the wrap-around padding on the last rank may read its row group a
+  second time), workers differ by at most one run in samples, and every worker
+  walks the rank order from its start. Worker w yields its samples in rank
+  order.
+- The order a DataLoader yields: torch hands out batches round robin (worker 0's
+  first batch, worker 1's first batch, …, worker 0's second batch, …; each
+  worker builds its batches of `batch_size` from its own samples, its last one
+  possibly partial; a worker that has run out is skipped). So for (seed, epoch,
+  world_size, rank, num_workers, batch_size) the order is fixed. With
+  `num_workers=0` (or 1) it is the rank order.
+- Resume: `state_dict()` records the epoch and, per plan worker, how many of its
+  samples were consumed, and which worker the loader serves next;
+  `load_state_dict()` makes the next iteration yield exactly the samples not
+  yet yielded, in the order the uninterrupted run would have yielded them.
+  In a multi-worker torch DataLoader the samples are consumed in the worker
+  processes, so the main process cannot count them: the trainer says how many
+  batches it took, `ds.state_dict(batches=n, loader=loader)` (counted from the
+  start of the epoch, or from the state loaded last). torchdata's
+  `StatefulDataLoader` needs nothing: it calls `state_dict()` inside each
+  worker and gives each worker its own state back.
+- Rewards: the engine publishes `shards/_rewards.parquet` (beside
+  `trajectories/` and `steps/`) listing sessions whose rewards changed after
+  they were compacted. Each `__iter__` re-reads it, so every epoch sees the
+  current rewards. Rule for a sample: if its session has a session row, the
+  reward is that session reward when not null, else the side table's reward of
+  the sample's last trace id when listed, else the shard's; a session not
+  listed keeps the shard's reward.
+- Token-balanced micro-batches (`token_budget=N`): the dataset yields lists of
+  samples instead of samples; see `TrajectoryDataset.__init__`.
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 try:  # torch is optional
@@ -52,6 +87,12 @@ except ImportError:  # pragma: no cover - exercised when torch is absent
 
 _LIST_COLUMNS = ("token_ids", "loss_mask", "logprobs", "call_starts", "completion_lens")
 
+#: The rewards side table's file name, in the `shards/` directory.
+REWARDS_FILE = "_rewards.parquet"
+#: Version of the dicts `state_dict()` returns (1: the int `consumed` of the
+#: rank order, without workers; still accepted).
+STATE_VERSION = 2
+
 
 def _tensor(arr: np.ndarray):
     """A tensor sharing `arr`'s memory (Arrow's read-only buffer). torch warns
@@ -64,6 +105,105 @@ def _tensor(arr: np.ndarray):
         return torch.from_numpy(arr)
 
 
+_NUMPY_OF_ARROW = {pa.uint8(): np.uint8, pa.uint32(): np.uint32, pa.int32(): np.int32, pa.int64(): np.int64, pa.float32(): np.float32}
+
+
+def _numpy_view(arr) -> np.ndarray:
+    """A zero-copy numpy view of a primitive Arrow array without nulls.
+    (pyarrow's `to_numpy` imports pandas on first use: ~0.3 s in every fresh
+    DataLoader worker.)"""
+    dtype = _NUMPY_OF_ARROW.get(arr.type)
+    if dtype is None or arr.null_count:
+        return arr.to_numpy(zero_copy_only=True)
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize)
+
+
+def _worker_info():
+    """(torch worker id, number of workers), or None outside a DataLoader worker."""
+    if not _HAS_TORCH:
+        return None
+    info = torch.utils.data.get_worker_info()
+    return None if info is None else (info.id, info.num_workers)
+
+
+def load_rewards(path: str) -> dict:
+    """The rewards side table as {session_id: (session_reward, {trace_id: reward})},
+    for the sessions it lists. Schema: `session_id` string not null, `trace_id`
+    string (null on the session row), `reward` float64 (nullable)."""
+    table = pq.read_table(path)
+    for name in ("session_id", "trace_id", "reward"):
+        if name not in table.column_names:
+            raise ValueError(f"rewards side table {path}: missing column {name!r} (has {table.column_names})")
+    sessions: dict = {}
+    has_session_row: set = set()
+    for sid, tid, reward in zip(*(table.column(n).to_pylist() for n in ("session_id", "trace_id", "reward"))):
+        if sid is None:
+            raise ValueError(f"rewards side table {path}: null session_id")
+        entry = sessions.setdefault(sid, [None, {}])
+        if tid is None:
+            if sid in has_session_row:
+                raise ValueError(f"rewards side table {path}: two session rows for session {sid!r}")
+            has_session_row.add(sid)
+            entry[0] = reward
+        else:
+            entry[1][tid] = reward
+    missing = sorted(set(sessions) - has_session_row)
+    if missing:
+        raise ValueError(
+            f"rewards side table {path}: session {missing[0]!r} has trace rows but no session row "
+            f"(every listed session has one; {len(missing)} such sessions)"
+        )
+    return {sid: (entry[0], entry[1]) for sid, entry in sessions.items()}
+
+
+def current_reward(rewards: Optional[dict], session_id: str, trace_ids: Sequence[str], shard_reward):
+    """The rule: a listed session's session reward if not null, else its last
+    trace's listed reward, else the shard's; an unlisted session: the shard's."""
+    if not rewards or session_id not in rewards:
+        return shard_reward
+    session_reward, traces = rewards[session_id]
+    if session_reward is not None:
+        return session_reward
+    if trace_ids and trace_ids[-1] in traces:
+        return traces[trace_ids[-1]]
+    return shard_reward
+
+
+def _ffd(sizes: Sequence[int], budget: int) -> list:
+    """First-fit decreasing: bins (lists of indices into `sizes`) of total size
+    at most `budget`, except an item larger than the budget, alone in its bin.
+    Ties in size keep index order, so the result is deterministic."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    bins: list = []
+    room: list = []
+    for i in order:
+        for b, r in enumerate(room):
+            if sizes[i] <= r:
+                bins[b].append(i)
+                room[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - sizes[i])
+    return bins
+
+
+def _split_until(bins: list, lengths: np.ndarray, done) -> None:
+    """Split micro-batches (lists of positions) until `done(len(bins))`: the
+    one with the most tokens among those holding two samples or more gives
+    every other sample, by size, to a new one; with none left to split, an
+    empty micro-batch is added."""
+    while not done(len(bins)):
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        b = max(splittable, key=lambda b: (int(lengths[bins[b]].sum()), -b))
+        ranked = sorted(bins[b], key=lambda i: (-int(lengths[i]), i))
+        bins[b], extra = ranked[0::2], ranked[1::2]
+        bins.append(extra)
+
+
 class TrajectoryDataset(_Base):
     def __init__(
         self,
@@ -74,16 +214,70 @@ class TrajectoryDataset(_Base):
         seed: int = 0,
         shuffle: bool = True,
         columns: Optional[Sequence[str]] = None,
+        rewards: Optional[str] = "auto",
+        token_budget: Optional[int] = None,
+        samples_per_step: Optional[int] = None,
+        keep_groups: bool = False,
     ):
+        """`shards_dir` is `DIR/shards/trajectories`.
+
+        `rewards`: "auto" reads `shards_dir/../_rewards.parquet` when it exists,
+        a path reads that file (it must exist), None keeps the shards' rewards.
+
+        `token_budget=N` switches to token-balanced micro-batches: the dataset
+        then yields lists of samples (use `DataLoader(batch_size=None)`). Each
+        epoch's order (the block shuffle) is cut into steps of
+        `samples_per_step` samples over all ranks (None: the whole epoch is one
+        step; a step closes once it holds `samples_per_step` samples and
+        world_size units, and a last step with fewer units than ranks joins
+        the one before).
+        A step's samples are packed first-fit decreasing into micro-batches of
+        at most N tokens (a sample longer than N gets a micro-batch of its
+        own), the micro-batch count is raised to a multiple of world_size by
+        splitting the fullest micro-batches, and the micro-batches are dealt to
+        ranks, largest first, to the rank with the fewest tokens that still has
+        room, so every rank gets the same number per step. With `keep_groups`,
+        a GRPO group (`group_id`) is the unit of a step and of a rank: whole
+        groups are dealt to ranks (largest first, to the rank with the fewest
+        tokens), so all of a group's samples are on one rank in one step; each
+        rank then packs first-fit decreasing, a group that fits the budget as
+        one item (so it usually shares one micro-batch), a larger one sample by
+        sample, and ranks with fewer micro-batches than the most split their
+        fullest ones (which can separate a group's samples, on that rank).
+        Every sample appears exactly once per epoch over all ranks (no
+        wrap-around padding); a rank can get an empty micro-batch only when
+        it has fewer samples in a step than the micro-batches every rank must
+        yield (the trainer still steps). `micro_batches_per_step()`
+        gives the counts. Deterministic per (seed, epoch). Packing a step
+        costs about (its samples x its micro-batches) Python steps, so give
+        big epochs a `samples_per_step` (the global batch).
+        """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid rank/world_size: rank {rank} of {world_size}")
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"invalid token_budget: {token_budget} (a positive number of tokens)")
+        if samples_per_step is not None and samples_per_step < 1:
+            raise ValueError(f"invalid samples_per_step: {samples_per_step} (a positive number of samples)")
+        if token_budget is None and (samples_per_step is not None or keep_groups):
+            raise ValueError("samples_per_step and keep_groups apply to token-balanced micro-batches: set token_budget")
+        self.shards_dir = str(shards_dir)
         self.files = sorted(
-            f for f in glob.glob(os.path.join(str(shards_dir), "*.parquet")) if not os.path.basename(f).startswith(("_", "."))
+            f for f in glob.glob(os.path.join(self.shards_dir, "*.parquet")) if not os.path.basename(f).startswith(("_", "."))
         )
         if not self.files:
             raise FileNotFoundError(f"no trajectory shards (*.parquet) in {shards_dir}")
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.columns = list(columns) if columns is not None else None
+        if rewards == "auto":
+            candidate = os.path.join(self.shards_dir, "..", REWARDS_FILE)
+            self._rewards_path, self._rewards_required = os.path.normpath(candidate), False
+        elif rewards is None:
+            self._rewards_path, self._rewards_required = None, False
+        else:
+            if not os.path.isfile(rewards):
+                raise FileNotFoundError(f"rewards side table not found: {rewards}")
+            self._rewards_path, self._rewards_required = str(rewards), True
+        self.token_budget, self.samples_per_step, self.keep_groups = token_budget, samples_per_step, keep_groups
         # (file index, row group, rows) of every row group: metadata only.
         self._groups = []
         for i, f in enumerate(self.files):
@@ -91,13 +285,24 @@ class TrajectoryDataset(_Base):
             for g in range(meta.num_row_groups):
                 self._groups.append((i, g, meta.row_group(g).num_rows))
         self.total = sum(n for _, _, n in self._groups)
+        self._lengths = None  # per row group: token counts (token mode)
+        self._group_ids = None  # per row group: group_id values (keep_groups)
+        if token_budget is not None:
+            self._read_token_metadata()
         self.epoch = 0
-        self._consumed = 0
+        self._base: Optional[dict] = None  # where an iteration starts: None = the epoch's start
+        self._live: Optional[dict] = None  # this process's progress since its last __iter__
+        self._plan_cache: Optional[tuple] = None  # ((epoch, workers), (items, parts))
+        self._mb_cache: Optional[tuple] = None  # (epoch, micro-batches per step)
 
     # -- order --------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        self._consumed = 0
+        """Call before each epoch. A new epoch starts at its beginning; the
+        current one (after `load_state_dict`) keeps the loaded position."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._base = None
+            self._live = None
 
     def _global_order(self) -> np.ndarray:
         """(group index, row) pairs of the epoch, as an (N, 2) array."""
@@ -118,61 +323,397 @@ class TrajectoryDataset(_Base):
             order = np.concatenate([order, order[: padded - len(order)]])
         return order[self.rank * per_rank : (self.rank + 1) * per_rank]
 
+    def _items(self):
+        """The rank's items of the epoch, in order: the rank order itself, an
+        (N, 2) array of (group, row) pairs, or in token mode a list of
+        micro-batches, each a (k, 2) array."""
+        if self.token_budget is None:
+            return self._rank_order()
+        return [mb for step in self._rank_micro_batches() for mb in step]
+
+    def _plan(self, workers: int) -> tuple:
+        """(items, [item indices of worker w for w in range(workers)])."""
+        key = (self.epoch, workers)
+        if self._plan_cache is None or self._plan_cache[0] != key:
+            items = self._items()
+            parts: list = [[] for _ in range(workers)]
+            if self.token_budget is None:
+                # Runs of one row group, in order, each to the least-loaded worker.
+                cuts = (np.flatnonzero(items[1:, 0] != items[:-1, 0]) + 1).tolist()
+                loads = [0] * workers
+                for start, end in zip([0] + cuts, cuts + [len(items)]):
+                    if end > start:
+                        w = min(range(workers), key=lambda j: (loads[j], j))
+                        parts[w].append(np.arange(start, end))
+                        loads[w] += end - start
+                parts = [np.concatenate(p) if p else np.empty(0, dtype=np.int64) for p in parts]
+            else:
+                # Micro-batches round robin: with batch_size=None the loader
+                # yields the rank's micro-batches in order.
+                for i in range(len(items)):
+                    parts[i % workers].append(i)
+            self._plan_cache = (key, (items, parts))  # one epoch and worker count at a time
+        return self._plan_cache[1]
+
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (all workers together)."""
+        """Samples (micro-batches in token mode) this rank yields per epoch,
+        all workers together."""
+        if self.token_budget is not None:
+            return sum(self.micro_batches_per_step())
         return -(-self.total // self.world_size)
 
+    # -- token-balanced micro-batches -----------------------------------------
+    def _read_token_metadata(self) -> None:
+        """Token count of every row (last call start + last completion length:
+        `token_ids` ends with the last completion, format-spec/shard.md §3)
+        and, with keep_groups, its group id; small columns only."""
+        self._lengths, self._group_ids = [], []
+        wanted = ["call_starts", "completion_lens"] + (["group_id"] if self.keep_groups else [])
+        for file_idx, group, _ in self._groups:
+            t = pq.ParquetFile(self.files[file_idx]).read_row_group(group, columns=wanted)
+            starts, lens = t.column("call_starts").to_pylist(), t.column("completion_lens").to_pylist()
+            self._lengths.append(np.array([s[-1] + n[-1] if s else 0 for s, n in zip(starts, lens)], dtype=np.int64))
+            self._group_ids.append(t.column("group_id").to_pylist() if self.keep_groups else None)
+
+    def _rank_micro_batches(self) -> list:
+        """This rank's micro-batches of the epoch, per step: [[(k, 2) array]]."""
+        if self._mb_cache is not None and self._mb_cache[0] == self.epoch:
+            return self._mb_cache[1]
+        order = self._global_order()
+        first_row = np.concatenate([[0], np.cumsum([len(x) for x in self._lengths])])
+        lengths = np.concatenate(self._lengths)[first_row[order[:, 0]] + order[:, 1]] if len(order) else np.empty(0, np.int64)
+        # Units: samples, or groups in order of first appearance.
+        if self.keep_groups:
+            members: dict = {}
+            for i, (g, r) in enumerate(order):
+                members.setdefault(self._group_ids[g][r], []).append(i)
+            units = list(members.values())
+        else:
+            units = [[i] for i in range(len(order))]
+        # Steps: consecutive units, at least samples_per_step samples and
+        # world_size units each (a unit is never split).
+        steps, current, count = [], [], 0
+        per_step = self.samples_per_step or len(order) or 1
+        for u in units:
+            current.append(u)
+            count += len(u)
+            if count >= per_step and len(current) >= self.world_size:
+                steps.append(current)
+                current, count = [], 0
+        if current:
+            if steps and len(current) < self.world_size:
+                steps[-1].extend(current)
+            else:
+                steps.append(current)
+        mine = []
+        for step in steps:
+            if self.keep_groups:
+                bins = self._groups_to_ranks_then_pack(step, lengths)[self.rank]
+            else:
+                bins = self._pack_then_deal(step, lengths)[self.rank]
+            # Within a rank: micro-batches in the order of their first sample.
+            bins = sorted((sorted(b) for b in bins), key=lambda b: b[0] if b else -1)
+            mine.append([order[b] if b else np.empty((0, 2), dtype=np.int64) for b in bins])
+        self._mb_cache = (self.epoch, mine)
+        return mine
+
+    def _pack_then_deal(self, step: list, lengths: np.ndarray) -> list:
+        """Per rank, its micro-batches (lists of positions in the epoch's
+        order) of one step: the step's samples packed first-fit decreasing,
+        the count raised to a multiple of world_size by splitting the fullest
+        micro-batch that holds two samples or more, then dealt largest first to
+        the rank with the fewest tokens among those still short of their share."""
+        world = self.world_size
+        sizes = [int(lengths[u].sum()) for u in step]
+        bins = [[i for j in b for i in step[j]] for b in _ffd(sizes, self.token_budget)]
+        _split_until(bins, lengths, lambda n: n % world == 0)
+        tokens = [int(lengths[b].sum()) for b in bins]
+        per_rank = len(bins) // world
+        loads, out = [0] * world, [[] for _ in range(world)]
+        for b in sorted(range(len(bins)), key=lambda b: (-tokens[b], b)):
+            r = min((r for r in range(world) if len(out[r]) < per_rank), key=lambda r: (loads[r], r))
+            loads[r] += tokens[b]
+            out[r].append(bins[b])
+        return out
+
+    def _groups_to_ranks_then_pack(self, step: list, lengths: np.ndarray) -> list:
+        """Per rank, its micro-batches of one step when GRPO groups are kept
+        together: whole groups dealt to ranks largest first (to the rank with
+        the fewest tokens), then each rank packs first-fit decreasing — a
+        group that fits the budget as one item, a larger one sample by sample —
+        and ranks short of the most micro-batches split their fullest ones."""
+        world, budget = self.world_size, self.token_budget
+        tok = [int(lengths[u].sum()) for u in step]
+        loads, units = [0] * world, [[] for _ in range(world)]
+        for j in sorted(range(len(step)), key=lambda j: (-tok[j], step[j][0])):
+            r = min(range(world), key=lambda r: (loads[r], r))
+            loads[r] += tok[j]
+            units[r].append(j)
+        out = []
+        for mine in units:
+            items = []
+            for j in sorted(mine, key=lambda j: step[j][0]):
+                items.extend([step[j]] if tok[j] <= budget else [[i] for i in step[j]])
+            out.append([[i for k in b for i in items[k]] for b in _ffd([int(lengths[it].sum()) for it in items], budget)])
+        most = max(len(bins) for bins in out)
+        for bins in out:
+            _split_until(bins, lengths, lambda n: n >= most)
+        return out
+
+    def micro_batches_per_step(self) -> list:
+        """Micro-batches per step this epoch (the same on every rank)."""
+        if self.token_budget is None:
+            raise ValueError("micro_batches_per_step needs token_budget")
+        return [len(s) for s in self._rank_micro_batches()]
+
     # -- resume -------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "seed": self.seed, "consumed": self._consumed, "world_size": self.world_size}
+    def _fixed(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "token_budget": self.token_budget,
+            "samples_per_step": self.samples_per_step,
+            "keep_groups": self.keep_groups,
+        }
+
+    def _start_state(self, workers: int) -> dict:
+        return {"num_workers": workers, "consumed": [0] * workers, "next_worker": 0}
+
+    def state_dict(
+        self,
+        batches: Optional[int] = None,
+        *,
+        loader: Any = None,
+        num_workers: Optional[int] = None,
+        batch_size: Any = "unset",
+        drop_last: Optional[bool] = None,
+    ) -> dict:
+        """Where to resume.
+
+        Without `batches`: this process's own progress. That is exact when the
+        samples are consumed here (iterating the dataset directly, or a
+        DataLoader with num_workers=0), and inside a DataLoader worker (then
+        it is that worker's share, which torchdata's StatefulDataLoader
+        gathers). In the main process of a multi-worker DataLoader it only
+        knows the state the iteration started from: pass `batches`.
+
+        With `batches=n`: the state after the loader yielded n batches since
+        the start of the epoch (or since the state loaded last), computed from
+        torch's round robin over the plan. `loader` supplies num_workers,
+        batch_size and drop_last, or give them (batch_size None: unbatched).
+        """
+        if batches is None:
+            if loader is not None:
+                raise ValueError("state_dict(loader=...) needs batches= (how many batches the loader yielded)")
+            state = self._live if self._live is not None else self._base
+            if state is None:
+                state = self._start_state(1)
+            out = {**self._fixed(), "num_workers": state["num_workers"], "next_worker": state.get("next_worker", 0)}
+            if "worker" in state:  # inside a DataLoader worker: only its own share is known
+                out["worker"] = state["worker"]
+                out["consumed"] = state["consumed"][state["worker"]]
+            else:
+                out["consumed"] = list(state["consumed"])
+            return out
+        if batches < 0:
+            raise ValueError(f"invalid batches: {batches} (batches yielded, at least 0)")
+        workers, b, drop_last = self._loader_args(loader, num_workers, batch_size, drop_last)
+        base = self._base if self._base is not None else self._start_state(workers)
+        self._check_workers(base, workers)
+        if "worker" in base:
+            raise ValueError("the loaded state is one DataLoader worker's (torchdata); resume it with StatefulDataLoader")
+        _, parts = self._plan(workers)
+        sizes = [len(p) for p in parts]
+        consumed, nxt = list(base["consumed"]), base["next_worker"]
+
+        def left(w):
+            rest = sizes[w] - consumed[w]
+            return rest // b if drop_last else -(-rest // b)
+
+        remaining = [left(w) for w in range(workers)]
+        if batches > sum(remaining):
+            raise ValueError(
+                f"batches={batches} is more than the {sum(remaining)} batches left in epoch {self.epoch} "
+                f"(num_workers={num_workers}, batch_size={batch_size})"
+            )
+        for _ in range(batches):
+            w = next(w for w in ((nxt + k) % workers for k in range(workers)) if remaining[w])
+            consumed[w] += min(b, sizes[w] - consumed[w])
+            remaining[w] -= 1
+            nxt = (w + 1) % workers
+        return {**self._fixed(), "num_workers": workers, "consumed": consumed, "next_worker": nxt}
+
+    def batches_per_epoch(
+        self, *, loader: Any = None, num_workers: Optional[int] = None, batch_size: Any = "unset", drop_last: Optional[bool] = None
+    ) -> int:
+        """The batches a DataLoader yields from the start state (the epoch's
+        start, or the loaded state) to the end of the epoch: each worker's
+        samples in batches of batch_size, its last one partial unless
+        drop_last. More than ceil(len(ds) / batch_size) with several workers."""
+        workers, b, drop_last = self._loader_args(loader, num_workers, batch_size, drop_last)
+        base = self._base if self._base is not None else self._start_state(workers)
+        self._check_workers(base, workers)
+        if "worker" in base:
+            raise ValueError("the loaded state is one DataLoader worker's (torchdata); StatefulDataLoader counts its own batches")
+        _, parts = self._plan(workers)
+        rest = [len(p) - c for p, c in zip(parts, base["consumed"])]
+        return sum(r // b if drop_last else -(-r // b) for r in rest)
+
+    def _loader_args(self, loader, num_workers, batch_size, drop_last) -> tuple:
+        """(plan workers, samples per batch, drop_last) from a loader or the arguments."""
+        if loader is not None:
+            num_workers = loader.num_workers if num_workers is None else num_workers
+            batch_size = loader.batch_size if batch_size == "unset" else batch_size
+            drop_last = loader.drop_last if drop_last is None else drop_last
+        if num_workers is None or batch_size == "unset":
+            raise ValueError("pass the loader, or num_workers and batch_size (None: unbatched)")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"invalid batch_size: {batch_size}")
+        if self.token_budget is not None and batch_size is not None:
+            raise ValueError("token_budget micro-batches are batches already: use batch_size=None")
+        return max(int(num_workers), 1), 1 if batch_size is None else int(batch_size), bool(drop_last)
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("world_size", self.world_size) != self.world_size or state.get("seed", self.seed) != self.seed:
-            raise ValueError("state_dict was saved with another seed or world size")
+        """Resume from `state_dict()`'s dict: the next iteration yields what the
+        interrupted one had not yet yielded. Raises ValueError naming the field
+        when the state was saved with other settings."""
+        fixed = self._fixed()
+        for name in ("seed", "world_size", "rank", "shuffle", "token_budget", "samples_per_step", "keep_groups"):
+            if name in state and state[name] != fixed[name]:
+                raise ValueError(f"state_dict was saved with {name}={state[name]!r}; this dataset has {name}={fixed[name]!r}")
         self.epoch = int(state["epoch"])
-        self._consumed = int(state["consumed"])
+        if state.get("version", 1) == 1:  # rank order consumed, one reader
+            base = {"num_workers": 1, "consumed": [int(state["consumed"])], "next_worker": 0}
+        elif "worker" in state:
+            workers, worker = int(state["num_workers"]), int(state["worker"])
+            consumed: list = [None] * workers
+            consumed[worker] = int(state["consumed"])
+            base = {"num_workers": workers, "consumed": consumed, "next_worker": 0, "worker": worker}
+        else:
+            base = {
+                "num_workers": int(state["num_workers"]),
+                "consumed": [int(c) for c in state["consumed"]],
+                "next_worker": int(state["next_worker"]),
+            }
+            if len(base["consumed"]) != base["num_workers"]:
+                raise ValueError(f"state_dict: consumed has {len(base['consumed'])} entries for num_workers={base['num_workers']}")
+        self._base, self._live = base, None
+
+    @staticmethod
+    def _is_start(state: dict) -> bool:
+        return state["next_worker"] == 0 and not any(state["consumed"])
+
+    def _check_workers(self, state: dict, workers: int) -> None:
+        if state["num_workers"] != workers and not self._is_start(state):
+            raise ValueError(
+                f"state_dict was taken for num_workers={state['num_workers']}; this loader has num_workers={workers} "
+                "(0 and 1 are the same plan): resume with the same number of workers"
+            )
 
     # -- iteration ----------------------------------------------------------
     def _read_group(self, g: int):
         file_idx, group, _ = self._groups[g]
-        return pq.ParquetFile(self.files[file_idx]).read_row_group(group, columns=self.columns)
+        columns = self.columns
+        if columns is not None and self._rewards_path and "reward" in columns:
+            columns = list(dict.fromkeys(columns + ["session_id", "trace_ids"]))  # the reward rule needs them
+        return pq.ParquetFile(self.files[file_idx]).read_row_group(group, columns=columns)
 
-    def _sample(self, table, row: int) -> dict:
-        out: dict[str, Any] = {}
+    def _load_rewards(self) -> Optional[dict]:
+        if self._rewards_path is None:
+            return None
+        if not os.path.exists(self._rewards_path):
+            if self._rewards_required:
+                raise FileNotFoundError(f"rewards side table not found: {self._rewards_path}")
+            return None
+        return load_rewards(self._rewards_path)
+
+    def _columns_of(self, table) -> dict:
+        """A row group decoded once for per-row slicing: a list column as
+        (offsets, values), the values a zero-copy view of Arrow's buffer (a
+        torch tensor under torch; `token_ids` then widened to int64 once per
+        row group: torch has no uint32 indexing), `trace_ids` and scalar
+        columns as Python lists. A sample's arrays are views of these, so a
+        sample keeps its row group's column buffers alive."""
+        cols = {}
         for name in table.column_names:
-            col = table.column(name)
-            if name in _LIST_COLUMNS or name == "trace_ids":
-                chunk = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-                item = chunk[row].values
-                if name == "trace_ids":
-                    out[name] = item.to_pylist()
-                else:
-                    arr = item.to_numpy(zero_copy_only=True)
-                    out[name] = _tensor(arr) if _HAS_TORCH and arr.dtype != np.uint32 else arr
+            col = table.column(name).combine_chunks()
+            if name in _LIST_COLUMNS:
+                values = _numpy_view(col.values)
+                if _HAS_TORCH and name == "token_ids":
+                    values = values.astype(np.int64)
+                if _HAS_TORCH and values.dtype != np.uint32:  # torch barely supports uint32: those stay numpy
+                    # One tensor per row group; a sample is a slice of it (a
+                    # view: no copy, and no per-sample warning filter).
+                    values = _tensor(values)
+                cols[name] = (_numpy_view(col.offsets).tolist(), values)
             else:
-                out[name] = col[row].as_py()
-        if _HAS_TORCH and "token_ids" in out and isinstance(out["token_ids"], np.ndarray):
-            # torch has no uint32 tensors for indexing: widen once here.
-            out["token_ids"] = torch.from_numpy(out["token_ids"].astype(np.int64))
+                cols[name] = col.to_pylist()
+        return cols
+
+    def _sample(self, cols: dict, row: int, rewards: Optional[dict]) -> dict:
+        out: dict[str, Any] = {}
+        for name, col in cols.items():
+            if isinstance(col, tuple):
+                offsets, values = col
+                out[name] = values[offsets[row] : offsets[row + 1]]
+            else:
+                out[name] = col[row]
+        if rewards and "reward" in out:
+            out["reward"] = current_reward(rewards, out["session_id"], out["trace_ids"], out["reward"])
+        if self.columns is not None and len(out) != len(self.columns):
+            out = {k: v for k, v in out.items() if k in self.columns}
         return out
 
-    def __iter__(self) -> Iterator[dict]:
-        worker, workers = 0, 1
-        if _HAS_TORCH:
-            info = torch.utils.data.get_worker_info()
-            if info is not None:
-                worker, workers = info.id, info.num_workers
+    def __iter__(self) -> Iterator:
+        info = _worker_info()
+        workers = 1 if info is None else info[1]
+        base = self._base if self._base is not None else self._start_state(workers)
+        self._check_workers(base, workers)
+        if info is None:
+            worker = 0
+        elif "worker" in base:  # torchdata gave this worker its own state back
+            worker = base["worker"]
+        else:  # the loaded state's next worker is served first: torch starts at worker 0
+            worker = (info[0] + base["next_worker"]) % workers
         return self._iter_worker(worker, workers)
 
-    def _iter_worker(self, worker: int, workers: int) -> Iterator[dict]:
-        """The samples DataLoader worker `worker` of `workers` yields."""
-        order = self._rank_order()[self._consumed :]
-        cached_group, table = None, None
-        for g, row in order[worker::workers]:
-            if g != cached_group:
-                cached_group, table = g, self._read_group(int(g))
-            self._consumed += 1  # meaningful in the process that iterates (workers == 1)
-            yield self._sample(table, int(row))
+    def _iter_worker(self, worker: int, workers: int) -> Iterator:
+        """The items plan worker `worker` of `workers` yields, from the start
+        state (the epoch's start or the loaded state)."""
+        base = self._base if self._base is not None else self._start_state(workers)
+        self._check_workers(base, workers)
+        start = base["consumed"][worker] if base["num_workers"] == workers else 0
+        if start is None:
+            raise ValueError(f"the loaded state is DataLoader worker {base['worker']}'s, not worker {worker}'s")
+        live = {"num_workers": workers, "consumed": list(base["consumed"]) if base["num_workers"] == workers else [0] * workers}
+        live["consumed"][worker] = start
+        live["next_worker"] = base.get("next_worker", 0) if base["num_workers"] == workers else 0
+        if _worker_info() is not None:
+            live["worker"] = worker
+        self._live = live
+        items, parts = self._plan(workers)
+        return self._generate(items, parts[worker][start:], live, worker)
+
+    def _generate(self, items, mine, live, worker) -> Iterator:
+        rewards = self._load_rewards()
+        cache: dict = {}
+        sample_mode = self.token_budget is None
+        for i in mine:
+            samples = []
+            for g, row in (items[i],) if sample_mode else items[i]:
+                g = int(g)
+                if g not in cache:
+                    if len(cache) >= 8:  # token mode revisits a step's row groups; keep a few
+                        cache.pop(next(iter(cache)))
+                    cache[g] = self._columns_of(self._read_group(g))
+                samples.append(self._sample(cache[g], int(row), rewards))
+            live["consumed"][worker] += 1
+            live["next_worker"] = (worker + 1) % live["num_workers"]
+            yield samples[0] if sample_mode else samples
 
 
 def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Optional[int] = None) -> dict:
@@ -184,6 +725,8 @@ def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Op
       `token_budget` tokens (samples that do not fit are left out and returned
       under `"overflow"`), with `position_ids` restarting at each sample and
       `cu_seqlens` (cumulative sample lengths) for variable-length attention.
+      `token_budget=None` takes every sample (for micro-batches the dataset
+      already packed with `token_budget`).
     Returns torch tensors when torch is installed, else numpy arrays.
     """
 
@@ -203,11 +746,12 @@ def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Op
             tokens[i, : len(t)], mask[i, : len(t)], lps[i, : len(t)], attn[i, : len(t)] = t, m, lp, 1
         out.update(token_ids=tokens, loss_mask=mask, logprobs=lps, attention_mask=attn)
     elif mode == "pack":
-        if not token_budget or token_budget < 1:
-            raise ValueError("pack mode needs a positive token_budget")
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"invalid token_budget: {token_budget} (a positive number of tokens, or None for no limit)")
+        limit = math.inf if token_budget is None else token_budget
         take, overflow, used = [], [], 0
         for s, seq in zip(batch, seqs):
-            if used + len(seq[0]) <= token_budget:
+            if used + len(seq[0]) <= limit:
                 take.append(seq)
                 used += len(seq[0])
             else:
