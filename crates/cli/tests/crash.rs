@@ -130,9 +130,62 @@ fn run_level(durability: &str, seed: u64) {
     );
 }
 
+/// How long an open waits out a `LOCK` held by a stranger (see [`open_writer`]).
+const LOCK_RETRIES: usize = 250;
+
+/// Open `dir` for writing in this process. The tests of this file run in
+/// parallel threads and spawn children: a child holds copies of this
+/// process's file descriptors between its fork and its exec (where
+/// close-on-exec drops them), and a `flock` lives as long as any copy of its
+/// descriptor. So right after this process closed a store, a sibling test's
+/// child can still hold that store's `LOCK` for a moment. Such an open is
+/// retried (up to ~5 s); any other error is returned at once.
+fn open_writer(dir: &Path) -> trajlog::Result<Store> {
+    let mut tries = 0;
+    loop {
+        match Store::open(dir, trajlog::Options::default()) {
+            Err(e) if matches!(e.kind(), trajlog::ErrorKind::Locked) && tries < LOCK_RETRIES => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Start `trajlog compact` on `dir`; a child that could not take the `LOCK`
+/// for the reason [`open_writer`] gives is started again. Returns the child
+/// once it got past the lock or was killed, and its stderr so far.
+fn spawn_compact(dir: &Path, extra: &[&str], kill_after: Option<Duration>) -> std::process::Output {
+    for _ in 0..LOCK_RETRIES {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
+            .args(["compact", "--store"])
+            .arg(dir)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn trajlog compact");
+        if let Some(delay) = kill_after {
+            // A random moment (no verdict waits on it); the exit status then
+            // says exactly whether the kill landed or the compaction had finished.
+            std::thread::sleep(delay);
+            let _ = child.kill(); // an error only if it already exited
+        }
+        let out = child.wait_with_output().expect("wait for trajlog compact");
+        let locked = out.status.code() == Some(2)
+            && String::from_utf8_lossy(&out.stderr).contains("is locked by another writer");
+        if !locked {
+            return out;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("trajlog compact: the store stayed locked");
+}
+
 fn check(dir: &Path, sent: &HashMap<String, Call>, acked: &HashSet<String>, level: &str, round: usize) {
     // A writable open runs recovery exactly as the next writer would.
-    let store = match Store::open(dir, trajlog::Options::default()) {
+    let store = match open_writer(dir) {
         Ok(s) => s,
         Err(e) if matches!(e.kind(), trajlog::ErrorKind::NotFound) => return,
         Err(e) => panic!("{level} round {round}: reopen failed: {e}"),
@@ -198,7 +251,7 @@ fn sigkill_during_compaction() {
     let per_round = 40;
     for round in 0..ROUNDS {
         {
-            let store = Store::open(dir.path(), trajlog::Options::default()).expect("open");
+            let store = open_writer(dir.path()).expect("open");
             for s in round * per_round..(round + 1) * per_round {
                 let session = simulate_session(&cfg, s);
                 for c in session.calls {
@@ -209,19 +262,8 @@ fn sigkill_during_compaction() {
             }
             store.close().expect("close");
         }
-        let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
-            .args(["compact", "--store"])
-            .arg(dir.path())
-            .args(["--row-group-rows", "16"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn trajlog compact");
-        // A random moment (no verdict waits on it); the exit status then says
-        // exactly whether the kill landed or the compaction had finished.
-        std::thread::sleep(Duration::from_millis(rng.range(1, 150) as u64));
-        let _ = child.kill(); // an error only if it already exited
-        let out = child.wait_with_output().expect("wait for trajlog compact");
+        let delay = Duration::from_millis(rng.range(1, 150) as u64);
+        let out = spawn_compact(dir.path(), &["--row-group-rows", "16"], Some(delay));
         let status = out.status;
         if status.signal() == Some(SIGKILL) {
             killed_mid_run += 1;
@@ -236,13 +278,8 @@ fn sigkill_during_compaction() {
         check(dir.path(), &sent, &sent.keys().cloned().collect(), "compaction", round);
     }
     // A last, uninterrupted compaction finishes the job.
-    let status = Command::new(env!("CARGO_BIN_EXE_trajlog"))
-        .args(["compact", "--store"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .status()
-        .expect("compact");
-    assert!(status.success());
+    let out = spawn_compact(dir.path(), &[], None);
+    assert!(out.status.success(), "the last compaction failed: {}", String::from_utf8_lossy(&out.stderr));
     check(dir.path(), &sent, &sent.keys().cloned().collect(), "compaction", ROUNDS);
     let store = Store::open_read_only(dir.path()).expect("open");
     let snap = store.snapshot();
