@@ -41,15 +41,12 @@ import glob
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
+# The installed package (scripts/test.sh installs it into .venv with pip).
 import trajlog  # noqa: E402
 from trajlog.data import TrajectoryDataset  # noqa: E402
 

@@ -337,6 +337,22 @@ def test_rewards_follow_the_side_table_rule(rewarded):
     assert set(next(iter(only))) == {"reward"}
 
 
+def test_rewards_set_after_compaction_reach_the_samples_through_the_engine(rewarded):
+    """The engine's own side table (format-spec/shard.md §8), end to end: a
+    reward set after compaction is what the next compaction's readers see."""
+    store_dir = rewarded.parent
+    traj = rewarded / "trajectories"
+    with trajlog.Store(store_dir) as store:
+        store.set_reward(9.0, session_id="a:0")
+        store.set_reward(4.0, trace_id="b:0/0")  # b's segment 0 ends with b:0/0
+        store.set_reward(6.0, trace_id="c:0/0")  # not the last trace of c's only segment
+        store.compact()
+    got = {key(s): s["reward"] for s in TrajectoryDataset(traj, shuffle=False)}
+    assert got == {("a:0", 0): 9.0, ("b:0", 0): 4.0, ("b:0", 1): 0.5, ("c:0", 0): 0.5, ("d:0", 0): 0.5, ("e:0", 0): 0.5}
+    side = pq.read_table(rewarded / "_rewards.parquet").to_pylist()
+    assert sorted({r["session_id"] for r in side}) == ["a:0", "b:0", "c:0"], side
+
+
 def test_rewards_side_table_errors_name_the_problem(rewarded, tmp_path):
     traj = rewarded / "trajectories"
     with pytest.raises(FileNotFoundError, match="rewards side table not found"):
