@@ -336,6 +336,18 @@ impl Snapshot {
         self.view.index.sessions.get(session_id).and_then(|e| self.info(session_id, e))
     }
 
+    /// Whether a live call whose primary session is `session_id` is still
+    /// served from segments (not compacted). From the index alone: nothing is
+    /// read or decoded.
+    pub(crate) fn has_calls_in_segments(&self, session_id: &str) -> bool {
+        let Some(e) = self.view.index.sessions.get(session_id) else { return false };
+        e.calls.iter().any(|k| {
+            self.view.index.traces.get(k.trace_id.as_ref()).is_some_and(|m| {
+                m.loc == k.loc && m.shard.is_none() && m.sessions.first().is_some_and(|s| s.as_ref() == session_id)
+            })
+        })
+    }
+
     /// Every session with at least one live call, by first call time then id.
     pub fn sessions(&self) -> Vec<SessionInfo> {
         let mut out: Vec<SessionInfo> =

@@ -242,6 +242,10 @@ pub(crate) fn run_with(
             Selection::SealedOnly => s.sealed,
             Selection::OlderThan(secs) => s.last_timestamp < now - secs,
         })
+        // Sessions compacted before (and not written to since) are left out
+        // from the index alone: a compaction's work is what is new, and
+        // nothing already compacted is read or decoded again.
+        .filter(|s| snap.has_calls_in_segments(&s.session_id))
         .map(|s| s.session_id)
         .collect();
     let generation = compaction.generation();

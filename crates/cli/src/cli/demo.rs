@@ -221,18 +221,30 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
 /// `trajlog generate`: stream simulated sessions into a store.
 pub fn generate(
     dir: &std::path::Path,
-    sessions: usize,
+    range: std::ops::Range<usize>,
     steps: usize,
     prompt_tokens: usize,
     seed: u64,
     shape: Shape,
 ) -> trajlog::Result<i32> {
-    let cfg = SimConfig { sessions, steps, system_tokens: prompt_tokens, seed, shape, ..SimConfig::default() };
+    let sessions = range.len();
+    let cfg =
+        SimConfig { sessions: range.end, steps, system_tokens: prompt_tokens, seed, shape, ..SimConfig::default() };
     let store = super::open_store(dir, Options::default().durability(Durability::Buffered), "generate")?;
     let started = Instant::now();
     let (mut calls, mut tokens) = (0u64, 0u64);
-    for s in 0..sessions {
+    for s in range {
         let session = trajlog_sim::simulate_session(&cfg, s);
+        if store.snapshot().is_sealed(&session.session_id) {
+            return Err(trajlog::Error::invalid(
+                "first_session",
+                format!(
+                    "session {:?} is already in {} and sealed; pass --first-session past the store's last generated session",
+                    session.session_id,
+                    dir.display()
+                ),
+            ));
+        }
         for c in session.calls {
             tokens += (c.prompt_token_ids.len() + c.completion_token_ids.len()) as u64;
             calls += 1;

@@ -167,6 +167,10 @@ enum Command {
         /// raw_response null) or lean (one-line messages, no raw bodies).
         #[arg(long, default_value = "gateway", value_name = "SHAPE")]
         shape: Shape,
+        /// Number of the first session (session ids follow from it): to add
+        /// new sessions to a store generated before, start past its last one.
+        #[arg(long, default_value_t = 0)]
+        first_session: usize,
     },
     /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
     Bench {
@@ -355,9 +359,14 @@ pub fn main() -> i32 {
             })
         }
         Command::MockVllm { host, port } => serve::mock(&host, port),
-        Command::Generate { store, sessions, steps, prompt_tokens, seed, shape } => {
-            demo::generate(&store, sessions, steps, prompt_tokens, seed, shape)
-        }
+        Command::Generate { store, sessions, steps, prompt_tokens, seed, shape, first_session } => demo::generate(
+            &store,
+            first_session..first_session.saturating_add(sessions),
+            steps,
+            prompt_tokens,
+            seed,
+            shape,
+        ),
     };
     match result {
         Ok(code) => code,
