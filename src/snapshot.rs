@@ -307,10 +307,10 @@ impl Snapshot {
                 .unwrap_or_else(|i| i),
         };
         let limit = limit.unwrap_or(usize::MAX);
-        entry
-            .calls
+        // `skip` on the persistent vector: O(log n), not a walk from the start.
+        let calls = if start == 0 { entry.calls.clone() } else { entry.calls.skip(start.min(entry.calls.len())) };
+        calls
             .iter()
-            .skip(start)
             .take(limit)
             .map(|k| match self.view.index.traces.get(&k.trace_id) {
                 Some(meta) if meta.loc == k.loc => self.read(meta),
@@ -320,7 +320,7 @@ impl Snapshot {
     }
 
     fn info(&self, id: &str, e: &crate::index::SessionEntry) -> Option<SessionInfo> {
-        let (first, last) = (e.calls.first()?, e.calls.last()?);
+        let (first, last) = (e.calls.front()?, e.calls.last()?);
         Some(SessionInfo {
             session_id: id.to_owned(),
             calls: e.calls.len(),

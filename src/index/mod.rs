@@ -43,9 +43,11 @@ impl CallKey {
 /// Per-session index entry.
 #[derive(Debug, Clone, Default)]
 pub struct SessionEntry {
-    /// Oldest first: by timestamp, then by append position. Copied on write
-    /// (sessions are short), so a published snapshot never sees it change.
-    pub calls: Arc<Vec<CallKey>>,
+    /// Oldest first: by timestamp, then by append position. A persistent
+    /// vector: a published snapshot's copy is O(1) and never sees it change,
+    /// and an append is amortized O(1) however long the session (a copied
+    /// `Vec` made each append O(session length)).
+    pub calls: imbl::Vector<CallKey>,
     pub sealed: bool,
     pub reward: Option<f64>,
 }
@@ -58,9 +60,9 @@ pub struct Index {
     pub trace_rewards: HashMap<Arc<str>, f64>,
 }
 
-fn remove_key(calls: &mut Arc<Vec<CallKey>>, key: &CallKey) {
+fn remove_key(calls: &mut imbl::Vector<CallKey>, key: &CallKey) {
     if let Ok(i) = calls.binary_search_by(|k| k.cmp_order(key)) {
-        Arc::make_mut(calls).remove(i);
+        calls.remove(i);
     }
 }
 
@@ -79,13 +81,13 @@ impl Index {
         let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id: meta.trace_id.clone() };
         for s in meta.sessions.iter() {
             let entry = self.sessions.entry(s.clone()).or_default();
-            let calls = Arc::make_mut(&mut entry.calls);
+            let calls = &mut entry.calls;
             match calls.last() {
                 Some(last) if last.cmp_order(&key) == Ordering::Greater => {
                     let at = calls.binary_search_by(|k| k.cmp_order(&key)).unwrap_or_else(|i| i);
                     calls.insert(at, key.clone());
                 }
-                _ => calls.push(key.clone()),
+                _ => calls.push_back(key.clone()),
             }
         }
         replaced
