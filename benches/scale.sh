@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The engine as history grows (issue "The engine at production scale"): for
+# each size, build a store of lean, small calls with `trajlog generate`
+# (8 calls per session, 100-token first prompts: what grows with history is
+# the index, not the payload), then time and measure peak RSS (GNU time) of:
+#   open + list (`trajlog ls`, read-only) before and after compaction,
+#   the first compaction (everything), a second one after 50 new sessions,
+#   reading one session (`trajlog show`, from the shards),
+# and report bytes on disk. One markdown table, one row per size.
+#
+#   bash benches/scale.sh                    # 200,000 and 1,000,000 calls
+#   bash benches/scale.sh 100000 2000000     # calls per store
+#   TRAJLOG=target/release/trajlog KEEP=1 SCALE_DIR=/data bash benches/scale.sh
+#
+# Needs the release binary (cargo build --release) and /usr/bin/time. The
+# stores go under SCALE_DIR (default: a temporary directory), removed at the
+# end unless KEEP=1. About 1 GB of disk and ~1 minute per 200,000 calls here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin="${TRAJLOG:-target/release/trajlog}"
+[ -x "$bin" ] || { echo "error: $bin not found; run cargo build --release (or set TRAJLOG)" >&2; exit 1; }
+[ -x /usr/bin/time ] || { echo "error: /usr/bin/time (GNU time) not found" >&2; exit 1; }
+sizes=("$@")
+[ ${#sizes[@]} -gt 0 ] || sizes=(200000 1000000)
+base="${SCALE_DIR:-$(mktemp -d)}"
+mkdir -p "$base"
+[ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$base"/scale-*' EXIT
+
+# measure LABEL CMD...: run CMD (stdout dropped), set m_LABEL to "S s, M MB"
+# (wall seconds and peak RSS).
+measure() {
+    local label="$1"
+    shift
+    local t="$base/.time" err="$base/.stderr"
+    if ! /usr/bin/time -o "$t" -f "%e %M" "$@" >/dev/null 2>"$err"; then
+        cat "$err" >&2
+        echo "error: $label failed: $*" >&2
+        exit 1
+    fi
+    local s kb
+    read -r s kb <"$t"
+    printf -v "m_$label" '%s s, %d MB' "$s" "$((kb / 1024))"
+}
+
+rows=()
+for calls in "${sizes[@]}"; do
+    sessions=$((calls / 8))
+    dir="$base/scale-$calls"
+    rm -rf "$dir"
+    echo "== $calls calls ($sessions sessions) in $dir" >&2
+    started=$(date +%s.%N)
+    "$bin" generate --store "$dir" --sessions "$sessions" --steps 8 --prompt-tokens 100 --shape lean >&2
+    gen_s=$(awk "BEGIN { print $(date +%s.%N) - $started }")
+    measure ls_log "$bin" ls --store "$dir"
+    measure compact1 "$bin" compact --store "$dir"
+    measure ls_shards "$bin" ls --store "$dir"
+    "$bin" generate --store "$dir" --sessions 50 --steps 8 --prompt-tokens 100 --shape lean \
+        --first-session "$sessions" >&2
+    measure compact2 "$bin" compact --store "$dir"
+    measure show "$bin" show --store "$dir" "task-$((sessions / 8 / 2)):0"
+    disk=$(du -sm "$dir" | cut -f1)
+    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $disk MB |")
+done
+echo
+echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | on disk |"
+echo "|---|---|---|---|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
