@@ -162,3 +162,29 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
         assert store.audit()["sessions_checked"] == 2
         assert store.delete_session("b") == 1
         assert store.get("b0") is None
+
+
+def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):
+    """A process forked while the store is open for writing (a torch
+    DataLoader worker, a multiprocessing worker) does not hold its LOCK once
+    the parent closed it: the parent reopens at once."""
+    import os
+
+    path = tmp_path / "s"
+    store = trajlog.Store(path)
+    store.append(trace_id="t", session_id="s", prompt_token_ids=[1, 2], completion_token_ids=[3], timestamp=1.0)
+    store.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child waits for the parent, then leaves at once
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        store.close()
+        with trajlog.Store(path) as again:
+            assert again.get("t") is not None
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)

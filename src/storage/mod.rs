@@ -4,6 +4,7 @@
 
 pub mod fault;
 pub mod mmap;
+pub(crate) mod lock;
 
 use fault::{Faults, Op};
 

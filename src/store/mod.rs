@@ -84,7 +84,7 @@ pub struct Store {
     read_only: bool,
     /// What the open (read-only: the last refresh) found and did.
     recovery: Mutex<Arc<RecoveryReport>>,
-    _lock: Option<File>,
+    _lock: Option<crate::storage::lock::HeldLock>,
 }
 
 pub(crate) use crate::storage::{LOCK_NAME, MANIFEST_NAME, SHARDS_DIR, SHARD_TABLES};

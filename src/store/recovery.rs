@@ -370,7 +370,7 @@ pub(super) fn finish_pending(
 }
 
 /// Take the single-writer lock of a store directory (its `LOCK` file).
-pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
+pub(crate) fn lock_dir(dir: &Path) -> Result<crate::storage::lock::HeldLock> {
     let lock_path = dir.join(LOCK_NAME);
     let lock_file = OpenOptions::new()
         .create(true)
@@ -379,7 +379,7 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
         .open(&lock_path)
         .map_err(|e| Error::io(format!("open {}", lock_path.display()), e))?;
     match lock_file.try_lock() {
-        Ok(()) => Ok(lock_file),
+        Ok(()) => Ok(crate::storage::lock::HeldLock::new(lock_file)),
         Err(fs::TryLockError::WouldBlock) => Err(Error::new(
             ErrorKind::Locked,
             format!(

@@ -386,3 +386,41 @@ fn a_reward_set_while_its_session_is_compacted_reaches_the_side_table() {
     assert_eq!(store.snapshot().session_reward("a"), Some(2.0));
     store.close().expect("close");
 }
+
+#[test]
+fn a_forked_child_does_not_keep_the_store_locked() {
+    // A child forked while the store is open (a DataLoader worker, say) must
+    // not hold its LOCK once the parent closed it (storage/lock.rs).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    store.append_durable(call("a", 0)).expect("append");
+    let mut fds = [0i32; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: the child makes only async-signal-safe calls (read, _exit).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork");
+    if pid == 0 {
+        let mut b = [0u8; 1];
+        // SAFETY: reads one byte into `b`; _exit skips every destructor.
+        unsafe {
+            libc::read(fds[0], b.as_mut_ptr().cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default());
+    // Release and reap the child before judging, so it never outlives the test.
+    // SAFETY: writes one byte from a live buffer, waits for our own child,
+    // closes the pipe's own descriptors.
+    unsafe {
+        libc::write(fds[1], [1u8].as_ptr().cast(), 1);
+        let mut status = 0;
+        libc::waitpid(pid, &mut status, 0);
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+    let reopened = reopened.expect("the child does not hold the lock");
+    assert!(reopened.snapshot().get("a/0").expect("read").is_some());
+    reopened.close().expect("close");
+}
