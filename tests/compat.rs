@@ -329,18 +329,24 @@ fn fixture_v4_calls() -> Vec<Call> {
 /// (`raw_request`, `raw_response`, `key_order` and `extra_splice` columns in
 /// `steps`).
 fn write_fixture_v4() {
-    let dir = fixture_v4_dir();
+    let store = new_fixture_with_v4_calls(&fixture_v4_dir());
+    store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(3)).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(fixture_v4_dir().join("LOCK")).unwrap();
+}
+
+/// A new fixture store at `dir` with the v4 calls appended, task-1:0
+/// rewarded, and task-1:0 and task-3:0 sealed.
+fn new_fixture_with_v4_calls(dir: &std::path::Path) -> Store {
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
-    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    let store = Store::open(dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     for c in fixture_v4_calls() {
         store.append(c).unwrap();
     }
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
     store.seal_session("task-1:0").unwrap();
     store.seal_session("task-3:0").unwrap();
-    store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(3)).unwrap();
-    store.close().unwrap();
-    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    store
 }
 
 #[test]
@@ -392,14 +398,7 @@ fn fixture_v5_dir() -> PathBuf {
 /// (format-spec/shard.md §8) by a second compaction.
 fn write_fixture_v5() {
     let dir = fixture_v5_dir();
-    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
-    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
-    for c in fixture_v4_calls() {
-        store.append(c).unwrap();
-    }
-    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
-    store.seal_session("task-1:0").unwrap();
-    store.seal_session("task-3:0").unwrap();
+    let store = new_fixture_with_v4_calls(&dir);
     store.compact(&trajlog::CompactOptions::default()).unwrap();
     store.set_reward(Target::Session("task-1:0".into()), 2.5).unwrap();
     store.set_reward(Target::Trace("g/1".into()), 0.75).unwrap();

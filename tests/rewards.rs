@@ -108,6 +108,20 @@ fn calls(sessions: usize, steps: usize) -> Vec<Call> {
     chained_calls(sessions, steps)
 }
 
+/// A store of `sessions` sessions of `steps` calls, every one sealed and
+/// compacted (no reward set yet).
+fn compacted(dir: &Path, sessions: usize, steps: usize) -> Store {
+    let store = Store::open(dir, small_segments()).unwrap();
+    for c in calls(sessions, steps) {
+        store.append(c).unwrap();
+    }
+    for s in 0..sessions {
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    store.compact(&CompactOptions::default()).unwrap();
+    store
+}
+
 #[test]
 fn rewards_set_after_compaction_reach_the_side_table_and_only_they() {
     let dir = tempdir();
@@ -154,14 +168,7 @@ fn rewards_set_after_compaction_reach_the_side_table_and_only_they() {
 fn a_reward_noted_before_a_crash_is_published_after_reopen() {
     let dir = tempdir();
     {
-        let store = Store::open(dir.path(), small_segments()).unwrap();
-        for c in calls(3, 2) {
-            store.append(c).unwrap();
-        }
-        for s in 0..3 {
-            store.seal_session(&format!("s{s}")).unwrap();
-        }
-        store.compact(&CompactOptions::default()).unwrap();
+        let store = compacted(dir.path(), 3, 2);
         store.set_reward(Target::Session("s1".into()), 3.25).unwrap();
         // Gone without a publication (as a crash would be, once durable).
         drop(store);
@@ -214,14 +221,7 @@ fn rewards_carried_past_retired_segments_are_not_listed_again() {
 fn a_damaged_side_table_is_rebuilt_from_the_log() {
     let dir = tempdir();
     {
-        let store = Store::open(dir.path(), small_segments()).unwrap();
-        for c in calls(4, 2) {
-            store.append(c).unwrap();
-        }
-        for s in 0..4 {
-            store.seal_session(&format!("s{s}")).unwrap();
-        }
-        store.compact(&CompactOptions::default()).unwrap();
+        let store = compacted(dir.path(), 4, 2);
         store.set_reward(Target::Session("s3".into()), 9.0).unwrap();
         store.compact(&CompactOptions::default()).unwrap();
         store.close().unwrap();
@@ -238,14 +238,7 @@ fn a_damaged_side_table_is_rebuilt_from_the_log() {
 #[test]
 fn a_deleted_session_leaves_the_side_table() {
     let dir = tempdir();
-    let store = Store::open(dir.path(), small_segments()).unwrap();
-    for c in calls(3, 2) {
-        store.append(c).unwrap();
-    }
-    for s in 0..3 {
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
-    store.compact(&CompactOptions::default()).unwrap();
+    let store = compacted(dir.path(), 3, 2);
     store.set_reward(Target::Session("s0".into()), 1.0).unwrap();
     store.set_reward(Target::Session("s1".into()), 2.0).unwrap();
     store.compact(&CompactOptions::default()).unwrap();

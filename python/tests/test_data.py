@@ -173,15 +173,6 @@ def test_each_worker_reads_only_its_row_groups_and_workers_cover_the_rank(shards
             assert p == [k for k in whole if k in set(p)]
 
 
-def test_workers_are_disjoint_and_cover_the_rank(shards):
-    path, _ = shards
-    ds = TrajectoryDataset(path, rank=1, world_size=2, seed=5)
-    whole = [key(s) for s in ds._iter_worker(0, 1)]
-    parts = [[key(s) for s in TrajectoryDataset(path, rank=1, world_size=2, seed=5)._iter_worker(w, 3)] for w in range(3)]
-    assert sorted(k for p in parts for k in p) == sorted(whole)
-    assert all(not set(a) & set(b) for i, a in enumerate(parts) for b in parts[i + 1 :])
-
-
 def batch_keys(batch):
     """The sample keys of a DataLoader batch (collated dict, or one sample)."""
     if isinstance(batch["session_id"], str):
