@@ -36,6 +36,8 @@ pub struct VerifyReport {
     pub problems: Vec<Problem>,
     /// An interrupted write at the end of the active segment (not damage).
     pub torn_tail: Option<Problem>,
+    /// Sessions the rewards side table lists (None: there is none).
+    pub rewards_sessions: Option<usize>,
 }
 
 /// Bytes of call records by what they hold.
@@ -254,6 +256,18 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                 report.problems.push(Problem { path: path.clone(), offset: 0, what: e.message().to_owned() });
             }
             compacted.extend(rows.iter().map(|r| r.loc));
+        }
+    }
+    // The rewards side table (format-spec/shard.md §8), if there is one.
+    let rewards = shards_dir.join(crate::store::REWARDS_FILE);
+    if rewards.exists() {
+        match crate::store::check_rewards_file(&rewards) {
+            Ok(n) => report.rewards_sessions = Some(n),
+            Err(what) => report.problems.push(Problem {
+                path: rewards,
+                offset: 0,
+                what: format!("rewards side table: {what} (a writable compaction rewrites it from the log)"),
+            }),
         }
     }
     for (path, loc, parent) in parents {

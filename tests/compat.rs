@@ -460,6 +460,9 @@ fn reads_the_v5_fixture_with_its_rewards_side_table() {
     assert_eq!(rows, want);
     assert!(kv.contains(&("trajlog.rewards_format_version".to_owned(), "1".to_owned())), "{kv:?}");
     assert!(kv.iter().any(|(k, v)| k == "trajlog.rewards_through" && v.split_once(':').is_some()), "{kv:?}");
+    let report = trajlog::verify::verify_dir(&dir).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.rewards_sessions, Some(2));
     // A writer opening a copy reads `through`: nothing is noted again, and a
     // compaction keeps the same rows.
     let copy = tempfile::tempdir().unwrap();

@@ -226,11 +226,23 @@ fn a_damaged_side_table_is_rebuilt_from_the_log() {
         store.compact(&CompactOptions::default()).unwrap();
         store.close().unwrap();
     }
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.rewards_sessions, Some(1));
     std::fs::write(dir.path().join("shards").join("_rewards.parquet"), b"not parquet").unwrap();
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(report.problems[0].path.ends_with("shards/_rewards.parquet"));
+    assert!(
+        report.problems[0].what.starts_with("rewards side table: not a readable Parquet file"),
+        "{:?}",
+        report.problems
+    );
     let store = Store::open(dir.path(), small_segments()).unwrap();
     store.compact(&CompactOptions::default()).unwrap();
     let side = read_side(dir.path()).expect("rewritten");
     assert_eq!(side.sessions.get("s3"), Some(&Some(9.0)));
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
     assert_current(dir.path(), &store);
     store.close().unwrap();
 }

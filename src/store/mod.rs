@@ -40,6 +40,7 @@ pub(crate) use protocol::PublishOutcome;
 pub use receipt::Receipt;
 pub(crate) use recovery::{load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
+pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
 
 use admission::{check_trace_id, SendState};
 use protocol::{Cmd, CompactionBase, Prepared};

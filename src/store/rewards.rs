@@ -99,6 +99,63 @@ impl RewardsTable {
     }
 }
 
+/// Check a side table file (`trajlog verify`): its format version, its
+/// `through` position, its schema, and its rows' order (one session row per
+/// listed session, each session's trace rows after it, a reward on every trace
+/// row). Returns how many sessions it lists, or what is wrong.
+pub(crate) fn check_file(path: &Path) -> std::result::Result<usize, String> {
+    let file = File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+    let builder =
+        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| format!("not a readable Parquet file: {e}"))?;
+    let kv = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
+    let get = |k: &str| kv.iter().find(|e| e.key == k).and_then(|e| e.value.clone());
+    match get(KEY_VERSION) {
+        Some(v) if v == REWARDS_FORMAT_VERSION => {}
+        other => return Err(format!("{KEY_VERSION} is {other:?}, expected \"{REWARDS_FORMAT_VERSION}\"")),
+    }
+    if get(KEY_THROUGH).as_deref().and_then(parse_loc).is_none() {
+        return Err(format!("{KEY_THROUGH} is missing or not SEGMENT:OFFSET"));
+    }
+    let want = rewards_schema();
+    let have = builder.schema();
+    let same = have.fields().len() == want.fields().len()
+        && have.fields().iter().zip(want.fields()).all(|(h, w)| h.name() == w.name() && h.data_type() == w.data_type());
+    if !same {
+        return Err(format!("schema is {have:?}, expected session_id utf8, trace_id utf8, reward float64"));
+    }
+    let reader = builder.build().map_err(|e| format!("cannot be read: {e}"))?;
+    let mut listed: HashSet<String> = HashSet::new();
+    let mut current: Option<String> = None;
+    for batch in reader {
+        let batch = batch.map_err(|e| format!("cannot be read: {e}"))?;
+        let (Some(sid), Some(tid), Some(reward)) = (
+            batch.column(0).as_string_opt::<i32>(),
+            batch.column(1).as_string_opt::<i32>(),
+            batch.column(2).as_primitive_opt::<arrow_array::types::Float64Type>(),
+        ) else {
+            return Err("columns of the wrong types".into());
+        };
+        for i in 0..batch.num_rows() {
+            use arrow_array::Array;
+            if sid.is_null(i) {
+                return Err(format!("row {i}: session_id is null"));
+            }
+            let s = sid.value(i);
+            if tid.is_null(i) {
+                if !listed.insert(s.to_owned()) {
+                    return Err(format!("session {s:?} has two session rows"));
+                }
+                current = Some(s.to_owned());
+            } else if current.as_deref() != Some(s) {
+                return Err(format!("trace {:?} of session {s:?} does not follow its session row", tid.value(i)));
+            } else if reward.is_null(i) {
+                return Err(format!("trace {:?} has a null reward", tid.value(i)));
+            }
+        }
+    }
+    Ok(listed.len())
+}
+
 fn parse_loc(s: &str) -> Option<Loc> {
     let (segment, offset) = s.split_once(':')?;
     Some(Loc { segment: segment.parse().ok()?, offset: offset.parse().ok()? })

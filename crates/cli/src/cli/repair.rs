@@ -28,6 +28,9 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
         report.records,
         super::human_bytes(report.bytes),
     );
+    if let Some(n) = report.rewards_sessions {
+        println!("rewards side table (shards/_rewards.parquet): {n} sessions with rewards set after compaction");
+    }
     let s = &report.split;
     if s.calls > 0 {
         println!(
