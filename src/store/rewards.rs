@@ -60,36 +60,17 @@ impl RewardsTable {
     /// publication). A file of another format version is refused.
     pub(super) fn open(dir: &Path) -> Result<RewardsTable> {
         let path = dir.join(SHARDS_DIR).join(REWARDS_FILE);
-        let Ok(file) = File::open(&path) else { return Ok(RewardsTable::default()) };
-        let Ok(builder) = ParquetRecordBatchReaderBuilder::try_new(file) else { return Ok(RewardsTable::default()) };
-        let kv = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
-        let get = |k: &str| kv.iter().find(|e| e.key == k).and_then(|e| e.value.clone());
-        match get(KEY_VERSION) {
-            Some(v) if v == REWARDS_FORMAT_VERSION => {}
-            Some(v) => {
-                return Err(Error::new(
-                    ErrorKind::Incompatible,
-                    format!(
-                        "{}: rewards side table format {v:?} (this build reads 1); use a matching trajlog",
-                        path.display()
-                    ),
-                ))
-            }
-            None => return Ok(RewardsTable::default()),
+        match read(&path) {
+            Ok((through, listed)) => Ok(RewardsTable { through: Some(through), listed, dirty: HashSet::new() }),
+            Err(Bad::Version(v)) => Err(Error::new(
+                ErrorKind::Incompatible,
+                format!(
+                    "{}: rewards side table format {v:?} (this build reads 1); use a matching trajlog",
+                    path.display()
+                ),
+            )),
+            Err(Bad::Other(_)) => Ok(RewardsTable::default()),
         }
-        let Some(through) = get(KEY_THROUGH).as_deref().and_then(parse_loc) else {
-            return Ok(RewardsTable::default());
-        };
-        let mut listed = BTreeSet::new();
-        let Ok(reader) = builder.build() else { return Ok(RewardsTable::default()) };
-        for batch in reader {
-            let Ok(batch) = batch else { return Ok(RewardsTable::default()) };
-            let Some(col) = batch.column_by_name("session_id").and_then(|c| c.as_string_opt::<i32>()) else {
-                return Ok(RewardsTable::default());
-            };
-            listed.extend(col.iter().flatten().map(Arc::from));
-        }
-        Ok(RewardsTable { through: Some(through), listed, dirty: HashSet::new() })
     }
 
     /// Whether a reward annotation at `loc`, found at open, is not yet
@@ -99,61 +80,83 @@ impl RewardsTable {
     }
 }
 
+/// Why a side table file cannot be used.
+enum Bad {
+    /// `trajlog.rewards_format_version` names another version.
+    Version(String),
+    /// Anything else: what is wrong.
+    Other(String),
+}
+
 /// Check a side table file (`trajlog verify`): its format version, its
 /// `through` position, its schema, and its rows' order (one session row per
 /// listed session, each session's trace rows after it, a reward on every trace
 /// row). Returns how many sessions it lists, or what is wrong.
 pub(crate) fn check_file(path: &Path) -> std::result::Result<usize, String> {
-    let file = File::open(path).map_err(|e| format!("cannot be opened: {e}"))?;
+    match read(path) {
+        Ok((_, listed)) => Ok(listed.len()),
+        Err(Bad::Version(v)) => Err(format!("{KEY_VERSION} is {v:?}, expected \"{REWARDS_FORMAT_VERSION}\"")),
+        Err(Bad::Other(what)) => Err(what),
+    }
+}
+
+/// Read and check a side table file: its `through` position and the
+/// sessions it lists.
+fn read(path: &Path) -> std::result::Result<(Loc, BTreeSet<Arc<str>>), Bad> {
+    use arrow_array::Array;
+    let bad = |what: String| Bad::Other(what);
+    let file = File::open(path).map_err(|e| bad(format!("cannot be opened: {e}")))?;
     let builder =
-        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| format!("not a readable Parquet file: {e}"))?;
+        ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| bad(format!("not a readable Parquet file: {e}")))?;
     let kv = builder.metadata().file_metadata().key_value_metadata().cloned().unwrap_or_default();
     let get = |k: &str| kv.iter().find(|e| e.key == k).and_then(|e| e.value.clone());
     match get(KEY_VERSION) {
         Some(v) if v == REWARDS_FORMAT_VERSION => {}
-        other => return Err(format!("{KEY_VERSION} is {other:?}, expected \"{REWARDS_FORMAT_VERSION}\"")),
+        Some(v) => return Err(Bad::Version(v)),
+        None => return Err(bad(format!("{KEY_VERSION} is missing"))),
     }
-    if get(KEY_THROUGH).as_deref().and_then(parse_loc).is_none() {
-        return Err(format!("{KEY_THROUGH} is missing or not SEGMENT:OFFSET"));
-    }
+    let through = get(KEY_THROUGH)
+        .as_deref()
+        .and_then(parse_loc)
+        .ok_or_else(|| bad(format!("{KEY_THROUGH} is missing or not SEGMENT:OFFSET")))?;
     let want = rewards_schema();
     let have = builder.schema();
     let same = have.fields().len() == want.fields().len()
         && have.fields().iter().zip(want.fields()).all(|(h, w)| h.name() == w.name() && h.data_type() == w.data_type());
     if !same {
-        return Err(format!("schema is {have:?}, expected session_id utf8, trace_id utf8, reward float64"));
+        return Err(bad(format!("schema is {have:?}, expected session_id utf8, trace_id utf8, reward float64")));
     }
-    let reader = builder.build().map_err(|e| format!("cannot be read: {e}"))?;
-    let mut listed: HashSet<String> = HashSet::new();
-    let mut current: Option<String> = None;
+    let reader = builder.build().map_err(|e| bad(format!("cannot be read: {e}")))?;
+    let mut listed: BTreeSet<Arc<str>> = BTreeSet::new();
+    let mut current: Option<Arc<str>> = None;
     for batch in reader {
-        let batch = batch.map_err(|e| format!("cannot be read: {e}"))?;
+        let batch = batch.map_err(|e| bad(format!("cannot be read: {e}")))?;
         let (Some(sid), Some(tid), Some(reward)) = (
             batch.column(0).as_string_opt::<i32>(),
             batch.column(1).as_string_opt::<i32>(),
             batch.column(2).as_primitive_opt::<arrow_array::types::Float64Type>(),
         ) else {
-            return Err("columns of the wrong types".into());
+            return Err(bad("columns of the wrong types".into()));
         };
         for i in 0..batch.num_rows() {
-            use arrow_array::Array;
             if sid.is_null(i) {
-                return Err(format!("row {i}: session_id is null"));
+                return Err(bad(format!("row {i}: session_id is null")));
             }
             let s = sid.value(i);
             if tid.is_null(i) {
-                if !listed.insert(s.to_owned()) {
-                    return Err(format!("session {s:?} has two session rows"));
+                let s: Arc<str> = Arc::from(s);
+                if !listed.insert(s.clone()) {
+                    return Err(bad(format!("session {s:?} has two session rows")));
                 }
-                current = Some(s.to_owned());
+                current = Some(s);
             } else if current.as_deref() != Some(s) {
-                return Err(format!("trace {:?} of session {s:?} does not follow its session row", tid.value(i)));
+                return Err(bad(format!("trace {:?} of session {s:?} does not follow its session row", tid.value(i))));
             } else if reward.is_null(i) {
-                return Err(format!("trace {:?} has a null reward", tid.value(i)));
+                return Err(bad(format!("trace {:?} has a null reward", tid.value(i))));
             }
         }
     }
-    Ok(listed.len())
+    Ok((through, listed))
 }
 
 fn parse_loc(s: &str) -> Option<Loc> {
