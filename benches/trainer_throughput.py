@@ -16,7 +16,10 @@ log-normal around `--completion-tokens`; float32 logprobs; GRPO groups of
     `--workers` (0, 2, 4): batch_size=None (a dict of tensors per sample), and
     padded batches of `--batch-size` (`collate(mode="pad")`; from a worker,
     torch moves each tensor through shared memory, so per-sample tensors pay
-    that per sample);
+    that per sample, while a collated batch crosses as one buffer); and
+    "decode only", batches of `--batch-size` whose collate_fn returns only
+    their counts: the samples are decoded but nothing crosses to the trainer,
+    the most workers can give on this machine;
   * Hugging Face `datasets`: `load_dataset("parquet")` (its Arrow cache build
     timed apart), `set_format("torch")`, iterating rows;
   * plain `pyarrow`: `iter_batches`, a `torch.from_numpy` per list cell.
@@ -88,9 +91,16 @@ def timed(fn, repeat=1):
     return out, sorted(times)[len(times) // 2]
 
 
-def read_trajlog(shards: str, workers: int, batch_size=None):
+def _count(batch):
+    """A collate_fn that hands over nothing but the batch's size and tokens."""
+    return len(batch), sum(int(s["token_ids"].shape[0]) for s in batch)
+
+
+def read_trajlog(shards: str, workers: int, batch_size=None, decode_only=False):
     """One pass; batch_size None: a dict of tensors per sample; else padded
-    batches (`collate(mode="pad")`, tokens counted without the padding)."""
+    batches (`collate(mode="pad")`, tokens counted without the padding), or
+    with `decode_only` batches reduced to their counts in the worker (what
+    workers can reach when handing a batch over costs nothing)."""
     import functools
 
     import torch
@@ -100,11 +110,14 @@ def read_trajlog(shards: str, workers: int, batch_size=None):
     def run():
         n = tokens = 0
         ds = TrajectoryDataset(shards, seed=0, columns=["token_ids", "loss_mask", "logprobs"])
-        pad = functools.partial(collate, mode="pad")
+        pad = _count if decode_only else functools.partial(collate, mode="pad")
         loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, num_workers=workers,
                                              collate_fn=None if batch_size is None else pad)
         for item in loader:
-            if batch_size is None:
+            if decode_only:
+                n += item[0]
+                tokens += item[1]
+            elif batch_size is None:
                 n += 1
                 tokens += item["token_ids"].shape[0]
             else:
@@ -252,6 +265,8 @@ def main(argv=None) -> dict:
                 add(f"trajlog, {w} workers, per sample", 0.0, read_trajlog(shards, w))
             for w in workers:
                 add(f"trajlog, {w} workers, padded batches of {args.batch_size}", 0.0, read_trajlog(shards, w, args.batch_size))
+            for w in workers:
+                add(f"trajlog, {w} workers, decode only", 0.0, read_trajlog(shards, w, args.batch_size, decode_only=True))
         if not args.skip_hf:
             run, load_s = read_hf(shards, os.path.join(tmp or root, "hf-cache"))
             add("HF datasets (set_format torch)", load_s, run)

@@ -258,6 +258,35 @@ def test_a_real_torch_dataloader_yields_tensors(shards):
     assert isinstance(sample["loss_mask"], torch.Tensor) and sample["token_ids"].dtype == torch.int64
 
 
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_batches_collated_in_workers_arrive_whole_as_plain_dicts(shards, mode):
+    """A batch collated in a worker crosses as one shared buffer and arrives
+    as a plain dict equal, bit for bit, to collating the same samples here."""
+    torch = pytest.importorskip("torch")
+    import functools
+
+    path, _ = shards
+    budget = None if mode == "pad" else 60  # pack: some samples overflow
+    fn = functools.partial(collate, mode=mode, token_budget=budget) if mode == "pack" else functools.partial(collate, mode=mode)
+    ds = TrajectoryDataset(path, seed=5)
+    got = list(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=fn))
+    raw = list(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=lambda b: b))
+    assert len(got) == len(raw) > 2
+    overflowed = 0
+    for batch, samples in zip(got, raw):
+        want = fn(samples)
+        assert type(batch) is dict and list(batch) == list(want)
+        tensors = [k for k in want if k != "overflow"]
+        assert len({batch[k].untyped_storage().data_ptr() for k in tensors}) == 1, "one buffer"
+        for k in tensors:
+            assert batch[k].dtype == want[k].dtype and batch[k].shape == want[k].shape, k
+            assert batch[k].numpy().tobytes() == want[k].numpy().tobytes(), k
+        if mode == "pack":
+            overflowed += len(batch["overflow"])
+            assert [key(s) for s in batch["overflow"]] == [key(s) for s in want["overflow"]]
+    assert mode == "pad" or overflowed > 0
+
 # -- rewards current at read time ---------------------------------------------
 
 

@@ -727,24 +727,29 @@ def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Op
       `cu_seqlens` (cumulative sample lengths) for variable-length attention.
       `token_budget=None` takes every sample (for micro-batches the dataset
       already packed with `token_budget`).
-    Returns torch tensors when torch is installed, else numpy arrays.
+    Returns torch tensors when torch is installed, else numpy arrays. The
+    arrays are views of one buffer; in a DataLoader worker that buffer is
+    shared memory, so the batch crosses to the main process as one tensor
+    (torch would otherwise move each tensor through fresh shared memory and a
+    file descriptor of its own) and arrives as a plain dict.
     """
 
     def np_of(x):
         return x.numpy() if _HAS_TORCH and isinstance(x, torch.Tensor) else np.asarray(x)
 
-    seqs = [(np_of(s["token_ids"]).astype(np.int64), np_of(s["loss_mask"]), np_of(s["logprobs"])) for s in batch]
-    out: dict[str, Any] = {}
+    seqs = [(np_of(s["token_ids"]), np_of(s["loss_mask"]), np_of(s["logprobs"])) for s in batch]
+    rest: dict[str, Any] = {}
     if mode == "pad":
         width = max((len(t) for t, _, _ in seqs), default=0)
-        n = len(seqs)
-        tokens = np.full((n, width), pad_id, dtype=np.int64)
-        mask = np.zeros((n, width), dtype=np.uint8)
-        lps = np.zeros((n, width), dtype=np.float32)
-        attn = np.zeros((n, width), dtype=np.uint8)
+        shape = (len(seqs), width)
+        arrays = _BatchArrays([("token_ids", np.int64, shape), ("loss_mask", np.uint8, shape), ("logprobs", np.float32, shape), ("attention_mask", np.uint8, shape)])
+        tokens, mask, lps, attn = arrays.numpy()
+        tokens.fill(pad_id)
+        mask.fill(0)
+        lps.fill(0.0)
+        attn.fill(0)
         for i, (t, m, lp) in enumerate(seqs):
             tokens[i, : len(t)], mask[i, : len(t)], lps[i, : len(t)], attn[i, : len(t)] = t, m, lp, 1
-        out.update(token_ids=tokens, loss_mask=mask, logprobs=lps, attention_mask=attn)
     elif mode == "pack":
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"invalid token_budget: {token_budget} (a positive number of tokens, or None for no limit)")
@@ -756,17 +761,77 @@ def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Op
                 used += len(seq[0])
             else:
                 overflow.append(s)
-        cat = lambda i, dt: np.concatenate([q[i] for q in take]).astype(dt) if take else np.empty(0, dt)  # noqa: E731
-        out.update(
-            token_ids=cat(0, np.int64)[None, :],
-            loss_mask=cat(1, np.uint8)[None, :],
-            logprobs=cat(2, np.float32)[None, :],
-            position_ids=np.concatenate([np.arange(len(q[0])) for q in take])[None, :] if take else np.empty((1, 0), np.int64),
-            cu_seqlens=np.concatenate([[0], np.cumsum([len(q[0]) for q in take])]).astype(np.int32),
-        )
-        out["overflow"] = overflow
+        arrays = _BatchArrays([("token_ids", np.int64, (1, used)), ("loss_mask", np.uint8, (1, used)), ("logprobs", np.float32, (1, used)),
+                               ("position_ids", np.int64, (1, used)), ("cu_seqlens", np.int32, (len(take) + 1,))])
+        tokens, mask, lps, positions, cu = arrays.numpy()
+        cu[0] = 0
+        at = 0
+        for i, (t, m, lp) in enumerate(take):
+            end = at + len(t)
+            tokens[0, at:end], mask[0, at:end], lps[0, at:end] = t, m, lp
+            positions[0, at:end] = np.arange(len(t))
+            cu[i + 1] = at = end
+        rest["overflow"] = overflow
     else:
         raise ValueError(f"unknown collate mode {mode!r} (pad or pack)")
-    if _HAS_TORCH:
-        out = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in out.items()}
+    return arrays.batch(rest)
+
+
+class _BatchArrays:
+    """A collated batch's arrays, laid out in one buffer (each array 64-byte
+    aligned): a torch tensor under torch (shared memory in a DataLoader
+    worker), else a numpy array."""
+
+    def __init__(self, specs: list):
+        self.layout, size = [], 0
+        for name, dtype, shape in specs:
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            self.layout.append((name, size, nbytes, np.dtype(dtype), shape))
+            size += -(-nbytes // 64) * 64
+        if _HAS_TORCH:
+            self.buf = torch.empty(size, dtype=torch.uint8)
+            if _worker_info() is not None:
+                self.buf.share_memory_()
+            raw = self.buf.numpy()
+        else:
+            self.buf = raw = np.empty(size, dtype=np.uint8)
+        self._np = [raw[off : off + n].view(dt).reshape(shape) for _, off, n, dt, shape in self.layout]
+
+    def numpy(self) -> list:
+        """Writable numpy views of the arrays, in layout order."""
+        return self._np
+
+    def batch(self, rest: dict) -> dict:
+        """The batch dict: the arrays (tensors under torch), then `rest`."""
+        if not _HAS_TORCH:
+            return {**{name: a for (name, *_), a in zip(self.layout, self._np)}, **rest}
+        layout = [(name, off, n, _TORCH_DTYPE[dt], shape) for name, off, n, dt, shape in self.layout]
+        out = _views(self.buf, layout, rest)
+        if _worker_info() is None:
+            return out
+        shared = _SharedBatch(out)
+        shared.parts = (self.buf, layout, rest)
+        return shared
+
+
+_TORCH_DTYPE = {}
+if _HAS_TORCH:
+    _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32}
+
+
+def _views(buf, layout: list, rest: dict) -> dict:
+    """The batch dict over one uint8 tensor: a typed view per array, then `rest`."""
+    out = {name: buf[off : off + n].view(dtype).view(shape) for name, off, n, dtype, shape in layout}
+    out.update(rest)
     return out
+
+
+class _SharedBatch(dict):
+    """A batch collated in a DataLoader worker. Pickled (to cross to the main
+    process) as its one shared buffer plus the layout, and unpickled as a plain
+    dict of views of that buffer."""
+
+    __slots__ = ("parts",)
+
+    def __reduce__(self):
+        return (_views, self.parts)
