@@ -41,6 +41,8 @@ pub struct Context {
     pub prompt_len: usize,
     /// `prompt ++ completion`.
     pub tokens: Arc<Vec<u32>>,
+    /// The append's sequence number; 0 for a call loaded from disk.
+    pub seq: u64,
 }
 
 impl Context {
@@ -103,6 +105,12 @@ impl DeltaCache {
                 relation: classify(shared, ctx.prompt_len, ctx.tokens.len()),
             },
         }
+    }
+
+    /// The sequence number of the remembered call of `session` at `loc`
+    /// (0: loaded from disk), if it is remembered.
+    pub fn seq_of(&self, session: &str, loc: Loc) -> Option<u64> {
+        self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc).map(|c| c.seq)
     }
 
     /// Remember a call's context (newest last).
@@ -180,7 +188,7 @@ mod tests {
     fn ctx(offset: u64, prompt: &[u32], completion: &[u32]) -> Context {
         let mut t = prompt.to_vec();
         t.extend_from_slice(completion);
-        Context { loc: Loc { segment: 1, offset }, prompt_len: prompt.len(), tokens: Arc::new(t) }
+        Context { loc: Loc { segment: 1, offset }, prompt_len: prompt.len(), tokens: Arc::new(t), seq: offset + 1 }
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub fn record_decode(data: &[u8]) {
                 prompt: Some(rec.prompt_suffix),
                 completion: rec.completion,
                 logprobs: rec.logprobs,
+                parent: None,
             };
             let _ = crate::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
         }

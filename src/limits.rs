@@ -22,6 +22,12 @@ pub const SHORT_STRING_BYTES_MAX: u64 = 1024;
 pub const RECORD_BYTES_MAX: u64 = 256 * 1024 * 1024;
 /// Recent calls of a session considered when choosing a prefix-delta parent.
 pub const DELTA_LOOKBACK_CALLS: usize = 8;
+/// The most ancestors a call's `messages` may reach through messages deltas
+/// (references 6 and 7, format-spec/record.md §7.2): a writer stores a call's
+/// messages in full when its parent's chain is this deep, and a reader
+/// refuses a longer chain as corrupt. So reading one call's documents
+/// resolves at most this many ancestors' messages.
+pub const MESSAGES_DELTA_DEPTH_MAX: u32 = 8;
 /// Smallest allowed segment size.
 pub const SEGMENT_BYTES_MIN: u64 = 64 * 1024;
 /// Default segment size at which the writer seals and rolls to a new segment.

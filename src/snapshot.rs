@@ -10,6 +10,7 @@ pub use crate::format::docs::Docs;
 use crate::format::docs::{self, Columns};
 use crate::format::record::{decode_call, CallRecord, Loc, Relation};
 use crate::index::{CallMeta, Index};
+use crate::limits::MESSAGES_DELTA_DEPTH_MAX;
 use crate::record::Call;
 use crate::segment::SegmentRef;
 use crate::shard::reader::{call_from_row, ShardFile, ShardPos};
@@ -136,7 +137,13 @@ impl<'a> CallView<'a> {
 
     /// [`CallView::to_call`] with the full prompt already materialized.
     pub(crate) fn to_call_with_prompt(&self, prompt: Vec<u32>) -> Result<Call> {
-        let mut call = self.call_with_docs(self.docs_with(Some(&prompt))?);
+        self.to_call_in(prompt, &Contexts::default())
+    }
+
+    /// [`CallView::to_call_with_prompt`], taking a messages-delta parent's
+    /// documents from `ctx` when it has them.
+    pub(crate) fn to_call_in(&self, prompt: Vec<u32>, ctx: &Contexts) -> Result<Call> {
+        let mut call = self.call_with_docs(self.docs_in(Some(&prompt), ctx)?);
         call.prompt_token_ids = prompt;
         call.completion_token_ids = self.record.completion.to_vec();
         call.logprobs = self.record.logprobs.map(<[f32]>::to_vec);
@@ -149,11 +156,18 @@ impl<'a> CallView<'a> {
     /// put back here (format-spec/record.md §7); a reference to the prompt
     /// materializes it.
     pub fn docs(&self) -> Result<Docs> {
-        self.docs_with(None)
+        self.docs_in(None, &Contexts::default())
     }
 
-    /// [`CallView::docs`] with the full prompt when the caller has it.
-    pub(crate) fn docs_with(&self, prompt: Option<&[u32]>) -> Result<Docs> {
+    /// [`CallView::docs`] with the full prompt when the caller has it, and a
+    /// messages-delta parent's documents from `ctx` when it has them.
+    pub(crate) fn docs_in(&self, prompt: Option<&[u32]>, ctx: &Contexts) -> Result<Docs> {
+        self.resolve_docs(prompt, ctx, false, 0)
+    }
+
+    /// The documents (`chat_only`: `messages` and `response_message` only),
+    /// `depth` ancestors below the call being read.
+    fn resolve_docs(&self, prompt: Option<&[u32]>, ctx: &Contexts, chat_only: bool, depth: u32) -> Result<Docs> {
         let r = &self.record;
         let Some(d) = r.docs else {
             return Ok(Docs {
@@ -169,15 +183,43 @@ impl<'a> CallView<'a> {
         };
         let block = docs::open(d.block, d.present).map_err(corrupt)?;
         let materialized;
+        let needs_prompt = if chat_only { block.chat_needs_prompt() } else { block.needs_prompt() };
         let prompt = match prompt {
             Some(p) => Some(p),
-            None if block.needs_prompt() => {
+            None if needs_prompt => {
                 materialized = self.prompt()?;
                 Some(materialized.as_slice())
             }
             None => None,
         };
-        block.resolve(&Columns { prompt, completion: r.completion, logprobs: r.logprobs }).map_err(corrupt)
+        // A messages delta (record.md §7.2): the parent's rebuilt messages and
+        // response, from the caller's contexts or resolved here.
+        let resolved;
+        let parent = match r.parent.filter(|_| block.needs_parent()) {
+            None => None,
+            Some(loc) => match ctx.chat(loc) {
+                Some(known) => Some(known),
+                None => {
+                    if depth >= MESSAGES_DELTA_DEPTH_MAX {
+                        return Err(self.snapshot.corrupt(
+                            self,
+                            &format!("messages delta chain deeper than {MESSAGES_DELTA_DEPTH_MAX} calls"),
+                        ));
+                    }
+                    if loc >= self.loc {
+                        return Err(self.snapshot.corrupt(self, "parent is not an earlier record"));
+                    }
+                    let parent = self.snapshot.call_at(loc)?;
+                    resolved = parent.resolve_docs(None, ctx, true, depth + 1)?;
+                    Some(&resolved)
+                }
+            },
+        };
+        let parent = parent.and_then(|p| {
+            Some(docs::Parent { messages: p.messages.as_deref()?, response_message: p.response_message.as_deref() })
+        });
+        let cols = Columns { prompt, completion: r.completion, logprobs: r.logprobs, parent };
+        if chat_only { block.resolve_chat(&cols) } else { block.resolve(&cols) }.map_err(corrupt)
     }
 
     /// An owned copy of everything but the token ids and logprobs (empty;
@@ -282,7 +324,9 @@ impl Snapshot {
             .map(|v| {
                 let prompt = ctx.prompt(v)?;
                 ctx.remember(v.loc, &prompt, v.completion_token_ids());
-                v.to_call_with_prompt(prompt)
+                let call = v.to_call_in(prompt, &ctx)?;
+                ctx.remember_chat(v.loc, &call.messages, &call.response_message);
+                Ok(call)
             })
             .collect()
     }
@@ -524,6 +568,10 @@ impl Snapshot {
 pub(crate) struct Contexts {
     map: HashMap<Loc, Arc<Vec<u32>>>,
     order: VecDeque<Loc>,
+    /// Rebuilt `messages` and `response_message` of recent calls: what a
+    /// child's messages delta refers to.
+    chat: HashMap<Loc, Docs>,
+    chat_order: VecDeque<Loc>,
 }
 
 impl Contexts {
@@ -539,6 +587,25 @@ impl Contexts {
             }
         }
         view.prompt()
+    }
+
+    /// A remembered call's `messages` and `response_message`.
+    pub(crate) fn chat(&self, loc: Loc) -> Option<&Docs> {
+        self.chat.get(&loc)
+    }
+
+    pub(crate) fn remember_chat(&mut self, loc: Loc, messages: &Option<Vec<u8>>, response_message: &Option<Vec<u8>>) {
+        if messages.is_none() {
+            return;
+        }
+        let docs = Docs { messages: messages.clone(), response_message: response_message.clone(), ..Docs::default() };
+        self.chat.insert(loc, docs);
+        self.chat_order.push_back(loc);
+        while self.chat_order.len() > Self::KEEP {
+            if let Some(old) = self.chat_order.pop_front() {
+                self.chat.remove(&old);
+            }
+        }
     }
 
     pub(crate) fn remember(&mut self, loc: Loc, prompt: &[u32], completion: &[u32]) {

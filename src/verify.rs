@@ -51,6 +51,9 @@ pub struct ByteSplit {
     pub docs_block_bytes: u64,
     /// Calls whose documents are in a docs block.
     pub docs_blocks: u64,
+    /// Docs blocks whose `messages` is a delta against the parent's
+    /// (format-spec/record.md §7.2, references 6 and 7).
+    pub messages_deltas: u64,
     pub other_bytes: u64,
 }
 
@@ -215,13 +218,28 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                             // splice resolves against the record's columns (the
                             // prompt's values do not matter to that, only its
                             // length: zeros stand in for a delta-encoded one).
+                            // A messages delta's parent documents: stand-ins (the
+                            // parent's own block is checked where it is).
                             let checked = crate::format::docs::open(d.block, d.present).and_then(|b| {
                                 let zeros =
                                     if b.needs_prompt() { vec![0u32; rec.prompt_len as usize] } else { Vec::new() };
+                                if b.needs_parent() {
+                                    if rec.parent.is_none() {
+                                        return Err(crate::format::DecodeError::new(
+                                            0,
+                                            "a messages delta without a parent",
+                                        ));
+                                    }
+                                    s.messages_deltas += 1;
+                                }
                                 let cols = crate::format::docs::Columns {
                                     prompt: Some(&zeros),
                                     completion: rec.completion,
                                     logprobs: rec.logprobs,
+                                    parent: Some(crate::format::docs::Parent {
+                                        messages: b"[]",
+                                        response_message: Some(b"{}"),
+                                    }),
                                 };
                                 b.resolve(&cols).map(drop)
                             });

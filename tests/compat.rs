@@ -485,3 +485,102 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+fn fixture_v6_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v6")
+}
+
+/// Chat sessions whose `messages` grow call after call (the history, the
+/// previous `response_message`, a tool result), in Python's `json.dumps`
+/// spacing, with gateway-shaped `extra`: stored as messages deltas (segment
+/// format 3, record.md §7.2). `chat-1:0` is longer than the delta chain bound
+/// and has an edited history at step 5; `chat-2:0` is compacted.
+fn fixture_v6_calls() -> Vec<Call> {
+    let mut calls = Vec::new();
+    for (sid, turns) in [("chat-1:0", 12u32), ("chat-2:0", 3)] {
+        let mut prompt: Vec<u32> = (0..30).map(|i| i + turns * 1000).collect();
+        let mut history = vec![
+            r#"{"role": "system", "content": "You are a careful agent with tools."}"#.to_owned(),
+            format!(r#"{{"role": "user", "content": "Solve task {sid}, please, step by step."}}"#),
+        ];
+        for step in 0..turns {
+            let completion: Vec<u32> = (0..16).map(|i| 50_000 + 100 * step + i).collect();
+            let response = format!(
+                r#"{{"role": "assistant", "content": "Step {step}: I call the tool with an argument.", "tool_calls": [{{"id": "call_{step}", "type": "function", "function": {{"name": "search", "arguments": "{{\"q\": \"item {step}\"}}"}}}}]}}"#
+            );
+            let mut messages = format!("[{}]", history.join(", "));
+            if sid == "chat-1:0" && step == 5 {
+                messages = messages.replacen("careful", "careless", 1); // a re-rendered history
+            }
+            let mut call = Call {
+                trace_id: format!("{sid}/{step}"),
+                session_id: sid.into(),
+                timestamp: 600.0 + f64::from(step),
+                logprobs: Some(completion.iter().map(|&t| -(t as f32) / 90_000.0).collect()),
+                prompt_token_ids: prompt.clone(),
+                completion_token_ids: completion.clone(),
+                messages: Some(messages.into_bytes()),
+                response_message: Some(response.clone().into_bytes()),
+                ..Default::default()
+            };
+            call.extra = Some(gateway_extra(&call));
+            calls.push(call);
+            history.push(response);
+            history.push(format!(
+                r#"{{"role": "tool", "tool_call_id": "call_{step}", "content": "result {step}: found"}}"#
+            ));
+            prompt.extend_from_slice(&completion);
+            prompt.extend([9, 9, step]);
+        }
+    }
+    calls
+}
+
+/// Store format 6: segment format 3 (messages deltas in docs blocks).
+fn write_fixture_v6() {
+    let dir = fixture_v6_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_v6_calls() {
+        store.append(c).unwrap();
+    }
+    store.seal_session("chat-2:0").unwrap();
+    store.compact(&trajlog::CompactOptions::default()).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v6_fixture_with_messages_deltas_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v6_dir().exists() {
+        write_fixture_v6();
+    }
+    let dir = fixture_v6_dir();
+    let store = Store::open_read_only(&dir).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls = fixture_v6_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "chat-2:0", "{}", c.trace_id);
+        assert_eq!(&v.to_call().unwrap(), c, "{}", c.trace_id);
+    }
+    for sid in ["chat-1:0", "chat-2:0"] {
+        let want: Vec<Call> = calls.iter().filter(|c| c.session_id == sid).cloned().collect();
+        assert_eq!(snap.session_calls(sid, None, None).unwrap(), want, "{sid}");
+    }
+    // Segment format 3 on disk, and the open session's later calls are
+    // deltas: all but its first, the edited step 5 and the step after it
+    // (its history no longer extends step 5's), and the chain bound's
+    // restarts.
+    let segment = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .unwrap();
+    assert_eq!(std::fs::read(&segment).unwrap()[8..12], 3u32.to_le_bytes());
+    let report = trajlog::verify::verify_dir(&dir).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert!(report.split.messages_deltas >= 7, "{:?}", report.split);
+    assert!(report.split.messages_deltas < 12, "{:?}", report.split);
+}

@@ -66,7 +66,7 @@ fn sample_docs_body() -> Vec<u8> {
         extra: Some(extra.into_bytes()),
         ..Default::default()
     };
-    let docs = trajlog::format::docs::encode(&call).expect("a docs block pays off");
+    let docs = trajlog::format::docs::encode(&call, None).expect("a docs block pays off").block;
     let mut body = Vec::new();
     encode_call(&mut body, &call, &Delta::ROOT, Some(&docs));
     body
@@ -80,6 +80,7 @@ fn decode_all(body: &[u8]) {
                 prompt: Some(&[1, 2, 3, 4]),
                 completion: rec.completion,
                 logprobs: rec.logprobs,
+                parent: None,
             };
             let _ = trajlog::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
         }
@@ -180,6 +181,7 @@ fn the_docs_sample_resolves_exactly() {
         prompt: Some(&[1, 2, 3, 4]),
         completion: rec.completion,
         logprobs: rec.logprobs,
+        parent: None,
     };
     let docs = trajlog::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols)).expect("resolve");
     let extra = String::from_utf8(docs.extra.expect("extra")).expect("utf-8");

@@ -7,7 +7,7 @@
 //! exactly; references are an optimization, never a rewrite.
 
 use proptest::prelude::*;
-use trajlog::format::docs::{encode, open, Columns};
+use trajlog::format::docs::{encode, open, Columns, Parent};
 use trajlog::{Call, Options, Store};
 use trajlog_sim::{simulate, Shape, SimConfig};
 
@@ -81,20 +81,31 @@ fn edit(text: &str, kind: u8, pick: usize) -> String {
     out
 }
 
-fn resolve(call: &Call, block: &[u8]) -> trajlog::Docs {
+fn resolve(call: &Call, block: &[u8], parent: Option<Parent<'_>>) -> trajlog::Docs {
     let present =
         [call.messages.is_some(), call.response_message.is_some(), call.metadata.is_some(), call.extra.is_some()];
     let cols = Columns {
         prompt: Some(&call.prompt_token_ids),
         completion: &call.completion_token_ids,
         logprobs: call.logprobs.as_deref(),
+        parent,
     };
     open(block, present).and_then(|b| b.resolve(&cols)).expect("a block this build wrote resolves")
 }
 
-fn check(call: &Call) {
-    if let Some(block) = encode(call) {
-        let docs = resolve(call, &block);
+/// The parent documents a call's messages delta is made against.
+fn parent_of(prev: &Call) -> Option<Parent<'_>> {
+    Some(Parent { messages: prev.messages.as_deref()?, response_message: prev.response_message.as_deref() })
+}
+
+/// Encode `call` (against `parent` when given), resolve it back, compare
+/// every document byte for byte. Returns whether a messages delta was used.
+fn check(call: &Call, parent: Option<Parent<'_>>) -> bool {
+    let encoded = encode(call, parent);
+    let uses_parent = encoded.as_ref().is_some_and(|e| e.uses_parent);
+    if let Some(block) = encoded.map(|e| e.block) {
+        // Without the parent a block that refers to it does not resolve.
+        let docs = resolve(call, &block, parent.filter(|_| uses_parent));
         assert_eq!(docs.messages, call.messages, "{}: messages", call.trace_id);
         assert_eq!(docs.response_message, call.response_message, "{}: response_message", call.trace_id);
         assert_eq!(docs.metadata, call.metadata, "{}: metadata", call.trace_id);
@@ -105,6 +116,7 @@ fn check(call: &Call) {
             .sum();
         assert!(block.len() < plain, "a block is used only when it is smaller");
     }
+    uses_parent
 }
 
 proptest! {
@@ -118,6 +130,7 @@ proptest! {
         column_edit in 0u8..3,
     ) {
         let shape = if streaming { Shape::GatewayStreaming } else { Shape::Gateway };
+        let mut previous = std::collections::HashMap::new();
         for mut call in sample_calls(seed, shape) {
             for &(kind, pick, doc) in &edits {
                 let slot = match doc {
@@ -139,7 +152,13 @@ proptest! {
                 },
                 _ => {}
             }
-            check(&call);
+            check(&call, None);
+            // The same call as a delta against the session's previous call
+            // (edited too: an edited or re-rendered history stays verbatim).
+            if let Some(prev) = previous.get(&call.session_id) {
+                check(&call, parent_of(prev));
+            }
+            previous.insert(call.session_id.clone(), call);
         }
     }
 }
@@ -149,15 +168,15 @@ fn realistic_traces_shrink_and_come_back_exactly() {
     let calls = sample_calls(7, Shape::Gateway);
     let (mut plain, mut blocks) = (0usize, 0usize);
     for call in &calls {
-        check(call);
+        check(call, None);
         plain += [&call.messages, &call.response_message, &call.metadata, &call.extra]
             .iter()
             .map(|d| d.as_ref().map_or(0, Vec::len))
             .sum::<usize>();
-        blocks += encode(call).map_or(0, |b| b.len());
+        blocks += encode(call, None).map_or(0, |b| b.block.len());
     }
     // Every call of this shape carries its columns again in raw_response.
-    assert!(calls.iter().all(|c| encode(c).is_some()));
+    assert!(calls.iter().all(|c| encode(c, None).is_some()));
     assert!(blocks * 3 < plain, "docs blocks {blocks} B against {plain} B of plain documents");
 }
 
@@ -213,13 +232,13 @@ fn docs_codec_timing() {
     let rounds = 10;
     let t = std::time::Instant::now();
     for _ in 1..rounds {
-        std::hint::black_box(calls.iter().filter_map(encode).count());
+        std::hint::black_box(calls.iter().filter_map(|c| encode(c, None)).count());
     }
-    let blocks: Vec<Vec<u8>> = calls.iter().filter_map(encode).collect();
+    let blocks: Vec<Vec<u8>> = calls.iter().filter_map(|c| encode(c, None).map(|e| e.block)).collect();
     let enc = t.elapsed().as_secs_f64() / (rounds * calls.len()) as f64;
     let t = std::time::Instant::now();
     for (call, block) in calls.iter().zip(&blocks) {
-        std::hint::black_box(resolve(call, block));
+        std::hint::black_box(resolve(call, block, None));
     }
     let dec = t.elapsed().as_secs_f64() / calls.len() as f64;
     let t = std::time::Instant::now();
@@ -236,4 +255,150 @@ fn docs_codec_timing() {
         dec * 1e6,
         val * 1e6
     );
+}
+
+/// A growing chat history is stored as a delta against the previous call:
+/// on unedited gateway sessions every call after the first uses one.
+#[test]
+fn unedited_histories_are_stored_as_deltas() {
+    for shape in [Shape::Gateway, Shape::GatewayStreaming] {
+        let calls = sample_calls(11, shape);
+        let mut previous: std::collections::HashMap<String, &Call> = std::collections::HashMap::new();
+        let (mut deltas, mut followers) = (0, 0);
+        for call in &calls {
+            if let Some(prev) = previous.get(&call.session_id) {
+                followers += 1;
+                deltas += usize::from(check(call, parent_of(prev)));
+            }
+            previous.insert(call.session_id.clone(), call);
+        }
+        assert!(followers > 0);
+        if shape == Shape::Gateway {
+            assert_eq!(deltas, followers, "every later call of a non-streaming session is a delta");
+        } else {
+            assert!(deltas > 0, "streaming sessions: some deltas");
+        }
+    }
+}
+
+fn long_sessions(sessions: usize, steps: usize) -> Vec<Call> {
+    let cfg = SimConfig {
+        sessions,
+        steps,
+        system_tokens: 40,
+        completion_tokens: (1, 30),
+        tool_tokens: (1, 20),
+        seed: 5,
+        shape: Shape::Gateway,
+        ..SimConfig::default()
+    };
+    simulate(&cfg).into_iter().flat_map(|s| s.calls).collect()
+}
+
+/// Sessions longer than the delta chain bound read back exactly call by call
+/// (each read resolving its chain alone), whole, after a reopen and after
+/// compaction; and the deltas make the documents smaller than a store that
+/// keeps no recent history (`delta_cache_bytes(0)`).
+#[test]
+fn messages_deltas_read_back_exactly_and_save_bytes() {
+    let calls = long_sessions(3, 3 * trajlog::limits::MESSAGES_DELTA_DEPTH_MAX as usize);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plain_dir = tempfile::tempdir().expect("tempdir");
+    let check_store = |store: &Store| {
+        let snap = store.snapshot();
+        for want in &calls {
+            let got = snap.get(&want.trace_id).expect("read").expect("present").to_call().expect("call");
+            assert_eq!(&got, want, "{}", want.trace_id);
+        }
+        let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
+        for sid in sessions {
+            let want: Vec<&Call> = calls.iter().filter(|c| c.session_id == sid).collect();
+            let got = snap.session_calls(sid, None, None).expect("session");
+            assert_eq!(got.iter().collect::<Vec<_>>(), want, "{sid}");
+            // A window that starts mid-chain resolves its first call alone.
+            let since = want.get(5).map(|c| c.timestamp);
+            let window: Vec<&Call> = want.iter().copied().filter(|c| Some(c.timestamp) > since).take(4).collect();
+            let got = snap.session_calls(sid, since, Some(4)).expect("window");
+            assert_eq!(got.iter().collect::<Vec<_>>(), window, "{sid}");
+        }
+    };
+    for (path, options) in
+        [(dir.path(), Options::default()), (plain_dir.path(), Options::default().delta_cache_bytes(0))]
+    {
+        let store = Store::open(path, options).expect("open");
+        for c in &calls {
+            store.append(c.clone()).expect("append");
+        }
+        store.flush().expect("flush");
+        check_store(&store);
+    }
+    let with = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    let without = trajlog::verify::verify_dir(plain_dir.path()).expect("verify");
+    assert!(with.problems.is_empty() && without.problems.is_empty(), "{:?} {:?}", with.problems, without.problems);
+    assert!(
+        with.split.docs_block_bytes * 4 < without.split.docs_block_bytes * 3,
+        "docs blocks with deltas {} B, without {} B",
+        with.split.docs_block_bytes,
+        without.split.docs_block_bytes
+    );
+    let store = Store::open(dir.path(), Options::default()).expect("reopen");
+    check_store(&store);
+    // Appends after a reopen (the chat documents are not kept across it).
+    let cfg = SimConfig { steps: 4, seed: 9, shape: Shape::Gateway, ..SimConfig::default() };
+    let more = trajlog_sim::simulate_session(&cfg, 100).calls;
+    for c in &more {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    check_store(&store);
+    let snap = store.snapshot();
+    for want in &more {
+        assert_eq!(&snap.get(&want.trace_id).expect("read").expect("present").to_call().expect("call"), want);
+    }
+    let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
+    for sid in sessions {
+        store.seal_session(sid).expect("seal");
+    }
+    let report = store.compact(&trajlog::CompactOptions::default()).expect("compact");
+    assert!(report.calls > 0, "{report:?}");
+    check_store(&store);
+}
+
+/// The writer keeps a messages delta only when the parent it chooses is the
+/// call the delta was made against. Here the third call's tokens extend the
+/// first call's context (so that is its parent) while its messages extend the
+/// second's: the delta is dropped and the call still reads back exactly.
+#[test]
+fn a_delta_against_a_call_that_is_not_the_parent_is_dropped() {
+    let calls = long_sessions(1, 2);
+    let first = &calls[0];
+    // The second call's prompt shares nothing with the first's context.
+    let mut second = calls[1].clone();
+    second.prompt_token_ids = vec![7; 50];
+    let second = &second;
+    let mut third = second.clone();
+    third.trace_id = "branch".into();
+    third.timestamp = second.timestamp + 1.0;
+    let mut prompt = first.prompt_token_ids.clone();
+    prompt.extend_from_slice(&first.completion_token_ids);
+    prompt.push(424_242);
+    third.prompt_token_ids = prompt;
+    let mut history = second.messages.clone().expect("messages");
+    history.pop();
+    history.extend_from_slice(b", ");
+    history.extend_from_slice(second.response_message.as_deref().expect("response"));
+    history.extend_from_slice(br#", {"role": "user", "content": "again"}]"#);
+    third.messages = Some(history);
+    assert!(encode(&third, parent_of(second)).is_some_and(|e| e.uses_parent), "the appender makes a delta");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for c in [first, second, &third] {
+        store.append(c.clone()).expect("append");
+    }
+    store.flush().expect("flush");
+    let snap = store.snapshot();
+    let view = snap.get("branch").expect("read").expect("present");
+    assert_eq!(view.parent(), snap.get(&first.trace_id).expect("read").map(|v| v.loc));
+    assert_eq!(view.to_call().expect("call"), third);
+    assert!(trajlog::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
 }

@@ -169,7 +169,8 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
         let prompt = ctx.prompt(c)?;
         ctx.remember(c.loc, &prompt, c.completion_token_ids());
         let r = &c.record;
-        let docs = c.docs_with(Some(&prompt))?;
+        let docs = c.docs_in(Some(&prompt), &ctx)?;
+        ctx.remember_chat(c.loc, &docs.messages, &docs.response_message);
         bytes += 4 * (prompt.len() + r.completion.len() + r.logprobs.map_or(0, <[f32]>::len)) as u64;
         inputs.push(StepInput {
             loc: c.loc,

@@ -50,6 +50,8 @@ const REF_COMPLETION: u8 = 2;
 const REF_LOGPROB: u8 = 3;
 const REF_TOKEN_BYTES: u8 = 4;
 const REF_MESSAGES: u8 = 5;
+const REF_PARENT_MESSAGES: u8 = 6;
+const REF_PARENT_RESPONSE: u8 = 7;
 
 /// List styles: the separator between elements.
 const LIST_COMPACT: u8 = 0;
@@ -82,12 +84,23 @@ impl Docs {
 
 /// The token columns a docs block may refer to. `prompt` is the full prompt
 /// (materialized from the prefix-delta chain); it is needed only when
-/// [`Block::needs_prompt`] says so.
+/// [`Block::needs_prompt`] says so. `parent`: the prefix-delta parent's
+/// documents, needed only when [`Block::needs_parent`] says so.
 #[derive(Debug, Clone, Copy)]
 pub struct Columns<'a> {
     pub prompt: Option<&'a [u32]>,
     pub completion: &'a [u32],
     pub logprobs: Option<&'a [f32]>,
+    pub parent: Option<Parent<'a>>,
+}
+
+/// The documents of a call's prefix-delta parent that its `messages` may
+/// refer to (references 6 and 7, record.md §7.2): its rebuilt `messages` and
+/// `response_message`.
+#[derive(Debug, Clone, Copy)]
+pub struct Parent<'a> {
+    pub messages: &'a [u8],
+    pub response_message: Option<&'a [u8]>,
 }
 
 // ---------------------------------------------------------------- encoding
@@ -104,15 +117,32 @@ struct Cut {
     token_at: usize,
 }
 
+/// A docs block made by [`encode`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    pub block: Vec<u8>,
+    /// Whether `messages` refers to the parent's documents (references 6 and
+    /// 7): the record must then name that call as its parent.
+    pub uses_parent: bool,
+}
+
 /// The docs block for `call`'s documents (a validated call), or `None` when
-/// storing the documents as they are is at least as small.
-pub fn encode(call: &Call) -> Option<Vec<u8>> {
+/// storing the documents as they are is at least as small. With `parent`
+/// (the documents of the call that will be this call's prefix-delta parent),
+/// `messages` is stored as a delta when it starts with the parent's history:
+/// the parent's `messages` without its closing `]`, then, after a separator,
+/// the parent's `response_message`.
+pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
     let docs = [&call.messages, &call.response_message, &call.metadata, &call.extra];
     let plain: usize = docs.iter().map(|d| d.as_ref().map_or(0, Vec::len)).sum();
     if plain == 0 {
         return None;
     }
     let mut cuts: [Vec<Cut>; 4] = Default::default();
+    if let (Some(messages), Some(parent)) = (&call.messages, parent) {
+        messages_cuts(messages, parent, &mut cuts[0]);
+    }
+    let uses_parent = !cuts[0].is_empty();
     if let Some(extra) = &call.extra {
         let mut scratch = String::new();
         extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch);
@@ -157,7 +187,28 @@ pub fn encode(call: &Call) -> Option<Vec<u8>> {
     out.put_u16(n_docs as u16);
     out.put_u32(raw_len as u32);
     out.extend_from_slice(&body);
-    Some(out)
+    Some(Encoded { block: out, uses_parent })
+}
+
+/// The cuts of a messages delta: the parent's history at the start of
+/// `messages` (reference 6) and the parent's response right after it and a
+/// separator (reference 7). Each is cut only when it is longer than the
+/// splice that replaces it, and only where the bytes are equal.
+fn messages_cuts(messages: &[u8], parent: Parent<'_>, cuts: &mut Vec<Cut>) {
+    let Some((b']', history)) = parent.messages.split_last() else { return };
+    if history.len() <= SPLICE_BYTES || !messages.starts_with(history) {
+        return;
+    }
+    cuts.push(Cut::plain(0, history.len(), REF_PARENT_MESSAGES, 0, 0));
+    let Some(response) = parent.response_message.filter(|r| r.len() > SPLICE_BYTES) else { return };
+    let rest = messages.get(history.len()..).unwrap_or_default();
+    for sep in [&b", "[..], b","] {
+        if rest.starts_with(sep) && rest.get(sep.len()..).is_some_and(|r| r.starts_with(response)) {
+            let at = history.len() + sep.len();
+            cuts.push(Cut::plain(at, at + response.len(), REF_PARENT_RESPONSE, 0, 0));
+            return;
+        }
+    }
 }
 
 thread_local! {
@@ -503,26 +554,60 @@ impl Block {
         })
     }
 
+    /// Whether a splice of a document below `fields` refers to one of `refs`.
+    fn refers_to(&self, fields: usize, refs: &[u8]) -> bool {
+        self.docs
+            .iter()
+            .filter(|(f, _, _)| *f < fields)
+            .any(|(_, _, s)| self.splices(s).any(|r| r.is_ok_and(|s| refs.contains(&s.reference))))
+    }
+
     /// Whether a splice refers to the prompt column.
     pub fn needs_prompt(&self) -> bool {
-        self.docs.iter().any(|(_, _, s)| self.splices(s).any(|r| r.is_ok_and(|s| s.reference == REF_PROMPT)))
+        self.refers_to(DOC_FIELDS.len(), &[REF_PROMPT])
+    }
+
+    /// Whether a splice of `messages` or `response_message` refers to the
+    /// prompt column ([`Block::resolve_chat`] needs it then).
+    pub fn chat_needs_prompt(&self) -> bool {
+        self.refers_to(2, &[REF_PROMPT])
+    }
+
+    /// Whether a splice refers to the parent's documents.
+    pub fn needs_parent(&self) -> bool {
+        self.refers_to(DOC_FIELDS.len(), &[REF_PARENT_MESSAGES, REF_PARENT_RESPONSE])
+    }
+
+    /// Render `messages` and `response_message` only (what a child's
+    /// references 6 and 7 need).
+    pub fn resolve_chat(&self, cols: &Columns<'_>) -> Result<Docs, DecodeError> {
+        self.resolve_fields(cols, 2)
     }
 
     /// Render the documents. Fails (never panics) on a splice that does not
     /// fit: an offset out of order or past the text, an unknown reference or
     /// style, an argument out of range, a missing column.
     pub fn resolve(&self, cols: &Columns<'_>) -> Result<Docs, DecodeError> {
+        self.resolve_fields(cols, DOC_FIELDS.len())
+    }
+
+    /// Render the documents whose index (into `DOC_FIELDS`) is below `fields`.
+    fn resolve_fields(&self, cols: &Columns<'_>, fields: usize) -> Result<Docs, DecodeError> {
         let mut docs = Docs::default();
         let mut total = 0usize;
         let mut scratch = String::new();
-        for (field, text_range, splice_range) in &self.docs {
+        for (field, text_range, splice_range) in self.docs.iter().filter(|(f, _, _)| *f < fields) {
             let text = self.payload.get(text_range.clone()).unwrap_or_default();
             let mut out = Vec::with_capacity(text.len());
             let mut pos = 0;
             for splice in self.splices(splice_range) {
                 let s = splice?;
                 let err = |what: String| DecodeError::new(splice_range.start, format!("docs: {what}"));
-                if matches!(s.reference, REF_PROMPT | REF_COMPLETION | REF_MESSAGES) && s.arg != 0 {
+                if matches!(
+                    s.reference,
+                    REF_PROMPT | REF_COMPLETION | REF_MESSAGES | REF_PARENT_MESSAGES | REF_PARENT_RESPONSE
+                ) && s.arg != 0
+                {
                     return Err(err(format!("splice reference {} with argument {}", s.reference, s.arg)));
                 }
                 if s.offset < pos || s.offset > text.len() {
@@ -561,6 +646,23 @@ impl Block {
                             .filter(|_| *field == DOC_EXTRA)
                             .ok_or_else(|| err("a messages splice without messages".into()))?;
                         out.extend_from_slice(messages);
+                    }
+                    (REF_PARENT_MESSAGES, 0) if *field == 0 => {
+                        let parent = cols.parent.ok_or_else(|| err("the parent's documents are needed".into()))?;
+                        let history = parent
+                            .messages
+                            .split_last()
+                            .map(|(_, h)| h)
+                            .ok_or_else(|| err("the parent's messages are empty".into()))?;
+                        out.extend_from_slice(history);
+                    }
+                    (REF_PARENT_RESPONSE, 0) if *field == 0 => {
+                        let response = cols
+                            .parent
+                            .ok_or_else(|| err("the parent's documents are needed".into()))?
+                            .response_message
+                            .ok_or_else(|| err("the parent has no response_message".into()))?;
+                        out.extend_from_slice(response);
                     }
                     (r, st) => return Err(err(format!("unknown splice reference {r} style {st}"))),
                 }
@@ -736,7 +838,7 @@ mod tests {
     }
 
     fn round_trip(call: &Call) -> Option<Docs> {
-        let block = encode(call)?;
+        let block = encode(call, None)?.block;
         let present = [
             call.messages.is_some(),
             call.response_message.is_some(),
@@ -748,6 +850,7 @@ mod tests {
             prompt: Some(&call.prompt_token_ids),
             completion: &call.completion_token_ids,
             logprobs: call.logprobs.as_deref(),
+            parent: None,
         };
         let docs = b.resolve(&cols).expect("resolve");
         assert_eq!(docs.messages, call.messages);
@@ -819,14 +922,14 @@ mod tests {
     fn corrupt_blocks_are_errors() {
         let extra = padded(r#""raw_response":{"prompt_token_ids":[1,2,3]}"#);
         let call = call_with(&extra, None);
-        let block = encode(&call).expect("block");
+        let block = encode(&call, None).expect("block").block;
         let present = [false, false, false, true];
         for cut in 0..block.len() {
-            let _ = open(&block[..cut], present).and_then(|b| b.resolve(&Columns { prompt: None, completion: &[], logprobs: None }));
+            let _ = open(&block[..cut], present).and_then(|b| b.resolve(&Columns { prompt: None, completion: &[], logprobs: None, parent: None }));
         }
         let b = open(&block, present).expect("open");
         assert!(b.needs_prompt());
-        assert!(b.resolve(&Columns { prompt: None, completion: &[], logprobs: None }).is_err());
+        assert!(b.resolve(&Columns { prompt: None, completion: &[], logprobs: None, parent: None }).is_err());
         assert!(open(&block, [true, false, false, true]).is_err());
     }
 }

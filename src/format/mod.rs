@@ -17,7 +17,9 @@ pub mod segment;
 compile_error!("trajlog views little-endian columns in place and supports little-endian targets only");
 
 /// The segment format version written by this build (format-spec/segment.md §1).
-pub const FORMAT_VERSION: u32 = 2;
+/// Version 3 adds messages deltas to docs blocks (record.md §7.2, references
+/// 6 and 7); version 2 added docs blocks.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest segment format version this build reads (version 1 has no
 /// docs blocks).
 pub const FORMAT_VERSION_MIN: u32 = 1;

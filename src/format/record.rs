@@ -467,7 +467,7 @@ mod tests {
             routing_matrices: Some(vec![1, 2]),
             ..Default::default()
         };
-        let docs = super::super::docs::encode(&call).expect("a docs block pays off");
+        let docs = super::super::docs::encode(&call, None).expect("a docs block pays off").block;
         let mut out = Vec::new();
         encode_call(&mut out, &call, &Delta::ROOT, Some(&docs));
         assert_eq!(out.len() as u64, call_body_len(&call, &Delta::ROOT, Some(&docs)));
@@ -481,7 +481,7 @@ mod tests {
         assert_eq!(rec.routing_matrices, Some(&[1u8, 2][..]));
         let d = rec.docs.expect("docs");
         assert_eq!(d.present, [true, false, false, true]);
-        let cols = super::super::docs::Columns { prompt: Some(&[7, 8, 9]), completion: &[], logprobs: None };
+        let cols = super::super::docs::Columns { prompt: Some(&[7, 8, 9]), completion: &[], logprobs: None, parent: None };
         let got = super::super::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols)).expect("resolve");
         assert_eq!((got.messages, got.extra), (call.messages.clone(), call.extra.clone()));
         for cut in 0..bytes.len() {

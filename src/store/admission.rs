@@ -22,16 +22,87 @@ pub(super) struct SendState {
     pub(super) deletes_in_flight: Vec<(u64, String)>,
     /// Prune `calls_in_flight` when it grows past this (amortized O(1)).
     pub(super) prune_at: usize,
+    /// Each session's most recent append's documents, for the next append's
+    /// messages delta.
+    pub(super) chat: ChatCache,
+}
+
+/// The chat documents of a session's most recent append: what the next
+/// append's `messages` may be stored as a delta against (format-spec/record.md
+/// §7.2), if the writer makes that append its parent.
+#[derive(Debug)]
+pub(super) struct ChatPrev {
+    /// The append's sequence number.
+    pub(super) seq: u64,
+    pub(super) messages: Vec<u8>,
+    pub(super) response_message: Option<Vec<u8>>,
+    /// Ancestors its `messages` reaches through deltas (0: stored in full).
+    pub(super) depth: u32,
+}
+
+impl ChatPrev {
+    fn bytes(&self) -> u64 {
+        (self.messages.len() + self.response_message.as_ref().map_or(0, Vec::len) + 64) as u64
+    }
+}
+
+/// [`ChatPrev`] per session under a byte budget; the sessions appended to
+/// least recently are forgotten first (their next append stores its messages
+/// in full).
+#[derive(Debug)]
+pub(super) struct ChatCache {
+    budget: u64,
+    bytes: u64,
+    tick: u64,
+    map: std::collections::HashMap<String, (u64, Arc<ChatPrev>)>,
+    lru: std::collections::BTreeMap<u64, String>,
+}
+
+impl ChatCache {
+    pub(super) fn new(budget: u64) -> Self {
+        Self { budget, bytes: 0, tick: 0, map: Default::default(), lru: Default::default() }
+    }
+
+    pub(super) fn get(&self, session: &str) -> Option<Arc<ChatPrev>> {
+        self.map.get(session).map(|(_, p)| p.clone())
+    }
+
+    pub(super) fn remove(&mut self, session: &str) {
+        if let Some((tick, old)) = self.map.remove(session) {
+            self.lru.remove(&tick);
+            self.bytes -= old.bytes();
+        }
+    }
+
+    /// Make `prev` the session's most recent append (`None`: one without
+    /// messages).
+    pub(super) fn put(&mut self, session: &str, prev: Option<ChatPrev>) {
+        self.remove(session);
+        let Some(prev) = prev else { return };
+        let bytes = prev.bytes();
+        if bytes > self.budget {
+            return;
+        }
+        self.tick += 1;
+        self.bytes += bytes;
+        self.map.insert(session.to_owned(), (self.tick, Arc::new(prev)));
+        self.lru.insert(self.tick, session.to_owned());
+        while self.bytes > self.budget {
+            let Some(oldest) = self.lru.values().next().cloned() else { break };
+            self.remove(&oldest);
+        }
+    }
 }
 
 impl SendState {
-    pub(super) fn new(sealed: HashSet<String>) -> Self {
+    pub(super) fn new(sealed: HashSet<String>, chat_bytes: u64) -> Self {
         Self {
             next_seq: 0,
             sealed,
             calls_in_flight: std::collections::HashMap::new(),
             deletes_in_flight: Vec::new(),
             prune_at: 1024,
+            chat: ChatCache::new(chat_bytes),
         }
     }
 

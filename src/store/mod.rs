@@ -42,7 +42,7 @@ pub(crate) use recovery::{load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
 
-use admission::{check_trace_id, SendState};
+use admission::{check_trace_id, ChatPrev, SendState};
 use protocol::{Cmd, CompactionBase, Prepared};
 use queue::{annotation_bytes, call_bytes, Permit, Queue};
 use receipt::{lock, Durable, Inner};
@@ -183,7 +183,7 @@ impl Store {
             options: options.clone(),
             tx: Some(tx),
             queue: Arc::new(Queue::new(options.queue_depth as u64, options.queue_bytes)),
-            send: Mutex::new(SendState::new(sealed)),
+            send: Mutex::new(SendState::new(sealed, options.delta_cache_bytes)),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: false }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -240,7 +240,7 @@ impl Store {
             options: Options::default().recovery(recovery),
             tx: None,
             queue: Arc::new(Queue::new(1, 1)),
-            send: Mutex::new(SendState::new(HashSet::new())),
+            send: Mutex::new(SendState::new(HashSet::new(), 0)),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
@@ -314,8 +314,19 @@ impl Store {
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;
-        // Structure-aware documents, made here so that appenders share the work.
-        let docs = crate::format::docs::encode(&call);
+        // Structure-aware documents, made here so that appenders share the
+        // work: `messages` as a delta against the session's previous append
+        // (the writer checks that it is the parent it chooses).
+        let prev = lock(&self.inner.send).chat.get(&call.session_id);
+        let parent = prev.as_deref().filter(|p| p.depth < crate::limits::MESSAGES_DELTA_DEPTH_MAX).map(|p| {
+            crate::format::docs::Parent { messages: &p.messages, response_message: p.response_message.as_deref() }
+        });
+        let docs = crate::format::docs::encode(&call, parent);
+        let (docs_parent_seq, depth) = match (&docs, &prev) {
+            (Some(d), Some(p)) if d.uses_parent => (Some(p.seq), p.depth + 1),
+            _ => (None, 0),
+        };
+        let chat = call.messages.clone().map(|messages| (messages, call.response_message.clone()));
         let mut s = lock(&self.inner.send);
         for id in std::iter::once(&call.session_id).chain(&call.session_uids) {
             if s.sealed.contains(id) {
@@ -346,7 +357,9 @@ impl Store {
         s.next_seq += 1;
         let seq = s.next_seq;
         s.calls_in_flight.insert(call.trace_id.clone(), (seq, sessions_of(&call.session_id, &call.session_uids)));
-        self.send_in_order(s, Cmd::Append { seq, call: Box::new(call), docs, permit })?;
+        let chat = chat.map(|(messages, response_message)| ChatPrev { seq, messages, response_message, depth });
+        s.chat.put(&call.session_id, chat);
+        self.send_in_order(s, Cmd::Append { seq, call: Box::new(call), docs, docs_parent_seq, permit })?;
         Ok(Receipt { seq, inner: self.inner.clone() })
     }
 
@@ -363,9 +376,11 @@ impl Store {
         match &ann {
             Annotation::Seal { session_id } => {
                 s.sealed.insert(session_id.clone());
+                s.chat.remove(session_id);
             }
             Annotation::DeleteSession { session_id } => {
                 s.sealed.remove(session_id);
+                s.chat.remove(session_id);
             }
             Annotation::Reward { .. } => {}
         }

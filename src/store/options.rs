@@ -138,7 +138,10 @@ pub struct Options {
     /// memory). Past it, appenders wait. A record larger than this is taken
     /// alone, once nothing else is in flight, so it never waits for ever.
     pub queue_bytes: u64,
-    /// Memory for prefix-delta contexts.
+    /// Memory for prefix-delta contexts, and as much again for the chat
+    /// documents (`messages`, `response_message`) of each session's last
+    /// append, against which the next append's `messages` is stored as a
+    /// delta (a session past the budget stores its next `messages` in full).
     pub delta_cache_bytes: u64,
     /// What opening does about damage in the log ([`RecoveryMode`]).
     pub recovery: RecoveryMode,

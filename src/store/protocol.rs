@@ -15,7 +15,12 @@ pub(super) enum Cmd {
         call: Box<Call>,
         /// Its documents as a docs block (format-spec/record.md §7), made by
         /// the appender's thread; `None` stores them plain.
-        docs: Option<Vec<u8>>,
+        docs: Option<crate::format::docs::Encoded>,
+        /// When the block's `messages` refers to a parent's documents: the
+        /// sequence number of the append whose documents it used (the
+        /// session's previous append). The writer keeps the block only if
+        /// that call is the parent it chooses.
+        docs_parent_seq: Option<u64>,
         /// Its room in the queue; the writer drops it once the call is handled.
         permit: Permit,
     },

@@ -147,9 +147,9 @@ impl Writer {
         match cmd {
             // The permits are dropped at the end of their arm, giving the
             // record's room in the queue back.
-            Cmd::Append { seq, call, docs, permit: _permit } => {
+            Cmd::Append { seq, call, docs, docs_parent_seq, permit: _permit } => {
                 if !self.poisoned() {
-                    if let Err(e) = self.append_call(*call, docs) {
+                    if let Err(e) = self.append_call(*call, docs, docs_parent_seq, seq) {
                         self.fail(&e);
                     }
                 }
@@ -260,13 +260,38 @@ impl Writer {
         Ok(Loc { segment: a.id, offset: a.len + pending })
     }
 
-    pub(super) fn append_call(&mut self, call: Call, docs: Option<Vec<u8>>) -> Result<()> {
+    pub(super) fn append_call(
+        &mut self,
+        call: Call,
+        docs: Option<crate::format::docs::Encoded>,
+        docs_parent_seq: Option<u64>,
+        seq: u64,
+    ) -> Result<()> {
         if !self.delta.knows(&call.session_id) {
             self.load_contexts(&call.session_id)?;
         }
         let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
+        let format_version = self.active()?.format_version;
+        let docs = match docs {
+            // A messages delta holds only if the parent chosen here is the
+            // call whose documents the appender used, in a segment whose
+            // format has messages deltas (record.md §7.2); else the documents
+            // are encoded again without it.
+            Some(e) if e.uses_parent => {
+                let same = delta
+                    .parent
+                    .zip(docs_parent_seq)
+                    .is_some_and(|(parent, want)| self.delta.seq_of(&call.session_id, parent) == Some(want));
+                if same && format_version >= 3 {
+                    Some(e.block)
+                } else {
+                    crate::format::docs::encode(&call, None).map(|e| e.block)
+                }
+            }
+            other => other.map(|e| e.block),
+        };
         // A segment of format version 1 (reopened) holds plain documents only.
-        let docs = docs.filter(|_| self.active().is_ok_and(|a| a.format_version >= 2));
+        let docs = docs.filter(|_| format_version >= 2);
         let body_len = call_body_len(&call, &delta, docs.as_deref());
         if frame_bytes(body_len) > RECORD_BYTES_MAX {
             // Unreachable with validated input (the per-field limits sum below it).
@@ -298,7 +323,7 @@ impl Writer {
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
-        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens), seq });
         if self.buf.len() >= BATCH_BYTES_MAX {
             // Bound the writer's memory: write now, make durable at batch end.
             self.write_buf()?;
@@ -337,7 +362,7 @@ impl Writer {
             let Ok(mut tokens) = call.prompt() else { continue };
             let prompt_len = tokens.len();
             tokens.extend_from_slice(call.record.completion);
-            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens) });
+            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens), seq: 0 });
         }
         Ok(())
     }
