@@ -54,6 +54,10 @@ pub struct ByteSplit {
     /// Docs blocks whose `messages` is a delta against the parent's
     /// (format-spec/record.md §7.2, references 6 and 7).
     pub messages_deltas: u64,
+    /// Bytes of the docs blocks' templates before compression, per document:
+    /// messages, response_message, metadata, extra (what is left of each
+    /// after its references are cut out).
+    pub template_bytes: [u64; 4],
     pub other_bytes: u64,
 }
 
@@ -223,6 +227,9 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                             let checked = crate::format::docs::open(d.block, d.present).and_then(|b| {
                                 let zeros =
                                     if b.needs_prompt() { vec![0u32; rec.prompt_len as usize] } else { Vec::new() };
+                                for (sum, n) in s.template_bytes.iter_mut().zip(b.template_bytes()) {
+                                    *sum += n;
+                                }
                                 if b.needs_parent() {
                                     if rec.parent.is_none() {
                                         return Err(crate::format::DecodeError::new(

@@ -562,6 +562,18 @@ impl Block {
             .any(|(_, _, s)| self.splices(s).any(|r| r.is_ok_and(|s| refs.contains(&s.reference))))
     }
 
+    /// Bytes of each document's template (the text left after the cuts,
+    /// before compression): messages, response_message, metadata, extra.
+    pub fn template_bytes(&self) -> [u64; 4] {
+        let mut out = [0u64; 4];
+        for (field, text, _) in &self.docs {
+            if let Some(slot) = out.get_mut(*field) {
+                *slot += text.len() as u64;
+            }
+        }
+        out
+    }
+
     /// Whether a splice refers to the prompt column.
     pub fn needs_prompt(&self) -> bool {
         self.refers_to(DOC_FIELDS.len(), &[REF_PROMPT])

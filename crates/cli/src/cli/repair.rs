@@ -44,6 +44,10 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
             super::human_bytes(s.plain_doc_bytes),
             super::human_bytes(s.other_bytes),
         );
+        if s.docs_blocks > 0 {
+            let [m, r, md, e] = s.template_bytes.map(super::human_bytes);
+            println!("docs blocks before zstd, what is left after references: messages {m}, response_message {r}, metadata {md}, extra {e}");
+        }
     }
     Ok(match (report.problems.is_empty(), report.torn_tail.is_some()) {
         (false, _) => EXIT_DAMAGED,
