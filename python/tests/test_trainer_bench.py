@@ -22,6 +22,8 @@ def test_trainer_benchmark_smoke(capsys):
         "trajlog, 2 workers, per sample",
         "trajlog, 0 workers, padded batches of 8",
         "trajlog, 2 workers, padded batches of 8",
+        "trajlog, 0 workers, decode only",
+        "trajlog, 2 workers, decode only",
         "HF datasets (set_format torch)",
         "pyarrow iter_batches + from_numpy",
     ]
