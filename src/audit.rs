@@ -6,20 +6,49 @@
 //! compared with the contexts (`prompt ++ completion`) of the session's recent
 //! calls, and the one sharing the longest prefix is its parent — the rule the
 //! writer uses (format-spec/record.md §4).
+//!
+//! The same parent's chat documents are the reference for the call's
+//! `messages`: an agent's history should start with the parent's `messages`
+//! and `response_message`. A history that does not start with the parent's
+//! `messages` was re-rendered or edited (a divergence of the conversation,
+//! reported like a TI/TO break); one that keeps the history but not the
+//! parent's `response_message` byte for byte re-serialized the answer
+//! (counted only: clients commonly do).
 
 use crate::delta::{classify, common_prefix_len};
 use crate::error::Result;
 use crate::format::record::Relation;
 use crate::limits::DELTA_LOOKBACK_CALLS;
-use crate::snapshot::Snapshot;
+use crate::snapshot::{Contexts, Snapshot};
 use serde::Serialize;
 use std::collections::VecDeque;
 
-/// A recent call: trace id, prompt length, context (`prompt ++ completion`).
+/// A recent call: trace id, prompt length, context (`prompt ++ completion`),
+/// chat documents.
 struct Recent {
     trace_id: String,
     prompt_len: usize,
     context: Vec<u32>,
+    messages: Option<Vec<u8>>,
+    response_message: Option<Vec<u8>>,
+}
+
+/// Bytes of JSON text shown on each side of a history divergence.
+const AROUND_BYTES: usize = 40;
+
+/// One call whose `messages` does not start with its parent's (the parent by
+/// the token rule): the history was re-rendered or edited.
+#[derive(Debug, Clone, Serialize)]
+pub struct HistoryDivergence {
+    pub trace_id: String,
+    pub call_index: usize,
+    pub parent_trace_id: String,
+    /// First byte of `messages` that differs from the parent's `messages`.
+    pub byte: usize,
+    /// `messages` text around that byte (lossy UTF-8).
+    pub text_around: String,
+    /// The parent's `messages` text around the same byte.
+    pub parent_around: String,
 }
 
 /// Ids shown on each side of a divergence.
@@ -57,6 +86,12 @@ pub struct SessionAudit {
     pub diverges_earlier: usize,
     pub tokens_wrong: u64,
     pub divergences: Vec<Divergence>,
+    /// Calls whose `messages` does not start with the parent's.
+    pub histories_rewritten: usize,
+    /// Calls whose history starts with the parent's `messages` but does not
+    /// continue with its `response_message` byte for byte.
+    pub responses_reserialized: usize,
+    pub history_divergences: Vec<HistoryDivergence>,
 }
 
 /// The whole audit.
@@ -70,6 +105,10 @@ pub struct AuditReport {
     /// Sum over breaks of the generated tokens a re-tokenizing trainer would
     /// have trained on wrongly.
     pub tokens_wrong: u64,
+    /// Calls whose chat history does not start with their parent's.
+    pub histories_rewritten: usize,
+    /// Calls whose history keeps the parent's but not its response byte for byte.
+    pub responses_reserialized: usize,
     pub sessions: Vec<SessionAudit>,
     /// Sessions that could not be audited because a call of theirs is damaged
     /// (session id, the error naming file and offset); the others were.
@@ -93,6 +132,8 @@ pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
                 report.breaks += s.breaks;
                 report.diverges_earlier += s.diverges_earlier;
                 report.tokens_wrong += s.tokens_wrong;
+                report.histories_rewritten += s.histories_rewritten;
+                report.responses_reserialized += s.responses_reserialized;
                 if s.breaks > 0 {
                     report.sessions_with_breaks += 1;
                 }
@@ -120,11 +161,16 @@ fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<Session
         diverges_earlier: 0,
         tokens_wrong: 0,
         divergences: Vec::new(),
+        histories_rewritten: 0,
+        responses_reserialized: 0,
+        history_divergences: Vec::new(),
     };
+    let mut chat = Contexts::default();
     // Recent calls, newest last.
     let mut recent: VecDeque<Recent> = VecDeque::new();
     for (i, c) in own.iter().enumerate() {
         let prompt = c.prompt()?;
+        let docs = c.docs_in(Some(&prompt), &chat)?;
         s.extends_previous.push(recent.back().is_none_or(|r| prompt.starts_with(&r.context)));
         let mut best: Option<(&Recent, usize)> = None;
         for r in recent.iter().rev() {
@@ -134,6 +180,23 @@ fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<Session
             }
         }
         if let Some((parent, shared)) = best {
+            match history_check(docs.messages.as_deref(), parent) {
+                History::Extends | History::NotComparable => {}
+                History::ResponseReserialized => s.responses_reserialized += 1,
+                History::Rewritten { byte } => {
+                    s.histories_rewritten += 1;
+                    let text = docs.messages.as_deref().unwrap_or_default();
+                    let before = parent.messages.as_deref().unwrap_or_default();
+                    s.history_divergences.push(HistoryDivergence {
+                        trace_id: c.trace_id().to_owned(),
+                        call_index: i,
+                        parent_trace_id: parent.trace_id.clone(),
+                        byte,
+                        text_around: around_text(text, byte),
+                        parent_around: around_text(before, byte),
+                    });
+                }
+            }
             let ctx = &parent.context;
             let relation = classify(shared, parent.prompt_len, ctx.len());
             if relation != Relation::Extends {
@@ -159,10 +222,54 @@ fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<Session
         let mut ctx = prompt;
         let prompt_len = ctx.len();
         ctx.extend_from_slice(c.completion_token_ids());
-        recent.push_back(Recent { trace_id: c.trace_id().to_owned(), prompt_len, context: ctx });
+        chat.remember_chat(c.loc, &docs.messages, &docs.response_message);
+        recent.push_back(Recent {
+            trace_id: c.trace_id().to_owned(),
+            prompt_len,
+            context: ctx,
+            messages: docs.messages,
+            response_message: docs.response_message,
+        });
         if recent.len() > DELTA_LOOKBACK_CALLS {
             recent.pop_front();
         }
     }
     Ok(Some(s))
+}
+
+/// How a call's `messages` relates to its parent's chat documents.
+enum History {
+    /// It starts with the parent's `messages` (without the closing `]`),
+    /// then a separator and the parent's `response_message`.
+    Extends,
+    /// It keeps the parent's history but not its response byte for byte.
+    ResponseReserialized,
+    /// It differs from the parent's `messages` at this byte.
+    Rewritten { byte: usize },
+    /// Either has no `messages` (or the parent's is not a JSON list's text).
+    NotComparable,
+}
+
+fn history_check(messages: Option<&[u8]>, parent: &Recent) -> History {
+    let (Some(text), Some(before)) = (messages, parent.messages.as_deref()) else { return History::NotComparable };
+    let Some((b']', history)) = before.split_last() else { return History::NotComparable };
+    let shared = text.iter().zip(history).take_while(|(a, b)| a == b).count();
+    if shared < history.len() {
+        return History::Rewritten { byte: shared };
+    }
+    let rest = text.get(history.len()..).unwrap_or_default();
+    let response = parent.response_message.as_deref().unwrap_or_default();
+    let follows = [&b", "[..], b","]
+        .iter()
+        .any(|sep| rest.starts_with(sep) && rest.get(sep.len()..).is_some_and(|r| r.starts_with(response)));
+    if follows && !response.is_empty() {
+        History::Extends
+    } else {
+        History::ResponseReserialized
+    }
+}
+
+fn around_text(text: &[u8], byte: usize) -> String {
+    let end = byte.saturating_add(AROUND_BYTES).min(text.len());
+    String::from_utf8_lossy(text.get(byte.saturating_sub(AROUND_BYTES).min(end)..end).unwrap_or_default()).into_owned()
 }

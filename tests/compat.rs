@@ -583,4 +583,13 @@ fn reads_the_v6_fixture_with_messages_deltas_exactly() {
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     assert!(report.split.messages_deltas >= 7, "{:?}", report.split);
     assert!(report.split.messages_deltas < 12, "{:?}", report.split);
+    // The audit names the two calls whose history does not extend their
+    // parent's (the edited step 5, and step 6 against it), at the byte.
+    let audit = trajlog::audit::audit(&snap).expect("audit");
+    assert_eq!((audit.histories_rewritten, audit.responses_reserialized), (2, 0));
+    let chat = audit.sessions.iter().find(|s| s.session_id == "chat-1:0").unwrap();
+    let found: Vec<(&str, &str, usize)> =
+        chat.history_divergences.iter().map(|d| (d.trace_id.as_str(), d.parent_trace_id.as_str(), d.byte)).collect();
+    let at = br#"[{"role": "system", "content": "You are a care"#.len();
+    assert_eq!(found, [("chat-1:0/5", "chat-1:0/4", at), ("chat-1:0/6", "chat-1:0/5", at)]);
 }

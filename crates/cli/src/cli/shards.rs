@@ -63,6 +63,9 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
     Ok(0)
 }
 
+/// History divergences printed per session (all of them are in `--json`).
+const HISTORY_LINES: usize = 3;
+
 pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
     let snap = super::open_read_only(dir, "audit")?.snapshot();
     let report = trajlog::audit::audit(&snap)?;
@@ -87,6 +90,20 @@ pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
                 );
             }
         }
+        for s in report.sessions.iter().filter(|s| !s.history_divergences.is_empty()) {
+            println!(
+                "{}: {} calls whose messages do not start with their parent's (first {} shown)",
+                s.session_id,
+                s.histories_rewritten,
+                s.history_divergences.len().min(HISTORY_LINES)
+            );
+            for d in s.history_divergences.iter().take(HISTORY_LINES) {
+                println!(
+                    "  call {} ({}): history differs from parent {} at byte {}: {:?} / parent {:?}",
+                    d.call_index, d.trace_id, d.parent_trace_id, d.byte, d.text_around, d.parent_around
+                );
+            }
+        }
         println!(
             "audit: {} sessions, {} calls checked; {} TI/TO breaks in {} sessions; {} earlier divergences; {} generated tokens would be mis-trained by a re-tokenizing trainer",
             report.sessions_checked,
@@ -95,6 +112,10 @@ pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
             report.sessions_with_breaks,
             report.diverges_earlier,
             report.tokens_wrong
+        );
+        println!(
+            "chat histories: {} calls whose messages do not start with their parent's (re-rendered, edited, or not a cumulative history); {} that keep it but re-serialize the parent's response_message",
+            report.histories_rewritten, report.responses_reserialized
         );
     }
     for (session, why) in &report.sessions_damaged {
