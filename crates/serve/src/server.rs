@@ -112,7 +112,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
     for (i, w) in config.workers.iter().enumerate() {
         router.add(make_worker(
             w.url.clone(),
-            w.worker_id.clone().unwrap_or_else(|| i.to_string()),
+            w.worker_id.clone().filter(|id| !id.is_empty()).unwrap_or_else(|| i.to_string()),
             w.api_path.clone(),
             w.model_name.clone(),
             w.weight,

@@ -554,13 +554,15 @@ async fn no_worker_is_a_clear_error() {
 
 #[test]
 fn config_toml() {
-    let c = Config::from_toml(
+    let s = trajlog_serve::Settings::from_toml(
         "store = \"/tmp/s\"\nport = 0\ndurability = \"async\"\nmodel = \"m\"\n[[workers]]\nurl = \"http://h:8000/v1\"\n",
     )
     .expect("parses");
+    let c =
+        trajlog_serve::config::resolve(&[(trajlog_serve::Source::File("gw.toml".into()), s)]).expect("resolves").config;
     assert_eq!(c.durability, DurabilityMode::Async);
     assert_eq!(c.workers[0].url, "http://h:8000/v1");
-    assert!(Config::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
+    assert!(trajlog_serve::Settings::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
