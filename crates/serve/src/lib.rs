@@ -17,6 +17,7 @@
 //! - [`json`] — JSON objects kept in key order with verbatim values.
 //! - [`capture`] — request injection, response sanitizing, trace records (pure).
 //! - [`workers`] — the worker set and routing.
+//! - `routes` (private) — the route table, its classifier and the OpenAPI document.
 //! - `server` (private) — the HTTP handlers, the store bridge, streaming.
 //! - [`metrics`] — `/metrics`.
 //! - [`mock`] — a deterministic vLLM-shaped mock server for tests and benchmarks.
@@ -36,6 +37,7 @@ pub mod config;
 pub mod json;
 pub mod metrics;
 pub mod mock;
+mod routes;
 mod server;
 pub mod workers;
 

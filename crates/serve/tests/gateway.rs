@@ -628,3 +628,19 @@ async fn large_requests_pass_the_body_limit_of_the_http_stack() {
     let t: Value = serde_json::from_str(&e.traces_text("big").await).expect("json");
     assert_eq!(t[0]["messages"][0]["content"].as_str().map(str::len), Some(5 << 20));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_and_docs_are_served() {
+    let e = env().await;
+    let doc = e.get_json("/openapi.json").await;
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    assert!(doc["paths"]["/sessions/{session_id}/v1/chat/completions"]["post"].is_object());
+    let r = e.http.get(format!("{}/docs", e.base)).send().await.expect("get");
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().is_ok_and(|t| t.starts_with("text/html")));
+    let html = r.text().await.expect("body");
+    assert!(html.contains("href=\"/openapi.json\""), "{html}");
+    // Methods the proxy does not take are refused, as rLLM's FastAPI routes do.
+    let r = e.http.put(format!("{}/v1/models", e.base)).send().await.expect("put");
+    assert_eq!(r.status(), 405);
+}
