@@ -3,6 +3,7 @@
 //! the training-side control API, and the bridge to the blocking store.
 
 use crate::capture::{self, CallFacts, Injection, StreamAssembly};
+use crate::config::UPSTREAM_RETRY_BACKOFF_MS;
 use crate::json::{self, Obj};
 use crate::metrics::Metrics;
 use crate::routes::{self, Miss, Route};
@@ -875,15 +876,10 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         Some(p) => Bytes::from(p.raw.get().to_owned()),
         None => body,
     };
-    let Some(lease) = app.router.route(sid.as_deref()) else {
+    let Some(mut lease) = app.router.route(sid.as_deref()) else {
         app.metrics.calls_no_worker.fetch_add(1, Ordering::Relaxed);
         return error(StatusCode::SERVICE_UNAVAILABLE, "no healthy workers available");
     };
-    let mut url = lease.worker.target(&v1_path);
-    if let Some(q) = &query {
-        url.push('?');
-        url.push_str(q);
-    }
     app.metrics.request_bytes.fetch_add(forward_body.len() as u64, Ordering::Relaxed);
     let timeout = app.config.upstream_timeout();
     let mut headers = headers;
@@ -891,11 +887,47 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         // The body forwarded is JSON the gateway wrote (replaces the agent's header, never duplicates it).
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     }
-    let send = app.client.request(method, &url).headers(headers).body(forward_body).send();
-    let resp = match with_timeout(timeout, send).await {
-        None => return Upstream::TimedOut.response(&app),
-        Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
-        Some(Ok(r)) => r,
+    let mut retries = 0;
+    let resp = loop {
+        let mut url = lease.worker.target(&v1_path);
+        if let Some(q) = &query {
+            url.push('?');
+            url.push_str(q);
+        }
+        let send = app.client.request(method.clone(), &url).headers(headers.clone()).body(forward_body.clone()).send();
+        match with_timeout(timeout, send).await {
+            // A timeout may have come after the request was sent: never retried.
+            None => return Upstream::TimedOut.response(&app),
+            Some(Ok(r)) => {
+                if retries > 0 && !lease.worker.healthy.load(Ordering::Acquire) {
+                    app.router.report_health(&lease.worker, true);
+                }
+                break r;
+            }
+            // Connecting failed, so no byte of the request left: sending it
+            // again cannot duplicate a generation. Any other error may come
+            // after the upstream got the request, and is never retried.
+            Some(Err(e)) if e.is_connect() => {
+                app.router.report_unreachable(&lease.worker);
+                tracing::warn!(worker = %lease.worker.url, error = %e, "cannot connect to the worker; marked unhealthy");
+                if retries >= app.config.upstream_connect_retries {
+                    return Upstream::Failed(e.to_string()).response(&app);
+                }
+                retries += 1;
+                app.metrics.upstream_connect_retries.fetch_add(1, Ordering::Relaxed);
+                let failed = lease.worker.clone();
+                drop(lease);
+                lease = match app.router.route(sid.as_deref()) {
+                    Some(other) => other,
+                    None => {
+                        // No healthy worker left: the same one again, after a pause.
+                        tokio::time::sleep(Duration::from_millis(UPSTREAM_RETRY_BACKOFF_MS * u64::from(retries))).await;
+                        app.router.lease(failed)
+                    }
+                };
+            }
+            Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
+        }
     };
     let stream = prepared.as_ref().is_some_and(|p| p.stream);
     if stream && resp.status().is_success() {
