@@ -18,7 +18,6 @@ The tests themselves are rLLM's, unchanged (see compat/README.md).
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import signal
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import yaml
 import rllm_model_gateway
 import rllm_model_gateway.server
 import tests.helpers.gateway_server as gateway_server_module
@@ -46,30 +46,15 @@ def _binary() -> str:
     return path
 
 
-def _serve_toml(config) -> str:
-    """rLLM's `GatewayConfig` as `trajlog serve`'s TOML config (docs/serve.md).
+def _serve_yaml(config) -> str:
+    """rLLM's `GatewayConfig`, every key as rLLM holds it, as `trajlog serve`'s YAML config.
 
-    JSON string, number and boolean literals are valid TOML ones. The store is
-    always a fresh trajlog directory (`--store`), whatever rLLM's
-    `store_worker`/`db_path` say; `sync_traces` picks the durability.
+    `trajlog serve --config gateway.yaml` reads rLLM's keys itself (docs/serve.md):
+    `sync_traces` picks the durability, `health_check_interval` the health checks.
+    The store is always a fresh trajlog directory given with `--store DIR`, which
+    overrides rLLM's `store_worker`/`db_path` (trajlog logs that it ignores them).
     """
-    c = config.model_dump(mode="json")
-    if c.get("cumulative_token_mode"):
-        raise RuntimeError("cumulative_token_mode is out of scope for trajlog serve")
-    top = {
-        "add_logprobs": c["add_logprobs"],
-        "add_return_token_ids": c["add_return_token_ids"],
-        "strip_vllm_fields": c["strip_vllm_fields"],
-        "health_check_interval_s": float(c["health_check_interval"]),
-        "durability": "sync" if c["sync_traces"] else "async",
-    }
-    if c.get("model"):
-        top["model"] = c["model"]
-    lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
-    for w in c["workers"]:
-        lines.append("[[workers]]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in w.items() if v not in (None, "")]
-    return "\n".join(lines) + "\n"
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
 
 
 _RUNNING: list["_ServeProcess"] = []
@@ -80,8 +65,8 @@ class _ServeProcess:
 
     def __init__(self, config, host: str, port: int) -> None:
         self.tmp = tempfile.mkdtemp(prefix="trajlog-serve-")
-        config_path = Path(self.tmp) / "gateway.toml"
-        config_path.write_text(_serve_toml(config))
+        config_path = Path(self.tmp) / "gateway.yaml"
+        config_path.write_text(_serve_yaml(config))
         store = Path(self.tmp) / "store"
         self.log_path = Path(self.tmp) / "serve.log"
         self.log = open(self.log_path, "wb")

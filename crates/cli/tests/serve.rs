@@ -1,6 +1,8 @@
 //! `trajlog serve` and `trajlog mock-vllm` as real processes: a SIGKILL of
 //! the gateway under concurrent load loses no acknowledged trace
-//! (`--durability sync`), and SIGTERM drains and flushes (`--durability async`).
+//! (`--durability sync`), SIGTERM drains and flushes (`--durability async`),
+//! and rLLM's ways of configuring and launching its gateway (a YAML config,
+//! `RLLM_GATEWAY_*` variables, `GatewayManager`'s command line) work unchanged.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -13,14 +15,28 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// rLLM's variables, which `trajlog serve` reads: set only where a test says so.
+const RLLM_ENV: &[&str] =
+    &["RLLM_GATEWAY_HOST", "RLLM_GATEWAY_PORT", "RLLM_GATEWAY_DB_PATH", "RLLM_GATEWAY_LOG_LEVEL", "RLLM_GATEWAY_STORE"];
+
+/// `trajlog <args>` with `env` as the only `RLLM_GATEWAY_*` variables.
+fn trajlog(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trajlog"));
+    cmd.args(args);
+    for k in RLLM_ENV {
+        cmd.env_remove(k);
+    }
+    cmd.envs(env.iter().copied());
+    cmd
+}
+
 /// Spawn `trajlog <args>` and read its `listening on http://ADDR` line.
 fn spawn(args: &[&str]) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn trajlog");
+    spawn_with(args, &[], Stdio::null())
+}
+
+fn spawn_with(args: &[&str], env: &[(&str, &str)], stderr: Stdio) -> (Child, String) {
+    let mut child = trajlog(args, env).stdout(Stdio::piped()).stderr(stderr).spawn().expect("spawn trajlog");
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read the listening line");
     let addr = line.trim().rsplit("http://").next().expect("address").to_owned();
@@ -177,4 +193,117 @@ fn sigterm_drains_and_flushes() {
     let _ = mock.wait();
     let store = trajlog::Store::open_read_only(&store).expect("reopen");
     assert_eq!(store.snapshot().session("term", None, None).expect("read").len(), 5);
+}
+
+fn sigterm(child: &mut Child) -> Option<i32> {
+    let term = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("run kill");
+    assert!(term.success());
+    child.wait().expect("wait").code()
+}
+
+#[test]
+fn rllm_yaml_config_then_env_then_flags() {
+    let dir = common::tempdir();
+    let store = dir.path().join("traces");
+    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
+    // rLLM's GatewayConfig keys as rLLM writes them; the port and host are overridden below.
+    let yaml = format!(
+        "host: 0.0.0.0\nport: 9\ndb_path: {}\nstore_worker: sqlite\nlog_level: WARNING\nsync_traces: true\n\
+         health_check_interval: 10.0\nadd_logprobs: true\nadd_return_token_ids: true\nstrip_vllm_fields: true\n\
+         model: null\nrouting_policy: null\ncumulative_token_mode: false\nrenderer_family: auto\n\
+         workers:\n  - url: http://{mock_addr}/v1\n    model_name: mock-model\n    worker_id: ''\n",
+        store.display()
+    );
+    let config = dir.path().join("gateway.yaml");
+    std::fs::write(&config, yaml).expect("write config");
+    let (mut gw, addr) = spawn_with(
+        &["serve", "--config", config.to_str().expect("utf-8"), "--host", "127.0.0.1"],
+        &[("RLLM_GATEWAY_PORT", "0"), ("RLLM_GATEWAY_LOG_LEVEL", "ERROR")],
+        Stdio::null(),
+    );
+    assert!(addr.starts_with("127.0.0.1:"), "the flag's host over the file's: {addr}");
+    assert!(!addr.ends_with(":9"), "the variable's port over the file's: {addr}");
+    let (s, body) =
+        http(&addr, "POST", "/sessions/yaml/v1/chat/completions", &chat("from yaml", 3).to_string()).expect("answers");
+    assert_eq!(s, 200, "{body}");
+    let (s, workers) = http(&addr, "GET", "/admin/workers", "").expect("answers");
+    assert_eq!(s, 200);
+    let workers: Value = serde_json::from_str(&workers).expect("json");
+    assert_eq!(workers[0]["worker_id"], "0", "an empty worker_id is the index, as in rLLM");
+    assert_eq!(workers[0]["api_path"], "/v1");
+    assert_eq!(sigterm(&mut gw), Some(0));
+    let _ = mock.kill();
+    let _ = mock.wait();
+    let store = trajlog::Store::open_read_only(&store).expect("db_path is the store directory");
+    assert_eq!(store.snapshot().session("yaml", None, None).expect("read").len(), 1);
+}
+
+#[test]
+fn rllm_gateway_manager_command_line_runs_on_a_temporary_store() {
+    // rLLM's GatewayManager starts its gateway as `--host H --port P --store memory --model M`
+    // and registers workers afterwards through POST /admin/workers.
+    let dir = common::tempdir();
+    let log = dir.path().join("serve.log");
+    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
+    let (mut gw, addr) = spawn_with(
+        &["serve", "--host", "127.0.0.1", "--port", "0", "--store", "memory", "--model", "mock-model"],
+        &[],
+        Stdio::from(std::fs::File::create(&log).expect("log file")),
+    );
+    let worker = serde_json::json!({"url": format!("http://{mock_addr}/v1")}).to_string();
+    assert_eq!(http(&addr, "POST", "/admin/workers", &worker).map(|r| r.0), Some(200));
+    let (s, body) =
+        http(&addr, "POST", "/sessions/mem/v1/chat/completions", &chat("memory", 2).to_string()).expect("answers");
+    assert_eq!(s, 200, "{body}");
+    let (s, traces) = http(&addr, "GET", "/sessions/mem/traces", "").expect("answers");
+    assert_eq!(s, 200);
+    assert_eq!(serde_json::from_str::<Value>(&traces).expect("json").as_array().map(Vec::len), Some(1));
+    assert_eq!(sigterm(&mut gw), Some(0));
+    let _ = mock.kill();
+    let _ = mock.wait();
+    let log = std::fs::read_to_string(&log).expect("read log");
+    let temp = log
+        .split_whitespace()
+        .find(|w| w.contains("trajlog-serve-"))
+        .map(|w| w.trim_end_matches(','))
+        .unwrap_or_else(|| panic!("the log names the temporary store: {log}"));
+    assert!(!std::path::Path::new(temp).exists(), "the temporary store {temp} is removed on exit");
+}
+
+#[test]
+fn config_errors_name_the_key_and_exit_2() {
+    let dir = common::tempdir();
+    let path = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).expect("write");
+        p.to_string_lossy().into_owned()
+    };
+    /// Arguments after `serve`, `RLLM_GATEWAY_*` variables, what stderr must contain.
+    type Case<'a> = (Vec<String>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["--config".into(), path("ctm.yaml", "store: /tmp/x\ncumulative_token_mode: true\n")],
+            vec![],
+            "cumulative_token_mode (config ",
+        ),
+        (vec!["--config".into(), path("unknown.yml", "store: /tmp/x\nbogus_key: 1\n")], vec![], "`bogus_key`"),
+        (vec!["--config".into(), path("bad.toml", "stor = \"/tmp/x\"\n")], vec![], "`stor`"),
+        (vec!["--config".into(), path("gw.json", "{}")], vec![], "name the file .yaml or .yml"),
+        (vec!["--store".into(), "memory".into()], vec![("RLLM_GATEWAY_PORT", "http")], "RLLM_GATEWAY_PORT: \"http\""),
+        (vec!["--db-path".into(), "/tmp/x".into()], vec![("RLLM_GATEWAY_STORE", "redis")], "RLLM_GATEWAY_STORE"),
+        (
+            vec!["--store".into(), "memory".into(), "--cumulative-token-mode".into()],
+            vec![],
+            "--cumulative-token-mode: ",
+        ),
+        (vec![], vec![], "a store directory is required"),
+    ];
+    for (args, env, want) in cases {
+        let mut argv = vec!["serve"];
+        argv.extend(args.iter().map(String::as_str));
+        let out = trajlog(&argv, &env).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{argv:?}: {err}");
+        assert!(err.contains(want), "{argv:?}: {err}");
+    }
 }

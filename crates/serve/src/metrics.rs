@@ -19,6 +19,8 @@ pub struct Metrics {
     pub traces_failed: AtomicU64,
     pub request_bytes: AtomicU64,
     pub response_bytes: AtomicU64,
+    /// Calls sent again after a connection to a worker failed (nothing sent).
+    pub upstream_connect_retries: AtomicU64,
     /// Traces handed to the store and not yet acknowledged.
     pub queue_depth: AtomicI64,
     latency_buckets: [AtomicU64; 14],
@@ -60,6 +62,12 @@ impl Metrics {
         let _ = writeln!(out, "# TYPE trajlog_serve_bytes_total counter");
         let _ = writeln!(out, "trajlog_serve_bytes_total{{direction=\"request\"}} {}", g(&self.request_bytes));
         let _ = writeln!(out, "trajlog_serve_bytes_total{{direction=\"response\"}} {}", g(&self.response_bytes));
+        let _ = writeln!(
+            out,
+            "# HELP trajlog_serve_upstream_connect_retries_total Calls sent again after connecting to a worker failed."
+        );
+        let _ = writeln!(out, "# TYPE trajlog_serve_upstream_connect_retries_total counter");
+        let _ = writeln!(out, "trajlog_serve_upstream_connect_retries_total {}", g(&self.upstream_connect_retries));
         let _ = writeln!(out, "# HELP trajlog_serve_queue_depth Traces handed to the store and not yet acknowledged.");
         let _ = writeln!(out, "# TYPE trajlog_serve_queue_depth gauge");
         let _ = writeln!(out, "trajlog_serve_queue_depth {}", self.queue_depth.load(Ordering::Relaxed));

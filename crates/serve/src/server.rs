@@ -1,10 +1,12 @@
-//! The HTTP side: one dispatcher over the decoded path (rLLM's routes and
-//! its session-id rule, contract §1), the agent proxy (plain and streaming),
+//! The HTTP side: one dispatcher over the routes of `routes.rs` (rLLM's
+//! routes and its session-id rule, contract §1), the agent proxy (plain and streaming),
 //! the training-side control API, and the bridge to the blocking store.
 
 use crate::capture::{self, CallFacts, Injection, StreamAssembly};
+use crate::config::UPSTREAM_RETRY_BACKOFF_MS;
 use crate::json::{self, Obj};
 use crate::metrics::Metrics;
+use crate::routes::{self, Miss, Route};
 use crate::workers::{split_url, Lease, Router, Worker};
 use crate::{Config, DurabilityMode};
 use axum::body::{Body, Bytes};
@@ -112,7 +114,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
     for (i, w) in config.workers.iter().enumerate() {
         router.add(make_worker(
             w.url.clone(),
-            w.worker_id.clone().unwrap_or_else(|| i.to_string()),
+            w.worker_id.clone().filter(|id| !id.is_empty()).unwrap_or_else(|| i.to_string()),
             w.api_path.clone(),
             w.model_name.clone(),
             w.weight,
@@ -249,22 +251,6 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// rLLM's `/sessions/(.+?)(/v1(?:/.*)?)$`: the shortest session id that leaves
-/// a `/v1` or `/v1/...` tail.
-fn split_session_path(path: &str) -> Option<(&str, &str)> {
-    let rest = path.strip_prefix("/sessions/")?;
-    let mut from = 1;
-    while from <= rest.len() {
-        let i = from + rest.get(from..)?.find("/v1")?;
-        let tail = &rest[i..];
-        if tail.len() == 3 || tail.as_bytes().get(3) == Some(&b'/') {
-            return Some((&rest[..i], tail));
-        }
-        from = i + 1;
-    }
-    None
-}
-
 fn query_params(q: Option<&str>) -> Vec<(String, String)> {
     q.unwrap_or("")
         .split('&')
@@ -305,100 +291,104 @@ fn window(q: &[(String, String)]) -> Result<Window, Response> {
 }
 
 async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
-    let method = req.method().clone();
     let path = percent_decode(req.uri().path());
+    let (route, params) = match routes::classify(req.method().as_str(), &path) {
+        Ok(m) => m,
+        Err(Miss::NotFound) => return not_found(),
+        Err(Miss::MethodNotAllowed) => {
+            return json_response(StatusCode::METHOD_NOT_ALLOWED, "{\"detail\":\"Method Not Allowed\"}".into())
+        }
+    };
     let query = req.uri().query().map(str::to_owned);
-    if let Some((sid, tail)) = split_session_path(&path) {
-        return proxy(app, Some(sid.to_owned()), tail.to_owned(), query, req).await;
-    }
-    if path == "/v1" || path.starts_with("/v1/") {
-        return proxy(app, None, path.clone(), query, req).await;
+    if route.is_proxy() {
+        let sid = params.session_id.map(str::to_owned);
+        let v1_path = params.v1_path.unwrap_or("/v1").to_owned();
+        return proxy(app, sid, v1_path, query, req).await;
     }
     let q = query_params(query.as_deref());
     let body = match axum::body::to_bytes(req.into_body(), app.config.request_bytes_max).await {
         Ok(b) => b,
         Err(e) => return error(StatusCode::PAYLOAD_TOO_LARGE, format!("request body: {e}")),
     };
-    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match (&method, segs.as_slice()) {
-        (&Method::GET, ["health"]) => ok_json("{\"status\":\"ok\"}".into()),
-        (&Method::GET, ["health", "workers"]) => {
+    let sid = params.session_id.unwrap_or("");
+    let id = params.id.unwrap_or("");
+    match route {
+        // Forwarded above, before the body is read.
+        Route::SessionChat
+        | Route::SessionCompletions
+        | Route::SessionProxy
+        | Route::SessionProxyRoot
+        | Route::Proxy
+        | Route::ProxyRoot => not_found(),
+        Route::Health => ok_json("{\"status\":\"ok\"}".into()),
+        Route::HealthWorkers => {
             let ws = app.router.list();
             let healthy = ws.iter().filter(|w| w.healthy.load(Ordering::Relaxed)).count();
             let items =
                 json::join_list(ws.iter().map(|w| w.info_json()).collect::<Vec<_>>().iter().map(String::as_str));
             ok_json(format!("{{\"workers\":{items},\"healthy\":{healthy},\"total\":{}}}", ws.len()))
         }
-        (&Method::GET, ["metrics"]) => {
+        Route::Metrics => {
             let mut r = Response::new(Body::from(app.metrics.render()));
             r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
             r
         }
-        (&Method::POST, ["sessions"]) => create_session(&app, &body),
-        (&Method::GET, ["sessions"]) => match window(&q) {
+        Route::OpenApi => ok_json(routes::OPENAPI_JSON.to_owned()),
+        Route::Docs => match routes::docs_html() {
+            Ok(html) => {
+                let mut r = Response::new(Body::from(html));
+                r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+                r
+            }
+            Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
+        },
+        Route::CreateSession => create_session(&app, &body),
+        Route::ListSessions => match window(&q) {
             Ok(w) => list_sessions(&app, w).await,
             Err(r) => r,
         },
-        (&Method::POST, ["sessions", "batch_delete"]) => batch_delete(&app, &body).await,
-        (&Method::POST, ["traces", "query"]) => query_traces(&app, &body).await,
-        (&Method::GET, ["traces", id]) => get_trace(&app, id).await,
-        (&Method::POST, ["traces", id, "reward"]) => set_reward(&app, Target::Trace((*id).to_owned()), &body).await,
-        (&Method::POST, ["admin", "flush"]) => flush(&app).await,
-        (&Method::POST, ["admin", "reload"]) => ok_json("{\"status\":\"ok\"}".into()),
-        (&Method::GET, ["admin", "weight_version"]) => {
+        Route::BatchDelete => batch_delete(&app, &body).await,
+        Route::GetSession => get_session(&app, sid).await,
+        Route::DeleteSession => match delete_sessions(&app, vec![sid.to_owned()]).await {
+            Ok(n) => ok_json(format!("{{\"deleted\":{n}}}")),
+            Err(r) => r,
+        },
+        Route::SessionTraces => match window(&q) {
+            Ok(w) => session_traces(&app, sid, w).await,
+            Err(r) => r,
+        },
+        Route::SealSession => {
+            let (store, sid2) = (app.store.clone(), sid.to_owned());
+            match blocking(move || store.seal_session(&sid2)).await {
+                Ok(()) => ok_json(format!("{{\"sealed\":{}}}", json::string(sid))),
+                Err(e) => store_error(e),
+            }
+        }
+        Route::SessionReward => set_reward(&app, Target::Session(sid.to_owned()), &body).await,
+        Route::QueryTraces => query_traces(&app, &body).await,
+        Route::GetTrace => get_trace(&app, id).await,
+        Route::TraceReward => set_reward(&app, Target::Trace(id.to_owned()), &body).await,
+        Route::Flush => flush(&app).await,
+        Route::Reload => ok_json("{\"status\":\"ok\"}".into()),
+        Route::GetWeightVersion => {
             let wv = *lock(&app.weight_version);
             ok_json(format!("{{\"weight_version\":{}}}", wv.map(|w| w.to_string()).unwrap_or_else(|| "null".into())))
         }
-        (&Method::POST, ["admin", "weight_version"]) => set_weight_version(&app, &body),
-        (&Method::GET, ["admin", "workers"]) => ok_json(json::join_list(
+        Route::SetWeightVersion => set_weight_version(&app, &body),
+        Route::ListWorkers => ok_json(json::join_list(
             app.router.list().iter().map(|w| w.info_json()).collect::<Vec<_>>().iter().map(String::as_str),
         )),
-        (&Method::POST, ["admin", "workers"]) => add_worker(&app, &body),
-        (&Method::DELETE, ["admin", "workers", id]) => {
+        Route::AddWorker => add_worker(&app, &body),
+        Route::RemoveWorker => {
             if app.router.remove(id) {
                 ok_json(format!("{{\"removed\":{}}}", json::string(id)))
             } else {
                 error(StatusCode::NOT_FOUND, format!("Worker {id} not found"))
             }
         }
-        (&Method::POST, ["admin", "compact"]) => compact(&app).await,
-        (&Method::GET, ["admin", "audit"]) => audit(&app).await,
-        _ => session_routes(&app, &method, &path, &q, &body).await,
+        Route::Compact => compact(&app).await,
+        Route::Audit => audit(&app).await,
     }
-}
-
-/// The `/sessions/{sid:path}...` routes, matched as rLLM declares them:
-/// `.../traces` first, then the session itself.
-async fn session_routes(app: &Arc<App>, method: &Method, path: &str, q: &[(String, String)], body: &Bytes) -> Response {
-    let Some(rest) = path.strip_prefix("/sessions/").filter(|r| !r.is_empty()) else { return not_found() };
-    if *method == Method::GET {
-        if let Some(sid) = rest.strip_suffix("/traces").filter(|s| !s.is_empty()) {
-            return match window(q) {
-                Ok(w) => session_traces(app, sid, w).await,
-                Err(r) => r,
-            };
-        }
-        return get_session(app, rest).await;
-    }
-    if *method == Method::DELETE {
-        return match delete_sessions(app, vec![rest.to_owned()]).await {
-            Ok(n) => ok_json(format!("{{\"deleted\":{n}}}")),
-            Err(r) => r,
-        };
-    }
-    if *method == Method::POST {
-        if let Some(sid) = rest.strip_suffix("/seal").filter(|s| !s.is_empty()) {
-            let (store, sid2) = (app.store.clone(), sid.to_owned());
-            return match blocking(move || store.seal_session(&sid2)).await {
-                Ok(()) => ok_json(format!("{{\"sealed\":{}}}", json::string(sid))),
-                Err(e) => store_error(e),
-            };
-        }
-        if let Some(sid) = rest.strip_suffix("/reward").filter(|s| !s.is_empty()) {
-            return set_reward(app, Target::Session(sid.to_owned()), body).await;
-        }
-    }
-    json_response(StatusCode::METHOD_NOT_ALLOWED, "{\"detail\":\"Method Not Allowed\"}".into())
 }
 
 // ---------------------------------------------------------------- the store bridge
@@ -886,15 +876,10 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         Some(p) => Bytes::from(p.raw.get().to_owned()),
         None => body,
     };
-    let Some(lease) = app.router.route(sid.as_deref()) else {
+    let Some(mut lease) = app.router.route(sid.as_deref()) else {
         app.metrics.calls_no_worker.fetch_add(1, Ordering::Relaxed);
         return error(StatusCode::SERVICE_UNAVAILABLE, "no healthy workers available");
     };
-    let mut url = lease.worker.target(&v1_path);
-    if let Some(q) = &query {
-        url.push('?');
-        url.push_str(q);
-    }
     app.metrics.request_bytes.fetch_add(forward_body.len() as u64, Ordering::Relaxed);
     let timeout = app.config.upstream_timeout();
     let mut headers = headers;
@@ -902,11 +887,47 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         // The body forwarded is JSON the gateway wrote (replaces the agent's header, never duplicates it).
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     }
-    let send = app.client.request(method, &url).headers(headers).body(forward_body).send();
-    let resp = match with_timeout(timeout, send).await {
-        None => return Upstream::TimedOut.response(&app),
-        Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
-        Some(Ok(r)) => r,
+    let mut retries = 0;
+    let resp = loop {
+        let mut url = lease.worker.target(&v1_path);
+        if let Some(q) = &query {
+            url.push('?');
+            url.push_str(q);
+        }
+        let send = app.client.request(method.clone(), &url).headers(headers.clone()).body(forward_body.clone()).send();
+        match with_timeout(timeout, send).await {
+            // A timeout may have come after the request was sent: never retried.
+            None => return Upstream::TimedOut.response(&app),
+            Some(Ok(r)) => {
+                if retries > 0 && !lease.worker.healthy.load(Ordering::Acquire) {
+                    app.router.report_health(&lease.worker, true);
+                }
+                break r;
+            }
+            // Connecting failed, so no byte of the request left: sending it
+            // again cannot duplicate a generation. Any other error may come
+            // after the upstream got the request, and is never retried.
+            Some(Err(e)) if e.is_connect() => {
+                app.router.report_unreachable(&lease.worker);
+                tracing::warn!(worker = %lease.worker.url, error = %e, "cannot connect to the worker; marked unhealthy");
+                if retries >= app.config.upstream_connect_retries {
+                    return Upstream::Failed(e.to_string()).response(&app);
+                }
+                retries += 1;
+                app.metrics.upstream_connect_retries.fetch_add(1, Ordering::Relaxed);
+                let failed = lease.worker.clone();
+                drop(lease);
+                lease = match app.router.route(sid.as_deref()) {
+                    Some(other) => other,
+                    None => {
+                        // No healthy worker left: the same one again, after a pause.
+                        tokio::time::sleep(Duration::from_millis(UPSTREAM_RETRY_BACKOFF_MS * u64::from(retries))).await;
+                        app.router.lease(failed)
+                    }
+                };
+            }
+            Some(Err(e)) => return Upstream::Failed(e.to_string()).response(&app),
+        }
     };
     let stream = prepared.as_ref().is_some_and(|p| p.stream);
     if stream && resp.status().is_success() {
@@ -1149,17 +1170,6 @@ fn sse_line(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn session_path_rule() {
-        assert_eq!(
-            split_session_path("/sessions/harbor/hello-world:0/v1/chat/completions"),
-            Some(("harbor/hello-world:0", "/v1/chat/completions"))
-        );
-        assert_eq!(split_session_path("/sessions/s/v1"), Some(("s", "/v1")));
-        assert_eq!(split_session_path("/sessions/a/v1x/v1/models"), Some(("a/v1x", "/v1/models")));
-        assert_eq!(split_session_path("/sessions/s/traces"), None);
-    }
 
     #[test]
     fn decode() {

@@ -2,7 +2,10 @@
 //!
 //! A session is pinned to the worker that served its first call (prefix-cache
 //! affinity); a new session, or one whose worker is unhealthy or gone, goes to
-//! the least-loaded healthy worker (ties: the first registered). Any add or
+//! the least-loaded healthy worker (ties: the first registered). A worker is
+//! unhealthy after [`HEALTH_FAILURES_MAX`] failed health checks, or at once
+//! when a connection to it fails; healthy again after a health check or a
+//! call that succeeds. Any add or
 //! remove clears the pins, as rLLM does. The pin map is bounded
 //! ([`STICKY_SESSIONS_MAX`]); when full, it is cleared rather than grown.
 
@@ -150,6 +153,20 @@ impl Router {
         };
         worker.active.fetch_add(1, Ordering::AcqRel);
         Some(Lease { worker })
+    }
+
+    /// Count another call in flight on `worker`, whatever its health (a
+    /// connection retry that has no other worker to go to).
+    pub fn lease(&self, worker: Arc<Worker>) -> Lease {
+        worker.active.fetch_add(1, Ordering::AcqRel);
+        Lease { worker }
+    }
+
+    /// A connection to `w` failed: unhealthy at once (no new session goes
+    /// to it, pinned ones move) until a health check or a call succeeds.
+    pub fn report_unreachable(&self, w: &Worker) {
+        w.failures.store(HEALTH_FAILURES_MAX, Ordering::Release);
+        w.healthy.store(false, Ordering::Release);
     }
 
     /// Record one health check result.

@@ -554,13 +554,15 @@ async fn no_worker_is_a_clear_error() {
 
 #[test]
 fn config_toml() {
-    let c = Config::from_toml(
+    let s = trajlog_serve::Settings::from_toml(
         "store = \"/tmp/s\"\nport = 0\ndurability = \"async\"\nmodel = \"m\"\n[[workers]]\nurl = \"http://h:8000/v1\"\n",
     )
     .expect("parses");
+    let c =
+        trajlog_serve::config::resolve(&[(trajlog_serve::Source::File("gw.toml".into()), s)]).expect("resolves").config;
     assert_eq!(c.durability, DurabilityMode::Async);
     assert_eq!(c.workers[0].url, "http://h:8000/v1");
-    assert!(Config::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
+    assert!(trajlog_serve::Settings::from_toml("bogus = 1").is_err_and(|e| e.contains("bogus")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -625,4 +627,106 @@ async fn large_requests_pass_the_body_limit_of_the_http_stack() {
     assert_eq!(s, 200, "{}", &body[..body.len().min(200)]);
     let t: Value = serde_json::from_str(&e.traces_text("big").await).expect("json");
     assert_eq!(t[0]["messages"][0]["content"].as_str().map(str::len), Some(5 << 20));
+}
+
+fn dead_worker(id: &str, url: &str) -> trajlog_serve::WorkerConfig {
+    trajlog_serve::WorkerConfig {
+        url: url.into(),
+        worker_id: Some(id.into()),
+        api_path: None,
+        model_name: None,
+        weight: None,
+    }
+}
+
+/// Nothing listens on port 1: connecting is refused before any byte is sent.
+const DEAD: &str = "http://127.0.0.1:1";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_retried_on_another_worker_and_captured_once() {
+    // The dead worker is registered first, so the new session is pinned to it
+    // (least-loaded ties go to the first registered); health checks are far apart.
+    let e = env_with(|c| c.workers.insert(0, dead_worker("dead", DEAD))).await;
+    let w = e.get_json("/health/workers").await;
+    assert_eq!((w["healthy"].as_u64(), w["workers"][0]["worker_id"].as_str()), (Some(2), Some("dead")));
+    let req = chat("retry me", 3);
+    let (s, body) = e.post("/sessions/retry/v1/chat/completions", &req).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(e.mock.requests().len(), 1, "the live worker got the call once");
+    let traces: Value = serde_json::from_str(&e.traces_text("retry").await).expect("json");
+    assert_eq!(traces.as_array().map(Vec::len), Some(1), "captured exactly once");
+    let forwarded: Value = serde_json::from_str(&e.mock.requests()[0]).expect("json");
+    assert_exact(&traces[0], &mock::plan(&forwarded, ""));
+    let w = e.get_json("/health/workers").await;
+    assert_eq!((w["workers"][0]["healthy"].as_bool(), w["healthy"].as_u64()), (Some(false), Some(1)), "{w}");
+    let metrics = e.get("/metrics").await.1;
+    assert!(metrics.contains("trajlog_serve_upstream_connect_retries_total 1\n"), "{metrics}");
+    // The session now stays on the live worker: no more retries.
+    let (s, body) = e.post("/sessions/retry/v1/chat/completions", &chat("again", 2)).await;
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(e.mock.requests().len(), 2);
+    assert_eq!(split_list(&e.traces_text("retry").await).len(), 2);
+    assert!(e.get("/metrics").await.1.contains("trajlog_serve_upstream_connect_retries_total 1\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_retries_are_bounded_and_record_nothing() {
+    // Two dead workers (two URLs of one closed port), one retry: the second
+    // attempt goes to the other worker, then the call fails.
+    let e = env_with(|c| {
+        c.workers = vec![dead_worker("a", DEAD), dead_worker("b", "http://localhost:1")];
+        c.upstream_connect_retries = 1;
+    })
+    .await;
+    let (s, body) = e.post("/sessions/none/v1/chat/completions", &chat("nobody home", 2)).await;
+    assert_eq!(s, 502, "{body}");
+    assert!(body.contains("upstream request failed"), "{body}");
+    assert!(e.get("/metrics").await.1.contains("trajlog_serve_upstream_connect_retries_total 1\n"));
+    assert_eq!(e.get("/sessions/none/traces").await.1, "[]");
+    let w = e.get_json("/health/workers").await;
+    assert_eq!(w["healthy"], 0, "both tried, both marked unhealthy: {w}");
+    // Later calls are refused at once, not sent.
+    let (s, body) = e.post("/sessions/none/v1/chat/completions", &chat("nobody home", 2)).await;
+    assert_eq!((s, body.as_str()), (503, "{\"error\":\"no healthy workers available\"}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_dead_worker_is_tried_again_after_a_pause_then_the_call_fails() {
+    let e = env_with(|c| c.workers = vec![dead_worker("only", DEAD)]).await;
+    let (s, body) = e.post("/sessions/lone/v1/chat/completions", &chat("anyone", 2)).await;
+    assert_eq!(s, 502, "{body}");
+    let retries = format!(
+        "trajlog_serve_upstream_connect_retries_total {}\n",
+        trajlog_serve::config::DEFAULT_UPSTREAM_CONNECT_RETRIES
+    );
+    assert!(e.get("/metrics").await.1.contains(&retries), "the default number of retries, on the same worker");
+    assert_eq!(e.get("/sessions/lone/traces").await.1, "[]");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_error_after_sending_is_not_retried() {
+    // A 500 from the upstream came after it got the request: passed through, never sent again.
+    let e = env().await;
+    let mut req = chat("fail", 2);
+    req["model"] = Value::from("mock-error-500");
+    let (s, _) = e.post("/sessions/err/v1/chat/completions", &req).await;
+    assert_eq!(s, 500);
+    assert_eq!(e.mock.requests().len(), 1);
+    assert!(e.get("/metrics").await.1.contains("trajlog_serve_upstream_connect_retries_total 0\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_and_docs_are_served() {
+    let e = env().await;
+    let doc = e.get_json("/openapi.json").await;
+    assert!(doc["openapi"].as_str().is_some_and(|v| v.starts_with("3.")));
+    assert!(doc["paths"]["/sessions/{session_id}/v1/chat/completions"]["post"].is_object());
+    let r = e.http.get(format!("{}/docs", e.base)).send().await.expect("get");
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().is_ok_and(|t| t.starts_with("text/html")));
+    let html = r.text().await.expect("body");
+    assert!(html.contains("href=\"/openapi.json\""), "{html}");
+    // Methods the proxy does not take are refused, as rLLM's FastAPI routes do.
+    let r = e.http.put(format!("{}/v1/models", e.base)).send().await.expect("put");
+    assert_eq!(r.status(), 405);
 }

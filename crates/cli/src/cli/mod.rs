@@ -254,10 +254,17 @@ enum Command {
         strict: bool,
     },
     /// Run the capture gateway (rLLM model gateway compatible) in front of inference workers.
+    ///
+    /// Settings come from the config file, then rLLM's RLLM_GATEWAY_HOST, _PORT, _DB_PATH,
+    /// _LOG_LEVEL and _STORE environment variables, then these flags (each overrides the one before).
     Serve {
-        /// Store directory (created if absent).
-        #[arg(long)]
-        store: Option<PathBuf>,
+        /// Store directory (created if absent); or rLLM's store kind: `memory` (a temporary store,
+        /// deleted on exit, unless a directory is given) or `sqlite` (the store is --db-path).
+        #[arg(long, value_name = "DIR|memory|sqlite")]
+        store: Option<String>,
+        /// The store directory when --store names none (rLLM's --db-path; here a directory, not a SQLite file).
+        #[arg(long, value_name = "DIR")]
+        db_path: Option<String>,
         /// Bind address [default: 127.0.0.1, or the config file's].
         #[arg(long)]
         host: Option<String>,
@@ -267,10 +274,10 @@ enum Command {
         /// Inference worker URL, e.g. http://127.0.0.1:8000/v1 (repeatable; replaces the config file's workers).
         #[arg(long = "worker", value_name = "URL")]
         workers: Vec<String>,
-        /// TOML config file (see docs/serve.md).
+        /// Config file: rLLM's YAML (.yaml, .yml) or TOML (.toml); see docs/serve.md.
         #[arg(long)]
         config: Option<PathBuf>,
-        /// sync: answer after the trace is durable; async: answer at once, durable on the next flush.
+        /// sync: answer after the trace is durable; async: answer at once, durable on the next flush [default: sync].
         #[arg(long, value_name = "sync|async")]
         durability: Option<String>,
         /// Pin the model name on every agent request.
@@ -279,9 +286,18 @@ enum Command {
         /// Upstream timeout in seconds (headers, then each body read); default: none.
         #[arg(long, value_name = "SECONDS")]
         upstream_timeout: Option<f64>,
-        /// error | warn | info | debug | trace (logs go to stderr).
-        #[arg(long, default_value = "info")]
-        log_level: String,
+        /// Retries of a call whose connection to a worker failed (nothing sent yet) [default: 2].
+        #[arg(long, value_name = "N")]
+        upstream_connect_retries: Option<u32>,
+        /// error | warn | info | debug | trace, any case (logs go to stderr) [default: info].
+        #[arg(long)]
+        log_level: Option<String>,
+        /// rLLM's cumulative-token mode: out of scope, refused with an explanation.
+        #[arg(long, hide = true)]
+        cumulative_token_mode: bool,
+        /// rLLM's renderer family (cumulative-token mode only): accepted and ignored.
+        #[arg(long, hide = true)]
+        renderer_family: Option<String>,
     },
     /// A deterministic vLLM-shaped mock inference server (tests and benchmarks).
     #[command(hide = true)]
@@ -333,19 +349,35 @@ pub fn main() -> i32 {
             ingest::import_rllm_sqlite(&db, &store, schema.as_deref(), !no_verify)
         }
         Command::Audit { store, json, strict } => shards::audit(&store, json, strict),
-        Command::Serve { store, host, port, workers, config, durability, model, upstream_timeout, log_level } => {
-            serve::run(serve::ServeArgs {
-                store,
-                host,
-                port,
-                workers,
-                config,
-                durability,
-                model,
-                upstream_timeout_s: upstream_timeout,
-                log_level,
-            })
-        }
+        Command::Serve {
+            store,
+            db_path,
+            host,
+            port,
+            workers,
+            config,
+            durability,
+            model,
+            upstream_timeout,
+            upstream_connect_retries,
+            log_level,
+            cumulative_token_mode,
+            renderer_family,
+        } => serve::run(serve::ServeArgs {
+            store,
+            db_path,
+            host,
+            port,
+            workers,
+            config,
+            durability,
+            model,
+            upstream_timeout_s: upstream_timeout,
+            upstream_connect_retries,
+            log_level,
+            cumulative_token_mode,
+            renderer_family,
+        }),
         Command::BenchGateway { sessions, turns, calls, completion_tokens, rllm_python, baseline_serve, dir, json } => {
             crate::bench_gateway::run(&crate::bench_gateway::Args {
                 sessions,

@@ -2,10 +2,12 @@
 //! `trajlog-serve` (the gateway and its vLLM mock).
 
 use std::path::PathBuf;
-use trajlog_serve::{Config, DurabilityMode, WorkerConfig};
+use trajlog_serve::config::{self, Settings, Source};
+use trajlog_serve::{DurabilityMode, WorkerConfig};
 
 pub(crate) struct ServeArgs {
-    pub store: Option<PathBuf>,
+    pub store: Option<String>,
+    pub db_path: Option<String>,
     pub host: Option<String>,
     pub port: Option<u16>,
     pub workers: Vec<String>,
@@ -13,10 +15,14 @@ pub(crate) struct ServeArgs {
     pub durability: Option<String>,
     pub model: Option<String>,
     pub upstream_timeout_s: Option<f64>,
-    pub log_level: String,
+    pub upstream_connect_retries: Option<u32>,
+    pub log_level: Option<String>,
+    pub cumulative_token_mode: bool,
+    pub renderer_family: Option<String>,
 }
 
-/// Config file first, then the flags on top (`--worker` replaces the file's workers, as in rLLM).
+/// The config file, then rLLM's `RLLM_GATEWAY_*` variables, then the flags
+/// (`--worker` replaces the file's workers, as in rLLM).
 pub(crate) fn run(a: ServeArgs) -> trajlog::Result<i32> {
     Ok(report("serve", run_inner(a)))
 }
@@ -32,24 +38,9 @@ fn report(cmd: &str, r: Result<(), String>) -> i32 {
     }
 }
 
-fn run_inner(a: ServeArgs) -> Result<(), String> {
-    trajlog_serve::init_logging(&a.log_level)?;
-    let mut c = match &a.config {
-        Some(path) => Config::from_toml_file(path)?,
-        None => Config::default(),
-    };
-    if let Some(s) = a.store {
-        c.store = s;
-    }
-    if let Some(h) = a.host {
-        c.host = h;
-    }
-    if let Some(p) = a.port {
-        c.port = p;
-    }
-    if !a.workers.is_empty() {
-        c.workers = a
-            .workers
+fn flag_settings(a: ServeArgs) -> Result<Settings, String> {
+    let workers = (!a.workers.is_empty()).then(|| {
+        a.workers
             .into_iter()
             .enumerate()
             .map(|(i, url)| WorkerConfig {
@@ -59,18 +50,36 @@ fn run_inner(a: ServeArgs) -> Result<(), String> {
                 model_name: None,
                 weight: None,
             })
-            .collect();
+            .collect()
+    });
+    let durability = a.durability.map(|d| d.parse::<DurabilityMode>().map_err(|e| format!("--durability: {e}")));
+    Ok(Settings {
+        store: a.store,
+        db_path: a.db_path,
+        host: a.host,
+        port: a.port,
+        workers,
+        durability: durability.transpose()?,
+        model: a.model,
+        upstream_timeout_s: a.upstream_timeout_s,
+        upstream_connect_retries: a.upstream_connect_retries,
+        log_level: a.log_level,
+        cumulative_token_mode: a.cumulative_token_mode.then_some(true),
+        renderer_family: a.renderer_family,
+        ..Settings::default()
+    })
+}
+
+fn run_inner(a: ServeArgs) -> Result<(), String> {
+    let mut layers = Vec::new();
+    if let Some(path) = &a.config {
+        layers.push((Source::File(path.clone()), Settings::from_file(path)?));
     }
-    if let Some(d) = a.durability {
-        c.durability = d.parse::<DurabilityMode>()?;
-    }
-    if a.model.is_some() {
-        c.model = a.model;
-    }
-    if a.upstream_timeout_s.is_some() {
-        c.upstream_timeout_s = a.upstream_timeout_s;
-    }
-    trajlog_serve::run_blocking(c)
+    // A value that is not UTF-8 is passed on lossily, so that it is refused by name rather than ignored.
+    let env = |k: &str| std::env::var_os(k).map(|v| v.to_string_lossy().into_owned());
+    layers.push((Source::Env, Settings::from_env(env)?));
+    layers.push((Source::Flags, flag_settings(a)?));
+    trajlog_serve::run_resolved(config::resolve(&layers)?)
 }
 
 pub(crate) fn mock(host: &str, port: u16) -> trajlog::Result<i32> {
