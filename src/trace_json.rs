@@ -59,12 +59,22 @@ fn parse_ids(field: &str, raw: &RawValue) -> Result<Vec<u32>> {
     Ok(out)
 }
 
-fn parse_logprobs(field: &str, raw: &RawValue) -> Result<Vec<f32>> {
+/// The logprob rule, the same for every way a trace comes in (a JSON line, a
+/// gateway capture, an rLLM import, a Python dict): the column holds each
+/// value's nearest `f32` (from the decimal text straight to `f32`), and
+/// `exact` says whether every value *is* that `f32` (a float literal whose
+/// value widening gives back, see [`exact_f32`]). When it is not, the caller
+/// also keeps the list verbatim in `extra`, and exports and dicts give the
+/// verbatim values back: the trainer gets float32 logprobs, the trace reads
+/// back as it came.
+fn parse_logprobs(field: &str, raw: &RawValue) -> Result<(Vec<f32>, bool)> {
     let items: Vec<&RawValue> = serde_json::from_str(raw.get())
         .map_err(|e| Error::invalid(field, format!("must be a list of numbers ({e})")))?;
     let mut out = Vec::with_capacity(items.len());
+    let mut exact = true;
     for (i, item) in items.iter().enumerate() {
         let text = item.get();
+        exact = exact && exact_f32(text).is_some();
         let is_number = text.starts_with(|c: char| c == '-' || c.is_ascii_digit());
         let v: f32 = if is_number { text.parse().map_err(|_| ()) } else { Err(()) }.map_err(|_| {
             Error::invalid(
@@ -77,7 +87,7 @@ fn parse_logprobs(field: &str, raw: &RawValue) -> Result<Vec<f32>> {
         }
         out.push(v);
     }
-    Ok(out)
+    Ok((out, exact))
 }
 
 fn parse_string(field: &str, raw: &RawValue) -> Result<String> {
@@ -121,6 +131,9 @@ fn raw_pairs<'a>(map: &'a RawMap<'_>) -> impl Iterator<Item = (&'a str, &'a str)
 }
 
 /// Parse one JSON trace (gateway or SDK shape). `now` fills a missing timestamp.
+/// Logprobs: the column holds each value's nearest `f32`; a list whose values
+/// are not all exactly `f32`s (a float literal widening gives back) is also
+/// kept verbatim, and exports give it back as it came.
 pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
     let (map, order) = object_in_order(line)?;
     // Top-level token lists mean the gateway shape (also for an exported SDK
@@ -129,16 +142,15 @@ pub fn parse_trace(line: &str, now: f64) -> Result<Call> {
     if !gateway && (map.contains_key("session_name") || map.get("input").is_some_and(|v| v.get().starts_with('{'))) {
         return parse_sdk(map, now);
     }
-    parse_gateway(map, &order, now, false).map(ValidCall::into_inner)
+    parse_gateway(map, &order, now).map(ValidCall::into_inner)
 }
 
-/// Parse one gateway-shaped trace for an exact migration: `logprobs` go to the
-/// column only when each is a float literal whose value is an `f32` (then
-/// widening gives Python the same floats back); otherwise they are kept
-/// verbatim with the other fields. Never takes the SDK shape.
+/// Parse one gateway-shaped trace (never the SDK shape; logprobs by the one
+/// rule of [`parse_trace`]: the column holds their nearest `f32`s, and values
+/// that are not exactly those stay verbatim in `extra` too).
 pub fn parse_gateway_exact(text: &str, now: f64) -> Result<Call> {
     let (map, order) = object_in_order(text)?;
-    parse_gateway(map, &order, now, true).map(ValidCall::into_inner)
+    parse_gateway(map, &order, now).map(ValidCall::into_inner)
 }
 
 /// [`parse_gateway_exact`] of a trace given as its members, in document
@@ -153,7 +165,7 @@ pub fn gateway_members_exact<'a>(
     now: f64,
 ) -> Result<ValidCall> {
     let (map, order) = dedup_members(members.into_iter().map(|(k, v)| (k.to_owned(), v)));
-    parse_gateway(map, &order, now, true)
+    parse_gateway(map, &order, now)
 }
 
 /// Members in document order into a map (a repeated key: the last value)
@@ -197,7 +209,7 @@ fn object_in_order(text: &str) -> Result<(RawMap<'_>, Vec<String>)> {
 /// Every JSON document of the call (`messages`, `response_message`,
 /// `metadata`, `extra`) is written from the parsed [`RawValue`]s, so the
 /// check does not parse them again ([`ValidCall`]).
-fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs: bool) -> Result<ValidCall> {
+fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64) -> Result<ValidCall> {
     let mut call = Call { timestamp: now, ..Default::default() };
     let mut extra = RawMap::new();
     let keys: Vec<String> = map.keys().cloned().collect();
@@ -226,13 +238,13 @@ fn parse_gateway(mut map: RawMap<'_>, order: &[String], now: f64, exact_logprobs
             "weight_version" => call.weight_version = Some(parse_i64("weight_version", v)?),
             "prompt_token_ids" => call.prompt_token_ids = parse_ids("prompt_token_ids", v)?,
             "completion_token_ids" => call.completion_token_ids = parse_ids("completion_token_ids", v)?,
-            "logprobs" if exact_logprobs => match self::exact_logprobs(v.get()) {
-                Some(lp) => call.logprobs = Some(lp),
-                None => {
+            "logprobs" => {
+                let (column, exact) = parse_logprobs("logprobs", v)?;
+                call.logprobs = Some(column);
+                if !exact {
                     extra.insert(key, v);
                 }
-            },
-            "logprobs" => call.logprobs = Some(parse_logprobs("logprobs", v)?),
+            }
             "finish_reason" => call.finish_reason = Some(parse_string("finish_reason", v)?),
             "latency_ms" => call.latency_ms = Some(parse_f64("latency_ms", v)?),
             "routing_matrices" => call.routing_matrices = Some(v.get().as_bytes().to_vec()),
@@ -339,8 +351,16 @@ fn parse_sdk(mut map: RawMap<'_>, now: f64) -> Result<Call> {
     {
         call.completion_token_ids = parse_ids("output.output_token_ids", &v)?;
     }
-    if let Some(v) = output.remove("rollout_logprobs").or_else(|| output.remove("logprobs")).filter(|v| !is_null(v)) {
-        call.logprobs = Some(parse_logprobs("output.rollout_logprobs", &v)?);
+    let found = match output.remove("rollout_logprobs") {
+        Some(v) => Some(("rollout_logprobs", v)),
+        None => output.remove("logprobs").map(|v| ("logprobs", v)),
+    };
+    if let Some((key, v)) = found.filter(|(_, v)| !is_null(v)) {
+        let (column, exact) = parse_logprobs(&format!("output.{key}"), &v)?;
+        call.logprobs = Some(column);
+        if !exact {
+            output.insert(key.to_owned(), v); // kept verbatim beside the column
+        }
     }
     if let Some(v) = output.remove("message").filter(|v| !is_null(v)) {
         call.response_message = Some(v.get().as_bytes().to_vec());
@@ -531,7 +551,9 @@ pub fn export_plan<'a>(call: &Call, extra: &[(&'a str, bool)]) -> Vec<(&'a str, 
         "weight_version" => call.weight_version.is_some(),
         "prompt_token_ids" => !(call.prompt_token_ids.is_empty() && null_in_extra("prompt_token_ids")),
         "completion_token_ids" => !(call.completion_token_ids.is_empty() && null_in_extra("completion_token_ids")),
-        "logprobs" => call.logprobs.is_some(),
+        // Verbatim values in `extra` (the logprob rule, [`parse_logprobs`])
+        // are what the trace carried: they win over the column.
+        "logprobs" => call.logprobs.is_some() && in_extra("logprobs") != Some(false),
         "finish_reason" => call.finish_reason.is_some(),
         "latency_ms" => call.latency_ms.is_some(),
         "messages" => call.messages.is_some(),
@@ -646,7 +668,7 @@ fn write_column(out: &mut String, call: &Call, name: &str) {
                 if i > 0 {
                     out.push(',');
                 }
-                write_f32(out, *v);
+                write_py_float(out, f64::from(*v));
             }
             out.push(']');
         }

@@ -145,7 +145,10 @@ def test_gateway_database_imports_field_by_field(tmp_path):
             assert call.prompt_token_ids.tolist() == data["prompt_token_ids"]
             assert call.completion_token_ids.tolist() == data["completion_token_ids"]
             if tid == "gw-1-1":
-                assert call.logprobs is None, "inexact logprobs are not rounded into the column"
+                # The one logprob rule: the column holds the nearest float32
+                # values, the trace dict gives the verbatim values back.
+                assert call.logprobs.tolist() == np.asarray(data["logprobs"], dtype=np.float32).tolist()
+                assert call.to_dict()["logprobs"] == data["logprobs"]
             else:
                 assert call.logprobs.astype(np.float64).tolist() == data["logprobs"]
             assert call.model == "qwen" and call.weight_version == 7 and call.session_id == data["session_id"]
@@ -252,3 +255,50 @@ def test_cli_import(tmp_path):
     assert "verified: 6/6" in out.stdout
     with trajlog.Store(tmp_path / "store", read_only=True) as store:
         assert store.get("tr_0003").completion_token_ids.tolist() == [3, 4, 5, 6]
+
+
+def test_one_logprob_rule_for_every_way_in(tmp_path):
+    """The same traces through `append_trace` (a dict), an rLLM SQLite
+    import and `trajlog ingest` (JSON lines): the same float32 column (the
+    nearest float32 of each value) and the same dict back (the values as
+    they came: float32 values widened, others verbatim, ints as ints)."""
+    binary = trajlog_binary()
+    if binary is None:
+        pytest.skip("the trajlog binary is not built (cargo build)")
+    cases = {
+        "exact": np.array([-0.3, -2.1e-05, 0.0, -1.5], dtype=np.float32).astype(np.float64).tolist(),
+        "inexact": [-0.1, -0.2, -0.123456789012345, -1e-50],
+        "ints": [-1, -2.5, 0, -3],
+    }
+    traces = []
+    for name, lps in cases.items():
+        traces.append({"trace_id": name, "session_id": "s", "timestamp": 1.0, "prompt_token_ids": [1, 2],
+                       "completion_token_ids": list(range(len(lps))), "logprobs": lps})
+    # 1. the dict walker
+    with trajlog.Store(tmp_path / "a") as store:
+        for t in traces:
+            store.append_trace(dict(t), durable=True)
+    # 2. the rLLM import
+    db = tmp_path / "gw.db"
+    conn = sqlite3.connect(db)
+    for ddl in GATEWAY_DDL:
+        conn.execute(ddl)
+    for t in traces:
+        conn.execute("INSERT INTO traces (trace_id, data, created_at) VALUES (?, ?, ?)", (t["trace_id"], json.dumps(t), 1.0))
+        conn.execute("INSERT INTO trace_sessions (trace_id, session_id, created_at) VALUES (?, ?, ?)", (t["trace_id"], "s", 1.0))
+    conn.commit()
+    conn.close()
+    with trajlog.Store(tmp_path / "b") as store:
+        store.import_rllm_sqlite(db)
+    # 3. trajlog ingest
+    lines = "".join(json.dumps(t) + "\n" for t in traces)
+    out = subprocess.run([binary, "ingest", "--store", str(tmp_path / "c")], input=lines, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for d in ("a", "b", "c"):
+        with trajlog.Store(tmp_path / d, read_only=True) as store:
+            for t in traces:
+                call = store.get(t["trace_id"])
+                want = np.asarray(t["logprobs"], dtype=np.float64).astype(np.float32)
+                assert call.logprobs.view(np.uint32).tolist() == want.view(np.uint32).tolist(), (d, t["trace_id"])
+                got = call.to_dict()["logprobs"]
+                assert got == t["logprobs"] and [type(x) for x in got] == [type(x) for x in t["logprobs"]], (d, t["trace_id"], got)

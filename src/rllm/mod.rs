@@ -26,7 +26,7 @@ use crate::record::Call;
 use crate::trace_json::{elements, exact_logprobs, json_string, write_ids, write_object};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
-use std::fmt::{self, Write as _};
+use std::fmt;
 
 /// The key of `Call::extra` holding an SDK trace's remaining fields.
 pub const SDK_KEY: &str = "rllm_sdk";
@@ -203,15 +203,15 @@ fn logprob_count_error(field: &str, got: usize, n: usize) -> Error {
     )
 }
 
-/// Write logprobs as Python writes the widened `f32` values (shortest `f64`
-/// text), so they parse back to the same Python floats.
+/// Write logprobs as Python writes the widened `f32` values (its float
+/// `repr`), so they parse back to the same Python floats.
 pub(crate) fn write_logprobs_f64(out: &mut String, values: &[f32]) {
     out.push('[');
     for (i, v) in values.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
-        let _ = write!(out, "{:?}", f64::from(*v));
+        crate::trace_json::write_py_float(out, f64::from(*v));
     }
     out.push(']');
 }

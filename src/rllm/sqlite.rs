@@ -157,14 +157,11 @@ fn in_trace(trace_id: &str, e: Error) -> Error {
     Error::invalid(field, e.message())
 }
 
-/// A call as Python's `Call.to_dict()` shows it: the gateway dict with
-/// logprobs widened to the `f64` values of the stored `f32`s.
+/// A call as Python's `Call.to_dict()` shows it: [`export_call`], which
+/// writes the column's logprobs as the `f64` values of the stored `f32`s (as
+/// Python writes them) and values that were not `f32`s verbatim.
 pub fn python_view(call: &Call) -> String {
-    let text = export_call(call);
-    let Some(lp) = call.logprobs.as_deref() else { return text };
-    let mut widened = String::new();
-    super::write_logprobs_f64(&mut widened, lp);
-    take_path(&text, &["logprobs"]).and_then(|(rest, _)| put_path(&rest, &["logprobs"], &widened)).unwrap_or(text)
+    export_call(call)
 }
 
 fn parse_value(what: &str, text: &str) -> Result<serde_json::Value> {

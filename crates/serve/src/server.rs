@@ -430,20 +430,15 @@ async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> R
 }
 
 /// A stored call as the gateway's JSON: [`trajlog::trace_json::export_call`]
-/// with the keys put back in rLLM's order (others after, sorted), and
-/// column logprobs printed as the widened f64 Python holds (so a Python
-/// client reads the very floats the gateway would have returned).
+/// (column logprobs as Python writes the widened `f64` it holds, values that
+/// were not `f32`s verbatim) with the keys put back in rLLM's order (others
+/// after, sorted).
 fn trace_json(call: &trajlog::Call) -> String {
     let exported = trajlog::trace_json::export_call(call);
     let map: std::collections::BTreeMap<String, &serde_json::value::RawValue> = match serde_json::from_str(&exported) {
         Ok(m) => m,
         Err(_) => return exported,
     };
-    let column_logprobs = call.logprobs.as_ref().map(|lp| {
-        json::join_list(
-            lp.iter().map(|v| format!("{:?}", f64::from(*v))).collect::<Vec<_>>().iter().map(String::as_str),
-        )
-    });
     let mut out = String::with_capacity(exported.len() + 64);
     out.push('{');
     let mut first = true;
@@ -457,13 +452,8 @@ fn trace_json(call: &trajlog::Call) -> String {
         out.push_str(v);
     };
     for k in TRACE_KEYS {
-        match (k, &column_logprobs) {
-            ("logprobs", Some(lp)) => put(&mut out, k, lp),
-            _ => {
-                if let Some(v) = map.get(k) {
-                    put(&mut out, k, v.get());
-                }
-            }
+        if let Some(v) = map.get(k) {
+            put(&mut out, k, v.get());
         }
     }
     for (k, v) in &map {
