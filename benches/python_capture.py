@@ -386,6 +386,47 @@ async def time_store_trace(store, dicts):
     return lat, time.perf_counter() - t0
 
 
+async def time_store_trace_concurrent(store, dicts):
+    """`store_trace` from every session at once: one coroutine per session
+    awaiting its calls in order (an agent waits for each answer), all
+    sessions concurrently, as a gateway serving them does. Per-call
+    latencies (ns) and total seconds."""
+    by_session = {}
+    for d in dicts:
+        by_session.setdefault(d["session_id"], []).append(d)
+    lat = []
+
+    async def session(ds):
+        for d in ds:
+            t = time.perf_counter_ns()
+            await store.store_trace(d["trace_id"], d["session_id"], d)
+            lat.append(time.perf_counter_ns() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(ds) for ds in by_session.values()))
+    return lat, time.perf_counter() - t0
+
+
+async def bench_concurrent(calls, dicts, root):
+    """Both stores' `store_trace` with every session concurrent."""
+    rows = []
+    path = os.path.join(root, "trajlog-gateway-concurrent")
+    store = TrajlogTraceStore(path)
+    lat, seconds = await time_store_trace_concurrent(store, dicts)
+    await store.close()
+    n = len({d["session_id"] for d in dicts})
+    rows.append(result(f"trajlog store_trace, {n} sessions concurrently (durable each)", lat, len(calls),
+                       sum(map(payload_bytes, calls)), seconds, dir_bytes(path)))
+    path = os.path.join(root, "rllm-sqlite-concurrent.db")
+    sql = RllmStyleSqliteStore(path)
+    await sql.open()
+    lat, seconds = await time_store_trace_concurrent(sql, dicts)
+    await sql.close()
+    rows.append(result(f"aiosqlite, {n} sessions concurrently (commit each)", lat, len(calls),
+                       sum(map(payload_bytes, calls)), seconds, sum(os.path.getsize(p) for p in glob.glob(path + "*"))))
+    return rows
+
+
 async def bench_gateway_protocol(calls, dicts, root):
     path = os.path.join(root, "trajlog-gateway")
     store = TrajlogTraceStore(path)
@@ -511,6 +552,8 @@ def main(argv=None):
 
     sqlite_row, sqlite_read = asyncio.run(sqlite_part())
     rows.append(sqlite_row)
+    log("store_trace from every session concurrently…")
+    rows.extend(asyncio.run(bench_concurrent(calls, dicts, root)))
     reads = bench_reads(calls, list_path)
     reads["aiosqlite get_session_traces (json.loads)"] = sqlite_read
     log("10k-token call…")
@@ -531,10 +574,12 @@ def main(argv=None):
     base = sqlite_row
     print(f"\nappend path, {len(calls)} calls ({args.shape} shape), {total / 1e6:.1f} MB token payload, "
           f"{json_bytes / 1e6:.1f} MB as json.dumps text")
-    print(f"{'backend':<55} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'on disk':>10} {'vs sqlite':>9}")
+    print(f"{'backend':<62} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'on disk':>10} {'vs sqlite':>9}")
+    concurrent_base = rows[-1]  # aiosqlite with every session concurrent
     for r in rows:
         disk = f"{r['bytes_on_disk'] / 1e6:.1f} MB" if r["bytes_on_disk"] is not None else "-"
-        print(f"{r['backend']:<55} {r['calls_per_s']:>9.0f} {r['token_mb_per_s']:>10.1f} {r['append_p50_us']:>9.1f} {r['append_p99_us']:>9.1f} {disk:>10} {r['calls_per_s'] / base['calls_per_s']:>8.1f}×")
+        b = concurrent_base if "concurrently" in r["backend"] else base  # like against like
+        print(f"{r['backend']:<62} {r['calls_per_s']:>9.0f} {r['token_mb_per_s']:>10.1f} {r['append_p50_us']:>9.1f} {r['append_p99_us']:>9.1f} {disk:>10} {r['calls_per_s'] / b['calls_per_s']:>8.1f}×")
     print("\none 10k-token call (10,000 prompt + 500 completion tokens), trajlog append")
     for k, (p50, p99) in big.items():
         print(f"  {k:<6} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")

@@ -15,7 +15,8 @@ def test_capture_benchmark_smoke(tmp_path):
     assert report["workload"]["calls"] == 6
     assert report["workload"]["shape"] == "gateway"
     names = [r["backend"] for r in report["append"]]
-    assert any(n.startswith("aiosqlite") for n in names) and sum(n.startswith("trajlog") for n in names) == 3
+    assert sum(n.startswith("aiosqlite") for n in names) == 2 and sum(n.startswith("trajlog") for n in names) == 4
+    assert sum("concurrently" in n for n in names) == 2
     for r in report["append"]:
         assert r["calls"] == 6 and r["calls_per_s"] > 0 and r["append_p99_us"] >= r["append_p50_us"] > 0
         assert r["bytes_on_disk"] > 0
