@@ -10,6 +10,8 @@
 
 use crate::format::record::{Delta, Loc, Relation};
 use crate::limits::DELTA_LOOKBACK_CALLS;
+#[cfg(test)]
+use crate::limits::PROMPT_CHAIN_MAX;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -43,6 +45,11 @@ pub struct Context {
     pub tokens: Arc<Vec<u32>>,
     /// The append's sequence number; 0 for a call loaded from disk.
     pub seq: u64,
+    /// Records a rebuild of its prompt reads, itself excluded: 0 when its
+    /// prompt is stored whole (a root, a checkpoint), else its parent's + 1
+    /// (for a call loaded from disk: counted by walking its chain, up to the
+    /// chain bound).
+    pub depth: u32,
 }
 
 impl Context {
@@ -61,6 +68,8 @@ struct SessionContexts {
 #[derive(Debug)]
 pub struct DeltaCache {
     budget_bytes: u64,
+    /// See `Options::prompt_chain_max` (0: no checkpoints).
+    chain_max: u32,
     bytes: u64,
     tick: u64,
     sessions: HashMap<Arc<str>, SessionContexts>,
@@ -68,8 +77,15 @@ pub struct DeltaCache {
 }
 
 impl DeltaCache {
+    #[cfg(test)]
     pub fn new(budget_bytes: u64) -> Self {
-        Self { budget_bytes, bytes: 0, tick: 0, sessions: HashMap::new(), lru: BTreeMap::new() }
+        Self::with_chain_max(budget_bytes, PROMPT_CHAIN_MAX)
+    }
+
+    /// A cache whose parents' chains get a checkpoint at `chain_max` records
+    /// (0: never).
+    pub fn with_chain_max(budget_bytes: u64, chain_max: u32) -> Self {
+        Self { budget_bytes, chain_max, bytes: 0, tick: 0, sessions: HashMap::new(), lru: BTreeMap::new() }
     }
 
     pub fn knows(&self, session: &str) -> bool {
@@ -103,6 +119,9 @@ impl DeltaCache {
                 parent: Some(ctx.loc),
                 prefix_len: shared as u32,
                 relation: classify(shared, ctx.prompt_len, ctx.tokens.len()),
+                // A checkpoint when the parent's chain is already as long as
+                // a chain may be (record.md §4).
+                checkpoint: self.chain_max > 0 && ctx.depth + 1 >= self.chain_max,
             },
         }
     }
@@ -111,6 +130,11 @@ impl DeltaCache {
     /// (0: loaded from disk), if it is remembered.
     pub fn seq_of(&self, session: &str, loc: Loc) -> Option<u64> {
         self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc).map(|c| c.seq)
+    }
+
+    /// The chain depth of the remembered call of `session` at `loc`.
+    pub fn depth_of(&self, session: &str, loc: Loc) -> Option<u32> {
+        self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc).map(|c| c.depth)
     }
 
     /// Remember a call's context (newest last).
@@ -188,7 +212,13 @@ mod tests {
     fn ctx(offset: u64, prompt: &[u32], completion: &[u32]) -> Context {
         let mut t = prompt.to_vec();
         t.extend_from_slice(completion);
-        Context { loc: Loc { segment: 1, offset }, prompt_len: prompt.len(), tokens: Arc::new(t), seq: offset + 1 }
+        Context {
+            loc: Loc { segment: 1, offset },
+            prompt_len: prompt.len(),
+            tokens: Arc::new(t),
+            seq: offset + 1,
+            depth: 0,
+        }
     }
 
     #[test]

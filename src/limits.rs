@@ -28,6 +28,10 @@ pub const DELTA_LOOKBACK_CALLS: usize = 8;
 /// refuses a longer chain as corrupt. So reading one call's documents
 /// resolves at most this many ancestors' messages.
 pub const MESSAGES_DELTA_DEPTH_MAX: u32 = 8;
+/// A prompt is stored whole (a checkpoint, format-spec/record.md §4) at
+/// least every this many records of a prefix-delta chain, so rebuilding one
+/// prompt reads at most this many records.
+pub const PROMPT_CHAIN_MAX: u32 = 256;
 /// Smallest allowed segment size.
 pub const SEGMENT_BYTES_MIN: u64 = 64 * 1024;
 /// Default segment size at which the writer seals and rolls to a new segment.

@@ -273,7 +273,7 @@ impl Snapshot {
 
     fn segment_view<'a>(&'a self, loc: Loc, record: CallRecord<'a>) -> CallView<'a> {
         let divergence = matches!(record.relation, Relation::TitoBreak | Relation::DivergesEarlier)
-            .then_some(record.prefix_len as usize);
+            .then_some(record.shared_len as usize);
         CallView { loc, record, shard: None, divergence, snapshot: self }
     }
 
@@ -497,6 +497,20 @@ impl Snapshot {
             }
         }
         Ok(())
+    }
+
+    /// How many records rebuilding `call`'s prompt reads besides its own
+    /// (its parents up to one that stores its prompt whole), counting up to
+    /// `cap`: `cap` when the chain is that long or a parent cannot be read.
+    pub(crate) fn prompt_chain_depth(&self, call: &CallView<'_>, cap: u32) -> u32 {
+        let mut depth = 0;
+        let mut cur = call.clone();
+        while cur.record.prefix_len > 0 && depth < cap {
+            let Some(parent) = cur.record.parent.and_then(|p| self.call_at(p).ok()) else { return cap };
+            depth += 1;
+            cur = parent;
+        }
+        depth
     }
 
     /// Materialize a call's full prompt by walking its parent chain.

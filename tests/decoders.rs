@@ -43,7 +43,12 @@ fn sample_call_body() -> Vec<u8> {
     encode_call(
         &mut body,
         &call,
-        &Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends },
+        &Delta {
+            parent: Some(Loc { segment: 1, offset: 64 }),
+            prefix_len: 2,
+            relation: Relation::Extends,
+            checkpoint: false,
+        },
         None,
     );
     body

@@ -160,3 +160,63 @@ fn parents_are_found_again_after_a_reopen() {
         assert_same(v, want);
     }
 }
+
+/// Records read to rebuild `v`'s prompt besides its own: its parents up to
+/// one that stores its prompt whole.
+fn chain_depth(snap: &trajlog::Snapshot, v: &trajlog::CallView<'_>) -> usize {
+    let mut depth = 0;
+    let mut cur = snap.call_at(v.loc).unwrap();
+    while cur.prompt_prefix_len() > 0 {
+        cur = snap.call_at(cur.parent().expect("a prefix has a parent")).unwrap();
+        depth += 1;
+    }
+    depth
+}
+
+/// A session longer than the chain bound stores a checkpoint (its whole
+/// prompt, its relation still `extends`) at least every PROMPT_CHAIN_MAX
+/// records, before and after a reopen, and every prompt reads back exactly.
+#[test]
+fn long_chains_are_cut_by_checkpoints() {
+    let max = trajlog::limits::PROMPT_CHAIN_MAX as usize;
+    let calls = simulate(&SimConfig {
+        sessions: 1,
+        steps: 3 * max + 10,
+        system_tokens: 30,
+        completion_tokens: (1, 8),
+        tool_tokens: (1, 4),
+        break_every: 0,
+        ..SimConfig::default()
+    })
+    .remove(0)
+    .calls;
+    let dir = tempdir();
+    let half = calls.len() / 2;
+    {
+        let store = Store::open(dir.path(), Options::default()).unwrap();
+        for c in &calls[..half] {
+            store.append(c.clone()).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for c in &calls[half..] {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    let views = snap.session(&calls[0].session_id, None, None).unwrap();
+    let mut checkpoints = 0;
+    for (v, want) in views.iter().zip(&calls) {
+        assert_same(v, want);
+        assert!(chain_depth(&snap, v) < max, "{} reads {} parents", v.trace_id(), chain_depth(&snap, v));
+        if v.parent().is_some() && v.prompt_prefix_len() == 0 {
+            assert_eq!(v.relation(), Relation::Extends, "a checkpoint keeps its relation");
+            checkpoints += 1;
+        }
+    }
+    assert!(checkpoints >= calls.len() / max, "{checkpoints} checkpoints in {} calls", calls.len());
+    assert!(checkpoints <= calls.len() / max + 2, "{checkpoints} checkpoints in {} calls", calls.len());
+    assert_eq!(snap.session_calls(&calls[0].session_id, None, None).unwrap(), calls);
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}

@@ -28,7 +28,10 @@ const F_ROUTING: u16 = 1 << 9;
 const F_PARENT: u16 = 1 << 10;
 /// The four JSON documents are in a docs block (format version 2, §7).
 const F_DOCS: u16 = 1 << 11;
-const F_KNOWN: u16 = (1 << 12) - 1;
+/// A checkpoint (format version 3, §4): the prompt column holds the whole
+/// prompt although the record has a parent.
+const F_CHECKPOINT: u16 = 1 << 12;
+const F_KNOWN: u16 = (1 << 13) - 1;
 
 /// Where a frame lives: segment id and the frame's byte offset in that segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -79,13 +82,26 @@ impl Relation {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Delta {
     pub parent: Option<Loc>,
-    /// Leading prompt tokens equal to the parent's context; not stored again.
+    /// Leading prompt tokens equal to the parent's context; not stored again
+    /// unless `checkpoint`.
     pub prefix_len: u32,
     pub relation: Relation,
+    /// Store the whole prompt anyway (record.md §4 checkpoints), so that
+    /// rebuilding it does not walk the parent chain.
+    pub checkpoint: bool,
 }
 
 impl Delta {
-    pub const ROOT: Delta = Delta { parent: None, prefix_len: 0, relation: Relation::Root };
+    pub const ROOT: Delta = Delta { parent: None, prefix_len: 0, relation: Relation::Root, checkpoint: false };
+
+    /// Prompt tokens taken from the parent (not stored in the record).
+    pub fn from_parent(&self) -> u32 {
+        if self.checkpoint {
+            0
+        } else {
+            self.prefix_len
+        }
+    }
 }
 
 fn opt_len<T>(v: &Option<Vec<T>>) -> usize {
@@ -96,7 +112,7 @@ fn opt_len<T>(v: &Option<Vec<T>>) -> usize {
 /// documents stored plain or, with `docs`, as that docs block
 /// ([`super::docs::encode`]).
 pub fn call_body_len(call: &Call, delta: &Delta, docs: Option<&[u8]>) -> u64 {
-    let suffix = call.prompt_token_ids.len() - delta.prefix_len as usize;
+    let suffix = call.prompt_token_ids.len() - delta.from_parent() as usize;
     let cols = suffix + call.completion_token_ids.len() + opt_len(&call.logprobs);
     let uids: usize = call.session_uids.iter().map(|u| 2 + u.len()).sum();
     let bytes = call.trace_id.len()
@@ -118,7 +134,7 @@ fn plain_docs_len(call: &Call) -> usize {
 /// block made by [`super::docs::encode`] from this call.
 pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta, docs: Option<&[u8]>) {
     let start = out.len();
-    let prefix = delta.prefix_len as usize;
+    let prefix = delta.from_parent() as usize;
     debug_assert!(prefix <= call.prompt_token_ids.len());
     let suffix = call.prompt_token_ids.get(prefix..).unwrap_or(&[]);
     let mut flags = 0u16;
@@ -139,6 +155,7 @@ pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta, docs: Option<&
     set(F_ROUTING, call.routing_matrices.is_some());
     set(F_PARENT, delta.parent.is_some());
     set(F_DOCS, docs.is_some());
+    set(F_CHECKPOINT, delta.checkpoint && delta.parent.is_some());
     let plain = |d: &Option<Vec<u8>>| if docs.is_some() { 0 } else { opt_len(d) };
     let parent = delta.parent.unwrap_or(Loc { segment: 0, offset: 0 });
     let uids_len: usize = call.session_uids.iter().map(|u| 2 + u.len()).sum();
@@ -209,8 +226,13 @@ pub struct CallRecord<'a> {
     pub parent: Option<Loc>,
     /// Length of the full prompt.
     pub prompt_len: u32,
-    /// Leading prompt tokens taken from the parent's context.
+    /// Leading prompt tokens taken from the parent's context (0 for a
+    /// checkpoint, which stores its whole prompt).
     pub prefix_len: u32,
+    /// Leading prompt tokens equal to the parent's context (`prefix_len` on
+    /// disk, record.md §4): the first diverging position of a TI/TO break or
+    /// an earlier divergence. Equals `prefix_len` but for a checkpoint.
+    pub shared_len: u32,
     /// The stored prompt tokens (`prompt[prefix_len..]`).
     pub prompt_suffix: &'a [u32],
     pub completion: &'a [u32],
@@ -277,9 +299,11 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
     if prefix_len > prompt_len {
         return Err(DecodeError::new(52, format!("prefix length {prefix_len} exceeds prompt length {prompt_len}")));
     }
-    if !has(F_PARENT) && (prefix_len != 0 || relation != Relation::Root) {
+    if !has(F_PARENT) && (prefix_len != 0 || relation != Relation::Root || has(F_CHECKPOINT)) {
         return Err(DecodeError::new(1, "a record without a parent must be a root with no prefix"));
     }
+    let shared_len = prefix_len;
+    let prefix_len = if has(F_CHECKPOINT) { 0 } else { prefix_len };
     let mut lens = [0usize; 10];
     for len in &mut lens {
         *len = c.u32("field length")? as usize;
@@ -347,6 +371,7 @@ pub fn decode_call(body: &[u8]) -> Result<CallRecord<'_>, DecodeError> {
         parent: has(F_PARENT).then_some(parent),
         prompt_len,
         prefix_len,
+        shared_len,
         prompt_suffix,
         completion,
         logprobs,
@@ -435,7 +460,8 @@ mod tests {
             logprobs: Some(vec![-0.5]),
             ..Default::default()
         };
-        let delta = Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends };
+        let delta =
+            Delta { parent: Some(Loc { segment: 1, offset: 64 }), prefix_len: 2, relation: Relation::Extends, checkpoint: false };
         let mut out = Vec::new();
         encode_call(&mut out, &call, &delta, None);
         assert_eq!(out.len(), CALL_HEADER_BYTES + 3 * 4 + 2);

@@ -605,6 +605,7 @@ pub fn call_from_row<'a>(batch: &'a RecordBatch, row: usize, path: &Path) -> Res
         parent: None,
         prompt_len: prompt.len() as u32,
         prefix_len: 0,
+        shared_len: 0,
         prompt_suffix: prompt,
         completion,
         logprobs,

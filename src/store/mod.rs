@@ -208,7 +208,7 @@ impl Store {
             damage,
             retiring: Vec::new(),
             old_maps: std::collections::HashMap::new(),
-            delta: DeltaCache::new(inner.options.delta_cache_bytes),
+            delta: DeltaCache::with_chain_max(inner.options.delta_cache_bytes, inner.options.prompt_chain_max),
             buf: Vec::with_capacity(1 << 20),
             pending: Vec::new(),
             written_seq: 0,

@@ -143,6 +143,12 @@ pub struct Options {
     /// append, against which the next append's `messages` is stored as a
     /// delta (a session past the budget stores its next `messages` in full).
     pub delta_cache_bytes: u64,
+    /// Records a prompt's rebuild may read besides its own before the writer
+    /// stores a prompt whole (a checkpoint, format-spec/record.md §4);
+    /// default [`crate::limits::PROMPT_CHAIN_MAX`]. Larger saves bytes on
+    /// long sessions, smaller makes one call's read cheaper. 0 = never
+    /// (chains as long as the session, as store formats before 6 wrote).
+    pub prompt_chain_max: u32,
     /// What opening does about damage in the log ([`RecoveryMode`]).
     pub recovery: RecoveryMode,
     /// Fault injection for the test suite; None in use.
@@ -180,6 +186,12 @@ impl Options {
         self.delta_cache_bytes = v;
         self
     }
+    /// Set [`Options::prompt_chain_max`].
+    #[must_use]
+    pub fn prompt_chain_max(mut self, v: u32) -> Self {
+        self.prompt_chain_max = v;
+        self
+    }
     /// What opening does about damage in the log.
     #[must_use]
     pub fn recovery(mut self, v: RecoveryMode) -> Self {
@@ -205,6 +217,7 @@ impl Default for Options {
             queue_depth: DEFAULT_QUEUE_DEPTH,
             queue_bytes: DEFAULT_QUEUE_BYTES,
             delta_cache_bytes: DEFAULT_DELTA_CACHE_BYTES,
+            prompt_chain_max: crate::limits::PROMPT_CHAIN_MAX,
             faults: None,
             recovery: RecoveryMode::TolerateTornTail,
         }

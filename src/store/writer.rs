@@ -271,6 +271,10 @@ impl Writer {
             self.load_contexts(&call.session_id)?;
         }
         let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
+        let depth = match delta.parent {
+            Some(p) if !delta.checkpoint => self.delta.depth_of(&call.session_id, p).map_or(0, |d| d + 1),
+            _ => 0,
+        };
         let format_version = self.active()?.format_version;
         let docs = match docs {
             // A messages delta holds only if the parent chosen here is the
@@ -323,7 +327,7 @@ impl Writer {
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
-        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens), seq });
+        self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens), seq, depth });
         if self.buf.len() >= BATCH_BYTES_MAX {
             // Bound the writer's memory: write now, make durable at batch end.
             self.write_buf()?;
@@ -362,7 +366,9 @@ impl Writer {
             let Ok(mut tokens) = call.prompt() else { continue };
             let prompt_len = tokens.len();
             tokens.extend_from_slice(call.record.completion);
-            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens), seq: 0 });
+            let cap = self.inner.options.prompt_chain_max;
+            let depth = if cap == 0 { 0 } else { snap.prompt_chain_depth(&call, cap) };
+            self.delta.remember(&session_arc, Context { loc, prompt_len, tokens: Arc::new(tokens), seq: 0, depth });
         }
         Ok(())
     }
