@@ -212,13 +212,18 @@ fn a_store_reads_docs_blocks_exactly_before_and_after_reopen_and_compaction() {
     }
     let store = Store::open(dir.path(), Options::default()).expect("reopen");
     check_store(&store);
+    seal_all_and_compact(&store, &calls);
+    check_store(&store);
+}
+
+/// Seal the sessions of `calls` and compact them.
+fn seal_all_and_compact(store: &Store, calls: &[Call]) {
     let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
     for sid in sessions {
         store.seal_session(sid).expect("seal");
     }
     let report = store.compact(&trajlog::CompactOptions::default()).expect("compact");
     assert!(report.calls > 0, "{report:?}");
-    check_store(&store);
 }
 
 /// Timing of the docs codec on the realistic shape (not a test of speed:
@@ -355,12 +360,7 @@ fn messages_deltas_read_back_exactly_and_save_bytes() {
     for want in &more {
         assert_eq!(&snap.get(&want.trace_id).expect("read").expect("present").to_call().expect("call"), want);
     }
-    let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
-    for sid in sessions {
-        store.seal_session(sid).expect("seal");
-    }
-    let report = store.compact(&trajlog::CompactOptions::default()).expect("compact");
-    assert!(report.calls > 0, "{report:?}");
+    seal_all_and_compact(&store, &calls);
     check_store(&store);
 }
 
