@@ -95,7 +95,7 @@ impl Delta {
     pub const ROOT: Delta = Delta { parent: None, prefix_len: 0, relation: Relation::Root, checkpoint: false };
 
     /// Prompt tokens taken from the parent (not stored in the record).
-    pub fn from_parent(&self) -> u32 {
+    pub fn tokens_from_parent(&self) -> u32 {
         if self.checkpoint {
             0
         } else {
@@ -112,7 +112,7 @@ fn opt_len<T>(v: &Option<Vec<T>>) -> usize {
 /// documents stored plain or, with `docs`, as that docs block
 /// ([`super::docs::encode`]).
 pub fn call_body_len(call: &Call, delta: &Delta, docs: Option<&[u8]>) -> u64 {
-    let suffix = call.prompt_token_ids.len() - delta.from_parent() as usize;
+    let suffix = call.prompt_token_ids.len() - delta.tokens_from_parent() as usize;
     let cols = suffix + call.completion_token_ids.len() + opt_len(&call.logprobs);
     let uids: usize = call.session_uids.iter().map(|u| 2 + u.len()).sum();
     let bytes = call.trace_id.len()
@@ -134,7 +134,7 @@ fn plain_docs_len(call: &Call) -> usize {
 /// block made by [`super::docs::encode`] from this call.
 pub fn encode_call(out: &mut Vec<u8>, call: &Call, delta: &Delta, docs: Option<&[u8]>) {
     let start = out.len();
-    let prefix = delta.from_parent() as usize;
+    let prefix = delta.tokens_from_parent() as usize;
     debug_assert!(prefix <= call.prompt_token_ids.len());
     let suffix = call.prompt_token_ids.get(prefix..).unwrap_or(&[]);
     let mut flags = 0u16;
