@@ -17,20 +17,20 @@
 
 use crate::delta::{classify, common_prefix_len};
 use crate::error::Result;
-use crate::format::record::Relation;
+use crate::format::docs::{continuation, Continuation, Parent};
+use crate::format::record::{Loc, Relation};
 use crate::limits::DELTA_LOOKBACK_CALLS;
 use crate::snapshot::{Contexts, Snapshot};
 use serde::Serialize;
 use std::collections::VecDeque;
 
-/// A recent call: trace id, prompt length, context (`prompt ++ completion`),
-/// chat documents.
+/// A recent call: trace id, where it is, prompt length, context (`prompt ++
+/// completion`); its chat documents are in the session's `Contexts`.
 struct Recent {
     trace_id: String,
+    loc: Loc,
     prompt_len: usize,
     context: Vec<u32>,
-    messages: Option<Vec<u8>>,
-    response_message: Option<Vec<u8>>,
 }
 
 /// Bytes of JSON text shown on each side of a history divergence.
@@ -180,13 +180,17 @@ fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<Session
             }
         }
         if let Some((parent, shared)) = best {
-            match history_check(docs.messages.as_deref(), parent) {
-                History::Extends | History::NotComparable => {}
-                History::ResponseReserialized => s.responses_reserialized += 1,
-                History::Rewritten { byte } => {
+            let before = chat.chat(parent.loc).and_then(|d| {
+                Some(Parent { messages: d.messages.as_deref()?, response_message: d.response_message.as_deref() })
+            });
+            match docs.messages.as_deref().zip(before).map(|(text, before)| continuation(text, before)) {
+                None | Some(Continuation::NotAList) => {}
+                Some(Continuation::History { response_at: Some(_), .. }) => {}
+                Some(Continuation::History { response_at: None, .. }) => s.responses_reserialized += 1,
+                Some(Continuation::LeavesAt(byte)) => {
                     s.histories_rewritten += 1;
                     let text = docs.messages.as_deref().unwrap_or_default();
-                    let before = parent.messages.as_deref().unwrap_or_default();
+                    let before = before.map_or(&b""[..], |p| p.messages);
                     s.history_divergences.push(HistoryDivergence {
                         trace_id: c.trace_id().to_owned(),
                         call_index: i,
@@ -223,50 +227,12 @@ fn audit_session(snapshot: &Snapshot, session_id: &str) -> Result<Option<Session
         let prompt_len = ctx.len();
         ctx.extend_from_slice(c.completion_token_ids());
         chat.remember_chat(c.loc, &docs.messages, &docs.response_message);
-        recent.push_back(Recent {
-            trace_id: c.trace_id().to_owned(),
-            prompt_len,
-            context: ctx,
-            messages: docs.messages,
-            response_message: docs.response_message,
-        });
+        recent.push_back(Recent { trace_id: c.trace_id().to_owned(), loc: c.loc, prompt_len, context: ctx });
         if recent.len() > DELTA_LOOKBACK_CALLS {
             recent.pop_front();
         }
     }
     Ok(Some(s))
-}
-
-/// How a call's `messages` relates to its parent's chat documents.
-enum History {
-    /// It starts with the parent's `messages` (without the closing `]`),
-    /// then a separator and the parent's `response_message`.
-    Extends,
-    /// It keeps the parent's history but not its response byte for byte.
-    ResponseReserialized,
-    /// It differs from the parent's `messages` at this byte.
-    Rewritten { byte: usize },
-    /// Either has no `messages` (or the parent's is not a JSON list's text).
-    NotComparable,
-}
-
-fn history_check(messages: Option<&[u8]>, parent: &Recent) -> History {
-    let (Some(text), Some(before)) = (messages, parent.messages.as_deref()) else { return History::NotComparable };
-    let Some((b']', history)) = before.split_last() else { return History::NotComparable };
-    let shared = text.iter().zip(history).take_while(|(a, b)| a == b).count();
-    if shared < history.len() {
-        return History::Rewritten { byte: shared };
-    }
-    let rest = text.get(history.len()..).unwrap_or_default();
-    let response = parent.response_message.as_deref().unwrap_or_default();
-    let follows = [&b", "[..], b","]
-        .iter()
-        .any(|sep| rest.starts_with(sep) && rest.get(sep.len()..).is_some_and(|r| r.starts_with(response)));
-    if follows && !response.is_empty() {
-        History::Extends
-    } else {
-        History::ResponseReserialized
-    }
 }
 
 fn around_text(text: &[u8], byte: usize) -> String {

@@ -126,15 +126,9 @@ impl DeltaCache {
         }
     }
 
-    /// The sequence number of the remembered call of `session` at `loc`
-    /// (0: loaded from disk), if it is remembered.
-    pub fn seq_of(&self, session: &str, loc: Loc) -> Option<u64> {
-        self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc).map(|c| c.seq)
-    }
-
-    /// The chain depth of the remembered call of `session` at `loc`.
-    pub fn depth_of(&self, session: &str, loc: Loc) -> Option<u32> {
-        self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc).map(|c| c.depth)
+    /// The remembered call of `session` at `loc`, if it is remembered.
+    pub fn context(&self, session: &str, loc: Loc) -> Option<&Context> {
+        self.sessions.get(session)?.recent.iter().find(|c| c.loc == loc)
     }
 
     /// Remember a call's context (newest last).

@@ -613,25 +613,24 @@ impl Contexts {
             return;
         }
         let docs = Docs { messages: messages.clone(), response_message: response_message.clone(), ..Docs::default() };
-        self.chat.insert(loc, docs);
-        self.chat_order.push_back(loc);
-        while self.chat_order.len() > Self::KEEP {
-            if let Some(old) = self.chat_order.pop_front() {
-                self.chat.remove(&old);
-            }
-        }
+        keep_recent(&mut self.chat, &mut self.chat_order, loc, docs);
     }
 
     pub(crate) fn remember(&mut self, loc: Loc, prompt: &[u32], completion: &[u32]) {
         let mut ctx = Vec::with_capacity(prompt.len() + completion.len());
         ctx.extend_from_slice(prompt);
         ctx.extend_from_slice(completion);
-        self.map.insert(loc, Arc::new(ctx));
-        self.order.push_back(loc);
-        while self.order.len() > Self::KEEP {
-            if let Some(old) = self.order.pop_front() {
-                self.map.remove(&old);
-            }
+        keep_recent(&mut self.map, &mut self.order, loc, Arc::new(ctx));
+    }
+}
+
+/// Insert `value` at `loc`, keeping the last [`Contexts::KEEP`] inserted.
+fn keep_recent<V>(map: &mut HashMap<Loc, V>, order: &mut VecDeque<Loc>, loc: Loc, value: V) {
+    map.insert(loc, value);
+    order.push_back(loc);
+    while order.len() > Contexts::KEEP {
+        if let Some(old) = order.pop_front() {
+            map.remove(&old);
         }
     }
 }

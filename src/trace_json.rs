@@ -387,16 +387,17 @@ fn parse_sdk(mut map: RawMap<'_>, now: f64) -> Result<Call> {
     Ok(call)
 }
 
-/// Write `v` as the shortest decimal that parses back to the same `f32`.
-/// Non-finite values are written as Python's `json` module does.
-pub fn write_f32(out: &mut String, v: f32) {
-    if v.is_nan() {
-        out.push_str("NaN");
-    } else if v.is_infinite() {
-        out.push_str(if v > 0.0 { "Infinity" } else { "-Infinity" });
-    } else {
-        let _ = write!(out, "{v:?}");
+/// Write logprobs as Python writes the widened `f32` values (its float
+/// `repr`), so they parse back to the same Python floats.
+pub(crate) fn write_logprobs(out: &mut String, values: &[f32]) {
+    out.push('[');
+    for (i, v) in values.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_py_float(out, f64::from(*v));
     }
+    out.push(']');
 }
 
 fn write_f64(out: &mut String, v: f64) {
@@ -662,16 +663,7 @@ fn write_column(out: &mut String, call: &Call, name: &str) {
         }
         "prompt_token_ids" => write_ids(out, &call.prompt_token_ids),
         "completion_token_ids" => write_ids(out, &call.completion_token_ids),
-        "logprobs" => {
-            out.push('[');
-            for (i, v) in call.logprobs.iter().flatten().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_py_float(out, f64::from(*v));
-            }
-            out.push(']');
-        }
+        "logprobs" => write_logprobs(out, call.logprobs.as_deref().unwrap_or_default()),
         "finish_reason" => write_json_str(out, call.finish_reason.as_deref().unwrap_or_default()),
         "latency_ms" => write_f64(out, call.latency_ms.unwrap_or_default()),
         "messages" => doc(out, &call.messages),

@@ -195,20 +195,46 @@ pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
 /// separator (reference 7). Each is cut only when it is longer than the
 /// splice that replaces it, and only where the bytes are equal.
 fn messages_cuts(messages: &[u8], parent: Parent<'_>, cuts: &mut Vec<Cut>) {
-    let Some((b']', history)) = parent.messages.split_last() else { return };
-    if history.len() <= SPLICE_BYTES || !messages.starts_with(history) {
+    let Continuation::History { end, response_at } = continuation(messages, parent) else { return };
+    if end <= SPLICE_BYTES {
         return;
     }
-    cuts.push(Cut::plain(0, history.len(), REF_PARENT_MESSAGES, 0, 0));
-    let Some(response) = parent.response_message.filter(|r| r.len() > SPLICE_BYTES) else { return };
-    let rest = messages.get(history.len()..).unwrap_or_default();
-    for sep in [&b", "[..], b","] {
-        if rest.starts_with(sep) && rest.get(sep.len()..).is_some_and(|r| r.starts_with(response)) {
-            let at = history.len() + sep.len();
-            cuts.push(Cut::plain(at, at + response.len(), REF_PARENT_RESPONSE, 0, 0));
-            return;
-        }
+    cuts.push(Cut::plain(0, end, REF_PARENT_MESSAGES, 0, 0));
+    let response = parent.response_message.unwrap_or_default();
+    if let Some(at) = response_at.filter(|_| response.len() > SPLICE_BYTES) {
+        cuts.push(Cut::plain(at, at + response.len(), REF_PARENT_RESPONSE, 0, 0));
     }
+}
+
+/// How a call's `messages` text continues its parent's chat documents.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Continuation {
+    /// The parent's `messages` is not a JSON list's text (no closing `]`).
+    NotAList,
+    /// `messages` leaves the parent's `messages` (its closing `]` aside) at
+    /// this byte: the history was re-rendered or edited.
+    LeavesAt(usize),
+    /// `messages` starts with the parent's `messages` without its closing
+    /// `]` (`end` bytes); `response_at`: where the parent's (non-empty)
+    /// `response_message` follows, after `, ` or `,`.
+    History { end: usize, response_at: Option<usize> },
+}
+
+pub(crate) fn continuation(messages: &[u8], parent: Parent<'_>) -> Continuation {
+    let Some((b']', history)) = parent.messages.split_last() else { return Continuation::NotAList };
+    let shared = messages.iter().zip(history).take_while(|(a, b)| a == b).count();
+    if shared < history.len() {
+        return Continuation::LeavesAt(shared);
+    }
+    let rest = messages.get(history.len()..).unwrap_or_default();
+    let response = parent.response_message.filter(|r| !r.is_empty());
+    let response_at = response.and_then(|response| {
+        [&b", "[..], b","]
+            .iter()
+            .find(|sep| rest.starts_with(sep) && rest.get(sep.len()..).is_some_and(|r| r.starts_with(response)))
+            .map(|sep| history.len() + sep.len())
+    });
+    Continuation::History { end: history.len(), response_at }
 }
 
 thread_local! {

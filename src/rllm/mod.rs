@@ -203,19 +203,6 @@ fn logprob_count_error(field: &str, got: usize, n: usize) -> Error {
     )
 }
 
-/// Write logprobs as Python writes the widened `f32` values (its float
-/// `repr`), so they parse back to the same Python floats.
-pub(crate) fn write_logprobs_f64(out: &mut String, values: &[f32]) {
-    out.push('[');
-    for (i, v) in values.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        crate::trace_json::write_py_float(out, f64::from(*v));
-    }
-    out.push(']');
-}
-
 /// JSON equality where numbers compare by value (Python's `==` on the
 /// decoded dicts: `12 == 12.0`).
 #[cfg(any(feature = "sqlite", feature = "internals"))]
@@ -351,7 +338,7 @@ pub fn call_to_sdk(call: &Call) -> Result<Option<SdkTrace>> {
         match column.as_str() {
             "prompt_token_ids" => write_ids(&mut text, &call.prompt_token_ids),
             "completion_token_ids" => write_ids(&mut text, &call.completion_token_ids),
-            "logprobs" => write_logprobs_f64(&mut text, call.logprobs.as_deref().unwrap_or_default()),
+            "logprobs" => crate::trace_json::write_logprobs(&mut text, call.logprobs.as_deref().unwrap_or_default()),
             other => return Err(Error::invalid("extra.rllm_sdk.moved", format!("unknown column {other}"))),
         }
         data = put_path(&data, &segments, &text)
@@ -399,7 +386,7 @@ mod tests {
         assert_eq!(exact_logprobs("[-0.1]"), None, "an f64 that is not an f32 stays verbatim");
         assert_eq!(exact_logprobs("[-1]"), None, "an int literal stays verbatim");
         let mut s = String::new();
-        write_logprobs_f64(&mut s, &[-0.1, -0.5]);
+        crate::trace_json::write_logprobs(&mut s, &[-0.1, -0.5]);
         assert_eq!(s, "[-0.10000000149011612,-0.5]");
     }
 

@@ -157,13 +157,6 @@ fn in_trace(trace_id: &str, e: Error) -> Error {
     Error::invalid(field, e.message())
 }
 
-/// A call as Python's `Call.to_dict()` shows it: [`export_call`], which
-/// writes the column's logprobs as the `f64` values of the stored `f32`s (as
-/// Python writes them) and values that were not `f32`s verbatim.
-pub fn python_view(call: &Call) -> String {
-    export_call(call)
-}
-
 fn parse_value(what: &str, text: &str) -> Result<serde_json::Value> {
     serde_json::from_str(text).map_err(|e| Error::invalid(what, format!("not valid JSON ({e})")))
 }
@@ -282,7 +275,9 @@ impl Expected {
     fn check(&self, trace_id: &str, call: &Call) -> Result<()> {
         match self {
             Expected::Gateway(want) => {
-                let got = parse_value("stored trace", &python_view(call))?;
+                // As Python's `Call.to_dict()` shows it (export_call writes
+                // logprobs as Python holds them).
+                let got = parse_value("stored trace", &export_call(call))?;
                 if !same_json(&got, &parse_value("trace", want)?) {
                     return Err(mismatch(trace_id, "trace dict"));
                 }

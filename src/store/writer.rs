@@ -271,21 +271,19 @@ impl Writer {
             self.load_contexts(&call.session_id)?;
         }
         let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
-        let depth = match delta.parent {
-            Some(p) if !delta.checkpoint => self.delta.depth_of(&call.session_id, p).map_or(0, |d| d + 1),
+        let format_version = self.active()?.format_version;
+        let parent = delta.parent.and_then(|p| self.delta.context(&call.session_id, p)).map(|c| (c.seq, c.depth));
+        let depth = match parent {
+            Some((_, d)) if !delta.checkpoint => d + 1,
             _ => 0,
         };
-        let format_version = self.active()?.format_version;
         let docs = match docs {
             // A messages delta holds only if the parent chosen here is the
             // call whose documents the appender used, in a segment whose
             // format has messages deltas (record.md §7.2); else the documents
             // are encoded again without it.
             Some(e) if e.uses_parent => {
-                let same = delta
-                    .parent
-                    .zip(docs_parent_seq)
-                    .is_some_and(|(parent, want)| self.delta.seq_of(&call.session_id, parent) == Some(want));
+                let same = parent.zip(docs_parent_seq).is_some_and(|((seq, _), want)| seq == want);
                 if same && format_version >= 3 {
                     Some(e.block)
                 } else {
