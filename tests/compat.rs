@@ -593,3 +593,49 @@ fn reads_the_v6_fixture_with_messages_deltas_exactly() {
     let at = br#"[{"role": "system", "content": "You are a care"#.len();
     assert_eq!(found, [("chat-1:0/5", "chat-1:0/4", at), ("chat-1:0/6", "chat-1:0/5", at)]);
 }
+
+/// A writer appending to a reopened store-format-4 store continues its
+/// active segment of format 2, which has no prompt checkpoints (flag bit 12
+/// is segment format 3): it writes none there, however long the chain, so
+/// the builds that wrote the store still read it.
+#[test]
+fn appends_to_a_format_2_segment_make_no_checkpoints() {
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_v4_dir(), copy.path());
+    let last = fixture_v4_calls().into_iter().rfind(|c| c.session_id == "task-4:0").unwrap();
+    let mut prompt = last.prompt_token_ids.clone();
+    prompt.extend_from_slice(&last.completion_token_ids);
+    let mut more = Vec::new();
+    for step in 0..6u32 {
+        prompt.extend([8, step]);
+        let completion = vec![900 + step, 901];
+        more.push(Call {
+            trace_id: format!("o/more/{step}"),
+            session_id: "task-4:0".into(),
+            timestamp: 500.0 + f64::from(step),
+            prompt_token_ids: prompt.clone(),
+            completion_token_ids: completion.clone(),
+            ..Default::default()
+        });
+        prompt.extend_from_slice(&completion);
+    }
+    let store = Store::open(copy.path(), Options::default().prompt_chain_max(2)).unwrap();
+    for c in &more {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    for c in &more {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(&v.to_call().unwrap(), c);
+        assert_eq!(v.relation(), Relation::Extends, "{}", c.trace_id);
+        assert!(v.prompt_prefix_len() > 0, "{} is a checkpoint in a format-2 segment", c.trace_id);
+    }
+    let segments: Vec<u32> = std::fs::read_dir(copy.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .map(|p| u32::from_le_bytes(std::fs::read(p).unwrap()[8..12].try_into().unwrap()))
+        .collect();
+    assert!(segments.iter().all(|&v| v == 2), "segment formats {segments:?}");
+}

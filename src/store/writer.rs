@@ -270,8 +270,11 @@ impl Writer {
         if !self.delta.knows(&call.session_id) {
             self.load_contexts(&call.session_id)?;
         }
-        let delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
+        let mut delta = self.delta.choose(&call.session_id, &call.prompt_token_ids);
         let format_version = self.active()?.format_version;
+        // Prompt checkpoints are segment format 3 (record.md §4): a reopened
+        // older active segment gets none.
+        delta.checkpoint &= format_version >= 3;
         let parent = delta.parent.and_then(|p| self.delta.context(&call.session_id, p)).map(|c| (c.seq, c.depth));
         let depth = match parent {
             Some((_, d)) if !delta.checkpoint => d + 1,
