@@ -15,8 +15,9 @@ log-normal around `--completion-tokens`; float32 logprobs; GRPO groups of
   * `trajlog.data.TrajectoryDataset` in a torch DataLoader with each of
     `--workers` (0, 2, 4): batch_size=None (a dict of tensors per sample), and
     padded batches of `--batch-size` (`collate(mode="pad")`; from a worker,
-    torch moves each tensor through shared memory, so per-sample tensors pay
-    that per sample, while a collated batch crosses as one buffer); and
+    a sample or batch crosses as one slot of the dataset's shared arena, and
+    torch's DataLoader still pays a message round trip per item, so batch in
+    the workers); and
     "decode only", batches of `--batch-size` whose collate_fn returns only
     their counts: the samples are decoded but nothing crosses to the trainer,
     the most workers can give on this machine;
@@ -27,7 +28,8 @@ log-normal around `--completion-tokens`; float32 logprobs; GRPO groups of
 Each reader is timed over full passes after its setup (the median of
 `--repeat`, 3 by default; the worker start-up of a DataLoader is inside the
 pass: a trainer pays it every epoch); samples/s and tokens/s (tokens = all of
-`token_ids`). Then the padding waste (padding
+`token_ids`), and the CPU seconds of this (the trainer's) process in the pass:
+with workers, what the data costs the process that drives the GPU. Then the padding waste (padding
 tokens / all tokens) of fixed-size batches padded to their longest sample,
 against token-balanced micro-batches (`token_budget`, each counted as padded to
 the whole budget, the static-shape worst case; a micro-batch over the budget —
@@ -43,6 +45,7 @@ import argparse
 import glob
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -81,14 +84,22 @@ def build_store(path: str, args) -> dict:
 REPEAT = 3  # passes per reader; the median is reported (set by --repeat)
 
 
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def timed(fn, repeat=1):
-    """(fn's result, median seconds over `repeat` calls)."""
-    times = []
+    """(fn's result, median seconds over `repeat` calls, this process's CPU
+    seconds in that call: with DataLoader workers, what is left to the
+    trainer's own process)."""
+    runs = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _self_cpu()
         out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, sorted(times)[len(times) // 2]
+        runs.append((time.perf_counter() - t0, _self_cpu() - c0))
+    secs, cpu = sorted(runs)[len(runs) // 2]
+    return out, secs, cpu
 
 
 def _count(batch):
@@ -122,7 +133,10 @@ def read_trajlog(shards: str, workers: int, batch_size=None, decode_only=False):
                 tokens += item["token_ids"].shape[0]
             else:
                 n += item["token_ids"].shape[0]
-                tokens += int(item["attention_mask"].sum())
+                # numpy, not torch: a torch reduction this size fans out to its
+                # intra-op threads, and on a busy 2-core machine waiting for them
+                # cost ~1 ms a batch, more than the batch itself
+                tokens += int(item["attention_mask"].numpy().sum())
         return n, tokens
 
     return timed(run, REPEAT)
@@ -132,7 +146,7 @@ def read_hf(shards: str, cache: str):
     from datasets import load_dataset
 
     files = sorted(glob.glob(os.path.join(shards, "*.parquet")))
-    data, load_s = timed(lambda: load_dataset("parquet", data_files=files, split="train", cache_dir=cache))
+    data, load_s, _ = timed(lambda: load_dataset("parquet", data_files=files, split="train", cache_dir=cache))
     data = data.select_columns(["token_ids", "loss_mask", "logprobs"]).with_format("torch")
 
     def run():
@@ -246,16 +260,16 @@ def main(argv=None) -> dict:
         tmp = tempfile.mkdtemp(prefix="trainer-bench-")
         root = os.path.join(tmp, "store")
     try:
-        workload, build_s = timed(lambda: build_store(root, args))
+        workload, build_s, _ = timed(lambda: build_store(root, args))
         shards = os.path.join(root, "shards", "trajectories")
         parquet_bytes = sum(os.path.getsize(f) for f in glob.glob(os.path.join(shards, "*.parquet")))
         workload.update(build_and_compact_s=round(build_s, 2), parquet_mb=round(parquet_bytes / 1e6, 2))
         results = []
 
         def add(reader, setup_s, run):
-            (n, tokens), secs = run
+            (n, tokens), secs, cpu = run
             results.append({"reader": reader, "samples": n, "tokens": tokens, "setup_s": setup_s, "pass_s": secs,
-                            "samples_per_s": n / secs, "tokens_per_s": tokens / secs})
+                            "main_cpu_s": cpu, "samples_per_s": n / secs, "tokens_per_s": tokens / secs})
 
         import warnings
 
@@ -285,10 +299,10 @@ def main(argv=None) -> dict:
               f"{w['tokens'] / 1e6:.2f} M tokens, {w['parquet_mb']} MB of trajectories Parquet "
               f"(store built and compacted in {w['build_and_compact_s']} s)")
         print()
-        print(f"| {'reader':<40} | {'setup s':>8} | {'pass s':>7} | {'samples/s':>10} | {'M tokens/s':>10} |")
-        print(f"|{'-' * 42}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 12}|")
+        print(f"| {'reader':<40} | {'setup s':>8} | {'pass s':>7} | {'main CPU s':>10} | {'samples/s':>10} | {'M tokens/s':>10} |")
+        print(f"|{'-' * 42}|{'-' * 10}|{'-' * 9}|{'-' * 12}|{'-' * 12}|{'-' * 12}|")
         for r in report["readers"]:
-            print(f"| {r['reader']:<40} | {r['setup_s']:>8.2f} | {r['pass_s']:>7.2f} | {r['samples_per_s']:>10.0f} | {r['tokens_per_s'] / 1e6:>10.2f} |")
+            print(f"| {r['reader']:<40} | {r['setup_s']:>8.2f} | {r['pass_s']:>7.2f} | {r['main_cpu_s']:>10.2f} | {r['samples_per_s']:>10.0f} | {r['tokens_per_s'] / 1e6:>10.2f} |")
         print()
         print(f"padding waste over {args.world} ranks (padding tokens / all tokens):")
         print(f"| {'batching':<44} | {'micro-batches':>13} | {'over budget':>11} | {'waste':>6} | {'bound':>6} |")

@@ -278,7 +278,8 @@ def test_batches_collated_in_workers_arrive_whole_as_plain_dicts(shards, mode):
         want = fn(samples)
         assert type(batch) is dict and list(batch) == list(want)
         tensors = [k for k in want if k != "overflow"]
-        assert len({batch[k].untyped_storage().data_ptr() for k in tensors}) == 1, "one buffer"
+        spans = sorted((batch[k].data_ptr(), batch[k].data_ptr() + batch[k].numel() * batch[k].element_size()) for k in tensors if batch[k].numel())
+        assert not spans or spans[-1][1] - spans[0][0] <= sum(-(-(end - start) // 64) * 64 for start, end in spans), "one buffer"
         for k in tensors:
             assert batch[k].dtype == want[k].dtype and batch[k].shape == want[k].shape, k
             assert batch[k].numpy().tobytes() == want[k].numpy().tobytes(), k
@@ -286,6 +287,135 @@ def test_batches_collated_in_workers_arrive_whole_as_plain_dicts(shards, mode):
             overflowed += len(batch["overflow"])
             assert [key(s) for s in batch["overflow"]] == [key(s) for s in want["overflow"]]
     assert mode == "pad" or overflowed > 0
+
+def _in_arena(t) -> bool:
+    """Whether tensor `t`'s memory lies in a region of the arena that this process mapped."""
+    from trajlog.data import _Arena
+
+    ptr = t.untyped_storage().data_ptr()
+    for region in _Arena.current._maps.values():
+        base = np.frombuffer(region, dtype=np.uint8)
+        if base.ctypes.data <= ptr < base.ctypes.data + len(base):
+            return True
+    return False
+
+
+@pytest.fixture()
+def fresh_arena(monkeypatch):
+    """A new arena of 4 slots for one test (restored after)."""
+    pytest.importorskip("torch")
+    from trajlog.data import _Arena
+
+    monkeypatch.setattr(_Arena, "current", None)
+    monkeypatch.setattr(_Arena, "SLOTS", 4)
+    _Arena.ensure()
+    if _Arena.current is None:
+        pytest.skip("no memfd here")
+    return _Arena.current
+
+
+def _slot_states(arena) -> list:
+    import os
+
+    return list(os.pread(arena.fd, arena.SLOTS, 64 + 16 * arena.SLOTS))
+
+
+def test_worker_batches_view_arena_slots_freed_when_dropped(shards, fresh_arena):
+    """Batches collated in workers arrive as views of arena slots, bit-equal
+    to collating here; a slot stays taken while its batch lives, and more
+    batches held than slots fall back to shared memory, still exact."""
+    import functools
+    import gc
+
+    import torch
+
+    path, _ = shards
+    fn = functools.partial(collate, mode="pad")
+    ds = TrajectoryDataset(path, seed=5)
+    # Plain dicts: torch's own way across, no slots held.
+    raw = list(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=lambda b: [dict(s) for s in b]))
+    got = list(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=fn))
+    assert len(got) == len(raw) > fresh_arena.SLOTS
+    in_arena = [_in_arena(b["token_ids"]) for b in got]
+    assert 0 < sum(in_arena) <= fresh_arena.SLOTS < len(got), in_arena
+    assert sorted(_slot_states(fresh_arena)) == [1] * fresh_arena.SLOTS, "every slot held"
+    for batch, samples in zip(got, raw):
+        want = fn(samples)
+        assert type(batch) is dict and list(batch) == list(want)
+        for k in want:
+            assert batch[k].dtype == want[k].dtype and batch[k].numpy().tobytes() == want[k].numpy().tobytes(), k
+    del got, batch
+    gc.collect()
+    assert _slot_states(fresh_arena) == [0] * fresh_arena.SLOTS, "slots freed with their batches"
+    # Freed slots are used again.
+    again = list(torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, collate_fn=fn))
+    assert any(_in_arena(b["token_ids"]) for b in again)
+    for batch, samples in zip(again, raw):
+        assert batch["logprobs"].numpy().tobytes() == fn(samples)["logprobs"].numpy().tobytes()
+
+
+def test_worker_samples_cross_exactly(shards, fresh_arena):
+    """batch_size=None with workers: every sample arrives bit-equal to the
+    same sample read in process, its tensors one arena buffer when a slot is free."""
+    torch = pytest.importorskip("torch")
+    path, _ = shards
+    here = {key(s): s for s in TrajectoryDataset(path, seed=6)}
+    seen, through_arena = 0, 0
+    for s in torch.utils.data.DataLoader(TrajectoryDataset(path, seed=6), batch_size=None, num_workers=2):
+        want = here[key(s)]
+        assert type(s) is dict and sorted(s) == sorted(want)
+        for k, v in want.items():
+            if hasattr(v, "numpy"):
+                assert s[k].dtype == v.dtype and s[k].numpy().tobytes() == v.numpy().tobytes(), k
+            elif isinstance(v, np.ndarray):
+                assert np.asarray(s[k]).tobytes() == v.tobytes(), k
+            else:
+                assert s[k] == v, k
+        through_arena += _in_arena(s["token_ids"])
+        seen += 1
+    assert seen == len(here) and through_arena > 0
+
+
+def test_views_kept_from_a_dropped_batch_stay_exact(shards, fresh_arena):
+    """A collate_fn that keeps only some tensors of `collate`'s batch: its
+    slot is not reused while those tensors live."""
+    import functools
+
+    import torch
+
+    path, _ = shards
+    fn = functools.partial(collate, mode="pad")
+    ds = TrajectoryDataset(path, seed=7)
+    raw = list(torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=lambda b: [dict(s) for s in b]))
+    got = list(torch.utils.data.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=lambda b: {"t": fn(b)["token_ids"], "lp": fn(b)["logprobs"]}))
+    assert len(got) == len(raw) > fresh_arena.SLOTS
+    for batch, samples in zip(got, raw):
+        want = fn(samples)
+        assert batch["t"].numpy().tobytes() == want["token_ids"].numpy().tobytes()
+        assert batch["lp"].numpy().tobytes() == want["logprobs"].numpy().tobytes()
+
+
+def test_slots_of_an_abandoned_iterator_are_swept(shards, fresh_arena):
+    """Batches a dropped iterator's workers had sent never arrive; the main
+    process frees their slots once those workers have exited."""
+    import functools
+    import gc
+
+    import torch
+
+    path, _ = shards
+    ds = TrajectoryDataset(path, seed=8)
+    loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=2, collate_fn=functools.partial(collate, mode="pad"), prefetch_factor=2)
+    it = iter(loader)
+    next(it)
+    del it  # workers shut down with prefetched batches in flight
+    gc.collect()
+    for _ in range(2):  # enough batches received for a sweep (SWEEP_EVERY)
+        assert sum(1 for _ in loader) > 0
+    gc.collect()
+    assert fresh_arena.SWEEP_EVERY <= 2 * len(list(TrajectoryDataset(path, seed=8)))
+    assert _slot_states(fresh_arena) == [0] * fresh_arena.SLOTS
+
 
 # -- rewards current at read time ---------------------------------------------
 
