@@ -444,6 +444,7 @@ impl Finder<'_> {
 /// The list style in which `items` render as exactly `orig`, if any: a
 /// scan of `orig` that compares as it parses (what [`write_list`] would
 /// write, without writing it).
+#[cfg(test)]
 fn list_style(orig: &[u8], items: impl Iterator<Item = u32>) -> Option<u8> {
     list_match(orig, items).filter(|&(len, _)| len == orig.len()).map(|(_, style)| style)
 }
