@@ -73,6 +73,29 @@ pub fn parse_choices(obj: &Obj) -> Option<Choices> {
     obj.get("choices").and_then(json::objects)
 }
 
+/// An upstream response body parsed once: its members, its parsed
+/// `choices` ([`parse_choices`]), and, when known without more work, the
+/// body as the raw value [`response_raw`] gives.
+#[derive(Debug)]
+pub struct Response {
+    pub obj: Obj,
+    pub choices: Option<Choices>,
+    pub raw: Option<Box<RawValue>>,
+}
+
+/// Parse a response body: None when it is not a JSON object. A compact body
+/// (vLLM's) is read in one pass, its `choices` with it
+/// ([`Obj::parse_with_objects`]); any other is read as [`Obj::parse`] and
+/// [`parse_choices`] read it, so every value keeps its text as it came.
+pub fn parse_response(text: &str) -> Option<Response> {
+    if let Some((obj, choices, raw)) = Obj::parse_with_objects(text, "choices") {
+        return Some(Response { obj, choices, raw });
+    }
+    let obj = Obj::parse(text)?;
+    let choices = parse_choices(&obj);
+    Some(Response { obj, choices, raw: None })
+}
+
 /// The first choice as the trace reads it (rLLM's `choices[0]`); None when
 /// there is none or it is not an object.
 pub fn first_choice(choices: Option<&Choices>) -> Option<&Obj> {
@@ -700,6 +723,47 @@ mod tests {
             let want = serde_json::from_str::<&RawValue>(text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
             assert_eq!(got, want, "{text}");
         }
+    }
+
+    /// The one-pass read of a response gives what the two passes give:
+    /// the same members (each value's text), the same choices, and the
+    /// body's raw value when it gives one.
+    #[test]
+    fn one_pass_response_reads_as_two_passes() {
+        let text_of = |o: &Obj| o.0.iter().map(|(k, v)| format!("{k}={}", v.get())).collect::<Vec<_>>();
+        let choices_of = |c: &Option<Choices>| {
+            c.as_ref().map(|l| l.iter().map(|o| o.as_ref().map(text_of)).collect::<Vec<_>>())
+        };
+        for text in [
+            r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"token_ids":[1,2]}],"prompt_token_ids":[3]}"#,
+            "\n{\"choices\":[{\"a\":1},{\"b\":[]}],\"u\":null}\r\n",
+            r#"{"choices":[{"a":1}, {"b":2}]}"#,
+            r#"{"choices":[{"a":1,"a":2}]}"#,
+            r#"{"choices":[{"a":1}],"choices":[{"b":2}]}"#,
+            r#"{"choices":[{"a":1},null,3]}"#,
+            r#"{"choices":{"a":1}}"#,
+            r#"{"choices":"none","x":1}"#,
+            r#"{"choices":[]}"#,
+            r#"{"x":[1, 2],"y":{"choices":[]}}"#,
+            r#"{"choices":[{"t":"\u00e9"}]}"#,
+            r#"{"a":1,"a":2,"choices":[{}]}"#,
+            r#"{}"#,
+            r#"[1]"#,
+            r#"{"choices":[{"a":1}]"#,
+        ] {
+            let two = Obj::parse(text).map(|o| {
+                let c = parse_choices(&o);
+                (text_of(&o), choices_of(&c))
+            });
+            let one = parse_response(text);
+            assert_eq!(one.as_ref().map(|r| (text_of(&r.obj), choices_of(&r.choices))), two, "{text}");
+            if let Some(raw) = one.and_then(|r| r.raw) {
+                let want = response_raw(&obj(text), text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+                assert_eq!(Ok(raw.get().to_owned()), want, "{text}");
+            }
+        }
+        let compact = r#"{"id":"x","choices":[{"index":0,"token_ids":[1,2]}],"usage":{"prompt_tokens":1}}"#;
+        assert!(parse_response(compact).is_some_and(|r| r.raw.is_some()), "a compact body is read in one pass");
     }
 
     #[test]
