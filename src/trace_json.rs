@@ -30,16 +30,30 @@ fn compact_ids(text: &str) -> Option<Vec<u32>> {
         return Some(Vec::new());
     }
     let mut out = Vec::with_capacity(inner.len() / 6 + 1);
-    let mut cur: Option<u32> = None;
+    // The id so far in a u64, which cannot overflow before it passes
+    // u32::MAX: refused at the digit that takes it there, as checked u32
+    // arithmetic would refuse it. `digits`: whether the id has one.
+    let (mut cur, mut digits) = (0u64, false);
     for &c in inner {
         match c {
-            b'0'..=b'9' => cur = Some(cur.unwrap_or(0).checked_mul(10)?.checked_add(u32::from(c - b'0'))?),
-            b',' => out.push(cur.take()?),
+            b'0'..=b'9' => {
+                cur = cur * 10 + u64::from(c - b'0');
+                if cur > u64::from(u32::MAX) {
+                    return None;
+                }
+                digits = true;
+            }
+            b',' if digits => {
+                out.push(cur as u32);
+                (cur, digits) = (0, false);
+            }
             _ => return None,
         }
     }
-    out.push(cur?);
-    Some(out)
+    digits.then(|| {
+        out.push(cur as u32);
+        out
+    })
 }
 
 /// The items of a list of numbers written without whitespace (`[-0.5,-1e-05]`,
@@ -876,6 +890,10 @@ mod tests {
             "[1,22,333]",
             "[4294967295]",
             "[4294967296]",
+            "[42949672950]",
+            "[4294967295,0,10]",
+            "[10,4294967296]",
+            "[99999999999999999999999]",
             "[1, 2]",
             "[-0]",
             "[1e3]",
