@@ -873,7 +873,8 @@ mod tests {
         }
         assert!(checked > 100_000, "{checked}");
         let raw = RawValue::from_string("[-0.5,-1.1920928955078125e-07,-3.4028234663852886e+38]".into());
-        let (column, exact) = raw.as_deref().map_or((Vec::new(), false), |r| parse_logprobs("logprobs", r).unwrap_or_default());
+        let (column, exact) =
+            raw.as_deref().map_or((Vec::new(), false), |r| parse_logprobs("logprobs", r).unwrap_or_default());
         assert!(exact);
         assert_eq!(column, [-0.5, -1.192_092_9e-7, -f32::MAX]);
     }

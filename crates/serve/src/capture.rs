@@ -637,8 +637,8 @@ mod lp {
     /// The items of the list at `i`, each read by `item(start)` (its value
     /// and end), and the list's end; the value at `i` skipped and None when
     /// it is not a list.
-    fn list<'t, T>(
-        t: &'t str,
+    fn list<T>(
+        t: &str,
         i: usize,
         item: &mut dyn FnMut(usize) -> Option<(T, usize)>,
     ) -> Option<(Option<Vec<T>>, usize)> {
@@ -731,9 +731,8 @@ mod tests {
     #[test]
     fn one_pass_response_reads_as_two_passes() {
         let text_of = |o: &Obj| o.0.iter().map(|(k, v)| format!("{k}={}", v.get())).collect::<Vec<_>>();
-        let choices_of = |c: &Option<Choices>| {
-            c.as_ref().map(|l| l.iter().map(|o| o.as_ref().map(text_of)).collect::<Vec<_>>())
-        };
+        let choices_of =
+            |c: &Option<Choices>| c.as_ref().map(|l| l.iter().map(|o| o.as_ref().map(text_of)).collect::<Vec<_>>());
         for text in [
             r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"token_ids":[1,2]}],"prompt_token_ids":[3]}"#,
             "\n{\"choices\":[{\"a\":1},{\"b\":[]}],\"u\":null}\r\n",

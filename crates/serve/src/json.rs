@@ -214,10 +214,7 @@ impl Obj {
     /// as a raw value too. None otherwise (read it the two-pass way, which
     /// keeps every value's text as it came).
     #[allow(clippy::type_complexity, reason = "the three results of one pass, named in the doc")]
-    pub fn parse_with_objects(
-        text: &str,
-        key: &str,
-    ) -> Option<(Obj, Option<Vec<Option<Obj>>>, Option<Box<RawValue>>)> {
+    pub fn parse_with_objects(text: &str, key: &str) -> Option<(Obj, Option<Vec<Option<Obj>>>, Option<Box<RawValue>>)> {
         let mut de = serde_json::Deserializer::from_str(text);
         let found = de.deserialize_map(WithObjects { key }).ok()?;
         de.end().ok()?;
