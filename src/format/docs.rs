@@ -752,10 +752,11 @@ fn string_end(b: &[u8], i: usize) -> Option<usize> {
     }
     let mut j = i + 1;
     loop {
+        // Straight to the next quote or backslash.
+        j += b.get(j..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
         match b.get(j)? {
             b'"' => return Some(j + 1),
-            b'\\' => j += 2,
-            _ => j += 1,
+            _ => j += 2,
         }
     }
 }
@@ -779,31 +780,27 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
             let mut depth = 0usize;
             let mut j = i;
             loop {
+                // Straight to the next byte that opens, closes or quotes.
+                j += b.get(j..)?.iter().position(|&c| matches!(c, b'"' | b'{' | b'[' | b'}' | b']'))?;
                 match *b.get(j)? {
                     b'"' => {
                         j = string_end(b, j)?;
                         continue;
                     }
                     b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
+                    _ => {
+                        depth = depth.checked_sub(1)?;
                         if depth == 0 {
                             return Some(j + 1);
                         }
                     }
-                    _ => {}
                 }
                 j += 1;
             }
         }
         _ => {
-            let mut j = i;
-            while let Some(&c) = b.get(j) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
+            let len = b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
+            let j = len.map_or(b.len(), |n| i + n);
             (j > i).then_some(j)
         }
     }

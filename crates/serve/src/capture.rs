@@ -581,7 +581,8 @@ mod lp {
                 }
             }
             _ => {
-                let len = b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
+                let len =
+                    b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
                 let j = len.map_or(b.len(), |n| i + n);
                 (j > i).then_some(j)
             }
