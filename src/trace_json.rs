@@ -30,16 +30,46 @@ fn compact_ids(text: &str) -> Option<Vec<u32>> {
         return Some(Vec::new());
     }
     let mut out = Vec::with_capacity(inner.len() / 6 + 1);
-    let mut cur: Option<u32> = None;
+    // The id so far in a u64, which cannot overflow before it passes
+    // u32::MAX: refused at the digit that takes it there, as checked u32
+    // arithmetic would refuse it. `digits`: whether the id has one.
+    let (mut cur, mut digits) = (0u64, false);
     for &c in inner {
         match c {
-            b'0'..=b'9' => cur = Some(cur.unwrap_or(0).checked_mul(10)?.checked_add(u32::from(c - b'0'))?),
-            b',' => out.push(cur.take()?),
+            b'0'..=b'9' => {
+                cur = cur * 10 + u64::from(c - b'0');
+                if cur > u64::from(u32::MAX) {
+                    return None;
+                }
+                digits = true;
+            }
+            b',' if digits => {
+                out.push(cur as u32);
+                (cur, digits) = (0, false);
+            }
             _ => return None,
         }
     }
-    out.push(cur?);
-    Some(out)
+    digits.then(|| {
+        out.push(cur as u32);
+        out
+    })
+}
+
+/// The items of a list of numbers written without whitespace (`[-0.5,-1e-05]`,
+/// what vLLM and the gateway write), split at its commas without a JSON
+/// parse; None for anything else (spaces, `null`, strings, nesting), which
+/// is then parsed in full. `text` is a [`RawValue`]'s, so valid JSON: a list
+/// of only number characters and commas is a list of numbers.
+fn compact_numbers(text: &str) -> Option<Vec<&str>> {
+    let inner = text.strip_prefix('[')?.strip_suffix(']')?;
+    if !inner.bytes().all(|c| matches!(c, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E' | b',')) {
+        return None;
+    }
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    Some(inner.split(',').collect())
 }
 
 fn parse_ids(field: &str, raw: &RawValue) -> Result<Vec<u32>> {
@@ -68,15 +98,29 @@ fn parse_ids(field: &str, raw: &RawValue) -> Result<Vec<u32>> {
 /// verbatim values back: the trainer gets float32 logprobs, the trace reads
 /// back as it came.
 fn parse_logprobs(field: &str, raw: &RawValue) -> Result<(Vec<f32>, bool)> {
-    let items: Vec<&RawValue> = serde_json::from_str(raw.get())
-        .map_err(|e| Error::invalid(field, format!("must be a list of numbers ({e})")))?;
+    let items: Vec<&str> = match compact_numbers(raw.get()) {
+        Some(items) => items,
+        None => serde_json::from_str::<Vec<&RawValue>>(raw.get())
+            .map_err(|e| Error::invalid(field, format!("must be a list of numbers ({e})")))?
+            .into_iter()
+            .map(RawValue::get)
+            .collect(),
+    };
     let mut out = Vec::with_capacity(items.len());
     let mut exact = true;
-    for (i, item) in items.iter().enumerate() {
-        let text = item.get();
-        exact = exact && exact_f32(text).is_some();
+    for (i, &text) in items.iter().enumerate() {
         let is_number = text.starts_with(|c: char| c == '-' || c.is_ascii_digit());
-        let v: f32 = if is_number { text.parse().map_err(|_| ()) } else { Err(()) }.map_err(|_| {
+        // An exact value is its own nearest `f32` (the decimal lies within
+        // half an f64 ulp of that `f32`, far from any f32 rounding boundary),
+        // so the one parse that proves it exact also gives the column value.
+        let exact_value = if exact && is_number { exact_f32(text) } else { None };
+        exact = exact_value.is_some();
+        let parsed = match exact_value {
+            Some(v) => Ok(v),
+            None if is_number => text.parse().map_err(|_| ()),
+            None => Err(()),
+        };
+        let v: f32 = parsed.map_err(|_| {
             Error::invalid(
                 format!("{field}[{i}]"),
                 format!("{text} is not a number; NaN, null and strings are refused"),
@@ -106,7 +150,12 @@ fn parse_i64(field: &str, raw: &RawValue) -> Result<i64> {
 
 /// Serialize `(key, verbatim JSON)` pairs as a JSON object.
 pub(crate) fn write_object<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut out = String::from("{");
+    // Sized once: a gateway trace's `extra` holds both raw bodies (~100 KB),
+    // which growing by doubling would copy again and again.
+    let pairs: Vec<(&str, &str)> = pairs.into_iter().collect();
+    let hint = 2 + pairs.iter().map(|(k, v)| k.len() + v.len() + 4).sum::<usize>();
+    let mut out = String::with_capacity(hint);
+    out.push('{');
     for (i, (k, v)) in pairs.into_iter().enumerate() {
         if i > 0 {
             out.push(',');
@@ -799,6 +848,37 @@ pub fn py_float(v: f64) -> String {
 mod tests {
     use super::*;
 
+    /// The column value of an exact logprob comes from the parse that
+    /// proves it exact: it must be the decimal's nearest `f32`, what
+    /// parsing the text straight to `f32` gives, over the whole f32 range
+    /// (normal, subnormal, the largest, both signs) and in both the repr
+    /// and the spelled-out forms of the value.
+    #[test]
+    fn exact_logprob_is_its_nearest_f32() {
+        let mut bits: u32 = 1;
+        let mut checked = 0;
+        while bits < 0x7f80_0000 {
+            for v in [f32::from_bits(bits), -f32::from_bits(bits)] {
+                let mut repr = String::new();
+                write_py_float(&mut repr, f64::from(v));
+                for text in [repr, format!("{:e}", f64::from(v)), format!("{}", f64::from(v))] {
+                    if let Some(found) = exact_f32(&text) {
+                        let direct: f32 = text.parse().unwrap_or(f32::NAN);
+                        assert_eq!(found.to_bits(), direct.to_bits(), "{text}");
+                        checked += 1;
+                    }
+                }
+            }
+            bits = bits.saturating_add(0x0000_7f31).max(bits + 1);
+        }
+        assert!(checked > 100_000, "{checked}");
+        let raw = RawValue::from_string("[-0.5,-1.1920928955078125e-07,-3.4028234663852886e+38]".into());
+        let (column, exact) =
+            raw.as_deref().map_or((Vec::new(), false), |r| parse_logprobs("logprobs", r).unwrap_or_default());
+        assert!(exact);
+        assert_eq!(column, [-0.5, -1.192_092_9e-7, -f32::MAX]);
+    }
+
     #[test]
     fn compact_ids_read_as_the_json_parse() {
         let slow = |t: &str| -> std::result::Result<Vec<u32>, ()> {
@@ -811,6 +891,10 @@ mod tests {
             "[1,22,333]",
             "[4294967295]",
             "[4294967296]",
+            "[42949672950]",
+            "[4294967295,0,10]",
+            "[10,4294967296]",
+            "[99999999999999999999999]",
             "[1, 2]",
             "[-0]",
             "[1e3]",

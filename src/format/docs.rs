@@ -330,11 +330,16 @@ fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut Stri
                 if key != b"messages" {
                     return None;
                 }
-                let end = value_end(t, at)?;
-                if t.get(at..end) == Some(messages) {
-                    st.cuts.push(Cut::plain(at, end, REF_MESSAGES, 0, 0));
+                // `messages` is one valid JSON document (checked before a
+                // call is encoded): when it is a list, object or string, the
+                // bytes at `at` that equal it are the whole value there, so
+                // the value is not scanned for its end first.
+                let delimited = matches!(messages.first(), Some(b'[' | b'{' | b'"'));
+                if delimited && t.get(at..at + messages.len()) == Some(messages) {
+                    st.cuts.push(Cut::plain(at, at + messages.len(), REF_MESSAGES, 0, 0));
+                    return Some(at + messages.len());
                 }
-                Some(end)
+                value_end(t, at)
             })
         }
         b"raw_response" => walk_object(t, at, &mut |key, at| match key {
@@ -371,15 +376,15 @@ struct Finder<'c> {
 }
 
 impl Finder<'_> {
-    /// A list of ids at `at`: cut when it renders as `column` does.
+    /// A list of ids at `at`: cut when it renders as `column` does. A list
+    /// that does is read once (its end is where the comparison stops).
     fn ids(&mut self, t: &[u8], at: usize, reference: u8) -> Option<usize> {
-        let end = value_end(t, at)?;
         let ids = if reference == REF_PROMPT { &self.call.prompt_token_ids } else { &self.call.completion_token_ids };
-        let orig = t.get(at..end)?;
-        if let Some(style) = list_style(orig, ids.iter().copied()) {
-            self.cuts.push(Cut::plain(at, end, reference, style, 0));
+        if let Some((len, style)) = list_match(t.get(at..)?, ids.iter().copied()) {
+            self.cuts.push(Cut::plain(at, at + len, reference, style, 0));
+            return Some(at + len);
         }
-        Some(end)
+        value_end(t, at)
     }
 
     /// `choices[0].logprobs`: chat's `content[]` objects, or completions'
@@ -394,13 +399,10 @@ impl Finder<'_> {
                         string_end(t, at)
                     }
                     b"logprob" => self.logprob(t, at, i),
-                    b"bytes" => {
-                        let end = value_end(t, at)?;
-                        if let Some(token_at) = token_at {
-                            self.token_bytes(t, at, end, token_at);
-                        }
-                        Some(end)
-                    }
+                    b"bytes" => match token_at {
+                        Some(token_at) => self.token_bytes(t, at, token_at),
+                        None => value_end(t, at),
+                    },
                     _ => None,
                 })
             }),
@@ -415,34 +417,43 @@ impl Finder<'_> {
         let (Some(orig), Some(&v)) = (t.get(at..end), self.call.logprobs.as_ref().and_then(|lp| lp.get(i))) else {
             return Some(end);
         };
-        // Cheap test first: only a value that parses to the column's is rendered.
-        let parsed = std::str::from_utf8(orig).ok().and_then(|s| s.parse::<f64>().ok());
-        if parsed.map(f64::to_bits) == Some(f64::from(v).to_bits()) {
-            self.scratch.clear();
-            write_py_float(self.scratch, f64::from(v));
-            if self.scratch.as_bytes() == orig {
-                self.cuts.push(Cut::plain(at, end, REF_LOGPROB, FLOAT_PYTHON, i as u32));
-            }
+        // Rendered and compared, not parsed first: the text a reader renders
+        // is the test (equal bytes also parse to the column's value), and
+        // rendering costs about what parsing did.
+        self.scratch.clear();
+        write_py_float(self.scratch, f64::from(v));
+        if self.scratch.as_bytes() == orig {
+            self.cuts.push(Cut::plain(at, end, REF_LOGPROB, FLOAT_PYTHON, i as u32));
         }
         Some(end)
     }
 
-    /// A token's `bytes` at `at..end`: cut when they are the UTF-8 of the
-    /// token literal at `token_at`.
-    fn token_bytes(&mut self, t: &[u8], at: usize, end: usize, token_at: usize) {
-        let (Some(orig), Some(token)) = (t.get(at..end), string_value(t, token_at)) else { return };
-        if let Some(style) = list_style(orig, token.bytes().map(u32::from)) {
-            self.cuts.push(Cut { start: at, end, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
+    /// A token's `bytes` at `at`: cut when they are the UTF-8 of the token
+    /// literal at `token_at`. Returns the end of the value.
+    fn token_bytes(&mut self, t: &[u8], at: usize, token_at: usize) -> Option<usize> {
+        if let Some(token) = string_value(t, token_at) {
+            if let Some((len, style)) = list_match(t.get(at..)?, token.bytes().map(u32::from)) {
+                self.cuts.push(Cut { start: at, end: at + len, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
+                return Some(at + len);
+            }
         }
+        value_end(t, at)
     }
 }
 
 /// The list style in which `items` render as exactly `orig`, if any: a
 /// scan of `orig` that compares as it parses (what [`write_list`] would
 /// write, without writing it).
-fn list_style(orig: &[u8], mut items: impl Iterator<Item = u32>) -> Option<u8> {
-    let rest = orig.strip_prefix(b"[")?.strip_suffix(b"]")?;
-    let Some(first) = items.next() else { return rest.is_empty().then_some(LIST_COMPACT) };
+#[cfg(test)]
+fn list_style(orig: &[u8], items: impl Iterator<Item = u32>) -> Option<u8> {
+    list_match(orig, items).filter(|&(len, _)| len == orig.len()).map(|(_, style)| style)
+}
+
+/// Whether `text` starts with a list that `items` render as in some style:
+/// that list's length in bytes and its style.
+fn list_match(text: &[u8], mut items: impl Iterator<Item = u32>) -> Option<(usize, u8)> {
+    let rest = text.strip_prefix(b"[")?;
+    let Some(first) = items.next() else { return (rest.first() == Some(&b']')).then_some((2, LIST_COMPACT)) };
     let mut style = None;
     let mut pos = 0;
     let mut want = Some(first);
@@ -474,7 +485,7 @@ fn list_style(orig: &[u8], mut items: impl Iterator<Item = u32>) -> Option<u8> {
         }
         pos += if sep == LIST_SPACED { 2 } else { 1 };
     }
-    (pos == rest.len()).then_some(style.unwrap_or(LIST_COMPACT))
+    (rest.get(pos) == Some(&b']')).then_some((pos + 2, style.unwrap_or(LIST_COMPACT)))
 }
 
 fn write_list(out: &mut Vec<u8>, items: impl Iterator<Item = u32>, style: u8) {
@@ -741,23 +752,24 @@ fn string_end(b: &[u8], i: usize) -> Option<usize> {
     }
     let mut j = i + 1;
     loop {
+        // Straight to the next quote or backslash.
+        j += b.get(j..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
         match b.get(j)? {
             b'"' => return Some(j + 1),
-            b'\\' => j += 2,
-            _ => j += 1,
+            _ => j += 2,
         }
     }
 }
 
-/// The string literal at `i`, unescaped.
-fn string_value(b: &[u8], i: usize) -> Option<String> {
+/// The string literal at `i`, unescaped (borrowed when it has no escape).
+fn string_value(b: &[u8], i: usize) -> Option<std::borrow::Cow<'_, str>> {
     let end = string_end(b, i)?;
     let lit = b.get(i..end)?;
     let inner = lit.get(1..lit.len() - 1)?;
     if !inner.contains(&b'\\') {
-        return std::str::from_utf8(inner).ok().map(str::to_owned);
+        return std::str::from_utf8(inner).ok().map(std::borrow::Cow::Borrowed);
     }
-    serde_json::from_slice::<String>(lit).ok()
+    serde_json::from_slice::<String>(lit).ok().map(std::borrow::Cow::Owned)
 }
 
 /// End (exclusive) of the JSON value starting at `i`.
@@ -768,31 +780,27 @@ fn value_end(b: &[u8], i: usize) -> Option<usize> {
             let mut depth = 0usize;
             let mut j = i;
             loop {
+                // Straight to the next byte that opens, closes or quotes.
+                j += b.get(j..)?.iter().position(|&c| matches!(c, b'"' | b'{' | b'[' | b'}' | b']'))?;
                 match *b.get(j)? {
                     b'"' => {
                         j = string_end(b, j)?;
                         continue;
                     }
                     b'{' | b'[' => depth += 1,
-                    b'}' | b']' => {
-                        depth -= 1;
+                    _ => {
+                        depth = depth.checked_sub(1)?;
                         if depth == 0 {
                             return Some(j + 1);
                         }
                     }
-                    _ => {}
                 }
                 j += 1;
             }
         }
         _ => {
-            let mut j = i;
-            while let Some(&c) = b.get(j) {
-                if matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r') {
-                    break;
-                }
-                j += 1;
-            }
+            let len = b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
+            let j = len.map_or(b.len(), |n| i + n);
             (j > i).then_some(j)
         }
     }

@@ -73,6 +73,29 @@ pub fn parse_choices(obj: &Obj) -> Option<Choices> {
     obj.get("choices").and_then(json::objects)
 }
 
+/// An upstream response body parsed once: its members, its parsed
+/// `choices` ([`parse_choices`]), and, when known without more work, the
+/// body as the raw value [`response_raw`] gives.
+#[derive(Debug)]
+pub struct Response {
+    pub obj: Obj,
+    pub choices: Option<Choices>,
+    pub raw: Option<Box<RawValue>>,
+}
+
+/// Parse a response body: None when it is not a JSON object. A compact body
+/// (vLLM's) is read in one pass, its `choices` with it
+/// ([`Obj::parse_with_objects`]); any other is read as [`Obj::parse`] and
+/// [`parse_choices`] read it, so every value keeps its text as it came.
+pub fn parse_response(text: &str) -> Option<Response> {
+    if let Some((obj, choices, raw)) = Obj::parse_with_objects(text, "choices") {
+        return Some(Response { obj, choices, raw });
+    }
+    let obj = Obj::parse(text)?;
+    let choices = parse_choices(&obj);
+    Some(Response { obj, choices, raw: None })
+}
+
 /// The first choice as the trace reads it (rLLM's `choices[0]`); None when
 /// there is none or it is not an object.
 pub fn first_choice(choices: Option<&Choices>) -> Option<&Obj> {
@@ -200,27 +223,21 @@ impl Record<'_> {
 
 /// Logprobs of a choice, verbatim: `logprobs.content[].logprob`, else
 /// `logprobs.token_logprobs[]`, nulls skipped (read in one pass, [`lp`]).
-fn choice_logprobs<'a>(choice: &'a Obj, out: &mut Vec<&'a RawValue>) {
-    let Some(v) = choice.get_some("logprobs") else { return };
-    let mut de = serde_json::Deserializer::from_str(v.get());
-    let Ok(found) = serde::Deserializer::deserialize_any(&mut de, lp::Logprobs) else { return };
-    match found {
-        lp::Found { content: Some(content), .. } => {
-            out.extend(content.into_iter().flatten());
-        }
-        lp::Found { token_logprobs: Some(tl), .. } => {
-            out.extend(tl.into_iter().filter(|v| v.get() != "null"));
-        }
-        _ => {}
+fn choice_logprobs<'a>(choice: &'a Obj, out: &mut Vec<&'a str>) {
+    if let Some(v) = choice.get_some("logprobs") {
+        lp::read(v.get(), out);
     }
 }
 
 /// The logprobs list, `null` when empty (rLLM's `logprobs or None`).
-fn logprobs_val<T: std::ops::Deref<Target = RawValue>>(lps: &[T]) -> Val<'static> {
-    if lps.is_empty() {
+fn logprobs_val<'s>(lps: impl IntoIterator<Item = &'s str>) -> Val<'static> {
+    let mut lps = lps.into_iter().peekable();
+    if lps.peek().is_none() {
         own("null".to_owned())
     } else {
-        Val::Own(json::raw_list(lps))
+        // Each item is a JSON value's verbatim text ([`lp::read`]); the list
+        // is checked once more as it becomes a raw value.
+        own(json::join_list(lps))
     }
 }
 
@@ -342,7 +359,7 @@ pub fn record_from_response<'a>(
         ref_or(response_obj.get_some("prompt_token_ids").or_else(|| get_some("prompt_token_ids")), "[]"),
         ref_or(get_some("message").or_else(|| get_some("delta")), "{}"),
         ref_or(get_some("token_ids"), "[]"),
-        logprobs_val(&lps),
+        logprobs_val(lps),
         ref_or(choice.and_then(|c| c.get("routing_matrices")).filter(|v| json::truthy(v)), "null"),
         ref_or(choice.and_then(|c| c.get("finish_reason")), "null"),
         own(weight_json(response_obj.get_some("weight_version"), facts.weight_version)),
@@ -360,7 +377,7 @@ pub struct StreamAssembly {
     prompt_ids: Option<Box<RawValue>>,
     model: Option<Box<RawValue>>,
     completion_ids: Vec<String>,
-    logprobs: Vec<Box<RawValue>>,
+    logprobs: Vec<String>,
     role: Option<Box<RawValue>>,
     content: String,
     tool_calls: Vec<String>,
@@ -400,7 +417,7 @@ impl StreamAssembly {
         }
         let mut lps = Vec::new();
         choice_logprobs(choice, &mut lps);
-        self.logprobs.extend(lps.into_iter().map(ToOwned::to_owned));
+        self.logprobs.extend(lps.into_iter().map(str::to_owned));
         if let Some(delta) = choice.get_some("delta").and_then(|d| Obj::parse(d.get())) {
             if let Some(role) = delta.get_some("role").filter(|r| json::truthy(r)) {
                 self.role = Some(role.to_owned());
@@ -442,7 +459,7 @@ impl StreamAssembly {
             ref_or(self.prompt_ids.as_deref(), "[]"),
             Val::Own(msg.to_raw()),
             own(json::join_list(self.completion_ids.iter().map(String::as_str))),
-            logprobs_val(&self.logprobs),
+            logprobs_val(self.logprobs.iter().map(String::as_str)),
             own("null".into()),
             ref_or(self.finish_reason.as_deref(), "null"),
             own(weight_json(None, facts.weight_version)),
@@ -457,160 +474,190 @@ impl StreamAssembly {
 /// gateway's [`Obj`] walk reads them: not an object, nothing; `content`
 /// (the last one, unless `null` or not a list) wins over `token_logprobs`;
 /// a `content` entry that is not an object, or whose (last) `logprob` is
-/// missing or `null`, gives nothing.
+/// missing or `null`, gives nothing. Keys are compared unescaped.
+///
+/// The text is a [`RawValue`]'s, which serde_json checked when it read the
+/// response: this scan only finds where each value ends (a string at its
+/// closing quote, a list or object at its matching bracket, anything else
+/// at the next delimiter), so it skips the values it does not keep faster
+/// than a parser that checks them again. Malformed text (which a
+/// `RawValue` cannot hold) gives nothing rather than a panic.
 mod lp {
-    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-    use serde_json::value::RawValue;
-    use std::fmt;
+    use std::borrow::Cow;
 
-    #[derive(Default)]
-    pub struct Found<'de> {
-        pub content: Option<Vec<Option<&'de RawValue>>>,
-        pub token_logprobs: Option<Vec<&'de RawValue>>,
-    }
-
-    /// Any value a visitor does not look into: consumed, giving the default.
-    macro_rules! other_values {
-        () => {
-            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-            fn visit_unit<E>(self) -> Result<Self::Value, E> {
-                Ok(Default::default())
-            }
-        };
-    }
-    macro_rules! other_seq {
-        () => {
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Default::default())
-            }
-        };
-    }
-    macro_rules! other_map {
-        () => {
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(Default::default())
-            }
-        };
-    }
-
-    /// A key, compared without allocating.
-    struct Key;
-    impl<'de> Visitor<'de> for Key {
-        type Value = Option<&'static str>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a key")
-        }
-        fn visit_str<E>(self, k: &str) -> Result<Self::Value, E> {
-            Ok(["content", "token_logprobs", "logprob"].into_iter().find(|w| *w == k))
-        }
-    }
-    impl<'de> DeserializeSeed<'de> for Key {
-        type Value = Option<&'static str>;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_str(self)
-        }
-    }
-
-    /// The `logprobs` object.
-    pub struct Logprobs;
-    impl<'de> Visitor<'de> for Logprobs {
-        type Value = Found<'de>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("logprobs")
-        }
-        other_values!();
-        other_seq!();
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut found = Found::default();
-            while let Some(k) = map.next_key_seed(Key)? {
-                match k {
-                    Some("content") => found.content = map.next_value_seed(ListOf(Entry))?,
-                    Some("token_logprobs") => found.token_logprobs = map.next_value_seed(ListOf(Raw))?,
-                    _ => {
-                        map.next_value::<IgnoredAny>()?;
+    /// The logprobs of the `logprobs` value `t`, pushed onto `out` as the
+    /// verbatim text of each value.
+    pub fn read<'t>(t: &'t str, out: &mut Vec<&'t str>) {
+        let b = t.as_bytes();
+        let mut content: Option<Vec<Option<&'t str>>> = None;
+        let mut token_logprobs: Option<Vec<&'t str>> = None;
+        let walked = members(t, ws(b, 0), &mut |key, at| match key {
+            "content" => {
+                let (list, end) = list(t, at, &mut |at| {
+                    if b.get(at) != Some(&b'{') {
+                        return Some((None, value_end(b, at)?));
                     }
+                    let mut logprob = None;
+                    let end = members(t, at, &mut |key, at| {
+                        if key != "logprob" {
+                            return None;
+                        }
+                        let end = value_end(b, at)?;
+                        logprob = t.get(at..end);
+                        Some(end)
+                    })?;
+                    Some((logprob.filter(|v| *v != "null"), end))
+                })?;
+                content = list;
+                Some(end)
+            }
+            "token_logprobs" => {
+                let (list, end) = list(t, at, &mut |at| {
+                    let end = value_end(b, at)?;
+                    Some((t.get(at..end), end))
+                })?;
+                token_logprobs = list.map(|l| l.into_iter().flatten().collect());
+                Some(end)
+            }
+            _ => None,
+        });
+        if walked.is_none() {
+            return;
+        }
+        match (content, token_logprobs) {
+            (Some(content), _) => out.extend(content.into_iter().flatten()),
+            (None, Some(tl)) => out.extend(tl.into_iter().filter(|v| *v != "null")),
+            (None, None) => {}
+        }
+    }
+
+    fn ws(b: &[u8], mut i: usize) -> usize {
+        while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            i += 1;
+        }
+        i
+    }
+
+    /// End (exclusive) of the string literal at `i` (a `"`).
+    fn string_end(b: &[u8], i: usize) -> Option<usize> {
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        let mut j = i + 1;
+        loop {
+            // Straight to the next quote or backslash.
+            j += b.get(j..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
+            match *b.get(j)? {
+                b'"' => return Some(j + 1),
+                _ => j += 2,
+            }
+        }
+    }
+
+    /// End (exclusive) of the value starting at `i`.
+    fn value_end(b: &[u8], i: usize) -> Option<usize> {
+        match *b.get(i)? {
+            b'"' => string_end(b, i),
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                let mut j = i;
+                loop {
+                    // Straight to the next byte that opens, closes or quotes.
+                    j += b.get(j..)?.iter().position(|&c| matches!(c, b'"' | b'{' | b'[' | b'}' | b']'))?;
+                    match *b.get(j)? {
+                        b'"' => {
+                            j = string_end(b, j)?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        _ => {
+                            depth = depth.checked_sub(1)?;
+                            if depth == 0 {
+                                return Some(j + 1);
+                            }
+                        }
+                    }
+                    j += 1;
                 }
             }
-            Ok(found)
-        }
-    }
-
-    /// A list of `T`s; None when not a list.
-    struct ListOf<T>(T);
-    impl<'de, T: DeserializeSeed<'de> + Copy> Visitor<'de> for ListOf<T> {
-        type Value = Option<Vec<T::Value>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a list")
-        }
-        other_values!();
-        other_map!();
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-            while let Some(v) = seq.next_element_seed(self.0)? {
-                out.push(v);
+            _ => {
+                let len =
+                    b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
+                let j = len.map_or(b.len(), |n| i + n);
+                (j > i).then_some(j)
             }
-            Ok(Some(out))
-        }
-    }
-    impl<'de, T: DeserializeSeed<'de> + Copy> DeserializeSeed<'de> for ListOf<T> {
-        type Value = Option<Vec<T::Value>>;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_any(self)
         }
     }
 
-    /// Any value, verbatim.
-    #[derive(Clone, Copy)]
-    struct Raw;
-    impl<'de> DeserializeSeed<'de> for Raw {
-        type Value = &'de RawValue;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            serde::Deserialize::deserialize(d)
+    /// The key literal at `i`, unescaped, and its end.
+    fn key(t: &str, i: usize) -> Option<(Cow<'_, str>, usize)> {
+        let end = string_end(t.as_bytes(), i)?;
+        let inner = t.get(i + 1..end - 1)?;
+        if inner.contains('\\') {
+            let unescaped: String = serde_json::from_str(t.get(i..end)?).ok()?;
+            return Some((Cow::Owned(unescaped), end));
         }
+        Some((Cow::Borrowed(inner), end))
     }
 
-    /// A `content` entry: its last `logprob` unless `null`; None when not an object.
-    #[derive(Clone, Copy)]
-    struct Entry;
-    impl<'de> Visitor<'de> for Entry {
-        type Value = Option<&'de RawValue>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a logprob entry")
+    /// Walk the object at `i`: `visit(key, value_start)` returns the end of
+    /// a value it read, None to have it skipped. The end of the object;
+    /// None when there is no object at `i`.
+    fn members(t: &str, i: usize, visit: &mut dyn FnMut(&str, usize) -> Option<usize>) -> Option<usize> {
+        let b = t.as_bytes();
+        if b.get(i) != Some(&b'{') {
+            return None;
         }
-        other_values!();
-        other_seq!();
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut lp: Option<&'de RawValue> = None;
-            while let Some(k) = map.next_key_seed(Key)? {
-                if k == Some("logprob") {
-                    lp = Some(map.next_value()?);
-                } else {
-                    map.next_value::<IgnoredAny>()?;
-                }
+        let mut j = ws(b, i + 1);
+        if b.get(j) == Some(&b'}') {
+            return Some(j + 1);
+        }
+        loop {
+            let (k, key_end) = key(t, j)?;
+            j = ws(b, key_end);
+            if b.get(j) != Some(&b':') {
+                return None;
             }
-            Ok(lp.filter(|v| v.get() != "null"))
+            let start = ws(b, j + 1);
+            let end = match visit(&k, start) {
+                Some(end) => end,
+                None => value_end(b, start)?,
+            };
+            j = ws(b, end);
+            match *b.get(j)? {
+                b',' => j = ws(b, j + 1),
+                b'}' => return Some(j + 1),
+                _ => return None,
+            }
         }
     }
-    impl<'de> DeserializeSeed<'de> for Entry {
-        type Value = Option<&'de RawValue>;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_any(self)
+
+    /// The items of the list at `i`, each read by `item(start)` (its value
+    /// and end), and the list's end; the value at `i` skipped and None when
+    /// it is not a list.
+    fn list<T>(
+        t: &str,
+        i: usize,
+        item: &mut dyn FnMut(usize) -> Option<(T, usize)>,
+    ) -> Option<(Option<Vec<T>>, usize)> {
+        let b = t.as_bytes();
+        if b.get(i) != Some(&b'[') {
+            return Some((None, value_end(b, i)?));
+        }
+        let mut out = Vec::new();
+        let mut j = ws(b, i + 1);
+        if b.get(j) == Some(&b']') {
+            return Some((Some(out), j + 1));
+        }
+        loop {
+            let (v, end) = item(j)?;
+            out.push(v);
+            j = ws(b, end);
+            match *b.get(j)? {
+                b',' => j = ws(b, j + 1),
+                b']' => return Some((Some(out), j + 1)),
+                _ => return None,
+            }
         }
     }
 }
@@ -676,6 +723,46 @@ mod tests {
         }
     }
 
+    /// The one-pass read of a response gives what the two passes give:
+    /// the same members (each value's text), the same choices, and the
+    /// body's raw value when it gives one.
+    #[test]
+    fn one_pass_response_reads_as_two_passes() {
+        let text_of = |o: &Obj| o.0.iter().map(|(k, v)| format!("{k}={}", v.get())).collect::<Vec<_>>();
+        let choices_of =
+            |c: &Option<Choices>| c.as_ref().map(|l| l.iter().map(|o| o.as_ref().map(text_of)).collect::<Vec<_>>());
+        for text in [
+            r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"token_ids":[1,2]}],"prompt_token_ids":[3]}"#,
+            "\n{\"choices\":[{\"a\":1},{\"b\":[]}],\"u\":null}\r\n",
+            r#"{"choices":[{"a":1}, {"b":2}]}"#,
+            r#"{"choices":[{"a":1,"a":2}]}"#,
+            r#"{"choices":[{"a":1}],"choices":[{"b":2}]}"#,
+            r#"{"choices":[{"a":1},null,3]}"#,
+            r#"{"choices":{"a":1}}"#,
+            r#"{"choices":"none","x":1}"#,
+            r#"{"choices":[]}"#,
+            r#"{"x":[1, 2],"y":{"choices":[]}}"#,
+            r#"{"choices":[{"t":"\u00e9"}]}"#,
+            r#"{"a":1,"a":2,"choices":[{}]}"#,
+            r#"{}"#,
+            r#"[1]"#,
+            r#"{"choices":[{"a":1}]"#,
+        ] {
+            let two = Obj::parse(text).map(|o| {
+                let c = parse_choices(&o);
+                (text_of(&o), choices_of(&c))
+            });
+            let one = parse_response(text);
+            assert_eq!(one.as_ref().map(|r| (text_of(&r.obj), choices_of(&r.choices))), two, "{text}");
+            if let Some(raw) = one.and_then(|r| r.raw) {
+                let want = response_raw(&obj(text), text).map(|v| v.get().to_owned()).map_err(|e| e.to_string());
+                assert_eq!(Ok(raw.get().to_owned()), want, "{text}");
+            }
+        }
+        let compact = r#"{"id":"x","choices":[{"index":0,"token_ids":[1,2]}],"usage":{"prompt_tokens":1}}"#;
+        assert!(parse_response(compact).is_some_and(|r| r.raw.is_some()), "a compact body is read in one pass");
+    }
+
     #[test]
     fn one_pass_logprobs_read_as_the_obj_walk() {
         let cases = [
@@ -690,13 +777,16 @@ mod tests {
             r#"{"logprobs":null}"#,
             r#"{"logprobs":"x"}"#,
             r#"{"logprobs":{"content":[{"logprob":-4.0}]}}"#,
+            r#"{"logprobs":{"content":[{"token":"]}\"[{,","logprob":-2.5,"bytes":[93,125],"top_logprobs":[{"token":"x","logprob":-7}]}]}}"#,
+            r#"{"logprobs":{"\u0063ontent":[{"log\u0070rob":-1},{"logprob":-2,"log\u0070rob":-3}],"token_logprobs":[-9]}}"#,
+            r#"{"logprobs": { "content" : [ { "logprob" : -1.5 } , { "logprob" : null } , 7 ] , "x" : { "content" : [] } } }"#,
+            r#"{"logprobs":{"token_logprobs":[ -1 , "a" , {"b":[1]} , null , [2] ]}}"#,
             r#"{}"#,
         ];
         for c in cases {
             let choice = obj(c);
             let mut fast = Vec::new();
             choice_logprobs(&choice, &mut fast);
-            let fast: Vec<&str> = fast.iter().map(|v| v.get()).collect();
             assert_eq!(fast, logprobs_by_obj(&choice), "{c}");
         }
     }

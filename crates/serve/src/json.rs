@@ -47,60 +47,138 @@ impl<'de> Deserialize<'de> for Obj {
 /// A list's items each read as an object in one pass over the list: None
 /// when the value is not a list, an item None when it is not an object.
 pub fn objects(v: &RawValue) -> Option<Vec<Option<Obj>>> {
-    struct Item;
-    impl<'de> Visitor<'de> for Item {
-        type Value = Option<Obj>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-            ObjVisitor.visit_map(map).map(Some)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_unit<E>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-    }
-    impl<'de> DeserializeSeed<'de> for Item {
-        type Value = Option<Obj>;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_any(self)
-        }
-    }
-    struct List;
-    impl<'de> Visitor<'de> for List {
-        type Value = Vec<Option<Obj>>;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a JSON list")
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-            while let Some(item) = seq.next_element_seed(Item)? {
-                out.push(item);
-            }
-            Ok(out)
-        }
-    }
     let mut de = serde_json::Deserializer::from_str(v.get());
-    de.deserialize_seq(List).ok()
+    let found = ObjectsSeed.deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    found
+}
+
+/// Any value, read as [`objects`] reads it: a list's items as objects (an
+/// item None when it is not one); None, the value consumed, when it is not
+/// a list.
+pub struct ObjectsSeed;
+
+struct Item;
+impl<'de> Visitor<'de> for Item {
+    type Value = Option<Obj>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        ObjVisitor.visit_map(map).map(Some)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+impl<'de> DeserializeSeed<'de> for Item {
+    type Value = Option<Obj>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ObjectsSeed {
+    type Value = Option<Vec<Option<Obj>>>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element_seed(Item)? {
+            out.push(item);
+        }
+        Ok(Some(out))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+}
+impl<'de> DeserializeSeed<'de> for ObjectsSeed {
+    type Value = Option<Vec<Option<Obj>>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+/// An object with the objects of its list member `key` read in the same
+/// pass ([`Obj::parse_with_objects`]); `rebuilt`: every item of that list
+/// was an object, and the member holds their texts as [`Obj::to_raw`]
+/// writes them (not yet compared with the source).
+struct WithObjects<'k> {
+    key: &'k str,
+}
+
+struct WithObjectsOut {
+    obj: Obj,
+    items: Option<Vec<Option<Obj>>>,
+    /// `key` was there.
+    seen: bool,
+    rebuilt: bool,
+}
+
+impl<'de> Visitor<'de> for WithObjects<'_> {
+    type Value = WithObjectsOut;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = WithObjectsOut { obj: Obj::default(), items: None, seen: false, rebuilt: false };
+        while let Some(k) = map.next_key::<String>()? {
+            let v = if k == self.key {
+                let items = map.next_value_seed(ObjectsSeed)?;
+                // A repeated key: the text is not what one member writes, so
+                // the caller reads the object again.
+                out.rebuilt = !out.seen && items.as_ref().is_some_and(|l| l.iter().all(Option::is_some));
+                out.seen = true;
+                let written: Vec<Box<RawValue>> = items.iter().flatten().flatten().map(Obj::to_raw).collect();
+                out.items = items;
+                raw_list(&written)
+            } else {
+                map.next_value::<Box<RawValue>>()?
+            };
+            out.obj.set(&k, v);
+        }
+        Ok(out)
+    }
 }
 
 /// Written as [`Obj::to_json`] writes it (values verbatim), so that
@@ -126,6 +204,28 @@ impl Obj {
     /// Parse `text` as an object; None when it is not a JSON object.
     pub fn parse(text: &str) -> Option<Obj> {
         serde_json::from_str(text).ok()
+    }
+
+    /// [`Obj::parse`] and [`objects`] of its member `key` in one pass over
+    /// `text`. When `key` is there, only if `text` (without the whitespace
+    /// around it) is exactly what writing that object gives ([`Obj::to_raw`]:
+    /// compact JSON without repeated keys, what vLLM writes), since the
+    /// member is written again from its items; that text is then returned
+    /// as a raw value too. None otherwise (read it the two-pass way, which
+    /// keeps every value's text as it came).
+    #[allow(clippy::type_complexity, reason = "the three results of one pass, named in the doc")]
+    pub fn parse_with_objects(text: &str, key: &str) -> Option<(Obj, Option<Vec<Option<Obj>>>, Option<Box<RawValue>>)> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let found = de.deserialize_map(WithObjects { key }).ok()?;
+        de.end().ok()?;
+        if !found.seen {
+            return Some((found.obj, None, None));
+        }
+        if !found.rebuilt {
+            return None;
+        }
+        let written = found.obj.to_raw();
+        (written.get() == text.trim_matches([' ', '\t', '\n', '\r'])).then_some((found.obj, found.items, Some(written)))
     }
 
     /// Parse bytes as an object; None when not UTF-8 JSON object.

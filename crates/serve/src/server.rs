@@ -939,8 +939,8 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
     let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
     app.metrics.observe_latency_ms(latency_ms);
     let text = std::str::from_utf8(&bytes).ok();
-    let parsed = text.and_then(Obj::parse);
-    let Some(mut resp_obj) = parsed else {
+    let parsed = text.and_then(capture::parse_response);
+    let Some(capture::Response { obj: mut resp_obj, choices, raw: known_raw }) = parsed else {
         // Not a JSON object: forwarded verbatim, nothing recorded.
         return raw_response(status, content_type, bytes);
     };
@@ -948,7 +948,6 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
         app.metrics.calls_upstream_status_error.fetch_add(1, Ordering::Relaxed);
         return raw_response(status, content_type, bytes);
     }
-    let choices = capture::parse_choices(&resp_obj);
     if let (Some(sid), Some(p), Some(text)) = (&sid, &prepared, text) {
         let trace_id = new_id();
         let facts = CallFacts {
@@ -958,7 +957,11 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
             latency_ms,
             timestamp: now(),
         };
-        let call = capture::response_raw(&resp_obj, text).and_then(|response| {
+        let response = match known_raw {
+            Some(raw) => Ok(raw),
+            None => capture::response_raw(&resp_obj, text),
+        };
+        let call = response.and_then(|response| {
             capture::record_from_response(&facts, &p.body, &p.raw, &resp_obj, choices.as_ref(), &response)
                 .to_call(now())
         });
