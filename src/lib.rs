@@ -72,6 +72,9 @@ mod delta;
 mod error;
 mod index;
 mod inventory;
+/// Where a JSON value ends, found without parsing (shared with the gateway crate; not a stable API).
+#[doc(hidden)]
+pub mod json_scan;
 pub mod limits;
 mod record;
 pub mod repair;

@@ -16,6 +16,7 @@
 //! uncompressed and viewed in place.
 
 use super::{Cursor, DecodeError, PutLe};
+use crate::json_scan::{skip_ws, string_end, value_end};
 use crate::limits::JSON_BYTES_PER_CALL_MAX;
 use crate::record::Call;
 use crate::trace_json::{decimal, write_py_float};
@@ -738,29 +739,6 @@ struct Splice {
 
 // ---------------------------------------------------------------- a JSON span scanner
 
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while matches!(b.get(i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-        i += 1;
-    }
-    i
-}
-
-/// End (exclusive) of the string literal starting at `i` (a `"`).
-fn string_end(b: &[u8], i: usize) -> Option<usize> {
-    if b.get(i) != Some(&b'"') {
-        return None;
-    }
-    let mut j = i + 1;
-    loop {
-        // Straight to the next quote or backslash.
-        j += b.get(j..)?.iter().position(|&c| c == b'"' || c == b'\\')?;
-        match b.get(j)? {
-            b'"' => return Some(j + 1),
-            _ => j += 2,
-        }
-    }
-}
-
 /// The string literal at `i`, unescaped (borrowed when it has no escape).
 fn string_value(b: &[u8], i: usize) -> Option<std::borrow::Cow<'_, str>> {
     let end = string_end(b, i)?;
@@ -772,39 +750,6 @@ fn string_value(b: &[u8], i: usize) -> Option<std::borrow::Cow<'_, str>> {
     serde_json::from_slice::<String>(lit).ok().map(std::borrow::Cow::Owned)
 }
 
-/// End (exclusive) of the JSON value starting at `i`.
-fn value_end(b: &[u8], i: usize) -> Option<usize> {
-    match *b.get(i)? {
-        b'"' => string_end(b, i),
-        b'{' | b'[' => {
-            let mut depth = 0usize;
-            let mut j = i;
-            loop {
-                // Straight to the next byte that opens, closes or quotes.
-                j += b.get(j..)?.iter().position(|&c| matches!(c, b'"' | b'{' | b'[' | b'}' | b']'))?;
-                match *b.get(j)? {
-                    b'"' => {
-                        j = string_end(b, j)?;
-                        continue;
-                    }
-                    b'{' | b'[' => depth += 1,
-                    _ => {
-                        depth = depth.checked_sub(1)?;
-                        if depth == 0 {
-                            return Some(j + 1);
-                        }
-                    }
-                }
-                j += 1;
-            }
-        }
-        _ => {
-            let len = b.get(i..)?.iter().position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'));
-            let j = len.map_or(b.len(), |n| i + n);
-            (j > i).then_some(j)
-        }
-    }
-}
 
 /// Walk the object starting at `i` (a `{`): `visit(key, value_start)`
 /// returns the value's end when it walked the value itself, `None` to have it
