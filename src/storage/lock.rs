@@ -10,7 +10,10 @@
 //! a `pthread_atfork` child handler points the child's copies of their
 //! descriptors at `/dev/null` (with `dup2`, async-signal-safe): the child no
 //! longer references the lock's file description, and its copy of the store
-//! closes `/dev/null` harmlessly. (A child started by `posix_spawn`, as
+//! closes `/dev/null` harmlessly. The handler runs when the child first
+//! runs: until the scheduler gets to it, the child still shares the lock's
+//! description (on a busy machine, a close and reopen right after a fork can
+//! meet that moment). (A child started by `posix_spawn`, as
 //! `std::process::Command` does, runs no fork handlers; close-on-exec drops
 //! the descriptor at its `exec` a moment later.)
 

@@ -394,31 +394,43 @@ fn a_forked_child_does_not_keep_the_store_locked() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path(), Options::default()).expect("open");
     store.append_durable(call("a", 0)).expect("append");
-    let mut fds = [0i32; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe writes.
+    let (mut fds, mut ready) = ([0i32; 2], [0i32; 2]);
+    // SAFETY: each array has room for the two descriptors pipe writes.
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    // SAFETY: the child makes only async-signal-safe calls (read, _exit).
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+    // SAFETY: the child makes only async-signal-safe calls (write, read, _exit).
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork");
     if pid == 0 {
         let mut b = [0u8; 1];
-        // SAFETY: reads one byte into `b`; _exit skips every destructor.
+        // SAFETY: writes and reads one byte from/into live buffers; _exit
+        // skips every destructor. By the time the child writes, its fork
+        // handler has run (it runs before fork returns here).
         unsafe {
+            libc::write(ready[1], [1u8].as_ptr().cast(), 1);
             libc::read(fds[0], b.as_mut_ptr().cast(), 1);
             libc::_exit(0);
         }
     }
+    // The handler runs in the child when the child first runs, which on a
+    // busy machine can be after the parent's next steps: wait for it (a
+    // child that has not run yet still holds the lock's description).
+    let mut b = [0u8; 1];
+    // SAFETY: reads one byte into a live buffer from our own pipe.
+    assert_eq!(unsafe { libc::read(ready[0], b.as_mut_ptr().cast(), 1) }, 1, "the child started");
     store.close().expect("close");
     let reopened = Store::open(dir.path(), Options::default());
     // Release and reap the child before judging, so it never outlives the test.
     // SAFETY: writes one byte from a live buffer, waits for our own child,
-    // closes the pipe's own descriptors.
+    // closes the pipes' own descriptors.
     unsafe {
         libc::write(fds[1], [1u8].as_ptr().cast(), 1);
         let mut status = 0;
         libc::waitpid(pid, &mut status, 0);
-        libc::close(fds[0]);
-        libc::close(fds[1]);
+        for fd in fds.into_iter().chain(ready) {
+            libc::close(fd);
+        }
     }
     let reopened = reopened.expect("the child does not hold the lock");
     assert!(reopened.snapshot().get("a/0").expect("read").is_some());
