@@ -317,7 +317,7 @@ def fresh_arena(monkeypatch):
 def _slot_states(arena) -> list:
     import os
 
-    return list(os.pread(arena.fd, arena.SLOTS, 64 + 16 * arena.SLOTS))
+    return list(os.pread(arena.fd, arena.SLOTS, arena._states_at))
 
 
 def test_worker_batches_view_arena_slots_freed_when_dropped(shards, fresh_arena):

@@ -817,17 +817,23 @@ def collate(batch: list, *, mode: str = "pad", pad_id: int = 0, token_budget: Op
     return arrays.batch(rest)
 
 
+def _place(items) -> tuple:
+    """Lay `(name, nbytes, dtype, shape)` items out in one buffer, each
+    64-byte aligned: ([(name, offset, nbytes, dtype, shape)], total bytes)."""
+    layout, size = [], 0
+    for name, nbytes, dtype, shape in items:
+        layout.append((name, size, nbytes, dtype, shape))
+        size += -(-nbytes // 64) * 64
+    return layout, size
+
+
 class _BatchArrays:
     """A collated batch's arrays, laid out in one buffer (each array 64-byte
     aligned): a torch tensor under torch (in a DataLoader worker, a slot of
     the dataset's arena when one is free, see `_Arena`), else a numpy array."""
 
     def __init__(self, specs: list):
-        self.layout, size = [], 0
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            self.layout.append((name, size, nbytes, np.dtype(dtype), shape))
-            size += -(-nbytes // 64) * 64
+        self.layout, size = _place((name, math.prod(shape) * np.dtype(dt).itemsize, np.dtype(dt), shape) for name, dt, shape in specs)
         self.slot = None
         if _HAS_TORCH:
             self.slot = _Arena.claim(size) if _worker_info() is not None else None
@@ -910,14 +916,8 @@ class _WorkerDict(dict):
                 slot.sent[0] = True  # the main process frees it now
                 rest = {k: v for k, v in self.items() if k not in names}
                 return (_from_arena, slot.message(layout, rest))
-        layout, rest, size = [], {}, 0
-        for name, value in self.items():
-            if isinstance(value, torch.Tensor) and value.dtype in _PACKED_DTYPES and value.device.type == "cpu":
-                nbytes = value.numel() * value.element_size()
-                layout.append((name, size, nbytes, value.dtype, tuple(value.shape)))
-                size += -(-nbytes // 64) * 64
-            else:
-                rest[name] = value
+        layout, size = _place((k, v.numel() * v.element_size(), v.dtype, tuple(v.shape)) for k, v in self.items() if _packable(v))
+        rest = {k: v for k, v in self.items() if not _packable(v)}
         slot = _Arena.claim(size)
         dest = slot.array if slot is not None else np.empty(size, dtype=np.uint8)
         for name, off, n, _, _ in layout:
@@ -928,6 +928,11 @@ class _WorkerDict(dict):
             return (_from_arena, slot.message(layout, rest))
         buf = torch.from_numpy(dest).share_memory_()
         return (_from_shared, (buf, layout, rest))
+
+
+def _packable(value) -> bool:
+    """Whether a worker's value crosses inside the one buffer (a CPU tensor of a plain dtype)."""
+    return isinstance(value, torch.Tensor) and value.dtype in _PACKED_DTYPES and value.device.type == "cpu"
 
 
 def _from_shared(buf, layout: list, rest: dict) -> dict:
@@ -1016,6 +1021,8 @@ class _Arena:
         os.ftruncate(self.fd, self.HEADER)
         self.pid = os.getpid()
         self.token = os.urandom(8)
+        self._states_at = 64 + 16 * self.SLOTS  # header: state bytes, then claiming pids
+        self._pids_at = self._states_at + self.SLOTS
         self._maps: dict = {}  # offset -> this process's mmap of the region there
         self._maps_pid = self.pid
         # Reentrant: a finalizer (release) can run on this thread while it holds the lock.
@@ -1054,7 +1061,6 @@ class _Arena:
             return region
 
     def _claim(self, size: int) -> Optional[_Slot]:
-        states_at = 64 + 16 * self.SLOTS
         with self._lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, self.HEADER, 0)
             try:
@@ -1062,7 +1068,7 @@ class _Arena:
                 if len(head) != self.HEADER:
                     return None
                 table = np.frombuffer(head, dtype="<u8", count=2 * self.SLOTS, offset=64).reshape(self.SLOTS, 2).tolist()
-                free = [i for i in range(self.SLOTS) if head[states_at + i] == 0]
+                free = [i for i in range(self.SLOTS) if head[self._states_at + i] == 0]
                 fitting = [i for i in free if table[i][1] >= max(size, 1)]
                 if fitting:
                     index = min(fitting, key=lambda i: table[i][1])
@@ -1080,8 +1086,8 @@ class _Arena:
                     os.pwrite(self.fd, offset.to_bytes(8, "little") + capacity.to_bytes(8, "little"), 64 + 16 * index)
                 else:
                     return None
-                os.pwrite(self.fd, b"\x01", states_at + index)
-                os.pwrite(self.fd, os.getpid().to_bytes(4, "little"), states_at + self.SLOTS + 4 * index)
+                os.pwrite(self.fd, b"\x01", self._states_at + index)
+                os.pwrite(self.fd, os.getpid().to_bytes(4, "little"), self._pids_at + 4 * index)
             finally:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, self.HEADER, 0)
         return _Slot(self, index, offset, capacity, size)
@@ -1093,7 +1099,7 @@ class _Arena:
             with self._lock:
                 self._held.discard(index)
                 try:
-                    os.pwrite(self.fd, b"\x00", 64 + 16 * self.SLOTS + index)
+                    os.pwrite(self.fd, b"\x00", self._states_at + index)
                 except OSError:
                     pass
 
@@ -1115,20 +1121,18 @@ class _Arena:
         """Free the slots taken by workers that have exited whose batches this
         process does not hold: torch never delivers a batch of a worker it has
         shut down. (Called with `_lock` held.)"""
-        states_at = 64 + 16 * self.SLOTS
         head = os.pread(self.fd, self.HEADER, 0)
         for i in range(self.SLOTS):
-            if head[states_at + i] != 1 or i in self._held:
+            if head[self._states_at + i] != 1 or i in self._held:
                 continue
-            pid = int.from_bytes(head[states_at + self.SLOTS + 4 * i : states_at + self.SLOTS + 4 * i + 4], "little")
+            pid = int.from_bytes(head[self._pids_at + 4 * i : self._pids_at + 4 * i + 4], "little")
             if pid == os.getpid() or _alive(pid):
                 continue
-            os.pwrite(self.fd, b"\x00", states_at + i)
+            os.pwrite(self.fd, b"\x00", self._states_at + i)
 
     def taken(self) -> int:
         """Slots taken now (for tests and diagnostics)."""
-        states_at = 64 + 16 * self.SLOTS
-        return sum(os.pread(self.fd, self.SLOTS, states_at))
+        return sum(os.pread(self.fd, self.SLOTS, self._states_at))
 
 
 def _alive(pid: int) -> bool:
