@@ -6,7 +6,8 @@
 //! `tests/fixtures/store-v3` by store format 3 (manifest 3 with shard
 //! checksums, shard format 2) and `tests/fixtures/store-v4` by store format 4
 //! (segment format 2 with docs blocks, shard format 3 with raw bodies and key
-//! order in `steps` columns), each with
+//! order in `steps` columns), and so on to `store-v7` (rewards in footer
+//! entries), each with
 //! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
 //! overwrite an existing fixture).
 
@@ -638,4 +639,111 @@ fn appends_to_a_format_2_segment_make_no_checkpoints() {
         .map(|p| u32::from_le_bytes(std::fs::read(p).unwrap()[8..12].try_into().unwrap()))
         .collect();
     assert!(segments.iter().all(|&v| v == 2), "segment formats {segments:?}");
+}
+
+fn fixture_v7_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v7")
+}
+
+/// The reward entries of the footers of a store's sealed segments:
+/// (reward target byte, value bits, id), in log order.
+fn footer_rewards(dir: &std::path::Path) -> Vec<(u8, u64, String)> {
+    use trajlog::format::segment::{decode_footer, read_trailer};
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .collect();
+    segments.sort();
+    let mut out = Vec::new();
+    for path in segments {
+        let bytes = std::fs::read(&path).unwrap();
+        let Some(trailer) = read_trailer(&bytes) else { continue };
+        for e in decode_footer(&bytes, &trailer).unwrap() {
+            if e.kind == trajlog::format::record::KIND_REWARD {
+                out.push((e.reward_target, e.timestamp.to_bits(), e.id));
+            }
+        }
+    }
+    out
+}
+
+/// Store format 7: rewards in sealed segments have their target and value in
+/// their footer entries (format-spec/segment.md §4). A reward of `-0.0` and
+/// one of `+inf` (bits kept); one more reward in the active segment.
+fn write_fixture_v7() {
+    let dir = fixture_v7_dir();
+    let store = new_fixture_with_v4_calls(&dir);
+    store.set_reward(Target::Trace("g/1".into()), -0.0).unwrap();
+    store.set_reward(Target::Session("task-1:0".into()), f64::INFINITY).unwrap();
+    store.roll().unwrap();
+    store.set_reward(Target::Session("task-3:0".into()), 0.5).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v7_fixture_with_rewards_in_footers() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v7_dir().exists() {
+        write_fixture_v7();
+    }
+    let dir = fixture_v7_dir();
+    let check = |store: &Store| {
+        let snap = store.snapshot();
+        for c in &fixture_v4_calls() {
+            assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), c);
+        }
+        assert_eq!(snap.trace_reward("g/1").map(f64::to_bits), Some((-0.0f64).to_bits()));
+        assert_eq!(snap.session_reward("task-1:0"), Some(f64::INFINITY));
+        assert_eq!(snap.session_reward("task-3:0"), Some(0.5));
+    };
+    check(&Store::open_read_only(&dir).expect("fixture opens"));
+    assert_eq!(
+        footer_rewards(&dir),
+        vec![
+            (2, 1.0f64.to_bits(), "task-1:0".to_owned()),
+            (1, (-0.0f64).to_bits(), "g/1".to_owned()),
+            (2, f64::INFINITY.to_bits(), "task-1:0".to_owned())
+        ]
+    );
+    let report = trajlog::verify::verify_dir(&dir).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+
+    // An open reads rewards from the footer, not from their records: with a
+    // reward's record damaged, the store still opens with its value (only
+    // `verify`, which reads every frame, finds the damage).
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let (seg, mut bytes, reward) = (1..)
+        .map(|id| copy.path().join(format!("seg-{id:010}.tlog")))
+        .take_while(|p| p.exists())
+        .find_map(|seg| {
+            let bytes = std::fs::read(&seg).unwrap();
+            let trailer = trajlog::format::segment::read_trailer(&bytes)?;
+            let entries = trajlog::format::segment::decode_footer(&bytes, &trailer).unwrap();
+            let reward = entries.into_iter().find(|e| e.kind == trajlog::format::record::KIND_REWARD)?;
+            Some((seg, bytes, reward))
+        })
+        .expect("a sealed segment holds a reward");
+    // The frame's body starts after its 8-byte header; flip a byte of the id.
+    let at = reward.frame_offset as usize + 8 + 16;
+    bytes[at] ^= 0x20;
+    std::fs::write(&seg, &bytes).unwrap();
+    let store = Store::open_read_only(copy.path()).expect("opens without reading reward records");
+    check(&store);
+    assert!(store.snapshot().damage().is_empty(), "{:?}", store.snapshot().damage());
+    let report = trajlog::verify::verify_dir(copy.path()).expect("verify");
+    assert!(report.problems.iter().any(|p| p.offset == reward.frame_offset), "{:?}", report.problems);
+}
+
+/// Footers written before store format 7 carry no reward values: an open
+/// reads those rewards from their records, and `verify` accepts them.
+#[test]
+fn rewards_in_footers_before_format_7_are_read_from_their_records() {
+    let rewards = footer_rewards(&fixture_v5_dir());
+    assert!(!rewards.is_empty() && rewards.iter().all(|r| r.0 == 0 && r.1 == 0), "{rewards:?}");
+    let store = Store::open_read_only(fixture_v5_dir()).unwrap();
+    assert_eq!(store.snapshot().session_reward("task-1:0"), Some(2.5));
+    assert_eq!(store.snapshot().trace_reward("g/1"), Some(0.75));
+    assert!(trajlog::verify::verify_dir(&fixture_v5_dir()).unwrap().problems.is_empty());
 }

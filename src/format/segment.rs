@@ -65,7 +65,13 @@ pub struct FooterEntry {
     pub frame_offset: u64,
     pub body_len: u32,
     pub kind: u8,
-    /// Calls: the call's timestamp. Annotations: 0.
+    /// Reward entries written since store format 7: 1 + the reward's target
+    /// (1 a trace, 2 a session), with the value in `timestamp`, so that an
+    /// open needs no record body. 0 for every other entry, and for rewards
+    /// in older footers (read the record; format-spec/segment.md §4).
+    pub reward_target: u8,
+    /// Calls: the call's timestamp. Rewards with `reward_target` set: the
+    /// value. Other annotations: 0.
     pub timestamp: f64,
     /// Calls: the trace id. Annotations: the target id (trace or session).
     pub id: String,
@@ -86,7 +92,7 @@ pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEnt
         out.put_u64(e.frame_offset);
         out.put_u32(e.body_len);
         out.put_u8(e.kind);
-        out.put_u8(0);
+        out.put_u8(e.reward_target);
         out.put_u16(e.session_uids.len() as u16);
         out.put_f64(e.timestamp);
         out.put_str16(&e.id);
@@ -171,9 +177,15 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
         let frame_offset = c.u64("entry frame offset").map_err(rebase)?;
         let body_len = c.u32("entry body length").map_err(rebase)?;
         let kind = c.u8("entry kind").map_err(rebase)?;
-        let _pad = c.u8("reserved").map_err(rebase)?;
+        let reward_target = c.u8("entry reward target").map_err(rebase)?;
+        if reward_target > 2 || (reward_target != 0 && kind != crate::format::record::KIND_REWARD) {
+            return Err(DecodeError::new(start + at + 13, "bad footer entry reward target"));
+        }
         let n_uids = c.u16("entry uid count").map_err(rebase)?;
         let timestamp = c.f64("entry timestamp").map_err(rebase)?;
+        if reward_target != 0 && timestamp.is_nan() {
+            return Err(DecodeError::new(start + at + 16, "footer entry reward value is NaN"));
+        }
         let id = c.str16("entry id").map_err(rebase)?.to_owned();
         let session_id = c.str16("entry session id").map_err(rebase)?.to_owned();
         let mut session_uids = Vec::with_capacity(usize::from(n_uids).min(64));
@@ -192,7 +204,7 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
             ));
         }
         last_end = frame_offset.saturating_add(super::frame::frame_bytes(u64::from(body_len)));
-        entries.push(FooterEntry { frame_offset, body_len, kind, timestamp, id, session_id, session_uids });
+        entries.push(FooterEntry { frame_offset, body_len, kind, reward_target, timestamp, id, session_id, session_uids });
     }
     if align8(c.pos() as u64) != body.len() as u64 {
         return Err(DecodeError::new(start + c.pos(), "footer has trailing bytes"));
@@ -233,6 +245,7 @@ mod tests {
                 frame_offset: 64,
                 body_len: 10,
                 kind: 1,
+                reward_target: 0,
                 timestamp: 1.5,
                 id: "t".into(),
                 session_id: "s".into(),
@@ -242,14 +255,25 @@ mod tests {
                 frame_offset: 88,
                 body_len: 17,
                 kind: 3,
+                reward_target: 0,
                 timestamp: 0.0,
                 id: "s".into(),
                 session_id: String::new(),
                 session_uids: vec![],
             },
+            FooterEntry {
+                frame_offset: 120,
+                body_len: 17,
+                kind: crate::format::record::KIND_REWARD,
+                reward_target: 2,
+                timestamp: -0.25,
+                id: "s".into(),
+                session_id: String::new(),
+                session_uids: vec![],
+            },
         ];
-        let mut file = vec![0u8; 120];
-        encode_footer(&mut file, 120, &entries);
+        let mut file = vec![0u8; 152];
+        encode_footer(&mut file, 152, &entries);
         let trailer = read_trailer(&file).unwrap();
         assert_eq!(decode_footer(&file, &trailer).unwrap(), entries);
         for cut in 0..file.len() {
@@ -264,6 +288,7 @@ mod tests {
             frame_offset,
             body_len,
             kind: 1,
+            reward_target: 0,
             timestamp: 0.0,
             id: "t".into(),
             session_id: "s".into(),

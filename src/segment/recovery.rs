@@ -10,7 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::format::frame::{frame_bytes, read_frame, FrameRead};
-use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL};
+use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_REWARD, KIND_SEAL};
 use crate::format::segment::{decode_footer, decode_header, decode_trailer, FooterEntry, HEADER_BYTES, TRAILER_BYTES};
 use crate::format::{DecodeError, FORMAT_VERSION, FORMAT_VERSION_MIN};
 use crate::record::{Annotation, Target};
@@ -29,6 +29,7 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
             frame_offset,
             body_len,
             kind: KIND_CALL,
+            reward_target: 0,
             timestamp: c.timestamp,
             id: c.trace_id.to_owned(),
             session_id: c.session_id.to_owned(),
@@ -36,19 +37,35 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
         });
     }
     let ann = decode_annotation(body)?;
-    let id = match &ann {
-        Annotation::Reward { target: Target::Trace(id) | Target::Session(id), .. } => id.clone(),
-        Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => session_id.clone(),
+    let (id, reward_target, timestamp) = match ann {
+        Annotation::Reward { target: Target::Trace(id), value } => (id, 1, value),
+        Annotation::Reward { target: Target::Session(id), value } => (id, 2, value),
+        Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => (session_id, 0, 0.0),
     };
     Ok(FooterEntry {
         frame_offset,
         body_len,
         kind: body.first().copied().unwrap_or_default(),
-        timestamp: 0.0,
+        reward_target,
+        timestamp,
         id,
         session_id: String::new(),
         session_uids: Vec::new(),
     })
+}
+
+/// The annotation a footer entry stands for, when the entry holds all of it:
+/// a seal or a deletion (only a target), or a reward whose target and value
+/// the footer carries (since store format 7, format-spec/segment.md §4).
+/// `None` for calls and for rewards of older footers (read their record).
+pub fn annotation_of_entry(e: &FooterEntry) -> Option<Annotation> {
+    match (e.kind, e.reward_target) {
+        (KIND_SEAL, _) => Some(Annotation::Seal { session_id: e.id.clone() }),
+        (KIND_DELETE_SESSION, _) => Some(Annotation::DeleteSession { session_id: e.id.clone() }),
+        (KIND_REWARD, 1) => Some(Annotation::Reward { target: Target::Trace(e.id.clone()), value: e.timestamp }),
+        (KIND_REWARD, 2) => Some(Annotation::Reward { target: Target::Session(e.id.clone()), value: e.timestamp }),
+        _ => None,
+    }
 }
 
 /// Result of scanning frames from the header.
@@ -494,6 +511,10 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
         let path = Arc::new(path);
         return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events });
     }
+    // Only the written part is read: past the end of the file's last data
+    // region (a preallocated active segment is a sparse file) every byte
+    // reads as zero, which a scan would take as the end of data anyway.
+    let len = crate::storage::written_len(&file, len);
     let buf = read_aligned(&file, len, &path)?;
     let bytes: &[u8] = bytemuck::cast_slice(&buf);
     let bytes = bytes.get(..len as usize).unwrap_or(bytes);

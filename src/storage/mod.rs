@@ -1,5 +1,6 @@
-//! File I/O: memory mappings (the crate's only `unsafe`), atomic file
-//! replacement and directory fsync. Everything above this layer works on
+//! File I/O: memory mappings, the store lock and finding a sparse file's
+//! written part (the crate's only `unsafe`), atomic file replacement and
+//! directory fsync. Everything above this layer works on
 //! byte slices and `std::fs::File`.
 
 pub mod fault;
@@ -63,4 +64,76 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8], faults: &Faults) -> Re
     drop(f);
     fs::rename(&tmp, &dst).map_err(|e| Error::io(format!("rename {} to {}", tmp.display(), dst.display()), e))?;
     sync_dir(dir, faults)
+}
+
+/// Where the last data region of `file` (of length `len`) ends: every byte
+/// past it is a hole and reads as zero. `len` where the file system cannot say
+/// (no `SEEK_HOLE`), or on any error.
+pub(crate) fn written_len(file: &File, len: u64) -> u64 {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let mut end = 0u64;
+    let mut pos = 0u64;
+    while pos < len {
+        let Ok(at) = libc::off_t::try_from(pos) else { return len };
+        // SAFETY: lseek on a descriptor this function borrows; it only moves
+        // the file offset, which no caller relies on (reads use pread).
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            // ENXIO: no data at or after `pos`; anything else: cannot say.
+            return match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::ENXIO) => end,
+                _ => len,
+            };
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        let Ok(hole) = u64::try_from(hole) else { return len };
+        if hole <= pos {
+            return len;
+        }
+        end = hole.min(len);
+        pos = hole;
+    }
+    end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::written_len;
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+
+    /// Every byte past `written_len` reads as zero, and a preallocated
+    /// segment's unwritten tail is not counted (where the file system has
+    /// holes: then at most the block holding the last written byte is).
+    #[test]
+    fn written_len_leaves_out_only_zero_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        for (writes, len) in [
+            (vec![(0u64, 100usize)], 64u64 << 20),
+            (vec![(0, 100), (5 << 20, 3)], 64 << 20),
+            (vec![(0, 10), ((64 << 20) - 5, 5)], 64 << 20),
+            (vec![], 1 << 20),
+        ] {
+            let path = dir.path().join("f");
+            let file = std::fs::File::create(&path).unwrap();
+            file.set_len(len).unwrap();
+            let mut last = 0;
+            for (at, n) in &writes {
+                file.write_all_at(&vec![7u8; *n], *at).unwrap();
+                last = last.max(at + *n as u64);
+            }
+            let end = written_len(&file, len);
+            assert!(end >= last && end <= len, "{writes:?}: {end}");
+            let mut rest = Vec::new();
+            let mut f = std::fs::File::open(&path).unwrap();
+            std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(end)).unwrap();
+            f.read_to_end(&mut rest).unwrap();
+            assert!(rest.iter().all(|&b| b == 0), "{writes:?}: non-zero bytes past {end}");
+            if writes.len() == 1 && end < len {
+                assert!(end <= 1 << 20, "the unwritten tail was counted: {end}");
+            }
+        }
+    }
 }

@@ -58,7 +58,7 @@ use crate::format::manifest::{
     decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState, ShardChecksum,
 };
 use crate::format::record::{
-    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION, KIND_SEAL,
+    call_body_len, decode_annotation, encode_annotation, encode_call, Loc, KIND_CALL, KIND_DELETE_SESSION,
 };
 use crate::format::segment::FooterEntry;
 use crate::index::{sessions_of, CallMeta, Index};

@@ -41,11 +41,14 @@ pub(super) struct Loaded {
     pub(super) rewards: Vec<(Loc, Target)>,
 }
 
-/// Apply one footer entry (and, for annotations, the record) to `index`.
+/// Apply one footer entry to `index`.
 ///
-/// A damaged annotation stays confined: seals and deletions are applied from
-/// the footer entry (kind and target), which is all they hold; a damaged
-/// reward is skipped. Either way the damage is reported in `damage`.
+/// Calls, seals, deletions and (since store format 7) rewards are applied
+/// from the footer entry alone, so an open reads no record body and touches
+/// only the footers' pages (format-spec/segment.md §4). A reward in an older
+/// footer is read from its record; a damaged one is skipped and reported in
+/// `damage` (a damaged seal or deletion is found by `trajlog verify`, as a
+/// damaged call is).
 pub(super) fn apply_entry(
     index: &mut Index,
     seg: &SegmentRef,
@@ -54,35 +57,29 @@ pub(super) fn apply_entry(
     rewards: &mut Vec<(Loc, Target)>,
 ) {
     let loc = Loc { segment: seg.id, offset: e.frame_offset };
-    if e.kind == KIND_CALL {
-        index.apply_call(CallMeta {
-            loc,
-            shard: None,
-            timestamp: e.timestamp,
-            trace_id: Arc::from(e.id.as_str()),
-            sessions: sessions_of(&e.session_id, &e.session_uids),
-        });
-        return;
-    }
-    let decoded = seg.body_at(e.frame_offset).and_then(|body| {
-        decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))
-    });
-    let ann = match decoded {
-        Ok(ann) => ann,
-        Err(err) => {
-            let from_footer = match e.kind {
-                KIND_SEAL => Some(Annotation::Seal { session_id: e.id.clone() }),
-                KIND_DELETE_SESSION => Some(Annotation::DeleteSession { session_id: e.id.clone() }),
-                _ => None,
-            };
-            let what = match &from_footer {
-                Some(_) => format!("damaged annotation, applied from the footer entry: {}", err.message()),
-                None => format!("damaged reward annotation skipped (target {:?}): {}", e.id, err.message()),
-            };
-            damage.push(Problem { path: seg.path.as_path().to_path_buf(), offset: e.frame_offset, what });
-            match from_footer {
-                Some(ann) => ann,
-                None => return,
+    let ann = match crate::segment::recovery::annotation_of_entry(e) {
+        Some(ann) => ann,
+        None if e.kind == KIND_CALL => {
+            index.apply_call(CallMeta {
+                loc,
+                shard: None,
+                timestamp: e.timestamp,
+                trace_id: Arc::from(e.id.as_str()),
+                sessions: sessions_of(&e.session_id, &e.session_uids),
+            });
+            return;
+        }
+        None => {
+            let decoded = seg.body_at(e.frame_offset).and_then(|body| {
+                decode_annotation(body).map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))
+            });
+            match decoded {
+                Ok(ann) => ann,
+                Err(err) => {
+                    let what = format!("damaged reward annotation skipped (target {:?}): {}", e.id, err.message());
+                    damage.push(Problem { path: seg.path.as_path().to_path_buf(), offset: e.frame_offset, what });
+                    return;
+                }
             }
         }
     };

@@ -45,6 +45,10 @@ impl Writer {
                     if self.shard_sessions.contains(e.id.as_str()) {
                         break 'segments;
                     }
+                } else if let Some(ann) = crate::segment::recovery::annotation_of_entry(e) {
+                    // Seals and (since store format 7) rewards come from the
+                    // footer: retiring reads no record body.
+                    anns.push(ann);
                 } else {
                     let body = seg.body_at(e.frame_offset)?;
                     let ann = decode_annotation(body)

@@ -310,6 +310,7 @@ impl Writer {
             frame_offset: loc.offset,
             body_len: body.len() as u32,
             kind: KIND_CALL,
+            reward_target: 0,
             timestamp: call.timestamp,
             id: call.trace_id.clone(),
             session_id: call.session_id.clone(),
