@@ -54,3 +54,7 @@ pub const DEFAULT_STEPS_ROW_GROUP_ROWS: usize = 256;
 pub const DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS: usize = 64;
 /// Default size (uncompressed estimate) at which a shard file is closed.
 pub const DEFAULT_SHARD_BYTES: usize = 256 * 1024 * 1024;
+/// A compaction gives the segments' resident pages back after each this many
+/// bytes of token columns it has decoded (full prompts counted), so that its
+/// resident set stays bounded however large the store.
+pub const RELEASE_PAGES_EVERY_BYTES: u64 = 256 * 1024 * 1024;

@@ -257,6 +257,14 @@ impl Snapshot {
         Self { view, row_groups: std::sync::OnceLock::new() }
     }
 
+    /// Give the resident pages of every segment mapping back (long reads of
+    /// whole segments call it now and then; see `Mapping::release_pages`).
+    pub(crate) fn release_pages(&self) {
+        for seg in self.view.segments.values() {
+            seg.release_pages();
+        }
+    }
+
     fn segment(&self, id: u64) -> Result<&SegmentRef> {
         self.view.segments.get(&id).ok_or_else(|| {
             Error::new(crate::error::ErrorKind::NotFound, format!("segment {id} is not part of this snapshot"))

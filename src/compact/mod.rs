@@ -13,7 +13,9 @@
 mod build;
 
 use crate::error::{Error, Result};
-use crate::limits::{DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS};
+use crate::limits::{
+    DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS, RELEASE_PAGES_EVERY_BYTES,
+};
 use crate::shard::schema::{steps_schema, trajectories_schema};
 pub use crate::shard::writer::ShardCompression;
 use crate::shard::writer::TableWriter;
@@ -266,6 +268,7 @@ pub(crate) fn run_with(
         let mut steps = StepsBuilder::default();
         let mut trajs = TrajectoriesBuilder::default();
         let mut compacted = Vec::new();
+        let mut released_at = 0;
         for (done, sid) in selected.iter().enumerate() {
             // A session with a damaged call stays in the log, whole, and is
             // reported; the others are compacted.
@@ -296,6 +299,13 @@ pub(crate) fn run_with(
             }
             report.calls += inputs.len() as u64;
             report.sessions += 1;
+            // The segments' pages read so far are given back now and then,
+            // so that a compaction's resident set does not grow with the
+            // store it reads (limits.rs RELEASE_PAGES_EVERY_BYTES).
+            if report.token_bytes >= released_at + RELEASE_PAGES_EVERY_BYTES {
+                snap.release_pages();
+                released_at = report.token_bytes;
+            }
             compacted.push(sid.clone());
             if let Some(progress) = &opts.progress {
                 progress(done as u64 + 1, selected.len() as u64, report.calls);

@@ -40,6 +40,11 @@ impl SegmentRef {
         self.map.bytes()
     }
 
+    /// Give the mapping's resident pages back (see `Mapping::release_pages`).
+    pub(crate) fn release_pages(&self) {
+        self.map.release_pages();
+    }
+
     /// A weak handle on the mapping: it fails to upgrade once no snapshot uses it.
     pub(crate) fn weak_map(&self) -> std::sync::Weak<Mapping> {
         Arc::downgrade(&self.map)

@@ -41,6 +41,24 @@ impl Mapping {
         Ok(Self { map: Some(map) })
     }
 
+    /// Give this process's resident pages of the mapping back (`MADV_DONTNEED`):
+    /// the resident set shrinks at once, and the next access faults the same
+    /// bytes in again from the page cache or the file. For long reads of
+    /// whole segments (compaction), so that what they touched does not stay
+    /// counted against the process. Advice only: an error changes nothing.
+    pub(crate) fn release_pages(&self) {
+        if let Some(map) = &self.map {
+            // SAFETY: a `Mapping` is a shared (`MAP_SHARED`), read-only mapping
+            // of a file trajlog never modifies in place (the contract above).
+            // For such a mapping `MADV_DONTNEED` discards no data: it only
+            // unmaps the pages, and any later access — through slices
+            // borrowed before this call too — reads the same bytes back from
+            // the file. (memmap2 marks the advice unsafe for private or
+            // written mappings, whose changes it would discard.)
+            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
