@@ -1,14 +1,14 @@
 //! In-memory indexes: trace id → latest call, session → calls ordered by
 //! (timestamp, append position), rewards, seals.
 //!
-//! Built from persistent (structurally shared) maps, so a snapshot is an O(1)
+//! Built from persistent (structurally shared) B-tree maps, so a snapshot is an O(1)
 //! clone that stays consistent while the writer keeps applying records. Records
 //! are applied in log order; the same `apply` runs at recovery (from footers and
 //! the scanned tail) and in the writer thread, so both always agree.
 
 use crate::format::record::Loc;
 use crate::shard::reader::ShardPos;
-use imbl::HashMap;
+use imbl::OrdMap;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
@@ -40,14 +40,121 @@ impl CallKey {
     }
 }
 
+/// Sessions up to this many calls keep them in a shared `Vec`.
+const SMALL_SESSION_CALLS: usize = 32;
+
+/// A session's calls, oldest first: by timestamp, then by append position.
+///
+/// A published snapshot's copy is O(1) and never sees the list change, and a
+/// change costs O(1) amortized however long the session: a short list (most
+/// sessions) is a shared `Vec` copied on change, at most
+/// `SMALL_SESSION_CALLS` keys; past that it becomes a persistent vector. (A
+/// persistent vector for every session cost 2.5 KB each, its first 64-key
+/// chunk, half the index of a store of short sessions; a copied `Vec` for
+/// every session made each append O(session length).)
+#[derive(Debug, Clone)]
+pub enum CallList {
+    Small(Arc<Vec<CallKey>>),
+    Large(imbl::Vector<CallKey>),
+}
+
+impl Default for CallList {
+    fn default() -> Self {
+        CallList::Small(Arc::default())
+    }
+}
+
+/// An iterator over a [`CallList`].
+pub enum CallIter<'a> {
+    Small(std::slice::Iter<'a, CallKey>),
+    Large(imbl::vector::Iter<'a, CallKey, imbl::shared_ptr::DefaultSharedPtr>),
+}
+
+impl<'a> Iterator for CallIter<'a> {
+    type Item = &'a CallKey;
+    fn next(&mut self) -> Option<&'a CallKey> {
+        match self {
+            CallIter::Small(i) => i.next(),
+            CallIter::Large(i) => i.next(),
+        }
+    }
+}
+
+impl CallList {
+    pub fn len(&self) -> usize {
+        match self {
+            CallList::Small(v) => v.len(),
+            CallList::Large(v) => v.len(),
+        }
+    }
+    pub fn front(&self) -> Option<&CallKey> {
+        match self {
+            CallList::Small(v) => v.first(),
+            CallList::Large(v) => v.front(),
+        }
+    }
+    pub fn last(&self) -> Option<&CallKey> {
+        match self {
+            CallList::Small(v) => v.last(),
+            CallList::Large(v) => v.last(),
+        }
+    }
+    pub fn iter(&self) -> CallIter<'_> {
+        match self {
+            CallList::Small(v) => CallIter::Small(v.iter()),
+            CallList::Large(v) => CallIter::Large(v.iter()),
+        }
+    }
+    /// The list from position `start` on: O(`SMALL_SESSION_CALLS`) or
+    /// O(log n), never a walk of a long list.
+    pub fn skip(&self, start: usize) -> CallList {
+        match self {
+            CallList::Small(v) => CallList::Small(Arc::new(v.get(start..).unwrap_or_default().to_vec())),
+            CallList::Large(v) => CallList::Large(v.skip(start.min(v.len()))),
+        }
+    }
+    pub fn binary_search_by(&self, f: impl FnMut(&CallKey) -> Ordering) -> Result<usize, usize> {
+        match self {
+            CallList::Small(v) => v.binary_search_by(f),
+            CallList::Large(v) => v.binary_search_by(f),
+        }
+    }
+    fn insert(&mut self, at: usize, key: CallKey) {
+        match self {
+            CallList::Small(v) if v.len() < SMALL_SESSION_CALLS => Arc::make_mut(v).insert(at, key),
+            CallList::Small(v) => {
+                let mut large: imbl::Vector<CallKey> = v.iter().cloned().collect();
+                large.insert(at, key);
+                *self = CallList::Large(large);
+            }
+            CallList::Large(v) => v.insert(at, key),
+        }
+    }
+    fn push_back(&mut self, key: CallKey) {
+        let at = self.len();
+        self.insert(at, key);
+    }
+    fn remove(&mut self, at: usize) {
+        match self {
+            CallList::Small(v) => {
+                if at < v.len() {
+                    Arc::make_mut(v).remove(at);
+                }
+            }
+            CallList::Large(v) => {
+                if at < v.len() {
+                    v.remove(at);
+                }
+            }
+        }
+    }
+}
+
 /// Per-session index entry.
 #[derive(Debug, Clone, Default)]
 pub struct SessionEntry {
-    /// Oldest first: by timestamp, then by append position. A persistent
-    /// vector: a published snapshot's copy is O(1) and never sees it change,
-    /// and an append is amortized O(1) however long the session (a copied
-    /// `Vec` made each append O(session length)).
-    pub calls: imbl::Vector<CallKey>,
+    /// Oldest first: by timestamp, then by append position.
+    pub calls: CallList,
     pub sealed: bool,
     pub reward: Option<f64>,
 }
@@ -55,12 +162,12 @@ pub struct SessionEntry {
 /// The indexes of a whole store at one point of its log.
 #[derive(Debug, Clone, Default)]
 pub struct Index {
-    pub traces: HashMap<Arc<str>, CallMeta>,
-    pub sessions: HashMap<Arc<str>, SessionEntry>,
-    pub trace_rewards: HashMap<Arc<str>, f64>,
+    pub traces: OrdMap<Arc<str>, CallMeta>,
+    pub sessions: OrdMap<Arc<str>, SessionEntry>,
+    pub trace_rewards: OrdMap<Arc<str>, f64>,
 }
 
-fn remove_key(calls: &mut imbl::Vector<CallKey>, key: &CallKey) {
+fn remove_key(calls: &mut CallList, key: &CallKey) {
     if let Ok(i) = calls.binary_search_by(|k| k.cmp_order(key)) {
         calls.remove(i);
     }
