@@ -9,7 +9,9 @@ cargo build --release --locked --quiet
 bin=target/release/trajlog
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for sessions in "${@:-4000 16000}"; do
+sizes=("$@")
+[ ${#sizes[@]} -gt 0 ] || sizes=(4000 16000)
+for sessions in "${sizes[@]}"; do
     store="$work/s$sessions"
     "$bin" generate --store "$store" --sessions "$sessions"
     du -sh "$store" | sed 's/^/store on disk: /'

@@ -162,7 +162,9 @@ pub struct SessionEntry {
 /// The indexes of a whole store at one point of its log.
 #[derive(Debug, Clone, Default)]
 pub struct Index {
-    pub traces: OrdMap<Arc<str>, CallMeta>,
+    /// Values behind an `Arc`: a snapshot's path copies move 8-byte pointers,
+    /// not whole entries.
+    pub traces: OrdMap<Arc<str>, Arc<CallMeta>>,
     pub sessions: OrdMap<Arc<str>, SessionEntry>,
     pub trace_rewards: OrdMap<Arc<str>, f64>,
 }
@@ -175,8 +177,10 @@ fn remove_key(calls: &mut CallList, key: &CallKey) {
 
 impl Index {
     /// Apply a call record; returns the call it replaced (same trace id), if any.
-    pub fn apply_call(&mut self, meta: CallMeta) -> Option<CallMeta> {
-        let replaced = self.traces.insert(meta.trace_id.clone(), meta.clone());
+    pub fn apply_call(&mut self, meta: CallMeta) -> Option<Arc<CallMeta>> {
+        let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id: meta.trace_id.clone() };
+        let meta = Arc::new(meta);
+        let replaced = self.traces.insert(key.trace_id.clone(), meta.clone());
         if let Some(old) = &replaced {
             let old_key = CallKey { timestamp: old.timestamp, loc: old.loc, trace_id: old.trace_id.clone() };
             for s in old.sessions.iter() {
@@ -185,7 +189,6 @@ impl Index {
                 }
             }
         }
-        let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id: meta.trace_id.clone() };
         for s in meta.sessions.iter() {
             let entry = self.sessions.entry(s.clone()).or_default();
             let calls = &mut entry.calls;
@@ -227,7 +230,7 @@ impl Index {
     pub fn place_in_shard(&mut self, trace_id: &str, loc: Loc, pos: ShardPos) -> bool {
         match self.traces.get_mut(trace_id) {
             Some(meta) if meta.loc == loc => {
-                meta.shard = Some(pos);
+                Arc::make_mut(meta).shard = Some(pos);
                 true
             }
             _ => false,

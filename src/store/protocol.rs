@@ -88,7 +88,7 @@ pub(super) struct Prepared {
     pub(super) files: Vec<ShardFile>,
     /// The base view's trace map with the compacted calls switched to their
     /// shard rows.
-    pub(super) traces: imbl::OrdMap<Arc<str>, CallMeta>,
+    pub(super) traces: imbl::OrdMap<Arc<str>, Arc<CallMeta>>,
     /// Every compacted call: trace id → (the log position it was compacted
     /// from, its shard row).
     pub(super) placements: std::collections::HashMap<Arc<str>, (Loc, ShardPos)>,

@@ -235,7 +235,7 @@ impl Writer {
         let mut traces = std::mem::take(&mut p.traces);
         for id in touched {
             let placement = p.placements.get(id);
-            if let Some(s) = in_segments_of(traces.get(id)) {
+            if let Some(s) = in_segments_of(traces.get(id).map(|m| &**m)) {
                 if let Some(n) = p.in_segments.get_mut(&s) {
                     *n = n.saturating_sub(1);
                 }
@@ -243,12 +243,12 @@ impl Writer {
             let now = self.index.traces.get(id).cloned().map(|mut m| {
                 if let Some((loc, pos)) = placement {
                     if *loc == m.loc {
-                        m.shard = Some(*pos);
+                        Arc::make_mut(&mut m).shard = Some(*pos);
                     }
                 }
                 m
             });
-            if let Some(s) = in_segments_of(now.as_ref()) {
+            if let Some(s) = in_segments_of(now.as_deref()) {
                 *p.in_segments.entry(s).or_default() += 1;
             }
             match now {
