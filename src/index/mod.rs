@@ -227,13 +227,15 @@ impl Index {
 
     /// Serve the call compacted from `loc` from `pos` — if it is still the live
     /// call of `trace_id` (it may have been replaced or deleted meanwhile).
-    pub fn place_in_shard(&mut self, trace_id: &str, loc: Loc, pos: ShardPos) -> bool {
+    /// Returns the index's own copy of the trace id, for the caller to share.
+    pub fn place_in_shard(&mut self, trace_id: &str, loc: Loc, pos: ShardPos) -> Option<Arc<str>> {
         match self.traces.get_mut(trace_id) {
             Some(meta) if meta.loc == loc => {
-                Arc::make_mut(meta).shard = Some(pos);
-                true
+                let meta = Arc::make_mut(meta);
+                meta.shard = Some(pos);
+                Some(meta.trace_id.clone())
             }
-            _ => false,
+            _ => None,
         }
     }
 

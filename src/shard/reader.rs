@@ -56,9 +56,10 @@ pub struct ShardFile {
 pub struct ShardRow {
     /// The log position of the call record it was compacted from.
     pub loc: Loc,
-    pub trace_id: String,
-    pub session_id: String,
-    pub session_uids: Vec<String>,
+    pub trace_id: Arc<str>,
+    /// `session_id` first, then the extra session uids (deduplicated), as
+    /// the index keeps them: shared by consecutive rows of one session.
+    pub sessions: Arc<[Arc<str>]>,
     pub timestamp: f64,
     pub pos: ShardPos,
 }
@@ -398,14 +399,24 @@ impl ShardFile {
                 let off = col("source_offset")?
                     .as_primitive_opt::<UInt64Type>()
                     .ok_or_else(|| corrupt(&self.path, "source type"))?;
+                let mut sessions: Option<(Arc<[Arc<str>]>, Vec<String>)> = None;
                 for i in 0..batch.num_rows() {
                     let u = uids.value(i);
                     let u = u.as_string_opt::<i32>().ok_or_else(|| corrupt(&self.path, "session_uids items"))?;
+                    let same = sessions.as_ref().is_some_and(|(list, prev)| {
+                        list.first().is_some_and(|s| **s == *session.value(i))
+                            && prev.len() == u.len()
+                            && prev.iter().enumerate().all(|(j, p)| p == u.value(j))
+                    });
+                    if !same {
+                        let uid_list: Vec<String> = (0..u.len()).map(|j| u.value(j).to_owned()).collect();
+                        sessions = Some((crate::index::sessions_of(session.value(i), &uid_list), uid_list));
+                    }
+                    let Some((list, _)) = &sessions else { continue };
                     out.push(ShardRow {
                         loc: Loc { segment: seg.value(i), offset: off.value(i) },
-                        trace_id: trace.value(i).to_owned(),
-                        session_id: session.value(i).to_owned(),
-                        session_uids: (0..u.len()).map(|j| u.value(j).to_owned()).collect(),
+                        trace_id: Arc::from(trace.value(i)),
+                        sessions: list.clone(),
                         timestamp: ts.value(i),
                         pos: ShardPos { shard: self.id, row_group: rg as u32, row },
                     });

@@ -97,31 +97,38 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename]) -> Result
     let shards_dir = dir.join(SHARDS_DIR);
     let first_shard_id = u32::try_from(base.view.shards.len())
         .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
+    let mut index = base.view.index.clone();
+    drop(base.view);
+    let (mut shard_traces, mut shard_sessions) = (base.shard_traces, base.shard_sessions);
+    let mut placements = std::collections::HashMap::new();
     let mut files = Vec::new();
+    // One shard's index rows at a time: memory holds one file's rows, not
+    // every row of the compaction.
     let mut rows = Vec::new();
     for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
         let mut f = ShardFile::open(&shards_dir.join(&p.staged), first_shard_id + i as u32, p.shard.checksum)?;
+        rows.clear();
         f.index_rows(&mut rows)?;
         // Read from where it will be once published.
         f.path = shards_dir.join(&p.shard.path);
         files.push(f);
-    }
-    let mut index = base.view.index.clone();
-    drop(base.view);
-    let (mut shard_traces, mut shard_sessions) = (base.shard_traces, base.shard_sessions);
-    let mut placements = std::collections::HashMap::with_capacity(rows.len());
-    for row in &rows {
-        let trace_id: Arc<str> = Arc::from(row.trace_id.as_str());
-        if index.place_in_shard(&trace_id, row.loc, row.pos) {
+        for row in &rows {
             // A row that is not the base's live call of its trace id can
             // never become it later (later calls are later in the log).
-            placements.insert(trace_id.clone(), (row.loc, row.pos));
+            let trace_id = match index.place_in_shard(&row.trace_id, row.loc, row.pos) {
+                Some(id) => {
+                    placements.insert(id.clone(), (row.loc, row.pos));
+                    id
+                }
+                None => row.trace_id.clone(),
+            };
+            for s in row.sessions.iter() {
+                shard_sessions.insert(s.clone());
+            }
+            shard_traces.insert(trace_id);
         }
-        for s in sessions_of(&row.session_id, &row.session_uids).iter() {
-            shard_sessions.insert(s.clone());
-        }
-        shard_traces.insert(trace_id);
     }
+    drop(rows);
     let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
     for (_, meta) in index.traces.iter() {
         if let (None, Some(s)) = (&meta.shard, meta.sessions.first()) {

@@ -94,8 +94,8 @@ pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
         loc: row.loc,
         shard: Some(row.pos),
         timestamp: row.timestamp,
-        trace_id: Arc::from(row.trace_id.as_str()),
-        sessions: sessions_of(&row.session_id, &row.session_uids),
+        trace_id: row.trace_id.clone(),
+        sessions: row.sessions.clone(),
     });
 }
 
@@ -168,9 +168,9 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
     let mut active = None;
     let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
     let mut shard_sessions = HashSet::new();
-    let shard_traces: HashSet<Arc<str>> = rows.iter().map(|r| Arc::from(r.trace_id.as_str())).collect();
+    let shard_traces: HashSet<Arc<str>> = rows.iter().map(|r| r.trace_id.clone()).collect();
     for r in &rows {
-        for s in sessions_of(&r.session_id, &r.session_uids).iter() {
+        for s in r.sessions.iter() {
             shard_sessions.insert(s.clone());
         }
     }
