@@ -572,7 +572,10 @@ impl NativeStore {
 
     /// Append one call; the arrays are validated and copied. With `durable`,
     /// returns once the record is durable at the store's level.
-    #[pyo3(signature = (trace_id, session_id, prompt_token_ids, completion_token_ids, logprobs, session_uids, timestamp, model, weight_version, finish_reason, latency_ms, messages, response_message, metadata, extra, routing_matrices, durable))]
+    /// The documents (`messages`, `response_message`, `metadata`, and the
+    /// extra fields as a dict) are Python objects serialized here, or, with
+    /// `docs_are_text`, JSON texts the caller made.
+    #[pyo3(signature = (trace_id, session_id, prompt_token_ids, completion_token_ids, logprobs, session_uids, timestamp, model, weight_version, finish_reason, latency_ms, messages, response_message, metadata, extra, routing_matrices, durable, docs_are_text))]
     #[allow(clippy::too_many_arguments)]
     fn append(
         &self,
@@ -588,13 +591,19 @@ impl NativeStore {
         weight_version: Option<i64>,
         finish_reason: Option<String>,
         latency_ms: Option<f64>,
-        messages: Option<String>,
-        response_message: Option<String>,
-        metadata: Option<String>,
-        extra: Option<String>,
+        messages: Option<Bound<'_, PyAny>>,
+        response_message: Option<Bound<'_, PyAny>>,
+        metadata: Option<Bound<'_, PyAny>>,
+        extra: Option<Bound<'_, PyAny>>,
         routing_matrices: Option<Vec<u8>>,
         durable: bool,
+        docs_are_text: bool,
     ) -> PyResult<()> {
+        let text = docs_are_text;
+        let messages = trace_dict::document_arg("messages", messages.as_ref(), text)?;
+        let response_message = trace_dict::document_arg("response_message", response_message.as_ref(), text)?;
+        let metadata = trace_dict::document_arg("metadata", metadata.as_ref(), text)?;
+        let extra = trace_dict::extra_arg(extra.as_ref(), text)?;
         let call = RCall {
             trace_id,
             session_id,
@@ -608,10 +617,10 @@ impl NativeStore {
             routing_matrices,
             finish_reason,
             latency_ms,
-            messages: messages.map(String::into_bytes),
-            response_message: response_message.map(String::into_bytes),
-            metadata: metadata.map(String::into_bytes),
-            extra: extra.map(String::into_bytes),
+            messages,
+            response_message,
+            metadata,
+            extra,
         };
         append_call(py, &*self.get()?, call, durable)
     }

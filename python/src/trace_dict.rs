@@ -218,6 +218,49 @@ fn document(key: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     Ok(out.into_bytes())
 }
 
+/// A document argument of `Store.append` as JSON text: `obj` serialized here
+/// (the writer `append_trace` uses), or, with `is_text`, the text the caller
+/// already made of it. `None` and Python's `None` are no document.
+pub(crate) fn document_arg(key: &str, obj: Option<&Bound<'_, PyAny>>, is_text: bool) -> PyResult<Option<Vec<u8>>> {
+    match obj {
+        None => Ok(None),
+        Some(o) if o.is_none() => Ok(None),
+        Some(o) if is_text => Ok(Some(o.extract::<String>()?.into_bytes())),
+        Some(o) => document(key, o).map(Some),
+    }
+}
+
+/// `Store.append`'s extra keyword arguments as one JSON object (`None` when
+/// there are none): each value serialized as a document of its own, named by
+/// its key in a refusal and nested up to `JSON_DEPTH_MAX` (the object around
+/// the fields does not count). With `is_text`, the caller's text.
+pub(crate) fn extra_arg(extra: Option<&Bound<'_, PyAny>>, is_text: bool) -> PyResult<Option<Vec<u8>>> {
+    let Some(extra) = extra.filter(|e| !e.is_none()) else { return Ok(None) };
+    if is_text {
+        return Ok(Some(extra.extract::<String>()?.into_bytes()));
+    }
+    let dict = extra.cast::<PyDict>().map_err(|_| invalid_input("invalid extra fields: not a dict".to_owned()))?;
+    if dict.is_empty() {
+        return Ok(None);
+    }
+    let mut out = String::from("{");
+    let mut keys = Keys::new();
+    for (i, (k, v)) in dict.iter().enumerate() {
+        let Ok(key) = k.cast::<PyString>() else {
+            return Err(invalid_input(format!("invalid extra fields: the key {} is not a string", repr(&k))));
+        };
+        let key = text_of(&Path::Key("extra fields"), key)?;
+        if i > 0 {
+            out.push(',');
+        }
+        write_str(&mut out, &key);
+        out.push(':');
+        write_value_with(&mut out, &v, &Path::Key(&key), 0, &mut keys)?;
+    }
+    out.push('}');
+    Ok(Some(out.into_bytes()))
+}
+
 fn helper<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import(intern!(py, "trajlog"))?.getattr(name)
 }

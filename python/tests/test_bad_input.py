@@ -535,3 +535,39 @@ def test_sdk_reads_see_what_the_tracer_logged_without_a_flush(tmp_path):
 
     asyncio.run(read())
     tracer.close_sync()
+
+
+# ---------------------------------------------------------------------------
+# Store.append's documents: serialized natively, json.dumps's rules kept
+# ---------------------------------------------------------------------------
+
+
+def test_append_documents_read_back_equal_and_json_dumps_rules_still_hold(tmp_path):
+    docs = dict(
+        messages=[{"role": "user", "content": "héllo ✓ \u2028 \"q\" \\ \n\x01", "n": 1e-7, "big": 2**70,
+                   "t": (1, 2.5), "f": [0.1, -0.0, 1e300, 5e-324]}],
+        response_message={"a": True, "b": None, "s": ""},
+        metadata={"x": 1.5, "nested": nested(trajlog.JSON_DEPTH_MAX - 1)},
+        raw_request={"k": [1.0, -2], "deep": nested(trajlog.JSON_DEPTH_MAX - 1)},
+        deep_extra=nested(trajlog.JSON_DEPTH_MAX),
+        empty_extra={},
+    )
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append(**base(trace_id="n", **docs), durable=True)
+        # Keys json.dumps turns into strings are still accepted (through its
+        # text), as they were before the native writer.
+        store.append(**base(trace_id="k", metadata={1: "a", None: "b", False: "c", 2.5: "d"}), durable=True)
+    with trajlog.Store(tmp_path / "s") as store:
+        d = store.get("n").to_dict()
+        for k, v in docs.items():
+            assert d[k] == json.loads(json.dumps(v)), k
+        assert f64_bits(d["messages"][0]["f"]) == f64_bits([0.1, -0.0, 1e300, 5e-324])
+        assert store.get("k").to_dict()["metadata"] == {"1": "a", "null": "b", "false": "c", "2.5": "d"}
+    for kwargs, field in [
+        (dict(messages=[{"x": float("nan")}]), "messages"),
+        (dict(response_message={"x": float("inf")}), "response_message"),
+        (dict(metadata={"x": {1, 2}}), "metadata"),
+        (dict(weird_extra={1, 2}), "weird_extra"),
+        (dict(messages=[{"x": object()}]), "messages"),
+    ]:
+        refuse(tmp_path / "r", trajlog.InvalidInputError, field, **base(**kwargs))

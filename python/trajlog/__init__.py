@@ -413,15 +413,25 @@ class Store:
             weight_version,
             _optional_text("finish_reason", finish_reason),
             _finite("latency_ms", latency_ms, non_negative=True),
-            _json_text("messages", messages),
-            _json_text("response_message", response_message),
-            _json_text("metadata", metadata),
-            _extra_text(extra),
-            _routing(routing_matrices),
-            bool(durable),
         )
+        tail = (_routing(routing_matrices), bool(durable))
         try:
-            self._native.append(*args)
+            try:
+                # The documents are serialized by the native writer (the one
+                # `append_trace` uses): no JSON text is made in Python.
+                self._native.append(*args, messages, response_message, metadata, extra, *tail, False)
+            except InvalidInputError:
+                # Refused before anything was written. `json.dumps` takes a
+                # little more (keys that are numbers, booleans or None become
+                # strings) and words other refusals its own way: the documents
+                # go again as its texts, which succeeds or raises its error.
+                texts = (
+                    _json_text("messages", messages),
+                    _json_text("response_message", response_message),
+                    _json_text("metadata", metadata),
+                    _extra_text(extra),
+                )
+                self._native.append(*args, *texts, *tail, True)
         except (TypeError, OverflowError, UnicodeError) as e:  # a guard: the checks above should catch these
             raise InvalidInputError(f"invalid call: {e}") from e
 
