@@ -11,6 +11,9 @@
 #   bash benches/scale.sh                    # 200,000 and 1,000,000 calls
 #   bash benches/scale.sh 100000 2000000     # calls per store
 #   TRAJLOG=target/release/trajlog KEEP=1 SCALE_DIR=/data bash benches/scale.sh
+#   TINY=1 bash benches/scale.sh 1000000 10000000   # tiny calls: 16-token first
+#        prompts, ~8-token completions and turns (~380 bytes a call on disk),
+#        so that 10M calls fit a small disk
 #
 # Needs the release binary (cargo build --release) and /usr/bin/time. The
 # stores go under SCALE_DIR (default: a temporary directory), removed at the
@@ -42,6 +45,8 @@ measure() {
     printf -v "m_$label" '%s s, %d MB' "$s" "$((kb / 1024))"
 }
 
+call_shape=(--steps 8 --prompt-tokens 100 --shape lean)
+[ "${TINY:-0}" = 1 ] && call_shape=(--steps 8 --prompt-tokens 16 --completion-tokens 8 --tool-tokens 8 --shape lean)
 rows=()
 for calls in "${sizes[@]}"; do
     sessions=$((calls / 8))
@@ -49,13 +54,12 @@ for calls in "${sizes[@]}"; do
     rm -rf "$dir"
     echo "== $calls calls ($sessions sessions) in $dir" >&2
     started=$(date +%s.%N)
-    "$bin" generate --store "$dir" --sessions "$sessions" --steps 8 --prompt-tokens 100 --shape lean >&2
+    "$bin" generate --store "$dir" --sessions "$sessions" "${call_shape[@]}" >&2
     gen_s=$(awk "BEGIN { print $(date +%s.%N) - $started }")
     measure ls_log "$bin" ls --store "$dir"
     measure compact1 "$bin" compact --store "$dir"
     measure ls_shards "$bin" ls --store "$dir"
-    "$bin" generate --store "$dir" --sessions 50 --steps 8 --prompt-tokens 100 --shape lean \
-        --first-session "$sessions" >&2
+    "$bin" generate --store "$dir" --sessions 50 "${call_shape[@]}" --first-session "$sessions" >&2
     measure compact2 "$bin" compact --store "$dir"
     measure show "$bin" show --store "$dir" "task-$((sessions / 8 / 2)):0"
     disk=$(du -sm "$dir" | cut -f1)

@@ -219,21 +219,55 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
 }
 
 /// `trajlog generate`: stream simulated sessions into a store.
+/// What `trajlog generate` makes each session of.
+pub struct GenerateShape {
+    pub steps: usize,
+    pub prompt_tokens: usize,
+    /// Mean completion tokens (drawn from half to 1.5 times it); the
+    /// simulator's default when `None`.
+    pub completion_tokens: Option<usize>,
+    /// Mean tokens added to the next prompt per turn; likewise.
+    pub tool_tokens: Option<usize>,
+    pub shape: Shape,
+}
+
+/// Half to 1.5 times `mean`, at least one token.
+fn around(mean: usize) -> (usize, usize) {
+    ((mean / 2).max(1), (mean + mean / 2).max(1))
+}
+
 pub fn generate(
     dir: &std::path::Path,
     range: std::ops::Range<usize>,
-    steps: usize,
-    prompt_tokens: usize,
+    g: GenerateShape,
     seed: u64,
-    shape: Shape,
 ) -> trajlog::Result<i32> {
     let sessions = range.len();
-    let cfg =
-        SimConfig { sessions: range.end, steps, system_tokens: prompt_tokens, seed, shape, ..SimConfig::default() };
+    let defaults = SimConfig::default();
+    let cfg = SimConfig {
+        sessions: range.end,
+        steps: g.steps,
+        system_tokens: g.prompt_tokens,
+        completion_tokens: g.completion_tokens.map_or(defaults.completion_tokens, around),
+        tool_tokens: g.tool_tokens.map_or(defaults.tool_tokens, around),
+        seed,
+        shape: g.shape,
+        ..defaults
+    };
+    let shape = g.shape;
     let store = super::open_store(dir, Options::default().durability(Durability::Buffered), "generate")?;
     let started = Instant::now();
+    let mut reported = Instant::now();
     let (mut calls, mut tokens) = (0u64, 0u64);
-    for s in range {
+    for (done, s) in range.enumerate() {
+        // Long runs say where they are (stderr, every 10 s).
+        if reported.elapsed().as_secs() >= 10 {
+            eprintln!(
+                "generate: {done} of {sessions} sessions, {calls} calls, {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+            reported = Instant::now();
+        }
         let session = trajlog_sim::simulate_session(&cfg, s);
         if store.snapshot().is_sealed(&session.session_id) {
             return Err(trajlog::Error::invalid(

@@ -171,6 +171,15 @@ enum Command {
         /// new sessions to a store generated before, start past its last one.
         #[arg(long, default_value_t = 0)]
         first_session: usize,
+        /// Mean tokens of a completion (each is drawn from half to 1.5 times
+        /// it; default 200 to 600). Small values make tiny calls, for stores
+        /// of millions of calls where what grows is the index, not the payload.
+        #[arg(long, value_name = "N")]
+        completion_tokens: Option<usize>,
+        /// Mean tokens of a tool result or user turn added to the next prompt
+        /// (drawn from half to 1.5 times it; default 100 to 400).
+        #[arg(long, value_name = "N")]
+        tool_tokens: Option<usize>,
     },
     /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
     Bench {
@@ -391,13 +400,21 @@ pub fn main() -> i32 {
             })
         }
         Command::MockVllm { host, port } => serve::mock(&host, port),
-        Command::Generate { store, sessions, steps, prompt_tokens, seed, shape, first_session } => demo::generate(
-            &store,
-            first_session..first_session.saturating_add(sessions),
+        Command::Generate {
+            store,
+            sessions,
             steps,
             prompt_tokens,
             seed,
             shape,
+            first_session,
+            completion_tokens,
+            tool_tokens,
+        } => demo::generate(
+            &store,
+            first_session..first_session.saturating_add(sessions),
+            demo::GenerateShape { steps, prompt_tokens, completion_tokens, tool_tokens, shape },
+            seed,
         ),
     };
     match result {
