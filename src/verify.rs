@@ -13,9 +13,9 @@
 
 use crate::error::{Error, Result};
 use crate::format::manifest::{decode_manifest, SegmentState};
-use crate::format::record::{decode_call, Loc, KIND_CALL, KIND_REWARD};
-use crate::format::segment::{decode_footer, decode_header, read_trailer, FooterEntry};
-use crate::segment::recovery::{footer_gaps, scan_active, scan_frames, scan_frames_past_damage};
+use crate::format::record::{decode_call, Loc, KIND_CALL};
+use crate::format::segment::{decode_footer, decode_header, read_trailer};
+use crate::segment::recovery::{footer_entry_matches, footer_gaps, scan_active, scan_frames, scan_frames_past_damage};
 use std::collections::HashSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -181,7 +181,11 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                 });
             }
             if let Some(entries) = &footer {
-                if clean && (scan.valid_end != limit as u64 || !footer_matches(entries, &scan.entries)) {
+                if clean
+                    && (scan.valid_end != limit as u64
+                        || !(entries.len() == scan.entries.len()
+                            && entries.iter().zip(&scan.entries).all(|(f, s)| footer_entry_matches(f, s))))
+                {
                     report.problems.push(Problem {
                         path: path.clone(),
                         offset: limit as u64,
@@ -308,18 +312,4 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         }
     }
     Ok(report)
-}
-
-/// Whether a footer's entries are those of the frames (`scanned`). A reward
-/// entry of a footer written before store format 7 holds neither target nor
-/// value (segment.md §4): it matches the frame's entry without them.
-fn footer_matches(footer: &[FooterEntry], scanned: &[FooterEntry]) -> bool {
-    footer.len() == scanned.len()
-        && footer.iter().zip(scanned).all(|(f, s)| {
-            f == s
-                || (f.kind == KIND_REWARD
-                    && f.reward_target == 0
-                    && f.timestamp == 0.0
-                    && *f == FooterEntry { reward_target: 0, timestamp: 0.0, ..s.clone() })
-        })
 }

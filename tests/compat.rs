@@ -734,6 +734,15 @@ fn reads_the_v7_fixture_with_rewards_in_footers() {
     assert!(store.snapshot().damage().is_empty(), "{:?}", store.snapshot().damage());
     let report = trajlog::verify::verify_dir(copy.path()).expect("verify");
     assert!(report.problems.iter().any(|p| p.offset == reward.frame_offset), "{:?}", report.problems);
+    // A skip-corrupted open checks every frame: the same reward, applied from
+    // its entry, and the damage named.
+    let store = Store::open_read_only_with(copy.path(), trajlog::RecoveryMode::SkipCorrupted).unwrap();
+    check(&store);
+    let damage = store.snapshot().damage().to_vec();
+    assert!(
+        damage.iter().any(|p| p.offset == reward.frame_offset && p.what.contains("applied from its footer entry")),
+        "{damage:?}"
+    );
 }
 
 /// Footers written before store format 7 carry no reward values: an open
@@ -746,4 +755,51 @@ fn rewards_in_footers_before_format_7_are_read_from_their_records() {
     assert_eq!(store.snapshot().session_reward("task-1:0"), Some(2.5));
     assert_eq!(store.snapshot().trace_reward("g/1"), Some(0.75));
     assert!(trajlog::verify::verify_dir(&fixture_v5_dir()).unwrap().problems.is_empty());
+}
+
+/// A segment of an older format keeps its format when a newer writer appends
+/// to it: its footer gets no reward targets or values (the builds that wrote
+/// it read them as a disagreement), and its rewards still read back. A format
+/// 3 footer that has one is not trusted: its index is rebuilt from the frames.
+#[test]
+fn older_segments_get_no_rewards_in_their_footers() {
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_v4_dir(), copy.path());
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    store.set_reward(Target::Session("task-4:0".into()), 7.25).unwrap();
+    store.roll().unwrap();
+    store.close().unwrap();
+    let version = |p: &std::path::Path| u32::from_le_bytes(std::fs::read(p).unwrap()[8..12].try_into().unwrap());
+    let old: Vec<PathBuf> = (1..)
+        .map(|id| copy.path().join(format!("seg-{id:010}.tlog")))
+        .take_while(|p| p.exists())
+        .filter(|p| version(p) == 2)
+        .collect();
+    assert!(!old.is_empty());
+    let rewards = footer_rewards(copy.path());
+    assert!(rewards.iter().any(|r| r.2 == "task-4:0"), "{rewards:?}");
+    assert!(rewards.iter().all(|r| r.0 == 0 && r.1 == 0), "{rewards:?}");
+    assert!(trajlog::verify::verify_dir(copy.path()).unwrap().problems.is_empty());
+    let store = Store::open_read_only(copy.path()).unwrap();
+    assert_eq!(store.snapshot().session_reward("task-4:0"), Some(7.25));
+    drop(store);
+
+    // The v7 fixture's sealed segment, relabelled format 3 (header CRC
+    // recomputed): its footer's reward targets are refused, the index rebuilt.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_v7_dir(), copy.path());
+    let seg = copy.path().join("seg-0000000001.tlog");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let crc = crc32fast::hash(&bytes[..60]);
+    bytes[60..64].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&seg, &bytes).unwrap();
+    let store = Store::open_read_only(copy.path()).unwrap();
+    assert!(
+        store.recovery_report().events.iter().any(|e| e.what.contains("has a target")),
+        "{:?}",
+        store.recovery_report().events
+    );
+    assert_eq!(store.snapshot().session_reward("task-1:0"), Some(f64::INFINITY));
+    assert_eq!(store.snapshot().trace_reward("g/1").map(f64::to_bits), Some((-0.0f64).to_bits()));
 }

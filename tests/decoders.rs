@@ -131,7 +131,7 @@ proptest! {
     fn flipped_footers_and_manifests_never_panic(i in any::<prop::sample::Index>(), bit in 0u8..8) {
         let entries = vec![FooterEntry { frame_offset: 64, body_len: 10, kind: 1, reward_target: 0, timestamp: 1.0, id: "t".into(), session_id: "s".into(), session_uids: vec!["u".into()] }];
         let mut file = vec![0u8; 88];
-        encode_footer(&mut file, 88, &entries);
+        encode_footer(&mut file, 88, &entries, trajlog::format::FORMAT_VERSION);
         let at = i.index(file.len());
         file[at] ^= 1 << bit;
         if let Some(t) = read_trailer(&file) {

@@ -164,30 +164,18 @@ fn write_value_with(
     } else if let Ok(dict) = obj.cast::<PyDict>() {
         open(path, depth)?;
         out.push('{');
-        for (i, (k, v)) in dict.iter().enumerate() {
-            let Ok(key) = k.cast::<PyString>() else {
-                return Err(refuse(
-                    path,
-                    format!("the key {} is not a string; JSON object keys are strings", repr(&k)),
-                ));
-            };
-            if i > 0 {
-                out.push(',');
+        if obj.is_exact_instance_of::<PyDict>() {
+            for (i, (k, v)) in dict.iter().enumerate() {
+                write_member(out, i, &k, &v, path, depth, keys)?;
             }
-            let addr = key.as_ptr() as usize;
-            if let Some(literal) = keys.get(&addr) {
-                out.push_str(literal);
-                out.push(':');
-                write_value_with(out, &v, &Path::ChildObj(path, key), depth + 1, keys)?;
-                continue;
+        } else {
+            // A dict subclass (an `OrderedDict` after `move_to_end`) may order
+            // its keys apart from the underlying dict: its `items()`, as
+            // `json.dumps` takes them.
+            for (i, item) in obj.call_method0(intern!(obj.py(), "items"))?.try_iter()?.enumerate() {
+                let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
+                write_member(out, i, &k, &v, path, depth, keys)?;
             }
-            let key = text_of(path, key)?;
-            let mut literal = String::with_capacity(key.len() + 2);
-            write_str(&mut literal, &key);
-            out.push_str(&literal);
-            keys.insert(addr, literal);
-            out.push(':');
-            write_value_with(out, &v, &Path::Child(path, &key), depth + 1, keys)?;
         }
         out.push('}');
     } else {
@@ -195,6 +183,37 @@ fn write_value_with(
         return Err(refuse(path, format!("a {ty} ({}) is not JSON-serializable", repr(obj))));
     }
     Ok(())
+}
+
+/// Write the `i`-th member `k: v` of an object at `path`.
+fn write_member(
+    out: &mut String,
+    i: usize,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
+    let Ok(key) = k.cast::<PyString>() else {
+        return Err(refuse(path, format!("the key {} is not a string; JSON object keys are strings", repr(k))));
+    };
+    if i > 0 {
+        out.push(',');
+    }
+    let addr = key.as_ptr() as usize;
+    if let Some(literal) = keys.get(&addr) {
+        out.push_str(literal);
+        out.push(':');
+        return write_value_with(out, v, &Path::ChildObj(path, key), depth + 1, keys);
+    }
+    let key = text_of(path, key)?;
+    let mut literal = String::with_capacity(key.len() + 2);
+    write_str(&mut literal, &key);
+    out.push_str(&literal);
+    keys.insert(addr, literal);
+    out.push(':');
+    write_value_with(out, v, &Path::Child(path, &key), depth + 1, keys)
 }
 
 /// Refuse a container that would nest deeper than `JSON_DEPTH_MAX`.

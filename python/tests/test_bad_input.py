@@ -5,6 +5,7 @@ the rLLM gateway and SDK adapters); and a read sees every trace stored
 before it, in every mode."""
 
 import asyncio
+import collections
 import json
 import struct
 
@@ -557,17 +558,23 @@ def test_append_documents_read_back_equal_and_json_dumps_rules_still_hold(tmp_pa
         # Keys json.dumps turns into strings are still accepted (through its
         # text), as they were before the native writer.
         store.append(**base(trace_id="k", metadata={1: "a", None: "b", False: "c", 2.5: "d"}), durable=True)
+        # A dict subclass is written in its own order, as json.dumps does.
+        ordered = collections.OrderedDict([("a", 1), ("b", 2)])
+        ordered.move_to_end("a")
+        store.append(**base(trace_id="o", metadata=ordered), durable=True)
     with trajlog.Store(tmp_path / "s") as store:
         d = store.get("n").to_dict()
         for k, v in docs.items():
             assert d[k] == json.loads(json.dumps(v)), k
         assert f64_bits(d["messages"][0]["f"]) == f64_bits([0.1, -0.0, 1e300, 5e-324])
         assert store.get("k").to_dict()["metadata"] == {"1": "a", "null": "b", "false": "c", "2.5": "d"}
+        assert list(store.get("o").to_dict()["metadata"]) == ["b", "a"]
     for kwargs, field in [
         (dict(messages=[{"x": float("nan")}]), "messages"),
         (dict(response_message={"x": float("inf")}), "response_message"),
         (dict(metadata={"x": {1, 2}}), "metadata"),
         (dict(weird_extra={1, 2}), "weird_extra"),
         (dict(messages=[{"x": object()}]), "messages"),
+        (dict(messages=[10**5000]), "messages"),  # int.__repr__'s digit limit
     ]:
         refuse(tmp_path / "r", trajlog.InvalidInputError, field, **base(**kwargs))

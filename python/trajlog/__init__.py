@@ -420,7 +420,7 @@ class Store:
                 # The documents are serialized by the native writer (the one
                 # `append_trace` uses): no JSON text is made in Python.
                 self._native.append(*args, messages, response_message, metadata, extra, *tail, False)
-            except InvalidInputError:
+            except ValueError:  # InvalidInputError is one, and so is int.__repr__'s digit limit
                 # Refused before anything was written. `json.dumps` takes a
                 # little more (keys that are numbers, booleans or None become
                 # strings) and words other refusals its own way: the documents

@@ -17,9 +17,13 @@ pub mod segment;
 compile_error!("trajlog views little-endian columns in place and supports little-endian targets only");
 
 /// The segment format version written by this build (format-spec/segment.md §1).
-/// Version 3 adds messages deltas to docs blocks (record.md §7.2, references
-/// 6 and 7); version 2 added docs blocks.
-pub const FORMAT_VERSION: u32 = 3;
+/// Version 4 puts rewards' targets and values in footer entries (segment.md
+/// §4); version 3 added messages deltas to docs blocks (record.md §7.2,
+/// references 6 and 7); version 2 added docs blocks.
+pub const FORMAT_VERSION: u32 = 4;
+/// The first segment format whose footer entries carry rewards' targets and
+/// values.
+pub const FORMAT_REWARDS_IN_FOOTER: u32 = 4;
 /// The oldest segment format version this build reads (version 1 has no
 /// docs blocks).
 pub const FORMAT_VERSION_MIN: u32 = 1;

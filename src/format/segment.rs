@@ -65,7 +65,7 @@ pub struct FooterEntry {
     pub frame_offset: u64,
     pub body_len: u32,
     pub kind: u8,
-    /// Reward entries written since store format 7: 1 + the reward's target
+    /// Reward entries of segment format 4 and later: 1 + the reward's target
     /// (1 a trace, 2 a session), with the value in `timestamp`, so that an
     /// open needs no record body. 0 for every other entry, and for rewards
     /// in older footers (read the record; format-spec/segment.md §4).
@@ -80,9 +80,11 @@ pub struct FooterEntry {
     pub session_uids: Vec<String>,
 }
 
-/// Encode the footer body + trailer; `footer_offset` is where the body starts
-/// (8-aligned, right after the last frame).
-pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEntry]) {
+/// Encode the footer body + trailer of a segment of `format_version`;
+/// `footer_offset` is where the body starts (8-aligned, right after the last
+/// frame). Before format 4 a reward entry holds neither target nor value.
+pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEntry], format_version: u32) {
+    let rewards_in_footer = format_version >= super::FORMAT_REWARDS_IN_FOOTER;
     debug_assert_eq!(footer_offset % 8, 0);
     let start = out.len();
     out.extend_from_slice(&FOOTER_MAGIC);
@@ -92,9 +94,10 @@ pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEnt
         out.put_u64(e.frame_offset);
         out.put_u32(e.body_len);
         out.put_u8(e.kind);
-        out.put_u8(e.reward_target);
+        let kept = rewards_in_footer || e.reward_target == 0;
+        out.put_u8(if kept { e.reward_target } else { 0 });
         out.put_u16(e.session_uids.len() as u16);
-        out.put_f64(e.timestamp);
+        out.put_f64(if kept { e.timestamp } else { 0.0 });
         out.put_str16(&e.id);
         out.put_str16(&e.session_id);
         for uid in &e.session_uids {
@@ -231,7 +234,7 @@ mod tests {
     fn header_round_trip_and_golden_prefix() {
         let h = new_header(7, 1000);
         let bytes = encode_header(&h);
-        assert_eq!(&bytes[..16], b"TRJLSEG\0\x03\0\0\0\x40\0\0\0");
+        assert_eq!(&bytes[..16], b"TRJLSEG\0\x04\0\0\0\x40\0\0\0");
         assert_eq!(decode_header(&bytes), Ok(h));
         let mut bad = bytes;
         bad[20] ^= 1;
@@ -273,7 +276,7 @@ mod tests {
             },
         ];
         let mut file = vec![0u8; 152];
-        encode_footer(&mut file, 152, &entries);
+        encode_footer(&mut file, 152, &entries, crate::format::FORMAT_VERSION);
         let trailer = read_trailer(&file).unwrap();
         assert_eq!(decode_footer(&file, &trailer).unwrap(), entries);
         for cut in 0..file.len() {
@@ -301,7 +304,7 @@ mod tests {
         // 64..88 one frame, 88..120 a skipped region, 120..144 one frame.
         let decode = |entries: &[FooterEntry]| {
             let mut file = vec![0u8; 144];
-            encode_footer(&mut file, 144, entries);
+            encode_footer(&mut file, 144, entries, crate::format::FORMAT_VERSION);
             let trailer = read_trailer(&file).expect("trailer");
             decode_footer(&file, &trailer)
         };

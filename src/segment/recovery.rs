@@ -56,7 +56,7 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
 
 /// The annotation a footer entry stands for, when the entry holds all of it:
 /// a seal or a deletion (only a target), or a reward whose target and value
-/// the footer carries (since store format 7, format-spec/segment.md §4).
+/// the footer carries (since segment format 4, format-spec/segment.md §4).
 /// `None` for calls and for rewards of older footers (read their record).
 pub fn annotation_of_entry(e: &FooterEntry) -> Option<Annotation> {
     match (e.kind, e.reward_target) {
@@ -227,6 +227,10 @@ pub struct LoadedSegment {
     pub sealed: bool,
     /// What recovery found, in file order (a rebuilt footer first).
     pub events: Vec<SegmentEvent>,
+    /// Annotations whose record is damaged, kept in the index and applied
+    /// from their footer entry (what is wrong with each, by offset). Only a
+    /// skip-corrupted load of a sealed segment checks those frames.
+    pub applied_from_footer: Vec<(u64, String)>,
 }
 
 impl LoadedSegment {
@@ -334,23 +338,31 @@ pub fn footer_gaps(entries: &[FooterEntry]) -> Vec<(u64, u64)> {
 }
 
 /// Check every frame a valid footer indexes (`OnDamage::Skip`). Returns the
-/// entries of valid frames — and of damaged seals and session deletions,
-/// which are applied from their entry (format-spec/segment.md §6.5) — and
-/// the damaged ones left out; `None` if a valid frame disagrees with its
-/// entry (then the footer is not trusted and is rebuilt from the frames).
-fn check_footer_frames(frames: &[u8], entries: Vec<FooterEntry>) -> Option<(Vec<FooterEntry>, Vec<SegmentEvent>)> {
+/// entries of valid frames — and of damaged annotations whose entry holds
+/// all of them (seals, deletions, rewards since segment format 4), which are
+/// applied from their entry (format-spec/segment.md §6.5) and listed as
+/// such — and the damaged ones left out; `None` if a valid frame disagrees
+/// with its entry (then the footer is not trusted and is rebuilt from the
+/// frames).
+#[allow(clippy::type_complexity)]
+fn check_footer_frames(
+    frames: &[u8],
+    entries: Vec<FooterEntry>,
+) -> Option<(Vec<FooterEntry>, Vec<SegmentEvent>, Vec<(u64, String)>)> {
     let mut kept = Vec::with_capacity(entries.len());
     let mut skipped = Vec::new();
+    let mut applied = Vec::new();
     for e in entries {
         match frame_entry(frames, e.frame_offset) {
-            Ok(Some((found, _))) if found == e => kept.push(e),
+            Ok(Some((found, _))) if footer_entry_matches(&e, &found) => kept.push(e),
             Ok(Some(_)) => return None,
             invalid => {
-                if e.kind == KIND_SEAL || e.kind == KIND_DELETE_SESSION {
+                let what = invalid.err().map_or_else(|| "no frame where the footer points".to_owned(), |d| d.what);
+                if annotation_of_entry(&e).is_some() {
+                    applied.push((e.frame_offset, what));
                     kept.push(e);
                     continue;
                 }
-                let what = invalid.err().map_or_else(|| "no frame where the footer points".to_owned(), |d| d.what);
                 let record =
                     if e.kind == KIND_CALL { format!("call {:?}", e.id) } else { format!("reward on {:?}", e.id) };
                 skipped.push(SegmentEvent {
@@ -362,7 +374,18 @@ fn check_footer_frames(frames: &[u8], entries: Vec<FooterEntry>) -> Option<(Vec<
             }
         }
     }
-    Some((kept, skipped))
+    Some((kept, skipped, applied))
+}
+
+/// Whether a footer's entry is the one of its frame (`scanned`). A reward
+/// entry written before segment format 4 holds neither target nor value
+/// (segment.md §4): it matches the frame's entry without them.
+pub fn footer_entry_matches(footer: &FooterEntry, scanned: &FooterEntry) -> bool {
+    footer == scanned
+        || (footer.kind == KIND_REWARD
+            && footer.reward_target == 0
+            && footer.timestamp == 0.0
+            && *footer == FooterEntry { reward_target: 0, timestamp: 0.0, ..scanned.clone() })
 }
 
 /// Rebuild a sealed segment's index from `frames` (its footer or trailer is
@@ -462,17 +485,29 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
             len: len - footer_offset,
             what,
         };
-        let footer = decode_footer(map.bytes(), &trailer).map_err(|e| (e.offset, e.what));
+        let footer = decode_footer(map.bytes(), &trailer).map_err(|e| (e.offset, e.what)).and_then(|entries| {
+            // Rewards' targets and values are in footers since segment format 4.
+            match entries.iter().find(|e| e.reward_target != 0) {
+                Some(e) if header.format_version < crate::format::FORMAT_REWARDS_IN_FOOTER => Err((
+                    footer_offset,
+                    format!(
+                        "the entry of the reward at offset {} has a target, which segment format {} footers have not",
+                        e.frame_offset, header.format_version
+                    ),
+                )),
+                _ => Ok(entries),
+            }
+        });
         // Regions an earlier skip left out, as the footer records them.
         let gaps = footer.as_deref().map(footer_gaps).unwrap_or_default();
         let checked = match (footer, on_damage) {
-            (Ok(entries), OnDamage::Refuse) => Ok((entries, Vec::new())),
+            (Ok(entries), OnDamage::Refuse) => Ok((entries, Vec::new(), Vec::new())),
             (Ok(entries), OnDamage::Skip) => check_footer_frames(frames, entries)
                 .ok_or((footer_offset, "the footer disagrees with a valid frame".to_owned())),
             (Err(e), _) => Err(e),
         };
-        let (entries, events) = match checked {
-            Ok((entries, skipped)) => {
+        let (entries, events, applied_from_footer) = match checked {
+            Ok((entries, skipped, applied)) => {
                 let mut events: Vec<SegmentEvent> = gaps
                     .into_iter()
                     .map(|(offset, len)| SegmentEvent {
@@ -486,18 +521,19 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
                     .chain(skipped)
                     .collect();
                 events.sort_by_key(|e| e.offset);
-                (entries, events)
+                (entries, events, applied)
             }
             Err((at, what)) => {
                 // The footer is an index of the frames: rebuild it from them
                 // (format-spec/segment.md §6).
                 let (entries, damaged, _) = rebuild_index(&path, id, frames, true, on_damage)?;
                 let what = format!("footer unusable at offset {at} ({what}); its index was rebuilt from the frames");
-                (entries, std::iter::once(rebuilt(what)).chain(damaged).collect())
+                (entries, std::iter::once(rebuilt(what)).chain(damaged).collect(), Vec::new())
             }
         };
         let path = Arc::new(path);
-        return Ok(LoadedSegment { id, path, map, entries, data_end: footer_offset, sealed: true, events });
+        let data_end = footer_offset;
+        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events, applied_from_footer });
     }
     if must_be_sealed {
         // The manifest says sealed, but the trailer is damaged: the frames are
@@ -509,16 +545,22 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
             SegmentEvent { kind: RecoveryEventKind::FooterRebuilt, offset: data_end, len: len - data_end, what };
         let events = std::iter::once(start).chain(damaged).collect();
         let path = Arc::new(path);
-        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events });
+        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events, applied_from_footer: Vec::new() });
     }
     // Only the written part is read: past the end of the file's last data
     // region (a preallocated active segment is a sparse file) every byte
     // reads as zero, which a scan would take as the end of data anyway.
-    let len = crate::storage::written_len(&file, len);
-    let buf = read_aligned(&file, len, &path)?;
-    let bytes: &[u8] = bytemuck::cast_slice(&buf);
-    let bytes = bytes.get(..len as usize).unwrap_or(bytes);
-    let scan = scan_active(bytes);
+    // If the scan found a torn tail or damage there, the whole file is read
+    // again and scanned: a file system may report zero blocks that were
+    // written as holes (ZFS with compression), so a frame ending in zeros
+    // could look cut off at that point.
+    let written = crate::storage::written_len(&file, len);
+    let mut buf = read_aligned(&file, written, &path)?;
+    let mut scan = scan_active(bytemuck::cast_slice::<u64, u8>(&buf).get(..written as usize).unwrap_or_default());
+    if written < len && (scan.torn.is_some() || !scan.damaged.is_empty()) {
+        buf = read_aligned(&file, len, &path)?;
+        scan = scan_active(bytemuck::cast_slice::<u64, u8>(&buf).get(..len as usize).unwrap_or_default());
+    }
     if let (Some(first), OnDamage::Refuse) = (scan.damaged.first(), on_damage) {
         // A torn tail has nothing valid after it. Valid frames after an
         // invalid one mean damage in the middle of the log: cutting the log
@@ -535,6 +577,7 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
         map,
         entries: scan.entries,
         data_end: scan.valid_end,
+        applied_from_footer: Vec::new(),
         sealed: false,
         events,
     })

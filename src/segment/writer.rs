@@ -154,7 +154,7 @@ impl ActiveSegment {
     /// and the earlier mappings snapshots may still hold.
     pub fn seal(mut self) -> Result<Sealed> {
         let mut footer = Vec::new();
-        encode_footer(&mut footer, self.len, &self.entries);
+        encode_footer(&mut footer, self.len, &self.entries, self.format_version);
         let end = self.len + footer.len() as u64;
         fault::write_at(&self.faults, &self.file, &self.path, &footer, self.len)
             .map_err(|e| Error::io(format!("write footer of {}", self.path.display()), e))?;

@@ -43,7 +43,7 @@ pub(super) struct Loaded {
 
 /// Apply one footer entry to `index`.
 ///
-/// Calls, seals, deletions and (since store format 7) rewards are applied
+/// Calls, seals, deletions and (since segment format 4) rewards are applied
 /// from the footer entry alone, so an open reads no record body and touches
 /// only the footers' pages (format-spec/segment.md §4). A reward in an older
 /// footer is read from its record; a damaged one is skipped and reported in
@@ -192,6 +192,10 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
         }
         let seg = load_segment(dir, ms.id, ms.state == SegmentState::Sealed, on_damage)?;
         active_skipped |= seg.skipped_damage();
+        for (offset, what) in &seg.applied_from_footer {
+            let what = format!("damaged annotation record, applied from its footer entry: {what}");
+            damage.push(Problem { path: seg.path.as_path().to_path_buf(), offset: *offset, what });
+        }
         for e in &seg.events {
             if e.kind == RecoveryEventKind::TornTailCut && !writable {
                 continue;

@@ -46,7 +46,7 @@ impl Writer {
                         break 'segments;
                     }
                 } else if let Some(ann) = crate::segment::recovery::annotation_of_entry(e) {
-                    // Seals and (since store format 7) rewards come from the
+                    // Seals and (since segment format 4) rewards come from the
                     // footer: retiring reads no record body.
                     anns.push(ann);
                 } else {

@@ -218,7 +218,6 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
     Ok(0)
 }
 
-/// `trajlog generate`: stream simulated sessions into a store.
 /// What `trajlog generate` makes each session of.
 pub struct GenerateShape {
     pub steps: usize,
@@ -236,6 +235,7 @@ fn around(mean: usize) -> (usize, usize) {
     ((mean / 2).max(1), (mean + mean / 2).max(1))
 }
 
+/// `trajlog generate`: stream simulated sessions into a store.
 pub fn generate(
     dir: &std::path::Path,
     range: std::ops::Range<usize>,
