@@ -235,3 +235,57 @@ fn crash_between_seal_and_manifest_update_recovers() {
         assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
     }
 }
+
+/// A file system may store written zero blocks as holes (ZFS with
+/// compression). An active segment whose last record ends in zeros stored as
+/// a hole is read whole, not cut where its data seems to end: a writable open
+/// keeps the record.
+#[test]
+fn a_record_ending_in_a_hole_is_not_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut last = calls(3);
+    last.push(Call {
+        trace_id: "zeros".into(),
+        session_id: "z".into(),
+        timestamp: 9.0,
+        prompt_token_ids: vec![1, 2],
+        completion_token_ids: vec![3],
+        // The last field of the record: opaque bytes, here all zero.
+        routing_matrices: Some(vec![0; 16384]),
+        ..Default::default()
+    });
+    build(dir.path(), &last);
+    let seg = dir.path().join("seg-0000000001.tlog");
+    let end = fs::metadata(&seg).unwrap().len();
+    let bytes = fs::read(&seg).unwrap();
+    let zeros_from = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1) as u64;
+    let hole_from = zeros_from.div_ceil(4096) * 4096;
+    assert!(hole_from + 4096 <= end, "the last record does not end in zero blocks: {zeros_from} of {end}");
+    // Preallocated room after it, then the zero blocks and the room punched
+    // out: the file's last data region now ends inside the record.
+    let file = fs::OpenOptions::new().write(true).open(&seg).unwrap();
+    file.set_len(end + (1 << 20)).unwrap();
+    use std::os::fd::AsRawFd;
+    let len = (end + (1 << 20) - hole_from) as libc::off_t;
+    // SAFETY: fallocate on an open descriptor, within the file.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            hole_from as libc::off_t,
+            len,
+        )
+    };
+    if rc != 0 {
+        eprintln!("skipped: this file system cannot punch holes");
+        return;
+    }
+    drop(file);
+    assert_eq!(fs::read(&seg).unwrap()[..end as usize], bytes[..], "punching changed no byte");
+    let store = Store::open(dir.path(), opts()).unwrap();
+    assert!(store.recovery_report().events.is_empty(), "{:?}", store.recovery_report().events);
+    for c in &last {
+        assert_eq!(&store.snapshot().get(&c.trace_id).unwrap().unwrap().to_call().unwrap(), c);
+    }
+    store.close().unwrap();
+}
