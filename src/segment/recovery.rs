@@ -337,6 +337,9 @@ pub fn footer_gaps(entries: &[FooterEntry]) -> Vec<(u64, u64)> {
     gaps
 }
 
+/// What [`check_footer_frames`] keeps, skips and applies from entries.
+type CheckedFooter = (Vec<FooterEntry>, Vec<SegmentEvent>, Vec<(u64, String)>);
+
 /// Check every frame a valid footer indexes (`OnDamage::Skip`). Returns the
 /// entries of valid frames — and of damaged annotations whose entry holds
 /// all of them (seals, deletions, rewards since segment format 4), which are
@@ -344,11 +347,7 @@ pub fn footer_gaps(entries: &[FooterEntry]) -> Vec<(u64, u64)> {
 /// such — and the damaged ones left out; `None` if a valid frame disagrees
 /// with its entry (then the footer is not trusted and is rebuilt from the
 /// frames).
-#[allow(clippy::type_complexity)]
-fn check_footer_frames(
-    frames: &[u8],
-    entries: Vec<FooterEntry>,
-) -> Option<(Vec<FooterEntry>, Vec<SegmentEvent>, Vec<(u64, String)>)> {
+fn check_footer_frames(frames: &[u8], entries: Vec<FooterEntry>) -> Option<CheckedFooter> {
     let mut kept = Vec::with_capacity(entries.len());
     let mut skipped = Vec::new();
     let mut applied = Vec::new();

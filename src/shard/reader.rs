@@ -51,6 +51,9 @@ pub struct ShardFile {
     version: u32,
 }
 
+/// A call's sessions as the index keeps them: `session_id`, then the uids.
+type Sessions = Arc<[Arc<str>]>;
+
 /// What the store's index needs of one `steps` row.
 #[derive(Debug, Clone)]
 pub struct ShardRow {
@@ -399,7 +402,7 @@ impl ShardFile {
                 let off = col("source_offset")?
                     .as_primitive_opt::<UInt64Type>()
                     .ok_or_else(|| corrupt(&self.path, "source type"))?;
-                let mut sessions: Option<(Arc<[Arc<str>]>, Vec<String>)> = None;
+                let mut sessions: Option<(Sessions, Vec<String>)> = None;
                 for i in 0..batch.num_rows() {
                     let u = uids.value(i);
                     let u = u.as_string_opt::<i32>().ok_or_else(|| corrupt(&self.path, "session_uids items"))?;
