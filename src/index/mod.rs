@@ -157,6 +157,9 @@ pub struct SessionEntry {
     pub calls: CallList,
     pub sealed: bool,
     pub reward: Option<f64>,
+    /// The session list of a call in this session alone, shared by every
+    /// such call (see [`Index::sessions_of`]).
+    solo: Option<Arc<[Arc<str>]>>,
 }
 
 /// The indexes of a whole store at one point of its log.
@@ -191,6 +194,9 @@ impl Index {
         }
         for s in meta.sessions.iter() {
             let entry = self.sessions.entry(s.clone()).or_default();
+            if entry.solo.is_none() && meta.sessions.len() == 1 {
+                entry.solo = Some(meta.sessions.clone());
+            }
             let calls = &mut entry.calls;
             match calls.last() {
                 Some(last) if last.cmp_order(&key) == Ordering::Greater => {
@@ -254,6 +260,27 @@ impl Index {
     /// Number of live calls.
     pub fn call_count(&self) -> usize {
         self.traces.len()
+    }
+
+    /// [`sessions_of`], sharing what the index already holds: a session's
+    /// name, and the whole list of a call in one session alone (most calls).
+    /// A call's index entry then costs no allocation for its sessions.
+    pub fn sessions_of(&self, session_id: &str, uids: &[String]) -> Arc<[Arc<str>]> {
+        let known = self.sessions.get_key_value(session_id);
+        if uids.is_empty() || uids.iter().all(|u| u == session_id) {
+            if let Some(solo) = known.and_then(|(_, e)| e.solo.clone()) {
+                return solo;
+            }
+        }
+        let name = |s: &str| self.sessions.get_key_value(s).map_or_else(|| Arc::from(s), |(k, _)| k.clone());
+        let mut out: Vec<Arc<str>> = Vec::with_capacity(1 + uids.len());
+        out.push(known.map_or_else(|| Arc::from(session_id), |(k, _)| k.clone()));
+        for u in uids {
+            if !out.iter().any(|s| &**s == u.as_str()) {
+                out.push(name(u));
+            }
+        }
+        out.into()
     }
 }
 

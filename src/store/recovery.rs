@@ -65,7 +65,7 @@ pub(super) fn apply_entry(
                 shard: None,
                 timestamp: e.timestamp,
                 trace_id: Arc::from(e.id.as_str()),
-                sessions: sessions_of(&e.session_id, &e.session_uids),
+                sessions: index.sessions_of(&e.session_id, &e.session_uids),
             });
             return;
         }

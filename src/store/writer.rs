@@ -323,7 +323,7 @@ impl Writer {
             shard: None,
             timestamp: call.timestamp,
             trace_id: trace_id.clone(),
-            sessions: sessions_of(&call.session_id, &call.session_uids),
+            sessions: self.index.sessions_of(&call.session_id, &call.session_uids),
         });
         self.touch(&trace_id);
         let prompt_len = call.prompt_token_ids.len();
