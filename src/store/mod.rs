@@ -124,15 +124,14 @@ impl Store {
         // Every unlisted data file must be the leftover of an interrupted
         // operation (else refuse); they are deleted once the store loaded.
         let leftovers = crate::inventory::leftovers(&dir, &manifest, &crate::inventory::inventory(&dir)?)?;
-        let mut loaded = load_dir(&dir, manifest, options.recovery, true)?;
-        // Rewards the side table does not reflect yet (store/rewards.rs).
+        // Rewards the side table does not reflect yet (store/rewards.rs):
+        // only those are kept while loading.
         let mut rewards = rewards::RewardsTable::open(&dir)?;
-        for (loc, target) in std::mem::take(&mut loaded.rewards) {
-            if rewards.after_through(loc) {
-                for s in rewards::sessions_of_target(&loaded.index, &target) {
-                    if loaded.shard_sessions.contains(&s) {
-                        rewards.dirty.insert(s);
-                    }
+        let mut loaded = load_dir(&dir, manifest, options.recovery, true, &|loc| rewards.after_through(loc))?;
+        for (_, target) in std::mem::take(&mut loaded.rewards) {
+            for s in rewards::sessions_of_target(&loaded.index, &target) {
+                if loaded.shard_sessions.contains(&s) {
+                    rewards.dirty.insert(s);
                 }
             }
         }

@@ -37,7 +37,8 @@ pub(super) struct Loaded {
     pub(super) damage: Vec<Problem>,
     /// What recovery found and did (see [`Store::recovery_report`]).
     pub(super) report: RecoveryReport,
-    /// Every reward annotation replayed: its log position and target.
+    /// The reward annotations replayed that `load_dir` was asked to keep
+    /// (those the rewards side table may not reflect): position and target.
     pub(super) rewards: Vec<(Loc, Target)>,
 }
 
@@ -55,6 +56,7 @@ pub(super) fn apply_entry(
     e: &FooterEntry,
     damage: &mut Vec<Problem>,
     rewards: &mut Vec<(Loc, Target)>,
+    keep_reward: &dyn Fn(Loc) -> bool,
 ) {
     let loc = Loc { segment: seg.id, offset: e.frame_offset };
     let ann = match crate::segment::recovery::annotation_of_entry(e) {
@@ -85,7 +87,9 @@ pub(super) fn apply_entry(
     };
     apply_annotation(index, &ann);
     if let Annotation::Reward { target, .. } = ann {
-        rewards.push((loc, target));
+        if keep_reward(loc) {
+            rewards.push((loc, target));
+        }
     }
 }
 
@@ -161,8 +165,16 @@ pub(super) fn missing_listed_file(dir: &Path, path: &Path) -> Error {
 /// replaying records in log order; a shard row stands at the log position of
 /// the call it was compacted from (format-spec/shard.md §4). `recovery`
 /// decides what damage does (format-spec/segment.md §6); `writable`: a torn
-/// tail will be cut (and is reported), else it is only left out.
-pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, writable: bool) -> Result<Loaded> {
+/// tail will be cut (and is reported), else it is only left out. Reward
+/// annotations at a position `keep_reward` accepts are listed in
+/// [`Loaded::rewards`] (none while the store has no shards).
+pub(super) fn load_dir(
+    dir: &Path,
+    manifest: Manifest,
+    recovery: RecoveryMode,
+    writable: bool,
+    keep_reward: &dyn Fn(Loc) -> bool,
+) -> Result<Loaded> {
     let mut index = Index::default();
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
@@ -174,6 +186,9 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
             shard_sessions.insert(s.clone());
         }
     }
+    // Rewards matter to the side table only once some session is in a shard.
+    let any_shards = !rows.is_empty();
+    let keep = |loc: Loc| any_shards && keep_reward(loc);
     let mut rows = rows.into_iter().peekable();
     let last = manifest.segments.last().map(|s| s.id);
     let mut damage = Vec::new();
@@ -238,7 +253,7 @@ pub(super) fn load_dir(dir: &Path, manifest: Manifest, recovery: RecoveryMode, w
                 apply_shard_row(&mut index, &row);
                 continue;
             }
-            apply_entry(&mut index, &r, e, &mut damage, &mut rewards);
+            apply_entry(&mut index, &r, e, &mut damage, &mut rewards, &keep);
         }
         if !seg.sealed {
             active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
@@ -400,7 +415,7 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<crate::storage::lock::HeldLock> {
 /// checked, damage skipped and listed): repair rebuilds the manifest, and
 /// each later open decides about the damage by its own mode.
 pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, Vec<Problem>)> {
-    let loaded = load_dir(dir, manifest, RecoveryMode::SkipCorrupted, false)?;
+    let loaded = load_dir(dir, manifest, RecoveryMode::SkipCorrupted, false, &|_| false)?;
     Ok((loaded.index.call_count(), loaded.damage))
 }
 
@@ -430,7 +445,7 @@ pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View
         if recovery == RecoveryMode::AbsoluteConsistency {
             check_absolute(dir, false)?;
         }
-        match load_dir(dir, manifest, recovery, false) {
+        match load_dir(dir, manifest, recovery, false, &|_| false) {
             Ok(loaded) => {
                 let view = View {
                     index: loaded.index,
