@@ -57,7 +57,7 @@ pub fn footer_decode(data: &[u8]) {
     }
 }
 
-/// Manifest decoding (v1 and v2).
+/// Manifest decoding (every version).
 pub fn manifest_decode(data: &[u8]) {
     let _ = manifest::decode_manifest(data);
 }

@@ -212,6 +212,7 @@ pub(crate) fn leftovers(dir: &Path, manifest: &Manifest, inv: &Inventory) -> Res
         .iter()
         .map(|s| s.path.as_str())
         .chain(manifest.pending.iter().flat_map(|p| [p.staged.as_str(), p.shard.path.as_str()]))
+        .chain(manifest.obsolete.iter().map(String::as_str))
         .collect();
     for rel in &inv.shards {
         if !known.contains(rel.as_str()) {

@@ -84,7 +84,7 @@ mod store;
 pub mod trace_json;
 pub mod verify;
 
-pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression};
+pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION};
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target, ValidCall};

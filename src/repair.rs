@@ -174,6 +174,7 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
             })
             .collect(),
         pending: Vec::new(),
+        obsolete: Vec::new(),
     };
     report.segments = segments;
     report.shards = shards.into_iter().map(|s| s.1).collect();

@@ -22,11 +22,18 @@ use std::sync::Arc;
 pub struct View {
     pub(crate) index: Index,
     pub(crate) segments: imbl::OrdMap<u64, SegmentRef>,
-    /// Published `steps` shards, by shard id.
-    pub(crate) shards: Arc<Vec<Arc<ShardFile>>>,
+    /// Published `steps` shards, by shard id (`None`: a shard a collection
+    /// rewrote; no index entry points at it any more).
+    pub(crate) shards: ShardSlots,
     /// Damage found and confined when the store was opened.
     pub(crate) damage: Arc<Vec<crate::error::Problem>>,
 }
+
+/// The `steps` shards of a view by shard id. A slot is emptied, not
+/// removed, when a collection replaces its file, so that shard ids (the
+/// index's positions) stay stable while the store is open; they are
+/// renumbered from the manifest at the next open.
+pub(crate) type ShardSlots = Arc<Vec<Option<Arc<ShardFile>>>>;
 
 /// Decoded shard row groups, kept for the life of one snapshot so that views
 /// into them can borrow from it (an append-only map: entries never move).
@@ -287,7 +294,7 @@ impl Snapshot {
 
     /// A compacted call, from its shard row group (decoded once per snapshot).
     fn shard_call(&self, loc: Loc, pos: ShardPos) -> Result<CallView<'_>> {
-        let file = self.view.shards.get(pos.shard as usize).ok_or_else(|| {
+        let file = self.view.shards.get(pos.shard as usize).and_then(Option::as_ref).ok_or_else(|| {
             Error::new(crate::error::ErrorKind::NotFound, format!("shard {} is not part of this snapshot", pos.shard))
         })?;
         let cache = self.row_groups.get_or_init(RowGroupCache::new);
@@ -453,9 +460,46 @@ impl Snapshot {
             .collect()
     }
 
+    /// For a collection (compact/collect.rs): each published `steps` shard's
+    /// id, path, rows, and rows that are the live call of their trace id.
+    /// O(live calls).
+    pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, u64, u64)> {
+        let mut live: HashMap<u32, u64> = HashMap::new();
+        for meta in self.view.index.traces.values() {
+            if let Some(pos) = meta.shard {
+                *live.entry(pos.shard).or_default() += 1;
+            }
+        }
+        self.view
+            .shards
+            .iter()
+            .flatten()
+            .map(|f| (f.id, f.path.clone(), f.rows(), live.get(&f.id).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// The primary sessions of the live calls served from the shards `ids`,
+    /// each with the shard ids it has live calls in. O(live calls).
+    pub(crate) fn sessions_in_shards(
+        &self,
+        ids: &std::collections::HashSet<u32>,
+    ) -> std::collections::BTreeMap<String, Vec<u32>> {
+        let mut out: std::collections::BTreeMap<String, Vec<u32>> = std::collections::BTreeMap::new();
+        for meta in self.view.index.traces.values() {
+            let (Some(pos), Some(s)) = (meta.shard, meta.sessions.first()) else { continue };
+            if ids.contains(&pos.shard) {
+                let shards = out.entry(s.to_string()).or_default();
+                if !shards.contains(&pos.shard) {
+                    shards.push(pos.shard);
+                }
+            }
+        }
+        out
+    }
+
     /// Published `steps` shards (paths), by shard id.
     pub fn shard_paths(&self) -> Vec<std::path::PathBuf> {
-        self.view.shards.iter().map(|s| s.path.clone()).collect()
+        self.view.shards.iter().flatten().map(|s| s.path.clone()).collect()
     }
 
     /// Visit every live call: first those still in segments, in log order, then
@@ -477,7 +521,7 @@ impl Snapshot {
         for loc in locs {
             f(self.call_at(loc))?;
         }
-        for file in self.view.shards.iter() {
+        for file in self.view.shards.iter().flatten() {
             for rg in 0..file.row_groups() as u32 {
                 let batch = match file.read_row_group(rg) {
                     Ok(b) => b,

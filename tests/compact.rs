@@ -494,3 +494,229 @@ fn compacting_new_sessions_reads_nothing_already_compacted() {
     drop(snap);
     store.close().unwrap();
 }
+
+/// Every published shard file's generation (`part-GGGGGG-PPPP`).
+fn generations(dir: &Path) -> std::collections::BTreeSet<u64> {
+    visible_shards(dir).iter().filter_map(|p| trajlog::shard::generation_of(p)).collect()
+}
+
+/// Append and seal every session of `batch`, then compact them: generation 1.
+fn compacted_store(dir: &Path, batch: &[trajlog_sim::SimSession]) -> Store {
+    let store = Store::open(dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for s in batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(r.calls as usize, batch.iter().map(|s| s.calls.len()).sum::<usize>());
+    assert!(r.collected_generations.is_empty());
+    store
+}
+
+/// Deleting compacted sessions: the next compaction writes the live rows of
+/// their generation again and drops its files, so their space is freed, and
+/// the segments that held the deletions retire. Reads, trajectories and
+/// reopens see exactly the calls left.
+#[test]
+fn deleting_compacted_sessions_frees_their_shards_and_lets_segments_retire() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 12, steps: 5, ..SimConfig::default() });
+    let store = compacted_store(dir.path(), &batch);
+    assert_eq!(generations(dir.path()), [1].into());
+    let bytes_before: u64 = store.snapshot().shard_paths().iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    let deleted: Vec<&str> = batch.iter().take(3).map(|s| s.session_id.as_str()).collect();
+    for s in &deleted {
+        assert_eq!(store.delete_session(s).unwrap(), 5);
+    }
+    let left: BTreeMap<String, Call> = all_calls(&batch[3..]);
+    check_reads(&store, &left);
+
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(r.collected_generations, [1]);
+    assert_eq!((r.calls, r.moved_calls, r.dropped_rows), (0, left.len() as u64, 15));
+    assert!(r.collected_bytes > 0 && r.collect_skipped.is_empty(), "{r:?}");
+    assert!(r.retired_segments > 0, "the segments holding the deletions retire: {r:?}");
+    assert_eq!(generations(dir.path()), [2].into(), "generation 1's files are deleted");
+    assert!(store.snapshot().segments().iter().all(|s| !s.sealed), "no sealed segment is left");
+    let bytes_after: u64 = store.snapshot().shard_paths().iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
+    assert!(bytes_after < bytes_before, "{bytes_after} < {bytes_before}");
+    check_reads(&store, &left);
+    for s in &deleted {
+        assert!(store.snapshot().session(s, None, None).unwrap().is_empty());
+    }
+    let steps: usize = read_table(dir.path(), "steps").iter().map(|b| b.num_rows()).sum();
+    assert_eq!(steps, left.len());
+    assert_eq!(check_trajectories(dir.path(), &left), left.len());
+    // Nothing left to collect.
+    let again = store.compact(&CompactOptions::default()).unwrap();
+    assert!(again.collected_generations.is_empty() && again.shards.is_empty(), "{again:?}");
+    store.close().unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    check_reads(&store, &left);
+    assert!(store.snapshot().is_sealed(&batch[5].session_id), "seals outlive the collection");
+    drop(store);
+    check_reads(&Store::open_read_only(dir.path()).unwrap(), &left);
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}
+
+/// The fraction decides: below it a generation stays as it is; a generation
+/// with no live row left goes whatever the fraction; `None` collects nothing.
+#[test]
+fn collection_follows_the_dead_fraction() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 10, steps: 4, ..SimConfig::default() });
+    let store = compacted_store(dir.path(), &batch);
+    store.delete_session(&batch[0].session_id).unwrap(); // 10% of the rows
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert!(r.collected_generations.is_empty(), "10% dead is under the default 20%: {r:?}");
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(None)).unwrap();
+    assert!(r.collected_generations.is_empty());
+    let err = store.compact(&CompactOptions::default().collect_dead_fraction(Some(1.5))).unwrap_err();
+    assert!(err.to_string().contains("collect_dead_fraction"), "{err}");
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert_eq!((r.collected_generations.as_slice(), r.dropped_rows, r.moved_calls), (&[1][..], 4, 36));
+    // Each compaction takes a generation: the rows moved are in this one's.
+    let moved_to = generations(dir.path());
+    assert_eq!(moved_to.len(), 1);
+    assert!(moved_to.iter().all(|g| *g > 1));
+    // Every session of that generation deleted: it goes without a rewrite.
+    for s in &batch[1..] {
+        store.delete_session(&s.session_id).unwrap();
+    }
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(None)).unwrap();
+    assert!(r.collected_generations.is_empty());
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    let want: Vec<u64> = moved_to.into_iter().collect();
+    assert_eq!((&r.collected_generations, r.moved_calls, r.dropped_rows), (&want, 0, 36));
+    assert!(r.shards.is_empty(), "nothing to write: {r:?}");
+    assert!(visible_shards(dir.path()).is_empty(), "{:?}", visible_shards(dir.path()));
+    assert_eq!(store.snapshot().call_count(), 0);
+    store.close().unwrap();
+    assert_eq!(Store::open(dir.path(), Options::default()).unwrap().snapshot().call_count(), 0);
+}
+
+/// A snapshot taken before a collection keeps reading the files it replaced,
+/// which are deleted at once (no directory listing sees old and new rows
+/// together).
+#[test]
+fn a_snapshot_keeps_reading_the_files_a_collection_replaced() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 6, steps: 4, ..SimConfig::default() });
+    let store = compacted_store(dir.path(), &batch);
+    store.delete_session(&batch[0].session_id).unwrap();
+    let old = store.snapshot();
+    let old_files = old.shard_paths();
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert_eq!(r.collected_generations, [1]);
+    assert!(old_files.iter().all(|p| !p.exists()), "deleted at once");
+    let left = all_calls(&batch[1..]);
+    for c in left.values() {
+        assert_same(&old.get(&c.trace_id).unwrap().unwrap(), c);
+    }
+    let mut n = 0;
+    old.for_each_call(|_| {
+        n += 1;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(n, left.len());
+    drop(old);
+    store.append(batch[0].calls[0].clone()).unwrap();
+    store.flush().unwrap();
+    check_reads(&store, &{
+        let mut all = left.clone();
+        all.insert(batch[0].calls[0].trace_id.clone(), batch[0].calls[0].clone());
+        all
+    });
+}
+
+/// A generation whose live rows cannot be read (damaged) is not collected:
+/// its files stay, the compaction goes on and says why.
+#[test]
+fn a_damaged_generation_is_left_as_it_is() {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
+    let store = compacted_store(dir.path(), &batch);
+    store.delete_session(&batch[0].session_id).unwrap();
+    let paths = store.snapshot().shard_paths();
+    store.close().unwrap();
+    let mut bytes = std::fs::read(&paths[0]).unwrap();
+    let reader = SerializedFileReader::new(std::fs::File::open(&paths[0]).unwrap()).unwrap();
+    for rg in reader.metadata().row_groups() {
+        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with("completion_ids")) {
+            let (start, len) = col.byte_range();
+            bytes[(start + len / 2) as usize] ^= 0x10;
+        }
+    }
+    std::fs::write(&paths[0], &bytes).unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert!(r.collected_generations.is_empty(), "{r:?}");
+    assert_eq!(r.collect_skipped.len(), 1, "{r:?}");
+    assert_eq!(r.collect_skipped[0].0, 1);
+    assert!(r.collect_skipped[0].1.contains("part-000001-0000"), "names the file: {}", r.collect_skipped[0].1);
+    assert_eq!(generations(dir.path()), [1].into());
+    assert_eq!(store.snapshot().call_count(), 9);
+}
+
+/// The crash states a collection adds: decided (the new files pending, the
+/// old ones listed as obsolete, nothing renamed or deleted yet) and
+/// published with the obsolete files not yet deleted. Either way the open
+/// finishes the collection: the new files, and the old ones gone.
+#[test]
+fn a_crash_during_a_collection_is_finished_at_the_next_open() {
+    use trajlog::format::manifest::{decode_manifest, encode_manifest, PendingRename};
+    let batch = simulate(&SimConfig { sessions: 8, steps: 4, ..SimConfig::default() });
+    let left = all_calls(&batch[2..]);
+    let root = tempdir();
+    let before = root.path().join("before");
+    {
+        let store = compacted_store(&before, &batch);
+        for s in &batch[..2] {
+            store.delete_session(&s.session_id).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let after = root.path().join("after");
+    copy_dir(&before, &after);
+    {
+        let store = Store::open(&after, Options::default()).unwrap();
+        assert_eq!(store.compact(&CompactOptions::default()).unwrap().collected_generations, [1]);
+        store.close().unwrap();
+    }
+    let old = visible_shards(&before);
+    let new = visible_shards(&after);
+    assert!(generations(&after) == [2].into() && generations(&before) == [1].into());
+    let after_manifest = decode_manifest(&std::fs::read(after.join("MANIFEST")).unwrap()).unwrap();
+    let staged_name = |p: &str| p.replace("/part-", "/_tmp-");
+    for (name, renamed) in [("decided", false), ("published, obsolete files not deleted", true)] {
+        let dir = root.path().join(name.replace([' ', ','], "_"));
+        copy_dir(&before, &dir);
+        let mut m = decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
+        m.next_shard_generation = after_manifest.next_shard_generation;
+        m.obsolete = std::mem::take(&mut m.shards).into_iter().map(|s| s.path).collect();
+        for s in &after_manifest.shards {
+            let to = if renamed { s.path.clone() } else { staged_name(&s.path) };
+            std::fs::copy(after.join("shards").join(&s.path), dir.join("shards").join(&to)).unwrap();
+            if renamed {
+                m.shards.push(s.clone());
+            } else {
+                m.pending.push(PendingRename { staged: to, shard: s.clone() });
+            }
+        }
+        std::fs::write(dir.join("MANIFEST"), encode_manifest(&m)).unwrap();
+        // A reader before any writer: the new files, never the obsolete ones.
+        check_reads(&Store::open_read_only(&dir).unwrap(), &left);
+        let store = Store::open(&dir, Options::default()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        check_reads(&store, &left);
+        assert_eq!(visible_shards(&dir), new, "{name}: only the new files, {old:?} deleted");
+        let m = decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
+        assert!(m.obsolete.is_empty() && m.pending.is_empty(), "{name}: {m:?}");
+        assert_eq!(check_trajectories(&dir, &left), left.len(), "{name}");
+        store.close().unwrap();
+        assert!(trajlog::verify::verify_dir(&dir).unwrap().problems.is_empty(), "{name}");
+    }
+}

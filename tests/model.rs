@@ -23,8 +23,9 @@ enum Op {
     Delete(u8),
     Reward(u8, i8),
     Roll,
-    /// Compact sealed sessions (false) or every session (true).
-    Compact(bool),
+    /// Compact sealed sessions (false) or every session (true), collecting
+    /// earlier shards with any dead row (0), a quarter dead (1), or never (2).
+    Compact(bool, u8),
     Reopen,
     Read,
 }
@@ -37,7 +38,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
         1 => Just(Op::Roll),
-        1 => any::<bool>().prop_map(Op::Compact),
+        1 => (any::<bool>(), 0u8..3).prop_map(|(all, collect)| Op::Compact(all, collect)),
         1 => Just(Op::Reopen),
         2 => Just(Op::Read),
     ]
@@ -160,9 +161,20 @@ proptest! {
                     model.rewards.insert(format!("s{s}"), f64::from(r));
                 }
                 Op::Roll => store.roll().unwrap(),
-                Op::Compact(all) => {
+                Op::Compact(all, collect) => {
                     let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
-                    store.compact(&CompactOptions::default().selection(selection).steps_row_group_rows(3)).unwrap();
+                    let fraction = [Some(0.0), Some(0.25), None][usize::from(collect)];
+                    let opts = CompactOptions::default().selection(selection).steps_row_group_rows(3);
+                    store.compact(&opts.collect_dead_fraction(fraction)).unwrap();
+                    if fraction == Some(0.0) {
+                        // Every dead row was dropped: the published `steps`
+                        // rows are exactly the live compacted calls.
+                        let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.path().join("MANIFEST")).unwrap()).unwrap();
+                        let rows: u64 = m.shards.iter().filter(|s| s.path.starts_with("steps/")).map(|s| s.rows).sum();
+                        let snap = store.snapshot();
+                        let compacted = model.calls.keys().filter(|t| snap.get(t).unwrap().unwrap().is_compacted()).count();
+                        prop_assert_eq!(rows as usize, compacted);
+                    }
                 }
                 Op::Reopen => {
                     store.close().unwrap();

@@ -864,11 +864,17 @@ impl NativeStore {
         Ok(list)
     }
 
-    #[pyo3(signature = (older_than = None))]
-    fn compact<'py>(&self, py: Python<'py>, older_than: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+    #[pyo3(signature = (older_than = None, collect_dead = Some(trajlog::DEFAULT_COLLECT_DEAD_FRACTION)))]
+    fn compact<'py>(
+        &self,
+        py: Python<'py>,
+        older_than: Option<f64>,
+        collect_dead: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
-        let options =
-            CompactOptions::default().selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan));
+        let options = CompactOptions::default()
+            .selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
+            .collect_dead_fraction(collect_dead);
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;
@@ -879,6 +885,12 @@ impl NativeStore {
         d.set_item("retired_segments", r.retired_segments)?;
         // Sessions left in the log because a call of theirs is damaged: (session id, error).
         d.set_item("sessions_damaged", r.sessions_damaged)?;
+        // Collection: earlier compactions whose shards were rewritten.
+        d.set_item("collected_generations", r.collected_generations)?;
+        d.set_item("moved_calls", r.moved_calls)?;
+        d.set_item("dropped_rows", r.dropped_rows)?;
+        d.set_item("collected_bytes", r.collected_bytes)?;
+        d.set_item("collect_skipped", r.collect_skipped)?;
         Ok(d)
     }
 

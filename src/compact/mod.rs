@@ -11,6 +11,7 @@
 //! (store/publish.rs).
 
 mod build;
+mod collect;
 
 use crate::error::{Error, Result};
 use crate::limits::{
@@ -63,6 +64,15 @@ pub struct CompactOptions {
     pub compression: ShardCompression,
     /// Called after each session (the CLI draws a progress bar with it).
     pub progress: Option<CompactProgress>,
+    /// Collection (format-spec/shard.md §6.1): rewrite the shards of every
+    /// earlier compaction (generation) whose dead rows — calls deleted or
+    /// replaced since — are at least this fraction of its rows, keeping
+    /// only the live ones, so that their space is freed and the segments
+    /// holding the deletions can be retired. A generation with no live
+    /// row left is dropped whatever the fraction. `None`: no collection.
+    /// Default `Some(0.2)`: at most ~1.25× the live rows on disk, each row
+    /// rewritten at most ~5 times.
+    pub collect_dead_fraction: Option<f64>,
 }
 
 impl std::fmt::Debug for CompactOptions {
@@ -74,6 +84,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("shard_bytes", &self.shard_bytes)
             .field("compression", &self.compression)
             .field("progress", &self.progress.is_some())
+            .field("collect_dead_fraction", &self.collect_dead_fraction)
             .finish()
     }
 }
@@ -87,9 +98,13 @@ impl Default for CompactOptions {
             shard_bytes: DEFAULT_SHARD_BYTES,
             compression: ShardCompression::default(),
             progress: None,
+            collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
         }
     }
 }
+
+/// [`CompactOptions::collect_dead_fraction`]'s default.
+pub const DEFAULT_COLLECT_DEAD_FRACTION: f64 = 0.2;
 
 impl CompactOptions {
     /// Which sessions are taken.
@@ -122,6 +137,13 @@ impl CompactOptions {
         self.compression = v;
         self
     }
+    /// Collect generations whose dead rows reach this fraction of their rows
+    /// (`None`: never; see [`CompactOptions::collect_dead_fraction`]).
+    #[must_use]
+    pub fn collect_dead_fraction(mut self, v: Option<f64>) -> Self {
+        self.collect_dead_fraction = v;
+        self
+    }
     /// Called after each session with (sessions done, sessions selected, calls).
     #[must_use]
     pub fn progress(mut self, f: impl Fn(u64, u64, u64) + Send + Sync + 'static) -> Self {
@@ -148,26 +170,46 @@ pub struct CompactReport {
     /// Sessions left in the log because a call of theirs is damaged (session
     /// id, the error naming file and offset).
     pub sessions_damaged: Vec<(String, String)>,
+    /// Collection: the earlier generations whose files were replaced.
+    pub collected_generations: Vec<u64>,
+    /// Their live calls, written again into this compaction's shards.
+    pub moved_calls: u64,
+    /// Their dead rows, dropped.
+    pub dropped_rows: u64,
+    /// Bytes of their files (freed once no reader holds them).
+    pub collected_bytes: u64,
+    /// Generations that could not be collected because a row of theirs is
+    /// damaged (generation, the error); their files stay.
+    pub collect_skipped: Vec<(u64, String)>,
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
     bytes.map(|b| String::from_utf8(b).map_err(|_| Error::invalid(field, "JSON text is not UTF-8"))).transpose()
 }
 
-/// The steps of one session's calls not yet compacted (None if there are none).
-fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> Result<Option<Vec<StepInput>>> {
+/// The steps of the calls of one session (its own, not those it shares as
+/// an extra uid) that `take` accepts: its calls not yet compacted, and the
+/// live calls a collection moves (None if there are none).
+fn session_inputs(
+    snap: &crate::Snapshot,
+    sid: &str,
+    take: &dyn Fn(&CallView<'_>) -> bool,
+    token_bytes: &mut u64,
+) -> Result<Option<(Vec<StepInput>, u64)>> {
     let calls = snap.session(sid, None, None)?;
     let own: Vec<&CallView<'_>> = calls.iter().filter(|c| c.session_id() == sid).collect();
-    if own.iter().all(|c| c.is_compacted()) {
+    if !own.iter().any(|c| take(c)) {
         return Ok(None);
     }
     let mut ctx = Contexts::default();
     let mut inputs = Vec::with_capacity(own.len());
     let mut bytes = 0;
+    let mut moved = 0;
     for (i, c) in own.iter().enumerate() {
-        if c.is_compacted() {
+        if !take(c) {
             continue;
         }
+        moved += u64::from(c.is_compacted());
         let prompt = ctx.prompt(c)?;
         ctx.remember(c.loc, &prompt, c.completion_token_ids());
         let r = &c.record;
@@ -200,7 +242,7 @@ fn session_inputs(snap: &crate::Snapshot, sid: &str, token_bytes: &mut u64) -> R
         });
     }
     *token_bytes += bytes;
-    Ok(Some(inputs))
+    Ok(Some((inputs, moved)))
 }
 
 impl Store {
@@ -217,6 +259,134 @@ fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
     run_with(store, opts, &mut || {})
 }
 
+/// What writing a compaction's shards came to.
+enum Written {
+    /// Staged (not yet published), with the sessions compacted.
+    Done { compacted: Vec<String>, staged: Vec<crate::format::manifest::PendingRename> },
+    /// A damaged row of a generation being collected: nothing was staged;
+    /// write again without these generations.
+    Retry { generations: Vec<u64>, error: String },
+}
+
+/// Write the shards of a compaction: the selected sessions' calls not yet
+/// compacted, and the live calls of the generations `plan` collects.
+fn write_shards(
+    snap: &crate::Snapshot,
+    opts: &CompactOptions,
+    generation: u64,
+    shards_dir: &std::path::Path,
+    selected: &[String],
+    plan: &collect::Plan,
+    report: &mut CompactReport,
+) -> Result<Written> {
+    let mut steps_w =
+        TableWriter::new(shards_dir, "steps", generation, steps_schema(), opts.compression, opts.shard_bytes)?;
+    let mut traj_w = TableWriter::new(
+        shards_dir,
+        "trajectories",
+        generation,
+        trajectories_schema(),
+        opts.compression,
+        opts.shard_bytes,
+    )?;
+    // Sessions with new calls, and sessions with live calls to move, in
+    // session order; each once.
+    let fresh: std::collections::HashSet<&str> = selected.iter().map(String::as_str).collect();
+    let mut order: Vec<&str> = fresh.iter().copied().chain(plan.moved.keys().map(String::as_str)).collect();
+    order.sort_unstable();
+    order.dedup();
+    let mut retry = None;
+    let result = (|| -> Result<Vec<String>> {
+        let mut steps = StepsBuilder::default();
+        let mut trajs = TrajectoriesBuilder::default();
+        let mut compacted = Vec::new();
+        let mut released_at = 0;
+        for (done, sid) in order.iter().enumerate() {
+            let is_fresh = fresh.contains(sid);
+            let take = |c: &CallView<'_>| match c.shard {
+                None => is_fresh,
+                Some(pos) => plan.shard_set.contains(&pos.shard),
+            };
+            // A session with a damaged call stays in the log, whole, and is
+            // reported; the others are compacted.
+            let (inputs, moved) = match session_inputs(snap, sid, &take, &mut report.token_bytes) {
+                Ok(Some(found)) => found,
+                Ok(None) => continue,
+                Err(e) => {
+                    if let Some(shards) = plan.moved.get(*sid) {
+                        // Rows of it would be lost with its generation's files.
+                        let generations = shards.iter().filter_map(|id| plan.generation_of_shard.get(id)).copied();
+                        retry = Some((generations.collect(), e.to_string()));
+                        return Ok(Vec::new());
+                    }
+                    report.sessions_damaged.push(((*sid).to_owned(), e.to_string()));
+                    continue;
+                }
+            };
+            for s in &inputs {
+                steps.push(s);
+                if steps.rows >= opts.steps_row_group_rows {
+                    let bytes = steps.bytes;
+                    steps_w.write_row_group(&steps.finish()?, bytes)?;
+                }
+            }
+            let group = group_id(sid, inputs.first().and_then(|s| s.metadata.as_deref()));
+            let session_reward = snap.session_reward(sid);
+            for (k, t) in chains(&inputs).iter().enumerate() {
+                trajs.push(sid, k as u32, &group, t, session_reward);
+                report.trajectories += 1;
+                if trajs.rows >= opts.trajectories_row_group_rows {
+                    let bytes = trajs.bytes;
+                    traj_w.write_row_group(&trajs.finish()?, bytes)?;
+                }
+            }
+            report.moved_calls += moved;
+            report.calls += inputs.len() as u64 - moved;
+            if inputs.len() as u64 > moved {
+                report.sessions += 1;
+            }
+            // The segments' pages read so far are given back now and then,
+            // so that a compaction's resident set does not grow with the
+            // store it reads (limits.rs RELEASE_PAGES_EVERY_BYTES).
+            if report.token_bytes >= released_at + RELEASE_PAGES_EVERY_BYTES {
+                snap.release_pages();
+                released_at = report.token_bytes;
+            }
+            compacted.push((*sid).to_owned());
+            if let Some(progress) = &opts.progress {
+                progress(done as u64 + 1, order.len() as u64, report.calls + report.moved_calls);
+            }
+        }
+        if steps.rows > 0 {
+            let bytes = steps.bytes;
+            steps_w.write_row_group(&steps.finish()?, bytes)?;
+        }
+        if trajs.rows > 0 {
+            let bytes = trajs.bytes;
+            traj_w.write_row_group(&trajs.finish()?, bytes)?;
+        }
+        Ok(compacted)
+    })();
+    let staged_steps = steps_w.finish();
+    let staged_traj = traj_w.finish();
+    match (result, staged_steps, staged_traj) {
+        (Ok(compacted), Ok(mut a), Ok(b)) if retry.is_none() => {
+            a.extend(b);
+            Ok(Written::Done { compacted, staged: a })
+        }
+        (r, a, b) => {
+            // Nothing was published: remove what was staged.
+            for p in a.into_iter().chain(b).flatten() {
+                let _ = std::fs::remove_file(shards_dir.join(&p.staged));
+            }
+            match (r, retry) {
+                (Ok(_), Some((generations, error))) => Ok(Written::Retry { generations, error }),
+                (r, _) => Err(r.err().unwrap_or_else(|| Error::new(crate::ErrorKind::Io, "writing shards failed"))),
+            }
+        }
+    }
+}
+
 /// [`run`], calling `before_publish` once the shards are staged, before they
 /// are published (tests use it to change the store meanwhile).
 pub(crate) fn run_with(
@@ -226,6 +396,11 @@ pub(crate) fn run_with(
 ) -> Result<CompactReport> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
+    }
+    if let Some(f) = opts.collect_dead_fraction {
+        if !(0.0..=1.0).contains(&f) {
+            return Err(Error::invalid("collect_dead_fraction", format!("{f} is not a fraction between 0 and 1")));
+        }
     }
     if let Selection::OlderThan(s) = opts.selection {
         if !s.is_finite() || s < 0.0 {
@@ -253,93 +428,34 @@ pub(crate) fn run_with(
         .collect();
     let generation = compaction.generation();
     let shards_dir = store.dir().join(SHARDS_DIR);
-    let mut steps_w =
-        TableWriter::new(&shards_dir, "steps", generation, steps_schema(), opts.compression, opts.shard_bytes)?;
-    let mut traj_w = TableWriter::new(
-        &shards_dir,
-        "trajectories",
-        generation,
-        trajectories_schema(),
-        opts.compression,
-        opts.shard_bytes,
-    )?;
-    let mut report = CompactReport::default();
-    let result = (|| -> Result<Vec<String>> {
-        let mut steps = StepsBuilder::default();
-        let mut trajs = TrajectoriesBuilder::default();
-        let mut compacted = Vec::new();
-        let mut released_at = 0;
-        for (done, sid) in selected.iter().enumerate() {
-            // A session with a damaged call stays in the log, whole, and is
-            // reported; the others are compacted.
-            let inputs = match session_inputs(&snap, sid, &mut report.token_bytes) {
-                Ok(Some(inputs)) => inputs,
-                Ok(None) => continue,
-                Err(e) => {
-                    report.sessions_damaged.push((sid.clone(), e.to_string()));
-                    continue;
-                }
-            };
-            for s in &inputs {
-                steps.push(s);
-                if steps.rows >= opts.steps_row_group_rows {
-                    let bytes = steps.bytes;
-                    steps_w.write_row_group(&steps.finish()?, bytes)?;
+    // A generation a damaged row keeps from being collected is left out and
+    // the shards are written again without it (rare: it costs what was
+    // written up to the damage).
+    let mut excluded = std::collections::HashSet::new();
+    let mut skipped = Vec::new();
+    let (mut report, plan, compacted, mut staged) = loop {
+        let plan = collect::plan(&snap, opts.collect_dead_fraction, &excluded);
+        let mut report = CompactReport::default();
+        match write_shards(&snap, opts, generation, &shards_dir, &selected, &plan, &mut report)? {
+            Written::Done { compacted, staged } => break (report, plan, compacted, staged),
+            Written::Retry { generations, error } => {
+                for g in generations {
+                    if excluded.insert(g) {
+                        skipped.push((g, error.clone()));
+                    }
                 }
             }
-            let group = group_id(sid, inputs.first().and_then(|s| s.metadata.as_deref()));
-            let session_reward = snap.session_reward(sid);
-            for (k, t) in chains(&inputs).iter().enumerate() {
-                trajs.push(sid, k as u32, &group, t, session_reward);
-                report.trajectories += 1;
-                if trajs.rows >= opts.trajectories_row_group_rows {
-                    let bytes = trajs.bytes;
-                    traj_w.write_row_group(&trajs.finish()?, bytes)?;
-                }
-            }
-            report.calls += inputs.len() as u64;
-            report.sessions += 1;
-            // The segments' pages read so far are given back now and then,
-            // so that a compaction's resident set does not grow with the
-            // store it reads (limits.rs RELEASE_PAGES_EVERY_BYTES).
-            if report.token_bytes >= released_at + RELEASE_PAGES_EVERY_BYTES {
-                snap.release_pages();
-                released_at = report.token_bytes;
-            }
-            compacted.push(sid.clone());
-            if let Some(progress) = &opts.progress {
-                progress(done as u64 + 1, selected.len() as u64, report.calls);
-            }
-        }
-        if steps.rows > 0 {
-            let bytes = steps.bytes;
-            steps_w.write_row_group(&steps.finish()?, bytes)?;
-        }
-        if trajs.rows > 0 {
-            let bytes = trajs.bytes;
-            traj_w.write_row_group(&trajs.finish()?, bytes)?;
-        }
-        Ok(compacted)
-    })();
-    let staged_steps = steps_w.finish();
-    let staged_traj = traj_w.finish();
-    let (compacted, mut staged) = match (result, staged_steps, staged_traj) {
-        (Ok(c), Ok(mut a), Ok(b)) => {
-            a.extend(b);
-            (c, a)
-        }
-        (r, a, b) => {
-            // Nothing was published: remove what was staged.
-            for p in a.into_iter().chain(b).flatten() {
-                let _ = std::fs::remove_file(shards_dir.join(&p.staged));
-            }
-            return Err(r.err().unwrap_or_else(|| Error::new(crate::ErrorKind::Io, "writing shards failed")));
         }
     };
+    report.collect_skipped = skipped;
+    report.collected_generations = plan.generations.clone();
+    report.dropped_rows = plan.dead_rows;
+    report.collected_bytes = collect::bytes_of(&shards_dir, &plan.generations);
     drop(snap);
     staged.retain(|p| p.shard.rows > 0);
     before_publish();
-    let outcome = store.publish_compaction(compaction, staged.clone(), compacted)?;
+    let obsolete = crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids };
+    let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete)?;
     report.retired_segments = outcome.retired_segments.len();
     for p in &staged {
         let path = shards_dir.join(&p.shard.path);

@@ -2,15 +2,17 @@
 //! Parquet shards and an in-flight shard publication; replaced atomically
 //! (write `MANIFEST.tmp`, fsync, rename over `MANIFEST`, fsync dir).
 //!
-//! Version 3 (written) adds to each shard entry the file's length and the
-//! crc32 of its Parquet footer; version 2 (shards and the pending publication,
-//! no checksums) and version 1 (segments only) are still read.
+//! Version 4 (written) adds the obsolete list: shard files a collection took
+//! out of the published set, to be deleted. Version 3 added to each shard
+//! entry the file's length and the crc32 of its Parquet footer; versions 3, 2
+//! (shards and the pending publication, no checksums) and 1 (segments only)
+//! are still read.
 
 use super::{Cursor, DecodeError, PutLe};
 
 pub const MANIFEST_MAGIC: [u8; 8] = *b"TRJLMAN\0";
 /// The manifest version this build writes.
-pub const MANIFEST_VERSION: u32 = 3;
+pub const MANIFEST_VERSION: u32 = 4;
 /// The oldest manifest version this build reads.
 pub const MANIFEST_VERSION_MIN: u32 = 1;
 /// A Parquet file is at least `"PAR1"`, a footer length and `"PAR1"`.
@@ -63,6 +65,10 @@ pub struct Manifest {
     pub next_shard_generation: u64,
     pub shards: Vec<ManifestShard>,
     pub pending: Vec<PendingRename>,
+    /// Shard files (relative to `DIR/shards/`) taken out of the published
+    /// set by a collection (version 4): the next writer deletes those that
+    /// still exist. Never read as data.
+    pub obsolete: Vec<String>,
 }
 
 fn put_name(out: &mut Vec<u8>, s: &str) {
@@ -122,6 +128,10 @@ pub fn encode_manifest(m: &Manifest) -> Vec<u8> {
         put_name(&mut out, &p.shard.path);
         put_shard_tail(&mut out, &p.shard);
     }
+    out.put_u32(m.obsolete.len() as u32);
+    for o in &m.obsolete {
+        put_name(&mut out, o);
+    }
     let crc = crc32fast::hash(&out);
     out.put_u32(crc);
     out
@@ -160,7 +170,7 @@ pub fn reads_version(version: u32) -> bool {
     (MANIFEST_VERSION_MIN..=MANIFEST_VERSION).contains(&version)
 }
 
-/// Decode a manifest of version 1, 2 or 3. An unknown version is reported as
+/// Decode a manifest of version 1 to 4. An unknown version is reported as
 /// such (the caller turns it into `ErrorKind::Incompatible`).
 pub fn decode_manifest(buf: &[u8]) -> Result<Manifest, DecodeError> {
     let mut c = Cursor::new(buf);
@@ -221,6 +231,17 @@ pub fn decode_manifest(buf: &[u8]) -> Result<Manifest, DecodeError> {
         let (rows, checksum) = shard_tail(&mut c, version)?;
         pending.push(PendingRename { staged, shard: ManifestShard { path, rows, checksum } });
     }
+    let mut obsolete = Vec::new();
+    if version >= 4 {
+        let count = c.u32("obsolete count")?;
+        obsolete.reserve((count as usize).min(buf.len() / 2));
+        for _ in 0..count {
+            let at = c.pos();
+            let path = c.str16("obsolete shard path")?.to_owned();
+            check_shard_path(&path, at)?;
+            obsolete.push(path);
+        }
+    }
     let body_end = c.pos();
     let crc = c.u32("manifest crc")?;
     if c.pos() != buf.len() {
@@ -233,7 +254,7 @@ pub fn decode_manifest(buf: &[u8]) -> Result<Manifest, DecodeError> {
     if segments.iter().rev().skip(1).any(|s| s.state == SegmentState::Active) {
         return Err(DecodeError::new(seg_start, "only the last segment may be active"));
     }
-    Ok(Manifest { next_segment_id, segments, next_shard_generation, shards, pending })
+    Ok(Manifest { next_segment_id, segments, next_shard_generation, shards, pending, obsolete })
 }
 
 #[cfg(test)]
@@ -264,6 +285,7 @@ mod tests {
                     checksum: Some(ShardChecksum { len: 12, footer_crc32: 0 }),
                 },
             }],
+            obsolete: vec!["steps/part-000000-0003.parquet".into()],
         }
     }
 
@@ -271,7 +293,7 @@ mod tests {
     fn round_trip_and_corruption() {
         let m = sample();
         let bytes = encode_manifest(&m);
-        assert_eq!(&bytes[..12], b"TRJLMAN\0\x03\0\0\0");
+        assert_eq!(&bytes[..12], b"TRJLMAN\0\x04\0\0\0");
         assert_eq!(decode_manifest(&bytes), Ok(m));
         for i in 0..bytes.len() * 8 {
             let mut bad = bytes.clone();
@@ -280,9 +302,9 @@ mod tests {
         }
     }
 
-    /// Byte-exact: format-spec/manifest.md §2, version 3.
+    /// Byte-exact: format-spec/manifest.md §2, version 4.
     #[test]
-    fn golden_bytes_version_3() {
+    fn golden_bytes_version_4() {
         let m = Manifest {
             next_segment_id: 2,
             segments: vec![ManifestSegment { id: 1, state: SegmentState::Sealed }],
@@ -296,10 +318,11 @@ mod tests {
                 staged: "steps/_b".into(),
                 shard: ManifestShard { path: "steps/b".into(), rows: 1, checksum: None },
             }],
+            obsolete: vec!["steps/c".into()],
         };
         let mut want: Vec<u8> = Vec::new();
         want.extend_from_slice(b"TRJLMAN\0");
-        want.extend_from_slice(&[3, 0, 0, 0]); // version
+        want.extend_from_slice(&[4, 0, 0, 0]); // version
         want.extend_from_slice(&[1, 0, 0, 0]); // segment_count
         want.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]); // next_segment_id
         want.extend_from_slice(&[2, 0, 0, 0, 0, 0, 0, 0]); // next_shard_generation
@@ -317,6 +340,9 @@ mod tests {
         want.extend_from_slice(b"steps/b");
         want.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0]); // rows
         want.extend_from_slice(&[0; 12]); // no checksum: file_len 0, footer_crc32 0
+        want.extend_from_slice(&[1, 0, 0, 0]); // obsolete_count
+        want.extend_from_slice(&[7, 0]); // obsolete path length
+        want.extend_from_slice(b"steps/c");
         let crc = crc32fast::hash(&want);
         want.extend_from_slice(&crc.to_le_bytes());
         assert_eq!(encode_manifest(&m), want);
@@ -347,10 +373,10 @@ mod tests {
         assert!(decode_manifest(&encode_manifest(&one(11, 1))).is_err());
         assert_eq!(decode_manifest(&encode_manifest(&one(12, 1))), Ok(one(12, 1)));
         // An unknown version is refused as such.
-        let mut v4 = encode_manifest(&one(12, 1));
-        v4[8] = 4;
-        let err = decode_manifest(&recrc(v4)).unwrap_err();
-        assert!(err.what.contains("unsupported format version 4"), "{}", err.what);
+        let mut v5 = encode_manifest(&one(12, 1));
+        v5[8] = 5;
+        let err = decode_manifest(&recrc(v5)).unwrap_err();
+        assert!(err.what.contains("unsupported format version 5"), "{}", err.what);
     }
 
     #[test]
@@ -386,10 +412,26 @@ mod tests {
                 shard: ManifestShard { path: "steps/part-000002-0000.parquet".into(), rows: 6, checksum: None },
             }]
         );
-        // Written back, it becomes version 3 with the same content.
-        let v3 = encode_manifest(&m);
-        assert_eq!(v3[8], 3);
+        // Written back, it becomes version 4 with the same content.
+        let v4 = encode_manifest(&m);
+        assert_eq!(v4[8], 4);
+        assert_eq!(decode_manifest(&v4), Ok(m));
+    }
+
+    #[test]
+    fn reads_version_3_without_the_obsolete_list() {
+        // Version 3 is version 4 without obsolete_count and its entries.
+        let m = Manifest { obsolete: Vec::new(), ..sample() };
+        let v4 = encode_manifest(&m);
+        let body = v4.len() - 4;
+        let mut v3 = v4[..body - 4].to_vec();
+        v3[8] = 3;
+        let crc = crc32fast::hash(&v3);
+        v3.put_u32(crc);
         assert_eq!(decode_manifest(&v3), Ok(m));
+        // An obsolete path must stay inside shards/ like any other.
+        let bad = Manifest { obsolete: vec!["../x".into()], ..sample() };
+        assert!(decode_manifest(&encode_manifest(&bad)).is_err());
     }
 
     #[test]

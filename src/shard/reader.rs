@@ -49,6 +49,9 @@ pub struct ShardFile {
     /// Its `trajlog.shard_format_version` (format 3: documents moved out of
     /// `extra`, spliced back by [`ShardFile::read_row_group`]).
     version: u32,
+    /// Set when a collection deletes the file while snapshots still read it
+    /// ([`ShardFile::pin`]): reads go through this descriptor, not the path.
+    pinned: Arc<std::sync::OnceLock<File>>,
 }
 
 /// A call's sessions as the index keeps them: `session_id`, then the uids.
@@ -232,12 +235,17 @@ impl ShardFile {
         let chunks = if version == 1 { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
             .map_err(|e| corrupt_at(path, footer_start, e))?;
-        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version })
+        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version, pinned: Arc::default() })
     }
 
     /// Number of row groups.
     pub fn row_groups(&self) -> usize {
         self.meta.metadata().num_row_groups()
+    }
+
+    /// Rows in the file, from its footer.
+    pub fn rows(&self) -> u64 {
+        u64::try_from(self.meta.metadata().file_metadata().num_rows()).unwrap_or(0)
     }
 
     /// Whether the file carries column chunk checksums (shard format 2).
@@ -247,7 +255,27 @@ impl ShardFile {
     }
 
     fn open_file(&self) -> Result<File> {
-        File::open(&self.path).map_err(|e| Error::io(format!("open shard {}", self.path.display()), e))
+        let open = |p: &Path| File::open(p).map_err(|e| Error::io(format!("open shard {}", self.path.display()), e));
+        match self.pinned.get() {
+            None => open(&self.path),
+            // A descriptor of its own (its own offset, for the format 1
+            // reader, which seeks), of the same (deleted) file.
+            Some(f) => {
+                use std::os::fd::AsRawFd;
+                open(Path::new(&format!("/proc/self/fd/{}", f.as_raw_fd())))
+            }
+        }
+    }
+
+    /// Keep the file readable by whoever holds this shard after it is
+    /// deleted (a collection replaced it): open it now and read through that
+    /// descriptor from then on. Its space is freed when the last holder
+    /// drops it.
+    pub fn pin(&self) -> Result<()> {
+        if self.pinned.get().is_none() {
+            let _ = self.pinned.set(self.open_file()?);
+        }
+        Ok(())
     }
 
     /// A reader of row group `rg`, of the columns under `roots` (all if `None`).

@@ -37,17 +37,20 @@ mod writer;
 
 pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
+pub(crate) use publish::Obsolete;
 pub use receipt::Receipt;
 pub(crate) use recovery::{load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
 
 use admission::{check_trace_id, ChatPrev, SendState};
-use protocol::{Cmd, CompactionBase, Prepared};
+use protocol::{count_row, uncount_row, Cmd, CompactionBase, Prepared};
 use queue::{annotation_bytes, call_bytes, Permit, Queue};
 use receipt::{lock, Durable, Inner};
 use recovery::seal_skipped_active;
-use recovery::{apply_annotation, check_absolute, finish_pending, load_dir, load_read_only, read_manifest};
+use recovery::{
+    apply_annotation, check_absolute, finish_obsolete, finish_pending, load_dir, load_read_only, read_manifest,
+};
 use writer::{Journal, Writer};
 
 use crate::delta::{Context, DeltaCache};
@@ -121,6 +124,7 @@ impl Store {
         };
         let mut manifest = manifest;
         finish_pending(&dir, &mut manifest, &options.faults)?;
+        finish_obsolete(&dir, &mut manifest, &options.faults)?;
         // Every unlisted data file must be the leftover of an interrupted
         // operation (else refuse); they are deleted once the store loaded.
         let leftovers = crate::inventory::leftovers(&dir, &manifest, &crate::inventory::inventory(&dir)?)?;
@@ -130,7 +134,7 @@ impl Store {
         let mut loaded = load_dir(&dir, manifest, options.recovery, true, &|loc| rewards.after_through(loc))?;
         for (_, target) in std::mem::take(&mut loaded.rewards) {
             for s in rewards::sessions_of_target(&loaded.index, &target) {
-                if loaded.shard_sessions.contains(&s) {
+                if loaded.shard_sessions.contains_key(&s) {
                     rewards.dirty.insert(s);
                 }
             }
@@ -171,7 +175,7 @@ impl Store {
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
-        let shards = Arc::new(loaded.shards);
+        let shards: crate::snapshot::ShardSlots = Arc::new(loaded.shards.into_iter().map(Some).collect());
         let damage = Arc::new(std::mem::take(&mut loaded.damage));
         let report = Mutex::new(Arc::new(std::mem::take(&mut loaded.report)));
         let view =
@@ -199,8 +203,8 @@ impl Store {
             active: Some(active),
             index: loaded.index,
             shards,
-            shard_sessions: loaded.shard_sessions.into_iter().collect(),
-            shard_traces: loaded.shard_traces.into_iter().collect(),
+            shard_sessions: loaded.shard_sessions,
+            shard_traces: loaded.shard_traces,
             journal: None,
             rewards,
             compactions: 0,

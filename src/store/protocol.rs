@@ -73,8 +73,29 @@ pub(super) struct CompactionBase {
     pub(super) token: u64,
     pub(super) generation: u64,
     pub(super) view: Arc<View>,
-    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
-    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
+    pub(super) shard_traces: RowCounts,
+    pub(super) shard_sessions: RowCounts,
+}
+
+/// How many shard rows (live or not) carry each trace id, or each session:
+/// what retirement asks ("does a shard row of this id exist?"). Counts, not
+/// a set, so that a collection can take the rows of the files it replaces
+/// away exactly.
+pub(crate) type RowCounts = imbl::HashMap<Arc<str>, u32>;
+
+/// Count one more row of `id`.
+pub(crate) fn count_row(counts: &mut RowCounts, id: &Arc<str>) {
+    *counts.entry(id.clone()).or_default() += 1;
+}
+
+/// Count one row of `id` fewer (dropping ids with none left).
+pub(crate) fn uncount_row(counts: &mut RowCounts, id: &str) {
+    if let Some(n) = counts.get_mut(id) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            counts.remove(id);
+        }
+    }
 }
 
 /// A publication's index changes, prepared by the compacting thread from
@@ -92,9 +113,14 @@ pub(super) struct Prepared {
     /// Every compacted call: trace id → (the log position it was compacted
     /// from, its shard row).
     pub(super) placements: std::collections::HashMap<Arc<str>, (Loc, ShardPos)>,
-    /// Every trace id and session with a shard row, the new ones included.
-    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
-    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
+    /// Shard rows per trace id and per session, the new files' included
+    /// and the obsolete files' taken away.
+    pub(super) shard_traces: RowCounts,
+    pub(super) shard_sessions: RowCounts,
+    /// What a collection replaces: the generations whose files all become
+    /// obsolete, and the shard ids of their `steps` files.
+    pub(super) obsolete_generations: Vec<u64>,
+    pub(super) obsolete_shard_ids: Vec<u32>,
     /// For retirement: live calls of `traces` still served from segments,
     /// counted by primary session (sessions with none are absent).
     pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,

@@ -66,11 +66,12 @@ impl Store {
         mut compaction: Compaction,
         staged: Vec<PendingRename>,
         sessions: Vec<String>,
+        obsolete: &Obsolete,
     ) -> Result<PublishOutcome> {
         self.writable()?;
         let base = compaction.base.take().ok_or_else(Error::closed)?;
         let token = base.token;
-        let prepared = match prepare(&self.inner.dir, base, &staged) {
+        let prepared = match prepare(&self.inner.dir, base, &staged, obsolete) {
             Ok(p) => p,
             Err(e) => {
                 // Nothing was published.
@@ -90,21 +91,42 @@ impl Store {
     }
 }
 
+/// What a collection replaces (compact/collect.rs): every file of these
+/// generations, whose `steps` files are these shard ids of the base view.
+/// Their live rows are among the staged files.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Obsolete {
+    pub generations: Vec<u64>,
+    pub shard_ids: Vec<u32>,
+}
+
 /// The compacting thread's part of a publication: open the new `steps`
 /// shards (still under their staged names) and switch their rows' calls in
-/// the base view's index.
-fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename]) -> Result<Prepared> {
+/// the base view's index; take the rows of the obsolete `steps` files out
+/// of the row counts.
+fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete: &Obsolete) -> Result<Prepared> {
     let shards_dir = dir.join(SHARDS_DIR);
     let first_shard_id = u32::try_from(base.view.shards.len())
         .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
     let mut index = base.view.index.clone();
-    drop(base.view);
     let (mut shard_traces, mut shard_sessions) = (base.shard_traces, base.shard_sessions);
+    let mut rows = Vec::new();
+    for id in &obsolete.shard_ids {
+        let Some(Some(f)) = base.view.shards.get(*id as usize) else { continue };
+        rows.clear();
+        f.index_rows(&mut rows)?;
+        for row in &rows {
+            uncount_row(&mut shard_traces, &row.trace_id);
+            for s in row.sessions.iter() {
+                uncount_row(&mut shard_sessions, s);
+            }
+        }
+    }
+    drop(base.view);
     let mut placements = std::collections::HashMap::new();
     let mut files = Vec::new();
     // One shard's index rows at a time: memory holds one file's rows, not
     // every row of the compaction.
-    let mut rows = Vec::new();
     for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
         let mut f = ShardFile::open(&shards_dir.join(&p.staged), first_shard_id + i as u32, p.shard.checksum)?;
         rows.clear();
@@ -123,9 +145,9 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename]) -> Result
                 None => row.trace_id.clone(),
             };
             for s in row.sessions.iter() {
-                shard_sessions.insert(s.clone());
+                count_row(&mut shard_sessions, s);
             }
-            shard_traces.insert(trace_id);
+            count_row(&mut shard_traces, &trace_id);
         }
     }
     drop(rows);
@@ -143,6 +165,8 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename]) -> Result
         placements,
         shard_traces,
         shard_sessions,
+        obsolete_generations: obsolete.generations.clone(),
+        obsolete_shard_ids: obsolete.shard_ids.clone(),
         in_segments,
     })
 }
@@ -217,6 +241,21 @@ impl Writer {
         touched: &HashSet<Arc<str>>,
     ) -> Result<PublishOutcome> {
         let shards_dir = self.dir.join(SHARDS_DIR);
+        // A collection's obsolete files leave the published list in the same
+        // manifest write that decides the new ones (the commit point), and
+        // are listed as obsolete until they are deleted.
+        let gens = &p.obsolete_generations;
+        let mut obsolete = Vec::new();
+        if !gens.is_empty() {
+            self.manifest.shards.retain(|s| {
+                let gone = crate::shard::generation_of(&s.path).is_some_and(|g| gens.contains(&g));
+                if gone {
+                    obsolete.push(s.path.clone());
+                }
+                !gone
+            });
+            self.manifest.obsolete.extend(obsolete.iter().cloned());
+        }
         self.manifest.pending = staged.clone();
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         for r in &staged {
@@ -233,8 +272,38 @@ impl Writer {
         self.manifest.shards.extend(staged.iter().map(|r| r.shard.clone()));
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         // Serve compacted calls from the new shards.
-        let mut files: Vec<Arc<ShardFile>> = self.shards.as_ref().clone();
-        files.extend(std::mem::take(&mut p.files).into_iter().map(Arc::new));
+        let mut files: Vec<Option<Arc<ShardFile>>> = self.shards.as_ref().clone();
+        // Obsolete slots are emptied, not removed: shard ids stay stable.
+        // Snapshots still holding an obsolete `steps` file read it through
+        // a descriptor opened now; the files are deleted at once, so no
+        // directory listing sees the old and the new rows together, and
+        // their space is freed when the last such snapshot is dropped.
+        for id in &p.obsolete_shard_ids {
+            if let Some(f) = files.get_mut(*id as usize).and_then(Option::take) {
+                if Arc::strong_count(&f) > 1 {
+                    f.pin()?;
+                }
+            }
+        }
+        if !obsolete.is_empty() {
+            // Best effort: a file that cannot be deleted now stays listed
+            // as obsolete, and the next writable open deletes it.
+            let mut deleted = Vec::new();
+            for rel in &obsolete {
+                match fs::remove_file(shards_dir.join(rel)) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {}
+                    _ => deleted.push(rel.clone()),
+                }
+            }
+            for table in SHARD_TABLES {
+                let tdir = shards_dir.join(table);
+                if tdir.exists() {
+                    crate::storage::sync_dir(&tdir, &self.options.faults)?;
+                }
+            }
+            self.manifest.obsolete.retain(|o| !deleted.contains(o));
+        }
+        files.extend(std::mem::take(&mut p.files).into_iter().map(|f| Some(Arc::new(f))));
         self.shards = Arc::new(files);
         // The prepared trace map, with what changed since the base re-checked:
         // the writer's current entry wins, switched to its shard row only if

@@ -25,10 +25,10 @@ pub(super) struct Loaded {
     pub(super) index: Index,
     pub(super) segments: imbl::OrdMap<u64, SegmentRef>,
     pub(super) shards: Vec<Arc<ShardFile>>,
-    /// Every session name that appears in a shard row (live or not).
-    pub(super) shard_sessions: HashSet<Arc<str>>,
-    /// Every trace id that appears in a shard row (live or not).
-    pub(super) shard_traces: HashSet<Arc<str>>,
+    /// Shard rows (live or not) per session name.
+    pub(super) shard_sessions: super::protocol::RowCounts,
+    /// Shard rows (live or not) per trace id.
+    pub(super) shard_traces: super::protocol::RowCounts,
     /// The last segment, if unsealed: its entries and valid end.
     pub(super) active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
     /// The active segment had damaged regions skipped (seal it before appending).
@@ -179,11 +179,12 @@ pub(super) fn load_dir(
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
     let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
-    let mut shard_sessions = HashSet::new();
-    let shard_traces: HashSet<Arc<str>> = rows.iter().map(|r| r.trace_id.clone()).collect();
+    let mut shard_sessions = super::protocol::RowCounts::new();
+    let mut shard_traces = super::protocol::RowCounts::new();
     for r in &rows {
+        super::protocol::count_row(&mut shard_traces, &r.trace_id);
         for s in r.sessions.iter() {
-            shard_sessions.insert(s.clone());
+            super::protocol::count_row(&mut shard_sessions, s);
         }
     }
     // Rewards matter to the side table only once some session is in a shard.
@@ -385,6 +386,36 @@ pub(super) fn finish_pending(
     crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
 }
 
+/// Delete the shard files a collection took out of the published set
+/// (the manifest's obsolete list) that still exist, then clear the list.
+/// Only a writer does this: readers never read an obsolete file.
+pub(super) fn finish_obsolete(
+    dir: &Path,
+    manifest: &mut Manifest,
+    faults: &crate::storage::fault::Faults,
+) -> Result<()> {
+    if manifest.obsolete.is_empty() {
+        return Ok(());
+    }
+    let shards = dir.join(SHARDS_DIR);
+    for o in &manifest.obsolete {
+        let path = shards.join(o);
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(format!("delete obsolete shard {}", path.display()), e)),
+        }
+    }
+    for table in SHARD_TABLES {
+        let tdir = shards.join(table);
+        if tdir.exists() {
+            crate::storage::sync_dir(&tdir, faults)?;
+        }
+    }
+    manifest.obsolete.clear();
+    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
+}
+
 /// Take the single-writer lock of a store directory (its `LOCK` file).
 pub(crate) fn lock_dir(dir: &Path) -> Result<crate::storage::lock::HeldLock> {
     let lock_path = dir.join(LOCK_NAME);
@@ -450,7 +481,7 @@ pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View
                 let view = View {
                     index: loaded.index,
                     segments: loaded.segments,
-                    shards: Arc::new(loaded.shards),
+                    shards: Arc::new(loaded.shards.into_iter().map(Some).collect()),
                     damage: Arc::new(loaded.damage),
                 };
                 return Ok((view, loaded.report));

@@ -13,11 +13,11 @@ pub(super) struct Writer {
     pub(super) sealed_segments: imbl::OrdMap<u64, SegmentRef>,
     pub(super) active: Option<ActiveSegment>,
     pub(super) index: Index,
-    pub(super) shards: Arc<Vec<Arc<ShardFile>>>,
-    /// Every session and trace id with a shard row (persistent sets: a
+    pub(super) shards: crate::snapshot::ShardSlots,
+    /// Shard rows per session and per trace id (persistent maps: a
     /// compaction prepares the next ones from a copy, see publish.rs).
-    pub(super) shard_sessions: imbl::HashSet<Arc<str>>,
-    pub(super) shard_traces: imbl::HashSet<Arc<str>>,
+    pub(super) shard_sessions: super::protocol::RowCounts,
+    pub(super) shard_traces: super::protocol::RowCounts,
     /// While a compaction is under way: the trace ids whose live call changed
     /// since it began.
     pub(super) journal: Option<Journal>,

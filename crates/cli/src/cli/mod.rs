@@ -147,6 +147,15 @@ enum Command {
         /// zstd | zstd:LEVEL | none
         #[arg(long, default_value = "zstd")]
         compression: String,
+        /// Rewrite an earlier compaction's shards, keeping their live rows,
+        /// once this fraction of its rows is dead (deleted or replaced
+        /// calls); 0: any dead row. A compaction with no live row left is
+        /// dropped whatever the fraction.
+        #[arg(long, value_name = "FRACTION", default_value_t = trajlog::DEFAULT_COLLECT_DEAD_FRACTION, conflicts_with = "no_collect")]
+        collect_dead: f64,
+        /// Never rewrite earlier shards (dead rows keep their space).
+        #[arg(long)]
+        no_collect: bool,
     },
     /// Fill a store with simulated multi-turn rollouts (sealed), streaming one session at a time.
     Generate {
@@ -338,9 +347,25 @@ pub fn main() -> i32 {
         Command::Show { store, session } => inspect::show(&store, &session),
         Command::Verify { store } => repair::verify(&store),
         Command::Repair { store, dry_run } => repair::repair(&store, dry_run),
-        Command::Compact { store, sealed_only: _, older_than, shard_bytes, row_group_rows, compression } => {
-            shards::compact(&store, &shards::CompactArgs { older_than, shard_bytes, row_group_rows, compression })
-        }
+        Command::Compact {
+            store,
+            sealed_only: _,
+            older_than,
+            shard_bytes,
+            row_group_rows,
+            compression,
+            collect_dead,
+            no_collect,
+        } => shards::compact(
+            &store,
+            &shards::CompactArgs {
+                older_than,
+                shard_bytes,
+                row_group_rows,
+                compression,
+                collect_dead: (!no_collect).then_some(collect_dead),
+            },
+        ),
         Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json, shape } => {
             bench::run(&bench::BenchArgs {
                 sessions,

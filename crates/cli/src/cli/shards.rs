@@ -19,6 +19,8 @@ pub struct CompactArgs {
     pub shard_bytes: usize,
     pub row_group_rows: usize,
     pub compression: String,
+    /// `--collect-dead` (`None`: `--no-collect`).
+    pub collect_dead: Option<f64>,
 }
 
 pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
@@ -29,7 +31,8 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .steps_row_group_rows(args.row_group_rows)
             .trajectories_row_group_rows((args.row_group_rows / 4).max(1))
             .shard_bytes(args.shard_bytes)
-            .compression(args.compression.parse()?),
+            .compression(args.compression.parse()?)
+            .collect_dead_fraction(args.collect_dead),
     );
     let r = store.compact(&options)?;
     store.close()?;
@@ -47,8 +50,22 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         r.retired_segments,
         proc_status_bytes("VmHWM:").map_or("unknown".to_owned(), human_bytes),
     );
+    if !r.collected_generations.is_empty() {
+        println!(
+            "collected {} earlier compactions: {} live calls written again, {} dead rows dropped, {} of files replaced",
+            r.collected_generations.len(),
+            r.moved_calls,
+            r.dropped_rows,
+            human_bytes(r.collected_bytes),
+        );
+    }
     for s in &r.shards {
         println!("  {}", s.display());
+    }
+    for (generation, why) in &r.collect_skipped {
+        eprintln!(
+            "trajlog compact: compaction {generation}'s shards were not rewritten, a row of them is damaged: {why}"
+        );
     }
     for (session, why) in &r.sessions_damaged {
         eprintln!("trajlog compact: session {session:?} left in the log, a call of it is damaged: {why}");
