@@ -803,3 +803,57 @@ fn older_segments_get_no_rewards_in_their_footers() {
     assert_eq!(store.snapshot().session_reward("task-1:0"), Some(f64::INFINITY));
     assert_eq!(store.snapshot().trace_reward("g/1").map(f64::to_bits), Some((-0.0f64).to_bits()));
 }
+
+fn fixture_v8_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v8")
+}
+
+/// Store format 8 (manifest version 4): the v3 content plus session
+/// `task-9:0`, both compacted; `task-9:0` deleted and its generation
+/// collected (its live rows written again). The manifest lists one obsolete
+/// file that is gone, as a crash after deleting it would leave it.
+fn write_fixture_v8() {
+    let dir = fixture_v8_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in &fixture_calls() {
+        store.append(c.clone()).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.append(Call { trace_id: "gone/0".into(), session_id: "task-9:0".into(), ..fixture_calls()[0].clone() }).unwrap();
+    store.seal_session("task-9:0").unwrap();
+    store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
+    store.delete_session("task-9:0").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert_eq!(r.collected_generations, [1]);
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    let (_, mut m) = read_manifest(&dir);
+    m.obsolete = vec!["steps/part-000001-0000.parquet".into()];
+    std::fs::write(dir.join("MANIFEST"), trajlog::format::manifest::encode_manifest(&m)).unwrap();
+}
+
+#[test]
+fn reads_the_v8_fixture_with_a_collected_generation() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v8_dir().exists() {
+        write_fixture_v8();
+    }
+    let dir = fixture_v8_dir();
+    let (version, manifest) = read_manifest(&dir);
+    assert_eq!(version, 4);
+    assert_eq!(manifest.obsolete, ["steps/part-000001-0000.parquet"]);
+    assert!(manifest.shards.iter().all(|s| trajlog::shard::generation_of(&s.path) == Some(2)), "{manifest:?}");
+    // A reader ignores the obsolete list; the collected rows read exactly.
+    let snap = check_shard_fixture(&dir);
+    assert!(snap.get("gone/0").unwrap().is_none() && snap.session("task-9:0", None, None).unwrap().is_empty());
+    drop(snap);
+    assert!(trajlog::verify::verify_dir(&dir).unwrap().problems.is_empty());
+    // A writer finishes the collection: the list is cleared.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    let (_, manifest) = read_manifest(copy.path());
+    assert!(manifest.obsolete.is_empty());
+    check_shard_fixture(copy.path());
+}

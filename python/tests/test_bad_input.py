@@ -240,6 +240,8 @@ def test_reads_and_annotations_with_bad_arguments_raise_trajlog_errors(tmp_path)
             (lambda: store.seal(None), "session_id"),
             (lambda: store.delete_session(b"s"), "session_id"),
             (lambda: store.compact(older_than=-5), "older_than"),
+            (lambda: store.compact(collect_dead=1.5), "collect_dead"),
+            (lambda: store.compact(collect_dead=float("nan")), "collect_dead"),
         ]:
             with pytest.raises(trajlog.InvalidInputError, match=field):
                 call()

@@ -630,3 +630,28 @@ def test_the_readme_duckdb_recipes_follow_the_same_rule(rewarded):
     assert {(sid, int(seg)): r for sid, seg, r in rows} == expected
     steps = {tid: r for tid, _, _, r in con.execute(steps_sql.replace("DIR", store_dir)).fetchall()}
     assert steps == {**{f"{s}:0/{i}": 0.5 for s in "abcde" for i in (0, 1)}, "a:0/1": -1.0, "b:0/0": 3.0, "c:0/1": None}
+
+
+def test_deleted_sessions_are_collected_out_of_the_shards(tmp_path):
+    """A compaction rewrites an earlier one whose rows are dead enough: the
+    dataset built afterwards holds exactly the sessions left."""
+    path = tmp_path / "s"
+    with trajlog.Store(path) as store:
+        for s in range(4):
+            for step in range(2):
+                store.append(trace_id=f"{s}/{step}", session_id=f"task-{s}:0", prompt_token_ids=[1, 2, step], completion_token_ids=[3, s], logprobs=[-0.5, -0.25], timestamp=float(step))
+            store.seal(f"task-{s}:0")
+        assert store.compact()["collected_generations"] == []
+        store.delete_session("task-0:0")
+        kept = store.compact(collect_dead=None)
+        assert kept["collected_generations"] == [] and kept["shards"] == []
+        r = store.compact(collect_dead=0.0)
+        assert r["collected_generations"] == [1]
+        assert (r["moved_calls"], r["dropped_rows"], r["calls"]) == (6, 2, 0)
+        assert r["collected_bytes"] > 0 and r["collect_skipped"] == []
+        assert store.get("0/0") is None and store.get("1/1").is_compacted
+    files = sorted(p.name for p in (path / "shards" / "trajectories").glob("part-*.parquet"))
+    assert files and all(not f.startswith("part-000001-") for f in files), files
+    ds = TrajectoryDataset(str(path / "shards" / "trajectories"))
+    sessions = sorted(sample["session_id"] for sample in ds)
+    assert sessions == ["task-1:0", "task-2:0", "task-3:0"]
