@@ -821,7 +821,9 @@ fn write_fixture_v8() {
     }
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
     store.seal_session("task-1:0").unwrap();
-    store.append(Call { trace_id: "gone/0".into(), session_id: "task-9:0".into(), ..fixture_calls()[0].clone() }).unwrap();
+    store
+        .append(Call { trace_id: "gone/0".into(), session_id: "task-9:0".into(), ..fixture_calls()[0].clone() })
+        .unwrap();
     store.seal_session("task-9:0").unwrap();
     store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
     store.delete_session("task-9:0").unwrap();
