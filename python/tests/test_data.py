@@ -654,4 +654,5 @@ def test_deleted_sessions_are_collected_out_of_the_shards(tmp_path):
     assert files and all(not f.startswith("part-000001-") for f in files), files
     ds = TrajectoryDataset(str(path / "shards" / "trajectories"))
     sessions = sorted(sample["session_id"] for sample in ds)
-    assert sessions == ["task-1:0", "task-2:0", "task-3:0"]
+    # Each session is two chains: step 1's prompt does not extend step 0's.
+    assert sessions == sorted(["task-1:0", "task-2:0", "task-3:0"] * 2)
