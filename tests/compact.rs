@@ -440,6 +440,24 @@ fn concurrent_compactions_never_duplicate_rows() {
     check_reads(&store, &calls);
 }
 
+/// Damage a shard: flip a byte in the middle of each `completion_ids`
+/// column chunk (which an open does not read). Returns how many.
+fn flip_completion_chunks(path: &Path) -> usize {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let mut bytes = std::fs::read(path).unwrap();
+    let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+    let mut flipped = 0;
+    for rg in reader.metadata().row_groups() {
+        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with("completion_ids")) {
+            let (start, len) = col.byte_range();
+            bytes[(start + len / 2) as usize] ^= 0x10;
+            flipped += 1;
+        }
+    }
+    std::fs::write(path, &bytes).unwrap();
+    flipped
+}
+
 /// A compaction's work is what is new: sessions compacted before are left
 /// out from the index alone, without reading their shard rows. Shown by
 /// damaging the old shard's `completion_ids` column chunks (which an open
@@ -447,7 +465,6 @@ fn concurrent_compactions_never_duplicate_rows() {
 /// damaged session, and the damage is still there to be found by a read.
 #[test]
 fn compacting_new_sessions_reads_nothing_already_compacted() {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
     let dir = tempdir();
     let all = chained_calls(8, 3);
     let store = Store::open(dir.path(), small_segments()).unwrap();
@@ -461,18 +478,7 @@ fn compacting_new_sessions_reads_nothing_already_compacted() {
     store.close().unwrap();
     let old = Store::open_read_only(dir.path()).unwrap().snapshot().shard_paths();
     assert_eq!(old.len(), 1);
-    let mut bytes = std::fs::read(&old[0]).unwrap();
-    let reader = SerializedFileReader::new(std::fs::File::open(&old[0]).unwrap()).unwrap();
-    let mut flipped = 0;
-    for rg in reader.metadata().row_groups() {
-        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with("completion_ids")) {
-            let (start, len) = col.byte_range();
-            bytes[(start + len / 2) as usize] ^= 0x10;
-            flipped += 1;
-        }
-    }
-    assert!(flipped > 0);
-    std::fs::write(&old[0], &bytes).unwrap();
+    assert!(flip_completion_chunks(&old[0]) > 0);
 
     let store = Store::open(dir.path(), small_segments()).unwrap();
     for c in all.iter().filter(|c| c.session_id.as_str() >= "s4") {
@@ -636,22 +642,13 @@ fn a_snapshot_keeps_reading_the_files_a_collection_replaced() {
 /// its files stay, the compaction goes on and says why.
 #[test]
 fn a_damaged_generation_is_left_as_it_is() {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
     let dir = tempdir();
     let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
     let store = compacted_store(dir.path(), &batch);
     store.delete_session(&batch[0].session_id).unwrap();
     let paths = store.snapshot().shard_paths();
     store.close().unwrap();
-    let mut bytes = std::fs::read(&paths[0]).unwrap();
-    let reader = SerializedFileReader::new(std::fs::File::open(&paths[0]).unwrap()).unwrap();
-    for rg in reader.metadata().row_groups() {
-        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with("completion_ids")) {
-            let (start, len) = col.byte_range();
-            bytes[(start + len / 2) as usize] ^= 0x10;
-        }
-    }
-    std::fs::write(&paths[0], &bytes).unwrap();
+    assert!(flip_completion_chunks(&paths[0]) > 0);
     let store = Store::open(dir.path(), Options::default()).unwrap();
     let r = store.compact(&CompactOptions::default()).unwrap();
     assert!(r.collected_generations.is_empty(), "{r:?}");

@@ -21,8 +21,7 @@ pub(super) struct Plan {
     /// The generations replaced, ascending.
     pub generations: Vec<u64>,
     /// Their `steps` files' shard ids.
-    pub shard_ids: Vec<u32>,
-    pub shard_set: HashSet<u32>,
+    pub shard_ids: HashSet<u32>,
     pub generation_of_shard: HashMap<u32, u64>,
     /// Primary session → the shard ids (of `shard_ids`) it has live calls in.
     pub moved: BTreeMap<String, Vec<u32>>,
@@ -54,13 +53,12 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, excluded: &HashSet<u6
         plan.generations.push(g);
         plan.dead_rows += dead;
         for id in ids {
-            plan.shard_ids.push(id);
-            plan.shard_set.insert(id);
+            plan.shard_ids.insert(id);
             plan.generation_of_shard.insert(id, g);
         }
     }
-    if !plan.shard_set.is_empty() {
-        plan.moved = snap.sessions_in_shards(&plan.shard_set);
+    if !plan.shard_ids.is_empty() {
+        plan.moved = snap.sessions_in_shards(&plan.shard_ids);
     }
     plan
 }

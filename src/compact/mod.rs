@@ -305,7 +305,7 @@ fn write_shards(
             let is_fresh = fresh.contains(sid);
             let take = |c: &CallView<'_>| match c.shard {
                 None => is_fresh,
-                Some(pos) => plan.shard_set.contains(&pos.shard),
+                Some(pos) => plan.shard_ids.contains(&pos.shard),
             };
             // A session with a damaged call stays in the log, whole, and is
             // reported; the others are compacted.
@@ -454,7 +454,8 @@ pub(crate) fn run_with(
     drop(snap);
     staged.retain(|p| p.shard.rows > 0);
     before_publish();
-    let obsolete = crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids };
+    let obsolete =
+        crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids.into_iter().collect() };
     let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete)?;
     report.retired_segments = outcome.retired_segments.len();
     for p in &staged {

@@ -117,10 +117,8 @@ pub(super) struct Prepared {
     /// and the obsolete files' taken away.
     pub(super) shard_traces: RowCounts,
     pub(super) shard_sessions: RowCounts,
-    /// What a collection replaces: the generations whose files all become
-    /// obsolete, and the shard ids of their `steps` files.
-    pub(super) obsolete_generations: Vec<u64>,
-    pub(super) obsolete_shard_ids: Vec<u32>,
+    /// What a collection replaces.
+    pub(super) obsolete: super::Obsolete,
     /// For retirement: live calls of `traces` still served from segments,
     /// counted by primary session (sessions with none are absent).
     pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,

@@ -165,8 +165,7 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         placements,
         shard_traces,
         shard_sessions,
-        obsolete_generations: obsolete.generations.clone(),
-        obsolete_shard_ids: obsolete.shard_ids.clone(),
+        obsolete: obsolete.clone(),
         in_segments,
     })
 }
@@ -244,7 +243,7 @@ impl Writer {
         // A collection's obsolete files leave the published list in the same
         // manifest write that decides the new ones (the commit point), and
         // are listed as obsolete until they are deleted.
-        let gens = &p.obsolete_generations;
+        let gens = &p.obsolete.generations;
         let mut obsolete = Vec::new();
         if !gens.is_empty() {
             self.manifest.shards.retain(|s| {
@@ -262,12 +261,7 @@ impl Writer {
             let (from, to) = (shards_dir.join(&r.staged), shards_dir.join(&r.shard.path));
             fs::rename(&from, &to).map_err(|e| Error::io(format!("publish shard {}", to.display()), e))?;
         }
-        for table in SHARD_TABLES {
-            let tdir = shards_dir.join(table);
-            if tdir.exists() {
-                crate::storage::sync_dir(&tdir, &self.options.faults)?;
-            }
-        }
+        super::recovery::sync_shard_dirs(&shards_dir, &self.options.faults)?;
         self.manifest.pending.clear();
         self.manifest.shards.extend(staged.iter().map(|r| r.shard.clone()));
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
@@ -278,7 +272,7 @@ impl Writer {
         // a descriptor opened now; the files are deleted at once, so no
         // directory listing sees the old and the new rows together, and
         // their space is freed when the last such snapshot is dropped.
-        for id in &p.obsolete_shard_ids {
+        for id in &p.obsolete.shard_ids {
             if let Some(f) = files.get_mut(*id as usize).and_then(Option::take) {
                 if Arc::strong_count(&f) > 1 {
                     f.pin()?;
@@ -288,20 +282,12 @@ impl Writer {
         if !obsolete.is_empty() {
             // Best effort: a file that cannot be deleted now stays listed
             // as obsolete, and the next writable open deletes it.
-            let mut deleted = Vec::new();
-            for rel in &obsolete {
-                match fs::remove_file(shards_dir.join(rel)) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {}
-                    _ => deleted.push(rel.clone()),
-                }
-            }
-            for table in SHARD_TABLES {
-                let tdir = shards_dir.join(table);
-                if tdir.exists() {
-                    crate::storage::sync_dir(&tdir, &self.options.faults)?;
-                }
-            }
-            self.manifest.obsolete.retain(|o| !deleted.contains(o));
+            let deleted: Vec<&String> = obsolete
+                .iter()
+                .filter(|rel| super::recovery::remove_if_present(&shards_dir.join(rel)).is_ok())
+                .collect();
+            super::recovery::sync_shard_dirs(&shards_dir, &self.options.faults)?;
+            self.manifest.obsolete.retain(|o| !deleted.contains(&o));
         }
         files.extend(std::mem::take(&mut p.files).into_iter().map(|f| Some(Arc::new(f))));
         self.shards = Arc::new(files);

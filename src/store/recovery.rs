@@ -400,20 +400,30 @@ pub(super) fn finish_obsolete(
     let shards = dir.join(SHARDS_DIR);
     for o in &manifest.obsolete {
         let path = shards.join(o);
-        match fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io(format!("delete obsolete shard {}", path.display()), e)),
-        }
+        remove_if_present(&path).map_err(|e| Error::io(format!("delete obsolete shard {}", path.display()), e))?;
     }
+    sync_shard_dirs(&shards, faults)?;
+    manifest.obsolete.clear();
+    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
+}
+
+/// Delete a file; one already gone is not an error.
+pub(super) fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// fsync the shard table directories that exist under `shards`.
+pub(super) fn sync_shard_dirs(shards: &Path, faults: &crate::storage::fault::Faults) -> Result<()> {
     for table in SHARD_TABLES {
         let tdir = shards.join(table);
         if tdir.exists() {
             crate::storage::sync_dir(&tdir, faults)?;
         }
     }
-    manifest.obsolete.clear();
-    crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(manifest), faults)
+    Ok(())
 }
 
 /// Take the single-writer lock of a store directory (its `LOCK` file).
