@@ -84,7 +84,10 @@ mod store;
 pub mod trace_json;
 pub mod verify;
 
-pub use compact::{CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION};
+pub use compact::{
+    merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION,
+    DEFAULT_MERGE_FANOUT, MERGE_BASE_ROWS, MERGE_MAX_ROWS,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target, ValidCall};

@@ -717,3 +717,88 @@ fn a_crash_during_a_collection_is_finished_at_the_next_open() {
         assert!(trajlog::verify::verify_dir(&dir).unwrap().problems.is_empty(), "{name}");
     }
 }
+
+/// Merging (format-spec/shard.md §6.2): many small compactions keep a
+/// bounded number of generations — once `merge_fanout` share a size tier
+/// they are written again together — and every read, trajectory, snapshot
+/// taken before and reopen sees exactly the calls compacted.
+#[test]
+fn small_compactions_are_merged_so_file_counts_stay_bounded() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 26, steps: 3, ..SimConfig::default() });
+    let (batch, extra) = batch.split_at(24);
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 * 1024)).unwrap();
+    let err = store.compact(&CompactOptions::default().merge_fanout(Some(1))).unwrap_err();
+    assert!(err.to_string().contains("merge_fanout"), "{err}");
+    let mut compacted = BTreeMap::new();
+    let mut merged = Vec::new();
+    let mut old_snapshot = None;
+    for (i, pair) in batch.chunks(2).enumerate() {
+        for s in pair {
+            for c in &s.calls {
+                store.append(c.clone()).unwrap();
+            }
+            store.seal_session(&s.session_id).unwrap();
+        }
+        compacted.extend(all_calls(pair));
+        if i == 6 {
+            old_snapshot = Some((store.snapshot(), compacted.clone()));
+        }
+        let r = store.compact(&CompactOptions::default()).unwrap();
+        assert_eq!(r.calls, 6);
+        assert!(r.collected_generations.is_empty() && r.dropped_rows == 0, "{r:?}");
+        // Every generation here is in tier 0: at most 4 of them, ever.
+        let gens = generations(dir.path());
+        assert!(gens.len() <= 4, "compaction {i}: {gens:?}");
+        if !r.merged_generations.is_empty() {
+            assert_eq!(r.merged_generations.len(), 4, "{r:?}");
+            // All earlier generations were in the tier: every call compacted
+            // before is written again.
+            assert_eq!(r.moved_calls as usize, compacted.len() - 6, "{r:?}");
+            merged.extend(r.merged_generations.clone());
+        }
+        check_reads(&store, &compacted);
+    }
+    // 12 compactions of fanout 4: the 5th and the 9th merge the four
+    // generations before them (the merged one counts as one of the next four).
+    assert_eq!(merged.len(), 8, "{merged:?}");
+    assert_eq!(generations(dir.path()).len(), 4);
+    let steps: usize = read_table(dir.path(), "steps").iter().map(|b| b.num_rows()).sum();
+    assert_eq!(steps, compacted.len(), "no row twice, none lost");
+    assert_eq!(check_trajectories(dir.path(), &compacted), compacted.len());
+    let (snap, then) = old_snapshot.unwrap();
+    assert_eq!(snap.call_count(), then.len());
+    for c in then.values() {
+        assert_same(&snap.get(&c.trace_id).unwrap().expect("an old snapshot reads merged files"), c);
+    }
+    drop(snap);
+    // Without merging, each compaction adds a generation.
+    for s in extra {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    compacted.extend(all_calls(extra));
+    let r = store.compact(&CompactOptions::default().merge_fanout(None)).unwrap();
+    assert!(r.merged_generations.is_empty());
+    assert_eq!(generations(dir.path()).len(), 5);
+    store.close().unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    check_reads(&store, &compacted);
+    drop(store);
+    check_reads(&Store::open_read_only(dir.path()).unwrap(), &compacted);
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}
+
+#[test]
+fn merge_tiers_follow_the_fanout() {
+    use trajlog::{merge_tier, MERGE_BASE_ROWS, MERGE_MAX_ROWS};
+    assert_eq!(merge_tier(0, 4), Some(0));
+    assert_eq!(merge_tier(MERGE_BASE_ROWS * 4 - 1, 4), Some(0));
+    assert_eq!(merge_tier(MERGE_BASE_ROWS * 4, 4), Some(1));
+    assert_eq!(merge_tier(MERGE_BASE_ROWS * 16, 4), Some(2));
+    assert_eq!(merge_tier(MERGE_BASE_ROWS * 2, 2), Some(1));
+    assert_eq!(merge_tier(MERGE_MAX_ROWS - 1, 2).map(|t| t > 0), Some(true));
+    assert_eq!(merge_tier(MERGE_MAX_ROWS, 4), None);
+}

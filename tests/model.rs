@@ -25,7 +25,7 @@ enum Op {
     Roll,
     /// Compact sealed sessions (false) or every session (true), collecting
     /// earlier shards with any dead row (0), a quarter dead (1), or never (2).
-    Compact(bool, u8),
+    Compact(bool, u8, bool),
     Reopen,
     Read,
 }
@@ -38,7 +38,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
         1 => Just(Op::Roll),
-        1 => (any::<bool>(), 0u8..3).prop_map(|(all, collect)| Op::Compact(all, collect)),
+        1 => (any::<bool>(), 0u8..3, any::<bool>()).prop_map(|(all, collect, merge)| Op::Compact(all, collect, merge)),
         1 => Just(Op::Reopen),
         2 => Just(Op::Read),
     ]
@@ -161,11 +161,27 @@ proptest! {
                     model.rewards.insert(format!("s{s}"), f64::from(r));
                 }
                 Op::Roll => store.roll().unwrap(),
-                Op::Compact(all, collect) => {
+                Op::Compact(all, collect, merge) => {
                     let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
                     let fraction = [Some(0.0), Some(0.25), None][usize::from(collect)];
-                    let opts = CompactOptions::default().selection(selection).steps_row_group_rows(3);
+                    let fanout = merge.then_some(2);
+                    let opts = CompactOptions::default().selection(selection).steps_row_group_rows(3).merge_fanout(fanout);
                     store.compact(&opts.collect_dead_fraction(fraction)).unwrap();
+                    if merge {
+                        // After a merging compaction no size tier holds more
+                        // than the fanout: the ones that reached it were
+                        // merged, and the new generation adds one.
+                        let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.path().join("MANIFEST")).unwrap()).unwrap();
+                        let mut rows: BTreeMap<u64, u64> = BTreeMap::new();
+                        for s in m.shards.iter().filter(|s| s.path.starts_with("steps/")) {
+                            *rows.entry(trajlog::shard::generation_of(&s.path).unwrap()).or_default() += s.rows;
+                        }
+                        let mut tiers: BTreeMap<Option<u32>, usize> = BTreeMap::new();
+                        for r in rows.values() {
+                            *tiers.entry(trajlog::merge_tier(*r, 2)).or_default() += 1;
+                        }
+                        prop_assert!(tiers.iter().all(|(t, n)| t.is_none() || *n <= 2), "{:?}", tiers);
+                    }
                     if fraction == Some(0.0) {
                         // Every dead row was dropped: the published `steps`
                         // rows are exactly the live compacted calls.

@@ -864,17 +864,23 @@ impl NativeStore {
         Ok(list)
     }
 
-    #[pyo3(signature = (older_than = None, collect_dead = Some(trajlog::DEFAULT_COLLECT_DEAD_FRACTION)))]
+    #[pyo3(signature = (
+        older_than = None,
+        collect_dead = Some(trajlog::DEFAULT_COLLECT_DEAD_FRACTION),
+        merge_fanout = Some(trajlog::DEFAULT_MERGE_FANOUT),
+    ))]
     fn compact<'py>(
         &self,
         py: Python<'py>,
         older_than: Option<f64>,
         collect_dead: Option<f64>,
+        merge_fanout: Option<u32>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
         let options = CompactOptions::default()
             .selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
-            .collect_dead_fraction(collect_dead);
+            .collect_dead_fraction(collect_dead)
+            .merge_fanout(merge_fanout);
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;
@@ -887,6 +893,8 @@ impl NativeStore {
         d.set_item("sessions_damaged", r.sessions_damaged)?;
         // Collection: earlier compactions whose shards were rewritten.
         d.set_item("collected_generations", r.collected_generations)?;
+        // Merging: small earlier compactions whose shards were written again together.
+        d.set_item("merged_generations", r.merged_generations)?;
         d.set_item("moved_calls", r.moved_calls)?;
         d.set_item("dropped_rows", r.dropped_rows)?;
         d.set_item("collected_bytes", r.collected_bytes)?;

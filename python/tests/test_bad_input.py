@@ -242,6 +242,9 @@ def test_reads_and_annotations_with_bad_arguments_raise_trajlog_errors(tmp_path)
             (lambda: store.compact(older_than=-5), "older_than"),
             (lambda: store.compact(collect_dead=1.5), "collect_dead"),
             (lambda: store.compact(collect_dead=float("nan")), "collect_dead"),
+            (lambda: store.compact(merge_fanout=1), "merge_fanout"),
+            (lambda: store.compact(merge_fanout=2.5), "merge_fanout"),
+            (lambda: store.compact(merge_fanout=True), "merge_fanout"),
         ]:
             with pytest.raises(trajlog.InvalidInputError, match=field):
                 call()

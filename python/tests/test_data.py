@@ -32,8 +32,8 @@ def shards(tmp_path_factory):
                 prompt = prompt + completion + [7]
             store.seal(sid)
             if s % 5 == 4:  # several compactions: several shard files, row groups of 5, 5, 5, 5, 3 rows
-                store.compact()
-        store.compact()
+                store.compact(merge_fanout=None)  # (merging would make them one file)
+        store.compact(merge_fanout=None)
     return str(path / "shards" / "trajectories"), calls
 
 
@@ -630,6 +630,29 @@ def test_the_readme_duckdb_recipes_follow_the_same_rule(rewarded):
     assert {(sid, int(seg)): r for sid, seg, r in rows} == expected
     steps = {tid: r for tid, _, _, r in con.execute(steps_sql.replace("DIR", store_dir)).fetchall()}
     assert steps == {**{f"{s}:0/{i}": 0.5 for s in "abcde" for i in (0, 1)}, "a:0/1": -1.0, "b:0/0": 3.0, "c:0/1": None}
+
+
+def test_small_compactions_are_merged(tmp_path):
+    """Once `merge_fanout` small compactions are on disk the next one writes
+    them again together: the files stay few and the dataset holds every
+    session once."""
+    path = tmp_path / "s"
+    with trajlog.Store(path) as store:
+        merged = []
+        for s in range(5):
+            store.append(trace_id=f"{s}/0", session_id=f"task-{s}:0", prompt_token_ids=[1, 2], completion_token_ids=[3, s], logprobs=[-0.5, -0.25])
+            store.seal(f"task-{s}:0")
+            r = store.compact(merge_fanout=3)
+            merged.append(r["merged_generations"])
+            assert r["collected_generations"] == []
+        # The 4th compaction merges the three before it; the 5th finds two.
+        assert merged == [[], [], [], [1, 2, 3], []]
+        assert store.get("0/0").is_compacted
+        assert store.compact(merge_fanout=None)["merged_generations"] == []
+    files = sorted(p.name for p in (path / "shards" / "steps").glob("part-*.parquet"))
+    assert [f.split("-")[1] for f in files] == ["000004", "000005"], files
+    ds = TrajectoryDataset(str(path / "shards" / "trajectories"))
+    assert sorted(sample["session_id"] for sample in ds) == [f"task-{s}:0" for s in range(5)]
 
 
 def test_deleted_sessions_are_collected_out_of_the_shards(tmp_path):

@@ -542,20 +542,34 @@ class Store:
             raise InvalidInputError(f"invalid schema: {schema!r} is not \"gateway\" or \"sdk\"")
         return self._native.import_rllm_sqlite(str(db), schema, bool(verify))
 
-    def compact(self, *, older_than: Optional[float] = None, collect_dead: Optional[float] = 0.2) -> dict:
+    def compact(
+        self,
+        *,
+        older_than: Optional[float] = None,
+        collect_dead: Optional[float] = 0.2,
+        merge_fanout: Optional[int] = 4,
+    ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.
 
         Earlier compactions whose rows are at least `collect_dead` dead
         (deleted or replaced calls; any with no live row left) are rewritten
         with their live rows only, freeing their space; `None` never
-        rewrites. Shard files can be replaced by this: list them again
-        (a directory glob) after a compaction."""
+        rewrites. Once `merge_fanout` earlier compactions are in one size
+        tier they are written again together (`None`: never), so the number
+        of shard files stays logarithmic in the rows. Shard files can be
+        replaced by either: list them again (a directory glob) after a
+        compaction."""
         if collect_dead is not None:
             collect_dead = _finite("collect_dead", collect_dead, non_negative=True)
             if collect_dead > 1:
                 raise InvalidInputError(f"invalid collect_dead: {collect_dead!r} is not a fraction between 0 and 1")
-        return self._native.compact(_finite("older_than", older_than, non_negative=True), collect_dead)
+        if merge_fanout is not None:
+            if isinstance(merge_fanout, bool) or not isinstance(merge_fanout, int):
+                raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not an integer")
+            if not 2 <= merge_fanout <= 2**32 - 1:
+                raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not between 2 and 4294967295")
+        return self._native.compact(_finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout)
 
     def audit(self) -> dict:
         """The TI/TO audit (see `trajlog audit`)."""

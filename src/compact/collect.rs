@@ -9,6 +9,11 @@
 //! calls are compacted again with this compaction's new calls, and its
 //! files leave the published list in the same manifest write that adds the
 //! new ones.
+//!
+//! Merging uses the same rewrite: small generations (one per compaction of
+//! a few sessions) are written again together once `merge_fanout` of them
+//! are in one size tier, so the number of shard files grows with the log
+//! of the rows, not with the number of compactions.
 
 use crate::shard::generation_of;
 use crate::snapshot::Snapshot;
@@ -20,6 +25,9 @@ use std::path::Path;
 pub(super) struct Plan {
     /// The generations replaced, ascending.
     pub generations: Vec<u64>,
+    /// Those of `generations` replaced for their size (merged), not for
+    /// their dead rows.
+    pub merged: Vec<u64>,
     /// Their `steps` files' shard ids.
     pub shard_ids: HashSet<u32>,
     pub generation_of_shard: HashMap<u32, u64>,
@@ -29,11 +37,36 @@ pub(super) struct Plan {
     pub dead_rows: u64,
 }
 
-/// Choose the generations to collect: those whose dead rows are at least
-/// `fraction` of their rows (any with a dead row when `fraction` is 0),
-/// and any with no live row left; never one in `excluded`. O(live calls).
-pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, excluded: &HashSet<u64>) -> Plan {
-    let Some(fraction) = fraction else { return Plan::default() };
+/// Generations of fewer `steps` rows than this are all in merge tier 0.
+pub const MERGE_BASE_ROWS: u64 = 4096;
+/// Generations of at least this many `steps` rows are never merged: their
+/// files are large already, and a merge would rewrite them for nothing.
+pub const MERGE_MAX_ROWS: u64 = 1 << 20;
+
+/// A generation's merge tier (format-spec/shard.md §6.2): 0 below
+/// `MERGE_BASE_ROWS × fanout` rows, then one tier per factor `fanout`;
+/// `None` from `MERGE_MAX_ROWS` rows on.
+pub fn merge_tier(rows: u64, fanout: u32) -> Option<u32> {
+    if rows >= MERGE_MAX_ROWS {
+        return None;
+    }
+    let fanout = u64::from(fanout.max(2));
+    let (mut tier, mut bound) = (0, MERGE_BASE_ROWS.saturating_mul(fanout));
+    while rows >= bound {
+        tier += 1;
+        bound = bound.saturating_mul(fanout);
+    }
+    Some(tier)
+}
+
+/// Choose the generations to rewrite: those whose dead rows are at least
+/// `fraction` of their rows (any with a dead row when `fraction` is 0), any
+/// with no live row left, and, with `merge_fanout` F, every generation of a
+/// merge tier that holds F or more; never one in `excluded`. O(live calls).
+pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<u32>, excluded: &HashSet<u64>) -> Plan {
+    if fraction.is_none() && merge_fanout.is_none() {
+        return Plan::default();
+    }
     // generation → (rows, live rows, its steps shard ids)
     let mut per_generation: BTreeMap<u64, (u64, u64, Vec<u32>)> = BTreeMap::new();
     for (id, path, rows, live) in snap.shard_liveness() {
@@ -44,15 +77,32 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, excluded: &HashSet<u6
         e.2.push(id);
     }
     let mut plan = Plan::default();
-    for (g, (rows, live, ids)) in per_generation {
-        let dead = rows - live;
-        let chosen = dead > 0 && (live == 0 || dead as f64 >= fraction * rows as f64);
-        if !chosen || excluded.contains(&g) {
+    // merge tier → the generations in it not collected for dead rows
+    let mut tiers: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    for (&g, (rows, live, _)) in &per_generation {
+        if excluded.contains(&g) {
             continue;
         }
-        plan.generations.push(g);
-        plan.dead_rows += dead;
-        for id in ids {
+        let dead = rows - live;
+        let collect = fraction.is_some_and(|f| dead > 0 && (*live == 0 || dead as f64 >= f * *rows as f64));
+        if collect {
+            plan.generations.push(g);
+        } else if let Some(tier) = merge_fanout.and_then(|f| merge_tier(*rows, f)) {
+            tiers.entry(tier).or_default().push(g);
+        }
+    }
+    if let Some(fanout) = merge_fanout {
+        for generations in tiers.into_values().filter(|gs| gs.len() >= fanout as usize) {
+            plan.merged.extend(&generations);
+            plan.generations.extend(generations);
+        }
+    }
+    plan.generations.sort_unstable();
+    plan.merged.sort_unstable();
+    for &g in &plan.generations {
+        let Some((rows, live, ids)) = per_generation.get(&g) else { continue };
+        plan.dead_rows += rows - live;
+        for &id in ids {
             plan.shard_ids.insert(id);
             plan.generation_of_shard.insert(id, g);
         }

@@ -73,6 +73,15 @@ pub struct CompactOptions {
     /// Default `Some(0.2)`: at most ~1.25× the live rows on disk, each row
     /// rewritten at most ~5 times.
     pub collect_dead_fraction: Option<f64>,
+    /// Merging (format-spec/shard.md §6.2): once this many earlier
+    /// generations are in one size tier (tier 0 below 4096 × F `steps`
+    /// rows, then one tier per factor F; none from 2^20 rows on), they are
+    /// written again together into this compaction's files, so the number
+    /// of shard files grows with the log of the rows compacted, not with
+    /// the number of compactions. `None`: never merge. Default `Some(4)`:
+    /// at most ~4 generations per tier, each row rewritten about once per
+    /// tier it climbs.
+    pub merge_fanout: Option<u32>,
 }
 
 impl std::fmt::Debug for CompactOptions {
@@ -85,6 +94,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("compression", &self.compression)
             .field("progress", &self.progress.is_some())
             .field("collect_dead_fraction", &self.collect_dead_fraction)
+            .field("merge_fanout", &self.merge_fanout)
             .finish()
     }
 }
@@ -99,12 +109,18 @@ impl Default for CompactOptions {
             compression: ShardCompression::default(),
             progress: None,
             collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
+            merge_fanout: Some(DEFAULT_MERGE_FANOUT),
         }
     }
 }
 
 /// [`CompactOptions::collect_dead_fraction`]'s default.
 pub const DEFAULT_COLLECT_DEAD_FRACTION: f64 = 0.2;
+
+/// [`CompactOptions::merge_fanout`]'s default.
+pub const DEFAULT_MERGE_FANOUT: u32 = 4;
+
+pub use collect::{merge_tier, MERGE_BASE_ROWS, MERGE_MAX_ROWS};
 
 impl CompactOptions {
     /// Which sessions are taken.
@@ -144,6 +160,13 @@ impl CompactOptions {
         self.collect_dead_fraction = v;
         self
     }
+    /// Merge earlier generations once this many share a size tier (`None`:
+    /// never; see [`CompactOptions::merge_fanout`]).
+    #[must_use]
+    pub fn merge_fanout(mut self, v: Option<u32>) -> Self {
+        self.merge_fanout = v;
+        self
+    }
     /// Called after each session with (sessions done, sessions selected, calls).
     #[must_use]
     pub fn progress(mut self, f: impl Fn(u64, u64, u64) + Send + Sync + 'static) -> Self {
@@ -170,13 +193,17 @@ pub struct CompactReport {
     /// Sessions left in the log because a call of theirs is damaged (session
     /// id, the error naming file and offset).
     pub sessions_damaged: Vec<(String, String)>,
-    /// Collection: the earlier generations whose files were replaced.
+    /// Collection: the earlier generations whose files were replaced for
+    /// their dead rows.
     pub collected_generations: Vec<u64>,
-    /// Their live calls, written again into this compaction's shards.
+    /// Merging: the earlier generations whose files were replaced for their
+    /// size (small ones, written again together).
+    pub merged_generations: Vec<u64>,
+    /// The live calls of both, written again into this compaction's shards.
     pub moved_calls: u64,
     /// Their dead rows, dropped.
     pub dropped_rows: u64,
-    /// Bytes of their files (freed once no reader holds them).
+    /// Bytes of the files of both (freed once no reader holds them).
     pub collected_bytes: u64,
     /// Generations that could not be collected because a row of theirs is
     /// damaged (generation, the error); their files stay.
@@ -402,6 +429,11 @@ pub(crate) fn run_with(
             return Err(Error::invalid("collect_dead_fraction", format!("{f} is not a fraction between 0 and 1")));
         }
     }
+    if let Some(f) = opts.merge_fanout {
+        if f < 2 {
+            return Err(Error::invalid("merge_fanout", format!("{f} is under 2 (a merge needs two generations)")));
+        }
+    }
     if let Selection::OlderThan(s) = opts.selection {
         if !s.is_finite() || s < 0.0 {
             return Err(Error::invalid("older_than", format!("{s} is not a finite, non-negative number of seconds")));
@@ -434,7 +466,7 @@ pub(crate) fn run_with(
     let mut excluded = std::collections::HashSet::new();
     let mut skipped = Vec::new();
     let (mut report, plan, compacted, mut staged) = loop {
-        let plan = collect::plan(&snap, opts.collect_dead_fraction, &excluded);
+        let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &excluded);
         let mut report = CompactReport::default();
         match write_shards(&snap, opts, generation, &shards_dir, &selected, &plan, &mut report)? {
             Written::Done { compacted, staged } => break (report, plan, compacted, staged),
@@ -448,7 +480,8 @@ pub(crate) fn run_with(
         }
     };
     report.collect_skipped = skipped;
-    report.collected_generations = plan.generations.clone();
+    report.collected_generations = plan.generations.iter().filter(|g| !plan.merged.contains(g)).copied().collect();
+    report.merged_generations = plan.merged.clone();
     report.dropped_rows = plan.dead_rows;
     report.collected_bytes = collect::bytes_of(&shards_dir, &plan.generations);
     drop(snap);

@@ -169,6 +169,11 @@ fn compact_and_audit_commands() {
     let bad = trajlog(&["compact", "--store", s(&store), "--compression", "lz5"], "");
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("compression"));
+    let bad = trajlog(&["compact", "--store", s(&store), "--merge-fanout", "1"], "");
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("merge_fanout"), "{}", String::from_utf8_lossy(&bad.stderr));
+    let both = trajlog(&["compact", "--store", s(&store), "--merge-fanout", "3", "--no-merge"], "");
+    assert_eq!(both.status.code(), Some(2));
 }
 
 #[test]

@@ -156,6 +156,15 @@ enum Command {
         /// Never rewrite earlier shards (dead rows keep their space).
         #[arg(long)]
         no_collect: bool,
+        /// Merge earlier compactions' shards once this many are in one size
+        /// tier (each tier ×N the rows of the one below), so the number of
+        /// shard files grows with the log of the rows, not with the number
+        /// of compactions. At least 2.
+        #[arg(long, value_name = "N", default_value_t = trajlog::DEFAULT_MERGE_FANOUT, conflicts_with = "no_merge")]
+        merge_fanout: u32,
+        /// Never merge earlier shards (one more set of files per compaction).
+        #[arg(long)]
+        no_merge: bool,
     },
     /// Fill a store with simulated multi-turn rollouts (sealed), streaming one session at a time.
     Generate {
@@ -356,6 +365,8 @@ pub fn main() -> i32 {
             compression,
             collect_dead,
             no_collect,
+            merge_fanout,
+            no_merge,
         } => shards::compact(
             &store,
             &shards::CompactArgs {
@@ -364,6 +375,7 @@ pub fn main() -> i32 {
                 row_group_rows,
                 compression,
                 collect_dead: (!no_collect).then_some(collect_dead),
+                merge_fanout: (!no_merge).then_some(merge_fanout),
             },
         ),
         Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json, shape } => {

@@ -21,6 +21,8 @@ pub struct CompactArgs {
     pub compression: String,
     /// `--collect-dead` (`None`: `--no-collect`).
     pub collect_dead: Option<f64>,
+    /// `--merge-fanout` (`None`: `--no-merge`).
+    pub merge_fanout: Option<u32>,
 }
 
 pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
@@ -32,7 +34,8 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .trajectories_row_group_rows((args.row_group_rows / 4).max(1))
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
-            .collect_dead_fraction(args.collect_dead),
+            .collect_dead_fraction(args.collect_dead)
+            .merge_fanout(args.merge_fanout),
     );
     let r = store.compact(&options)?;
     store.close()?;
@@ -50,10 +53,11 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         r.retired_segments,
         proc_status_bytes("VmHWM:").map_or("unknown".to_owned(), human_bytes),
     );
-    if !r.collected_generations.is_empty() {
+    if !r.collected_generations.is_empty() || !r.merged_generations.is_empty() {
         println!(
-            "collected {} earlier compactions: {} live calls written again, {} dead rows dropped, {} of files replaced",
+            "collected {} and merged {} earlier compactions: {} live calls written again, {} dead rows dropped, {} of files replaced",
             r.collected_generations.len(),
+            r.merged_generations.len(),
             r.moved_calls,
             r.dropped_rows,
             human_bytes(r.collected_bytes),
