@@ -166,7 +166,6 @@ impl Leftover {
 /// other unlisted data file is an error naming it.
 pub(crate) fn leftovers(dir: &Path, manifest: &Manifest, inv: &Inventory) -> Result<Vec<Leftover>> {
     let listed: std::collections::HashSet<u64> = manifest.segments.iter().map(|s| s.id).collect();
-    let min_listed = manifest.segments.iter().map(|s| s.id).min().unwrap_or(manifest.next_segment_id);
     let mut out = Vec::new();
     for (&id, path) in &inv.segments {
         if listed.contains(&id) {
@@ -199,13 +198,11 @@ pub(crate) fn leftovers(dir: &Path, manifest: &Manifest, inv: &Inventory) -> Res
         if header_id != id {
             return Err(refuse(format!("its header says segment {header_id} (a copied or renamed file?)")));
         }
-        if id < min_listed {
-            // Retirement drops a prefix of the segments from the manifest,
-            // then deletes the files: a crash in between leaves these.
-            out.push(Leftover::Delete(path.clone()));
-            continue;
-        }
-        return Err(refuse("is neither a retired segment nor the leftover of an interrupted roll".into()));
+        // Retirement drops segments from the manifest (any sealed ones, not
+        // only a prefix, since store format 9), then deletes the files: a
+        // crash in between leaves these. A segment is listed from its roll
+        // on, so an unlisted one below the next id was retired.
+        out.push(Leftover::Delete(path.clone()));
     }
     let known: std::collections::HashSet<&str> = manifest
         .shards

@@ -802,3 +802,63 @@ fn merge_tiers_follow_the_fanout() {
     assert_eq!(merge_tier(MERGE_MAX_ROWS - 1, 2).map(|t| t > 0), Some(true));
     assert_eq!(merge_tier(MERGE_MAX_ROWS, 4), None);
 }
+
+/// A straggler session (never sealed, never compacted) keeps only the
+/// segments that hold its records, not every later one (format-spec/shard.md
+/// §6); a deletion after such a kept segment stays while the kept segment
+/// holds a record of the deleted session, so a reopen never brings it back.
+#[test]
+fn a_straggler_session_keeps_only_the_segments_holding_its_records() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 40, steps: 4, shape: Shape::Lean, ..SimConfig::default() });
+    let (straggler, deleted, rest) = (&batch[0], &batch[1], &batch[2..]);
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 * 1024)).unwrap();
+    for s in [straggler, deleted] {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    store.seal_session(&deleted.session_id).unwrap();
+    for s in rest {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    store.flush().unwrap();
+    let before: Vec<u64> = store.snapshot().segments().iter().map(|s| s.id).collect();
+    assert!(before.len() >= 5, "the test needs several segments: {before:?}");
+    let first = before[0];
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(r.sessions, batch.len() - 1);
+    // Every segment but the straggler's first one retires.
+    assert_eq!(r.retired_segments, before.len() - 1, "{r:?}");
+    let left: Vec<u64> = store.snapshot().segments().iter().map(|s| s.id).collect();
+    assert_eq!(left[0], first);
+    assert!(left[1..].iter().all(|id| !before.contains(id)), "{left:?} after {before:?}");
+    let mut calls = all_calls(&batch);
+    check_reads(&store, &calls);
+
+    // The deleted session's records are in the kept segment: its deletion
+    // must stay even once its shard rows are collected.
+    assert_eq!(store.delete_session(&deleted.session_id).unwrap(), 4);
+    calls.retain(|_, c| c.session_id != deleted.session_id);
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert_eq!(r.dropped_rows, 4, "{r:?}");
+    check_reads(&store, &calls);
+    store.close().unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    check_reads(&store, &calls);
+    assert!(store.snapshot().session(&deleted.session_id, None, None).unwrap().is_empty(), "no resurrection");
+    assert_eq!(store.snapshot().segments()[0].id, first);
+
+    // The straggler finishes: everything retires.
+    store.seal_session(&straggler.session_id).unwrap();
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(r.calls, 4);
+    assert!(store.snapshot().segments().iter().all(|s| !s.sealed), "{:?}", store.snapshot().segments());
+    check_reads(&store, &calls);
+    store.close().unwrap();
+    check_reads(&Store::open_read_only(dir.path()).unwrap(), &calls);
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}

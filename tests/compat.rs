@@ -859,3 +859,61 @@ fn reads_the_v8_fixture_with_a_collected_generation() {
     assert!(manifest.obsolete.is_empty());
     check_shard_fixture(copy.path());
 }
+
+fn fixture_v9_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v9")
+}
+
+/// Store format 9: the v3 content, with the unsealed sessions (stragglers)
+/// alone in segment 1, `task-1:0` in segment 2, compacted. Segment 2 was
+/// retired though segment 1 is kept (not a prefix); its file is back in the
+/// directory, as a crash between the manifest write and the deletion leaves
+/// it.
+fn write_fixture_v9() {
+    let dir = fixture_v9_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    let (compacted, stragglers): (Vec<Call>, Vec<Call>) =
+        fixture_calls().into_iter().partition(|c| c.session_id == "task-1:0");
+    for c in stragglers {
+        store.append(c).unwrap();
+    }
+    store.roll().unwrap();
+    for c in compacted {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.roll().unwrap();
+    let segment_2 = std::fs::read(dir.join("seg-0000000002.tlog")).unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
+    assert_eq!(r.retired_segments, 1, "{r:?}");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    let (_, m) = read_manifest(&dir);
+    assert_eq!(m.segments.first().map(|s| s.id), Some(1));
+    assert!(m.segments.iter().all(|s| s.id != 2));
+    std::fs::write(dir.join("seg-0000000002.tlog"), segment_2).unwrap();
+}
+
+#[test]
+fn reads_the_v9_fixture_with_a_segment_retired_after_a_kept_one() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v9_dir().exists() {
+        write_fixture_v9();
+    }
+    let dir = fixture_v9_dir();
+    let (version, manifest) = read_manifest(&dir);
+    assert_eq!(version, 4);
+    let listed: Vec<u64> = manifest.segments.iter().map(|s| s.id).collect();
+    assert_eq!(listed.first(), Some(&1));
+    assert!(!listed.contains(&2) && dir.join("seg-0000000002.tlog").exists(), "{listed:?}");
+    drop(check_shard_fixture(&dir));
+    // A writer deletes the retired segment left behind, and reads the same.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    assert!(!copy.path().join("seg-0000000002.tlog").exists());
+    assert!(copy.path().join("seg-0000000001.tlog").exists());
+    drop(check_shard_fixture(copy.path()));
+    assert!(trajlog::verify::verify_dir(copy.path()).unwrap().problems.is_empty());
+}

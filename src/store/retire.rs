@@ -4,21 +4,31 @@
 use super::*;
 
 impl Writer {
-    /// Retire the longest prefix of sealed segments whose every record is no
-    /// longer needed (format-spec/shard.md §6): each call record belongs to a
-    /// session with no live call left in segments (so it is compacted, dead, and
-    /// no live call can use it as a prefix-delta parent), and no session deletion
-    /// in it concerns compacted rows. Rewards and seals in them are re-appended
-    /// with their current values first, so that they outlive their segment.
+    /// Retire every sealed segment whose every record is no longer needed
+    /// (format-spec/shard.md §6): each call record belongs to a session with
+    /// no live call left in segments (so it is compacted, dead, and no live
+    /// call can use it as a prefix-delta parent), no dead call record keeps
+    /// a shard row dead, and no session deletion in it concerns compacted
+    /// rows. A segment kept for these reasons does not keep the later ones:
+    /// they retire too unless one of their deletions could bring back a
+    /// record of the kept ones (its session has a call, a seal or a reward
+    /// in a kept segment before it). So a straggler session — never
+    /// finished, never compacted — keeps only the segments that hold its
+    /// records. Rewards and seals of retired segments are re-appended with
+    /// their current values first, so that they outlive their segment.
     ///
     /// `in_segments` counts the live calls still served from segments by
     /// primary session (prepared off this thread, see publish.rs). The work
-    /// here is proportional to the segments walked, not to the store.
+    /// here is one footer per sealed segment.
     pub(super) fn retire(&mut self, in_segments: &std::collections::HashMap<Arc<str>, u64>) -> Result<Vec<u64>> {
         let in_segments = |session: &str| in_segments.get(session).is_some_and(|n| *n > 0);
         let mut retire = Vec::new();
         let mut annotations = Vec::new();
-        'segments: for ms in &self.manifest.segments {
+        // The sessions the kept segments walked so far name (their call
+        // records, seals and session rewards): a deletion after them that is
+        // retired must not uncover any of it.
+        let mut kept_sessions: HashSet<String> = HashSet::new();
+        for ms in &self.manifest.segments {
             if ms.state != SegmentState::Sealed {
                 break;
             }
@@ -26,24 +36,29 @@ impl Writer {
             let trailer = crate::format::segment::read_trailer(seg.mapped_bytes());
             let entries = match trailer.map(|t| crate::format::segment::decode_footer(seg.mapped_bytes(), &t)) {
                 Some(Ok(entries)) => entries,
+                // Its records are unknown: nothing after it can be judged.
                 _ => break,
             };
             let mut anns = Vec::new();
+            let mut needed = false;
             for e in &entries {
                 if e.kind == KIND_CALL {
                     if in_segments(e.session_id.as_str()) {
-                        break 'segments;
+                        needed = true;
+                        break;
                     }
                     // A dead call whose trace has a shard row: this record (or
                     // the deletion after it) is what keeps that row dead.
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
                     let live = self.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
                     if !live && self.shard_traces.contains_key(e.id.as_str()) {
-                        break 'segments;
+                        needed = true;
+                        break;
                     }
                 } else if e.kind == KIND_DELETE_SESSION {
-                    if self.shard_sessions.contains_key(e.id.as_str()) {
-                        break 'segments;
+                    if self.shard_sessions.contains_key(e.id.as_str()) || kept_sessions.contains(e.id.as_str()) {
+                        needed = true;
+                        break;
                     }
                 } else if let Some(ann) = crate::segment::recovery::annotation_of_entry(e) {
                     // Seals and (since segment format 4) rewards come from the
@@ -56,8 +71,31 @@ impl Writer {
                     anns.push(ann);
                 }
             }
-            annotations.extend(anns);
-            retire.push(ms.id);
+            if !needed {
+                annotations.extend(anns);
+                retire.push(ms.id);
+                continue;
+            }
+            for e in &entries {
+                if e.kind == KIND_CALL {
+                    kept_sessions.insert(e.session_id.clone());
+                    kept_sessions.extend(e.session_uids.iter().cloned());
+                    continue;
+                }
+                let ann = match crate::segment::recovery::annotation_of_entry(e) {
+                    Some(ann) => ann,
+                    None => {
+                        let body = seg.body_at(e.frame_offset)?;
+                        decode_annotation(body)
+                            .map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?
+                    }
+                };
+                if let Annotation::Seal { session_id }
+                | Annotation::Reward { target: Target::Session(session_id), .. } = ann
+                {
+                    kept_sessions.insert(session_id);
+                }
+            }
         }
         if retire.is_empty() {
             return Ok(retire);
