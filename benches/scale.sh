@@ -6,7 +6,10 @@
 #   open + list (`trajlog ls`, read-only) before and after compaction,
 #   the first compaction (everything), a second one after 50 new sessions,
 #   reading one session (`trajlog show`, from the shards),
-# and report bytes on disk. One markdown table, one row per size.
+# and report bytes on disk. One markdown table, one row per size. Each store
+# starts with one straggler: a session of one call, never sealed, so never
+# compacted (as an agent that crashed mid-rollout leaves it); "on disk" and
+# "segments left" show what it keeps after compaction.
 #
 #   bash benches/scale.sh                    # 200,000 and 1,000,000 calls
 #   bash benches/scale.sh 100000 2000000     # calls per store
@@ -54,6 +57,8 @@ for calls in "${sizes[@]}"; do
     rm -rf "$dir"
     echo "== $calls calls ($sessions sessions) in $dir" >&2
     started=$(date +%s.%N)
+    echo '{"trace_id":"straggler/0","session_id":"straggler:0","prompt_token_ids":[1,2,3],"completion_token_ids":[4,5],"logprobs":[-0.5,-0.25]}' |
+        "$bin" ingest --store "$dir" >/dev/null
     "$bin" generate --store "$dir" --sessions "$sessions" "${call_shape[@]}" >&2
     gen_s=$(awk "BEGIN { print $(date +%s.%N) - $started }")
     measure ls_log "$bin" ls --store "$dir"
@@ -63,9 +68,12 @@ for calls in "${sizes[@]}"; do
     measure compact2 "$bin" compact --store "$dir"
     measure show "$bin" show --store "$dir" "task-$((sessions / 8 / 2)):0"
     disk=$(du -sm "$dir" | cut -f1)
-    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $disk MB |")
+    shards=$(du -sm "$dir/shards" | cut -f1)
+    segs=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' | wc -l)
+    segs_mb=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' -exec du -cm {} + | tail -1 | cut -f1)
+    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
 done
 echo
-echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | on disk |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | on disk | segments left |"
+echo "|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

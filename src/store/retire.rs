@@ -28,7 +28,7 @@ impl Writer {
         // records, seals and session rewards): a deletion after them that is
         // retired must not uncover any of it.
         let mut kept_sessions: HashSet<String> = HashSet::new();
-        for ms in &self.manifest.segments {
+        'segments: for ms in &self.manifest.segments {
             if ms.state != SegmentState::Sealed {
                 break;
             }
@@ -64,11 +64,13 @@ impl Writer {
                     // Seals and (since segment format 4) rewards come from the
                     // footer: retiring reads no record body.
                     anns.push(ann);
-                } else {
-                    let body = seg.body_at(e.frame_offset)?;
-                    let ann = decode_annotation(body)
-                        .map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?;
+                } else if let Some(ann) = seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()) {
                     anns.push(ann);
+                } else {
+                    // A damaged annotation (the store was opened past it):
+                    // its value cannot be carried forward, so it stays.
+                    needed = true;
+                    break;
                 }
             }
             if !needed {
@@ -84,11 +86,13 @@ impl Writer {
                 }
                 let ann = match crate::segment::recovery::annotation_of_entry(e) {
                     Some(ann) => ann,
-                    None => {
-                        let body = seg.body_at(e.frame_offset)?;
-                        decode_annotation(body)
-                            .map_err(|d| Error::corrupt(seg.path.as_path(), e.frame_offset, d.what))?
-                    }
+                    // A record of a kept segment that cannot be read (a
+                    // damaged one the store was opened past): what it names
+                    // is unknown, so nothing after it is judged.
+                    None => match seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()) {
+                        Some(ann) => ann,
+                        None => break 'segments,
+                    },
                 };
                 if let Annotation::Seal { session_id }
                 | Annotation::Reward { target: Target::Session(session_id), .. } = ann
