@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Many small compactions (one per training step, as a trainer that compacts
 # what each step finished): shard files and rows written, with merging
-# (format-spec/shard.md §6.2, the default) and without (`--no-merge`).
+# (format-spec/shard.md §6.2) at each fanout of MODES and without
+# (`--no-merge`).
 # Each round generates SESSIONS new lean sessions (8 calls each) and
 # compacts; one markdown table, one row per mode.
 #
 #   bash benches/small_compactions.sh              # 64 rounds of 50 sessions
 #   ROUNDS=200 SESSIONS=20 bash benches/small_compactions.sh
+#   MODES="merge-4 merge-16 no-merge" bash benches/small_compactions.sh
 #   TRAJLOG=target/release/trajlog bash benches/small_compactions.sh
 #
 # Needs the release binary (cargo build --release). The stores go in a
@@ -21,10 +23,13 @@ base="$(mktemp -d)"
 trap 'rm -rf "$base"' EXIT
 
 rows=()
-for mode in merge no-merge; do
+for mode in ${MODES:-merge-8 merge-4 no-merge}; do
     dir="$base/$mode"
-    flags=()
-    [ "$mode" = no-merge ] && flags=(--no-merge)
+    case "$mode" in
+        no-merge) flags=(--no-merge) ;;
+        merge-*) flags=(--merge-fanout "${mode#merge-}") ;;
+        *) echo "error: mode $mode is not no-merge or merge-N" >&2; exit 1 ;;
+    esac
     max_files=0
     moved=0
     compact_s=0

@@ -86,7 +86,7 @@ pub mod verify;
 
 pub use compact::{
     merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION,
-    DEFAULT_MERGE_FANOUT, MERGE_BASE_ROWS, MERGE_MAX_ROWS,
+    DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};

@@ -733,6 +733,15 @@ fn small_compactions_are_merged_so_file_counts_stay_bounded() {
     let mut compacted = BTreeMap::new();
     let mut merged = Vec::new();
     let mut old_snapshot = None;
+    // Rows of each published generation's `steps` files.
+    let generation_rows = |dir: &Path| {
+        let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
+        let mut rows: BTreeMap<u64, u64> = BTreeMap::new();
+        for s in m.shards.iter().filter(|s| s.path.starts_with("steps/")) {
+            *rows.entry(trajlog::shard::generation_of(&s.path).unwrap()).or_default() += s.rows;
+        }
+        rows
+    };
     for (i, pair) in batch.chunks(2).enumerate() {
         for s in pair {
             for c in &s.calls {
@@ -744,25 +753,27 @@ fn small_compactions_are_merged_so_file_counts_stay_bounded() {
         if i == 6 {
             old_snapshot = Some((store.snapshot(), compacted.clone()));
         }
-        let r = store.compact(&CompactOptions::default()).unwrap();
+        let r = store.compact(&CompactOptions::default().merge_fanout(Some(4))).unwrap();
         assert_eq!(r.calls, 6);
         assert!(r.collected_generations.is_empty() && r.dropped_rows == 0, "{r:?}");
-        // Every generation here is in tier 0: at most 4 of them, ever.
-        let gens = generations(dir.path());
-        assert!(gens.len() <= 4, "compaction {i}: {gens:?}");
+        // No tier ever holds more than 4 generations.
+        let mut tiers: BTreeMap<Option<u32>, usize> = BTreeMap::new();
+        for rows in generation_rows(dir.path()).values() {
+            *tiers.entry(trajlog::merge_tier(*rows, 4)).or_default() += 1;
+        }
+        assert!(tiers.values().all(|n| *n <= 4), "compaction {i}: {tiers:?}");
         if !r.merged_generations.is_empty() {
-            assert_eq!(r.merged_generations.len(), 4, "{r:?}");
-            // All earlier generations were in the tier: every call compacted
-            // before is written again.
-            assert_eq!(r.moved_calls as usize, compacted.len() - 6, "{r:?}");
-            merged.extend(r.merged_generations.clone());
+            // Four generations of 6 rows (tier 1: 4 ≤ rows < 16).
+            assert_eq!((r.merged_generations.len(), r.moved_calls), (4, 24), "{r:?}");
+            merged.push(i);
         }
         check_reads(&store, &compacted);
     }
-    // 12 compactions of fanout 4: the 5th and the 9th merge the four
-    // generations before them (the merged one counts as one of the next four).
-    assert_eq!(merged.len(), 8, "{merged:?}");
-    assert_eq!(generations(dir.path()).len(), 4);
+    // Generations of 6 rows (tier 1): the 5th compaction merges the four
+    // before it into one of 30 rows (tier 2); the 10th merges the next four.
+    assert_eq!(merged, [4, 9]);
+    let rows: Vec<u64> = generation_rows(dir.path()).into_values().collect();
+    assert_eq!(rows, [30, 30, 6, 6]);
     let steps: usize = read_table(dir.path(), "steps").iter().map(|b| b.num_rows()).sum();
     assert_eq!(steps, compacted.len(), "no row twice, none lost");
     assert_eq!(check_trajectories(dir.path(), &compacted), compacted.len());
@@ -793,13 +804,15 @@ fn small_compactions_are_merged_so_file_counts_stay_bounded() {
 
 #[test]
 fn merge_tiers_follow_the_fanout() {
-    use trajlog::{merge_tier, MERGE_BASE_ROWS, MERGE_MAX_ROWS};
+    use trajlog::{merge_tier, MERGE_MAX_ROWS};
     assert_eq!(merge_tier(0, 4), Some(0));
-    assert_eq!(merge_tier(MERGE_BASE_ROWS * 4 - 1, 4), Some(0));
-    assert_eq!(merge_tier(MERGE_BASE_ROWS * 4, 4), Some(1));
-    assert_eq!(merge_tier(MERGE_BASE_ROWS * 16, 4), Some(2));
-    assert_eq!(merge_tier(MERGE_BASE_ROWS * 2, 2), Some(1));
-    assert_eq!(merge_tier(MERGE_MAX_ROWS - 1, 2).map(|t| t > 0), Some(true));
+    assert_eq!(merge_tier(3, 4), Some(0));
+    assert_eq!(merge_tier(4, 4), Some(1));
+    assert_eq!(merge_tier(15, 4), Some(1));
+    assert_eq!(merge_tier(16, 4), Some(2));
+    assert_eq!(merge_tier(400, 8), Some(2));
+    assert_eq!(merge_tier(512, 8), Some(3));
+    assert_eq!(merge_tier(MERGE_MAX_ROWS - 1, 2), Some(19));
     assert_eq!(merge_tier(MERGE_MAX_ROWS, 4), None);
 }
 

@@ -547,7 +547,7 @@ class Store:
         *,
         older_than: Optional[float] = None,
         collect_dead: Optional[float] = 0.2,
-        merge_fanout: Optional[int] = 4,
+        merge_fanout: Optional[int] = 8,
     ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.

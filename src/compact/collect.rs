@@ -37,21 +37,19 @@ pub(super) struct Plan {
     pub dead_rows: u64,
 }
 
-/// Generations of fewer `steps` rows than this are all in merge tier 0.
-pub const MERGE_BASE_ROWS: u64 = 4096;
 /// Generations of at least this many `steps` rows are never merged: their
 /// files are large already, and a merge would rewrite them for nothing.
 pub const MERGE_MAX_ROWS: u64 = 1 << 20;
 
-/// A generation's merge tier (format-spec/shard.md §6.2): 0 below
-/// `MERGE_BASE_ROWS × fanout` rows, then one tier per factor `fanout`;
-/// `None` from `MERGE_MAX_ROWS` rows on.
+/// A generation's merge tier (format-spec/shard.md §6.2): ⌊log_F(rows)⌋ —
+/// tier t holds F^t ≤ rows < F^(t+1) (an empty generation is in tier 0) —
+/// and `None` from `MERGE_MAX_ROWS` rows on.
 pub fn merge_tier(rows: u64, fanout: u32) -> Option<u32> {
     if rows >= MERGE_MAX_ROWS {
         return None;
     }
     let fanout = u64::from(fanout.max(2));
-    let (mut tier, mut bound) = (0, MERGE_BASE_ROWS.saturating_mul(fanout));
+    let (mut tier, mut bound) = (0, fanout);
     while rows >= bound {
         tier += 1;
         bound = bound.saturating_mul(fanout);
