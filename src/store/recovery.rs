@@ -179,9 +179,12 @@ pub(super) fn load_dir(
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
     let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
-    let mut shard_sessions = super::protocol::RowCounts::new();
-    let mut shard_traces = super::protocol::RowCounts::new();
-    for r in &rows {
+    // Shard rows per trace id and per session: only a writer needs them
+    // (retirement, collection), and at a million rows they are the largest
+    // structure after the index, so a read-only open leaves them empty.
+    let mut shard_sessions = super::protocol::RowCounts::default();
+    let mut shard_traces = super::protocol::RowCounts::default();
+    for r in rows.iter().filter(|_| writable) {
         super::protocol::count_row(&mut shard_traces, &r.trace_id);
         for s in r.sessions.iter() {
             super::protocol::count_row(&mut shard_sessions, s);
