@@ -501,6 +501,19 @@ fn compacting_new_sessions_reads_nothing_already_compacted() {
     store.close().unwrap();
 }
 
+/// Whether every sealed segment left holds only seals and rewards (those
+/// retirement carried forward and keeps: retiring them would only write
+/// them again).
+fn sealed_segments_hold_only_annotations(store: &Store) -> bool {
+    use trajlog::format::record::{KIND_REWARD, KIND_SEAL};
+    use trajlog::format::segment::{decode_footer, read_trailer};
+    store.snapshot().segments().iter().filter(|s| s.sealed).all(|s| {
+        let bytes = std::fs::read(&s.path).unwrap();
+        let entries = decode_footer(&bytes, &read_trailer(&bytes).unwrap()).unwrap();
+        entries.iter().all(|e| e.kind == KIND_REWARD || e.kind == KIND_SEAL)
+    })
+}
+
 /// Every published shard file's generation (`part-GGGGGG-PPPP`).
 fn generations(dir: &Path) -> std::collections::BTreeSet<u64> {
     visible_shards(dir).iter().filter_map(|p| trajlog::shard::generation_of(p)).collect()
@@ -545,7 +558,7 @@ fn deleting_compacted_sessions_frees_their_shards_and_lets_segments_retire() {
     assert!(r.collected_bytes > 0 && r.collect_skipped.is_empty(), "{r:?}");
     assert!(r.retired_segments > 0, "the segments holding the deletions retire: {r:?}");
     assert_eq!(generations(dir.path()), [2].into(), "generation 1's files are deleted");
-    assert!(store.snapshot().segments().iter().all(|s| !s.sealed), "no sealed segment is left");
+    assert!(sealed_segments_hold_only_annotations(&store), "no sealed segment with calls or deletions is left");
     let bytes_after: u64 = store.snapshot().shard_paths().iter().map(|p| std::fs::metadata(p).unwrap().len()).sum();
     assert!(bytes_after < bytes_before, "{bytes_after} < {bytes_before}");
     check_reads(&store, &left);
@@ -869,9 +882,48 @@ fn a_straggler_session_keeps_only_the_segments_holding_its_records() {
     store.seal_session(&straggler.session_id).unwrap();
     let r = store.compact(&CompactOptions::default()).unwrap();
     assert_eq!(r.calls, 4);
-    assert!(store.snapshot().segments().iter().all(|s| !s.sealed), "{:?}", store.snapshot().segments());
+    // What is left sealed holds only the seals and rewards carried forward
+    // (kept: retiring it would only write them again).
+    assert!(sealed_segments_hold_only_annotations(&store), "{:?}", store.snapshot().segments());
     check_reads(&store, &calls);
     store.close().unwrap();
     check_reads(&Store::open_read_only(dir.path()).unwrap(), &calls);
     assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}
+
+/// Seals and rewards carried forward by retirement are not written again by
+/// every compaction: a segment holding only current annotations is kept,
+/// and such segments are retired together once 8 share a size tier.
+#[test]
+fn carried_seals_are_not_rewritten_by_every_compaction() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 40, steps: 2, shape: Shape::Lean, ..SimConfig::default() });
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 * 1024)).unwrap();
+    store.set_reward(Target::Session(batch[0].session_id.clone()), 0.5).unwrap();
+    let active_bytes = |store: &Store| store.snapshot().segments().iter().find(|s| !s.sealed).unwrap().data_bytes;
+    let mut active = Vec::new();
+    let mut most_sealed = 0;
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+        let r = store.compact(&CompactOptions::default()).unwrap();
+        assert_eq!(r.calls, 2);
+        active.push(active_bytes(&store));
+        let sealed = store.snapshot().segments().iter().filter(|s| s.sealed).count();
+        most_sealed = most_sealed.max(sealed);
+    }
+    // The active segment holds what this round carried, not every seal so far.
+    assert!(active[39] <= 2 * active[4], "{active:?}");
+    // Annotation segments are kept, but no more than 8 per tier: of 1 to 7
+    // records (tier 0) and of 8 to 63 (tier 1) here.
+    assert!((2..=16).contains(&most_sealed), "{most_sealed}");
+    store.close().unwrap();
+    for store in [Store::open(dir.path(), Options::default()).unwrap(), Store::open_read_only(dir.path()).unwrap()] {
+        let snap = store.snapshot();
+        assert!(batch.iter().all(|s| snap.is_sealed(&s.session_id)));
+        assert_eq!(snap.session_reward(&batch[0].session_id), Some(0.5));
+        assert_eq!(snap.call_count(), 80);
+    }
 }

@@ -3,7 +3,26 @@
 
 use super::*;
 
+/// How many segments of current annotations only are kept per size tier
+/// before they are retired together (see [`Writer::retire`]).
+const ANNOTATION_SEGMENTS_FANOUT: u32 = 8;
+
 impl Writer {
+    /// Whether replaying `ann` leaves the store as it is now: a seal of a
+    /// sealed session, a reward equal (bit for bit) to the current one.
+    fn is_current(&self, ann: &Annotation) -> bool {
+        match ann {
+            Annotation::Seal { session_id } => self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed),
+            Annotation::Reward { target: Target::Session(s), value } => {
+                self.index.sessions.get(s.as_str()).and_then(|e| e.reward).map(f64::to_bits) == Some(value.to_bits())
+            }
+            Annotation::Reward { target: Target::Trace(t), value } => {
+                self.index.trace_rewards.get(t.as_str()).map(|v| v.to_bits()) == Some(value.to_bits())
+            }
+            Annotation::DeleteSession { .. } => false,
+        }
+    }
+
     /// Retire every sealed segment whose every record is no longer needed
     /// (format-spec/shard.md §6): each call record belongs to a session with
     /// no live call left in segments (so it is compacted, dead, and no live
@@ -28,6 +47,15 @@ impl Writer {
         // records, seals and session rewards): a deletion after them that is
         // retired must not uncover any of it.
         let mut kept_sessions: HashSet<String> = HashSet::new();
+        // Sealed segments that hold only current annotations (most often the
+        // seals and rewards an earlier retirement carried forward): retiring
+        // one would only write its records again, so each compaction would
+        // rewrite every seal of the store. They are kept, and retired together
+        // once ANNOTATION_SEGMENTS_FANOUT of them share a size tier (their
+        // annotations then carried into one segment), so they stay few and
+        // each annotation is rewritten O(log) times. Replaying a current
+        // annotation changes nothing, so they add nothing to `kept_sessions`.
+        let mut annotation_only: Vec<(u64, Vec<Annotation>)> = Vec::new();
         'segments: for ms in &self.manifest.segments {
             if ms.state != SegmentState::Sealed {
                 break;
@@ -74,8 +102,13 @@ impl Writer {
                 }
             }
             if !needed {
-                annotations.extend(anns);
-                retire.push(ms.id);
+                if !entries.is_empty() && anns.len() == entries.len() && anns.iter().all(|a| self.is_current(a)) {
+                    // Retiring it would append the same records again.
+                    annotation_only.push((ms.id, anns));
+                } else {
+                    annotations.extend(anns);
+                    retire.push(ms.id);
+                }
                 continue;
             }
             for e in &entries {
@@ -101,11 +134,24 @@ impl Writer {
                 }
             }
         }
+        let mut tiers: std::collections::BTreeMap<u32, Vec<(u64, Vec<Annotation>)>> = Default::default();
+        for (id, anns) in annotation_only {
+            if let Some(tier) = crate::compact::merge_tier(anns.len() as u64, ANNOTATION_SEGMENTS_FANOUT) {
+                tiers.entry(tier).or_default().push((id, anns));
+            }
+        }
+        for group in tiers.into_values().filter(|g| g.len() >= ANNOTATION_SEGMENTS_FANOUT as usize) {
+            for (id, anns) in group {
+                annotations.extend(anns);
+                retire.push(id);
+            }
+        }
         if retire.is_empty() {
             return Ok(retire);
         }
         // Carry current rewards and seals forward (deduplicated by target).
         let mut seen: HashSet<(u8, String)> = HashSet::new();
+        let mut carried_count = 0;
         for ann in annotations {
             let carried = match &ann {
                 Annotation::Reward { target: Target::Trace(t), .. } if seen.insert((0, t.clone())) => self
@@ -126,12 +172,21 @@ impl Writer {
             };
             if let Some(a) = carried {
                 self.append_annotation(&a)?;
+                carried_count += 1;
             }
         }
         self.write_buf()?;
         self.active()?.sync()?;
         self.unsynced_since = None;
         self.last_sync = Instant::now();
+        // Carried annotations alone in the active segment (no append came
+        // in meanwhile): seal it, so that they stay apart from later calls
+        // and are not carried again when those are compacted. (A crash
+        // before the manifest write below leaves them twice; replaying a
+        // copy of a current annotation changes nothing.)
+        if carried_count > 0 && self.active()?.entries.len() == carried_count {
+            self.roll()?;
+        }
         self.manifest.segments.retain(|s| !retire.contains(&s.id));
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         for id in &retire {
