@@ -746,15 +746,6 @@ fn small_compactions_are_merged_so_file_counts_stay_bounded() {
     let mut compacted = BTreeMap::new();
     let mut merged = Vec::new();
     let mut old_snapshot = None;
-    // Rows of each published generation's `steps` files.
-    let generation_rows = |dir: &Path| {
-        let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
-        let mut rows: BTreeMap<u64, u64> = BTreeMap::new();
-        for s in m.shards.iter().filter(|s| s.path.starts_with("steps/")) {
-            *rows.entry(trajlog::shard::generation_of(&s.path).unwrap()).or_default() += s.rows;
-        }
-        rows
-    };
     for (i, pair) in batch.chunks(2).enumerate() {
         for s in pair {
             for c in &s.calls {
@@ -770,10 +761,7 @@ fn small_compactions_are_merged_so_file_counts_stay_bounded() {
         assert_eq!(r.calls, 6);
         assert!(r.collected_generations.is_empty() && r.dropped_rows == 0, "{r:?}");
         // No tier ever holds more than 4 generations.
-        let mut tiers: BTreeMap<Option<u32>, usize> = BTreeMap::new();
-        for rows in generation_rows(dir.path()).values() {
-            *tiers.entry(trajlog::merge_tier(*rows, 4)).or_default() += 1;
-        }
+        let tiers = generations_per_tier(dir.path(), 4);
         assert!(tiers.values().all(|n| *n <= 4), "compaction {i}: {tiers:?}");
         if !r.merged_generations.is_empty() {
             // Four generations of 6 rows (tier 1: 4 ≤ rows < 16).

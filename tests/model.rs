@@ -171,15 +171,7 @@ proptest! {
                         // After a merging compaction no size tier holds more
                         // than the fanout: the ones that reached it were
                         // merged, and the new generation adds one.
-                        let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.path().join("MANIFEST")).unwrap()).unwrap();
-                        let mut rows: BTreeMap<u64, u64> = BTreeMap::new();
-                        for s in m.shards.iter().filter(|s| s.path.starts_with("steps/")) {
-                            *rows.entry(trajlog::shard::generation_of(&s.path).unwrap()).or_default() += s.rows;
-                        }
-                        let mut tiers: BTreeMap<Option<u32>, usize> = BTreeMap::new();
-                        for r in rows.values() {
-                            *tiers.entry(trajlog::merge_tier(*r, 2)).or_default() += 1;
-                        }
+                        let tiers = generations_per_tier(dir.path(), 2);
                         prop_assert!(tiers.iter().all(|(t, n)| t.is_none() || *n <= 2), "{:?}", tiers);
                     }
                     if fraction == Some(0.0) {

@@ -7,19 +7,47 @@ use super::*;
 /// before they are retired together (see [`Writer::retire`]).
 const ANNOTATION_SEGMENTS_FANOUT: u32 = 8;
 
+/// The annotation a footer entry stands for: from the entry itself (seals,
+/// and rewards since segment format 4), else from its record body; None
+/// when the body is damaged.
+fn annotation_at(seg: &SegmentRef, e: &crate::format::segment::FooterEntry) -> Option<Annotation> {
+    crate::segment::recovery::annotation_of_entry(e)
+        .or_else(|| seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()))
+}
+
 impl Writer {
-    /// Whether replaying `ann` leaves the store as it is now: a seal of a
-    /// sealed session, a reward equal (bit for bit) to the current one.
-    fn is_current(&self, ann: &Annotation) -> bool {
+    /// The annotation that states the current value of `ann`'s target (a
+    /// seal of a session still sealed, the reward in force), or None when
+    /// nothing is set for it any more.
+    fn current(&self, ann: &Annotation) -> Option<Annotation> {
         match ann {
-            Annotation::Seal { session_id } => self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed),
-            Annotation::Reward { target: Target::Session(s), value } => {
-                self.index.sessions.get(s.as_str()).and_then(|e| e.reward).map(f64::to_bits) == Some(value.to_bits())
+            Annotation::Seal { session_id } => {
+                self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed).then(|| ann.clone())
             }
-            Annotation::Reward { target: Target::Trace(t), value } => {
-                self.index.trace_rewards.get(t.as_str()).map(|v| v.to_bits()) == Some(value.to_bits())
+            Annotation::Reward { target: Target::Session(s), .. } => self
+                .index
+                .sessions
+                .get(s.as_str())
+                .and_then(|e| e.reward)
+                .map(|value| Annotation::Reward { target: Target::Session(s.clone()), value }),
+            Annotation::Reward { target: Target::Trace(t), .. } => self
+                .index
+                .trace_rewards
+                .get(t.as_str())
+                .map(|v| Annotation::Reward { target: Target::Trace(t.clone()), value: *v }),
+            Annotation::DeleteSession { .. } => None,
+        }
+    }
+
+    /// Whether replaying `ann` leaves the store as it is now: it states its
+    /// target's current value (a reward bit for bit).
+    fn is_current(&self, ann: &Annotation) -> bool {
+        match (self.current(ann), ann) {
+            (Some(Annotation::Reward { value: now, .. }), Annotation::Reward { value, .. }) => {
+                now.to_bits() == value.to_bits()
             }
-            Annotation::DeleteSession { .. } => false,
+            (Some(Annotation::Seal { .. }), Annotation::Seal { .. }) => true,
+            _ => false,
         }
     }
 
@@ -88,11 +116,9 @@ impl Writer {
                         needed = true;
                         break;
                     }
-                } else if let Some(ann) = crate::segment::recovery::annotation_of_entry(e) {
+                } else if let Some(ann) = annotation_at(seg, e) {
                     // Seals and (since segment format 4) rewards come from the
                     // footer: retiring reads no record body.
-                    anns.push(ann);
-                } else if let Some(ann) = seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()) {
                     anns.push(ann);
                 } else {
                     // A damaged annotation (the store was opened past it):
@@ -117,16 +143,10 @@ impl Writer {
                     kept_sessions.extend(e.session_uids.iter().cloned());
                     continue;
                 }
-                let ann = match crate::segment::recovery::annotation_of_entry(e) {
-                    Some(ann) => ann,
-                    // A record of a kept segment that cannot be read (a
-                    // damaged one the store was opened past): what it names
-                    // is unknown, so nothing after it is judged.
-                    None => match seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()) {
-                        Some(ann) => ann,
-                        None => break 'segments,
-                    },
-                };
+                // A record of a kept segment that cannot be read (a damaged
+                // one the store was opened past): what it names is unknown,
+                // so nothing after it is judged.
+                let Some(ann) = annotation_at(seg, e) else { break 'segments };
                 if let Annotation::Seal { session_id }
                 | Annotation::Reward { target: Target::Session(session_id), .. } = ann
                 {
@@ -153,23 +173,13 @@ impl Writer {
         let mut seen: HashSet<(u8, String)> = HashSet::new();
         let mut carried_count = 0;
         for ann in annotations {
-            let carried = match &ann {
-                Annotation::Reward { target: Target::Trace(t), .. } if seen.insert((0, t.clone())) => self
-                    .index
-                    .trace_rewards
-                    .get(t.as_str())
-                    .map(|v| Annotation::Reward { target: Target::Trace(t.clone()), value: *v }),
-                Annotation::Reward { target: Target::Session(s), .. } if seen.insert((1, s.clone())) => self
-                    .index
-                    .sessions
-                    .get(s.as_str())
-                    .and_then(|e| e.reward)
-                    .map(|v| Annotation::Reward { target: Target::Session(s.clone()), value: v }),
-                Annotation::Seal { session_id } if seen.insert((2, session_id.clone())) => {
-                    self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed).then(|| ann.clone())
-                }
-                _ => None,
+            let target = match &ann {
+                Annotation::Reward { target: Target::Trace(t), .. } => (0, t),
+                Annotation::Reward { target: Target::Session(s), .. } => (1, s),
+                Annotation::Seal { session_id } => (2, session_id),
+                Annotation::DeleteSession { .. } => continue,
             };
+            let carried = if seen.insert((target.0, target.1.clone())) { self.current(&ann) } else { None };
             if let Some(a) = carried {
                 self.append_annotation(&a)?;
                 carried_count += 1;

@@ -193,3 +193,23 @@ pub fn assert_all(store: &Store, all: &[Call]) {
         assert_same(&v, c);
     }
 }
+
+/// `steps` rows of each published shard generation (`part-GGGGGG-*`), from
+/// the manifest.
+pub fn generation_rows(dir: &std::path::Path) -> std::collections::BTreeMap<u64, u64> {
+    let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.join("MANIFEST")).unwrap()).unwrap();
+    let mut rows = std::collections::BTreeMap::new();
+    for s in m.shards.iter().filter(|s| s.path.starts_with("steps/")) {
+        *rows.entry(trajlog::shard::generation_of(&s.path).unwrap()).or_default() += s.rows;
+    }
+    rows
+}
+
+/// How many generations each merge tier holds at `fanout`.
+pub fn generations_per_tier(dir: &std::path::Path, fanout: u32) -> std::collections::BTreeMap<Option<u32>, usize> {
+    let mut tiers = std::collections::BTreeMap::new();
+    for rows in generation_rows(dir).values() {
+        *tiers.entry(trajlog::merge_tier(*rows, fanout)).or_default() += 1;
+    }
+    tiers
+}
