@@ -17,6 +17,8 @@
 #   TINY=1 bash benches/scale.sh 1000000 10000000   # tiny calls: 16-token first
 #        prompts, ~8-token completions and turns (~380 bytes a call on disk),
 #        so that 10M calls fit a small disk
+#   SHAPE=gateway bash benches/scale.sh 20000   # the rLLM gateway's realistic
+#        traces (chat history, raw request and response) at the default sizes
 #
 # Needs the release binary (cargo build --release) and /usr/bin/time. The
 # stores go under SCALE_DIR (default: a temporary directory), removed at the
@@ -50,6 +52,7 @@ measure() {
 
 call_shape=(--steps 8 --prompt-tokens 100 --shape lean)
 [ "${TINY:-0}" = 1 ] && call_shape=(--steps 8 --prompt-tokens 16 --completion-tokens 8 --tool-tokens 8 --shape lean)
+[ "${SHAPE:-lean}" = gateway ] && call_shape=(--steps 8 --shape gateway)
 rows=()
 for calls in "${sizes[@]}"; do
     sessions=$((calls / 8))

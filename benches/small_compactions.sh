@@ -3,12 +3,14 @@
 # what each step finished): shard files and rows written, with merging
 # (format-spec/shard.md §6.2) at each fanout of MODES and without
 # (`--no-merge`).
-# Each round generates SESSIONS new lean sessions (8 calls each) and
-# compacts; one markdown table, one row per mode.
+# Each round generates SESSIONS new sessions (8 calls each; SHAPE lean by
+# default, or gateway: the rLLM gateway's realistic traces) and compacts;
+# one markdown table, one row per mode.
 #
 #   bash benches/small_compactions.sh              # 64 rounds of 50 sessions
 #   ROUNDS=200 SESSIONS=20 bash benches/small_compactions.sh
 #   MODES="merge-4 merge-16 no-merge" bash benches/small_compactions.sh
+#   SHAPE=gateway ROUNDS=24 SESSIONS=4 bash benches/small_compactions.sh
 #   TRAJLOG=target/release/trajlog bash benches/small_compactions.sh
 #
 # Needs the release binary (cargo build --release). The stores go in a
@@ -22,6 +24,9 @@ sessions="${SESSIONS:-50}"
 base="$(mktemp -d)"
 trap 'rm -rf "$base"' EXIT
 
+shape="${SHAPE:-lean}"
+prompt=()
+[ "$shape" = lean ] && prompt=(--prompt-tokens 100)
 rows=()
 for mode in ${MODES:-merge-8 merge-4 no-merge}; do
     dir="$base/$mode"
@@ -35,7 +40,7 @@ for mode in ${MODES:-merge-8 merge-4 no-merge}; do
     compact_s=0
     for ((r = 0; r < rounds; r++)); do
         "$bin" generate --store "$dir" --sessions "$sessions" --first-session $((r * sessions)) \
-            --steps 8 --prompt-tokens 100 --shape lean >/dev/null 2>&1
+            --steps 8 --shape "${SHAPE:-lean}" "${prompt[@]}" >/dev/null 2>&1
         started=$(date +%s.%N)
         out=$("$bin" compact --store "$dir" "${flags[@]}")
         compact_s=$(awk "BEGIN { print $compact_s + $(date +%s.%N) - $started }")
@@ -47,7 +52,7 @@ for mode in ${MODES:-merge-8 merge-4 no-merge}; do
     files=$(find "$dir/shards" -name 'part-*.parquet' | wc -l)
     calls=$((rounds * sessions * 8))
     wa=$(awk "BEGIN { printf \"%.2f\", ($calls + $moved) / $calls }")
-    rows+=("| $mode | $rounds × $sessions sessions ($calls calls) | $files | $max_files | $moved | $wa | $(printf '%.1f' "$compact_s") s |")
+    rows+=("| $mode | $rounds × $sessions $shape sessions ($calls calls) | $files | $max_files | $moved | $wa | $(printf '%.1f' "$compact_s") s |")
     echo "== $mode done" >&2
 done
 echo
