@@ -22,6 +22,8 @@ enum Op {
     Seal(u8),
     Delete(u8),
     Reward(u8, i8),
+    /// A reward on trace id `t`: refused unless it is live.
+    TraceReward(u8, i8),
     Roll,
     /// Compact sealed sessions (false) or every session (true), collecting
     /// earlier shards with any dead row (0), a quarter dead (1), or never (2).
@@ -37,6 +39,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::Seal),
         1 => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
+        1 => (0u8..24, any::<i8>()).prop_map(|(t, r)| Op::TraceReward(t, r)),
         1 => Just(Op::Roll),
         1 => (any::<bool>(), 0u8..3, any::<bool>()).prop_map(|(all, collect, merge)| Op::Compact(all, collect, merge)),
         1 => Just(Op::Reopen),
@@ -50,6 +53,7 @@ struct Model {
     calls: BTreeMap<String, (u64, Call)>,
     sealed: BTreeSet<String>,
     rewards: BTreeMap<String, f64>,
+    trace_rewards: BTreeMap<String, f64>,
     contexts: BTreeMap<String, Vec<u32>>,
     order: u64,
 }
@@ -85,6 +89,10 @@ fn check(store: &Store, model: &Model) {
                 want.iter().filter(|c| c.timestamp > mid.timestamp).take(2).map(|c| c.trace_id.as_str()).collect();
             assert_eq!(since.iter().map(|c| c.trace_id()).collect::<Vec<_>>(), expect);
         }
+    }
+    for t in 0..24 {
+        let tid = format!("t{t}");
+        assert_eq!(snap.trace_reward(&tid), model.trace_rewards.get(&tid).copied(), "trace {tid}");
     }
     let listed: usize = snap.sessions().iter().map(|s| s.calls).sum();
     assert_eq!(listed, model.calls.len());
@@ -152,6 +160,7 @@ proptest! {
                     let before = model.calls.len();
                     model.calls.retain(|_, (_, c)| c.session_id != sid);
                     prop_assert_eq!(n as usize, before - model.calls.len());
+                    model.trace_rewards.retain(|t, _| model.calls.contains_key(t));
                     model.sealed.remove(&sid);
                     model.rewards.remove(&sid);
                     model.contexts.remove(&sid);
@@ -159,6 +168,17 @@ proptest! {
                 Op::Reward(s, r) => {
                     store.set_reward(Target::Session(format!("s{s}")), f64::from(r)).unwrap();
                     model.rewards.insert(format!("s{s}"), f64::from(r));
+                }
+                Op::TraceReward(t, r) => {
+                    let tid = format!("t{t}");
+                    let result = store.set_reward(Target::Trace(tid.clone()), f64::from(r));
+                    if model.calls.contains_key(&tid) {
+                        result.unwrap();
+                        model.trace_rewards.insert(tid, f64::from(r));
+                    } else {
+                        let err = result.expect_err("a reward on a trace id with no live call is refused");
+                        prop_assert!(matches!(err.kind(), ErrorKind::NotFound), "{}", err);
+                    }
                 }
                 Op::Roll => store.roll().unwrap(),
                 Op::Compact(all, collect, merge) => {

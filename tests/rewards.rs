@@ -336,3 +336,88 @@ fn random_histories_keep_every_trajectory_reward_current() {
         store.close().unwrap();
     }
 }
+
+/// A trace reward goes to a live call; a trace id with none is refused,
+/// with nothing written.
+#[test]
+fn a_reward_on_a_trace_with_no_live_call_is_refused() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    let all = calls(2, 2);
+    // Appended and not yet durable is live: the reward follows it in order.
+    store.append(all[0].clone()).unwrap();
+    store.set_reward(Target::Trace(all[0].trace_id.clone()), 0.5).unwrap();
+    for c in &all[1..] {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let bytes = |store: &Store| store.snapshot().segments().iter().map(|s| s.data_bytes).sum::<u64>();
+    let before = bytes(&store);
+    let err = store.set_reward(Target::Trace("never-appended".into()), 1.0).unwrap_err();
+    assert!(matches!(err.kind(), trajlog::ErrorKind::NotFound), "{err}");
+    assert!(err.to_string().contains("\"never-appended\""), "{err}");
+    store.flush().unwrap();
+    assert_eq!(bytes(&store), before, "a refused reward writes nothing");
+
+    // A deleted session's calls take no reward.
+    assert_eq!(store.delete_session(&all[0].session_id).unwrap(), 2);
+    let err = store.set_reward(Target::Trace(all[0].trace_id.clone()), 1.0).unwrap_err();
+    assert!(matches!(err.kind(), trajlog::ErrorKind::NotFound), "{err}");
+    assert_eq!(store.snapshot().trace_reward(&all[0].trace_id), None);
+    // A session reward needs no call.
+    store.set_reward(Target::Session("no-calls-yet".into()), 2.0).unwrap();
+    assert_eq!(store.snapshot().session_reward("no-calls-yet"), Some(2.0));
+    store.close().unwrap();
+    let store = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(store.snapshot().trace_reward(&all[0].trace_id), None);
+    assert_eq!(store.snapshot().trace_reward(&all[2].trace_id), None);
+    assert_eq!(store.snapshot().session_reward("no-calls-yet"), Some(2.0));
+}
+
+/// A deleted call's reward does not come back at a reopen once the call's
+/// shard rows are collected and its deletion retired, while the reward's
+/// record stays in a segment a straggler keeps.
+#[test]
+fn a_deleted_calls_reward_does_not_come_back() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    let all = calls(2, 2);
+    let (gone, straggler) = (&all[..2], &all[2..]);
+    for c in gone {
+        store.append(c.clone()).unwrap();
+    }
+    store.roll().unwrap();
+    // The straggler's segment holds the reward's record.
+    for c in straggler {
+        store.append(c.clone()).unwrap();
+    }
+    store.set_reward(Target::Trace(gone[1].trace_id.clone()), 1.0).unwrap();
+    store.roll().unwrap();
+    store.seal_session(&gone[0].session_id).unwrap();
+    assert_eq!(store.compact(&CompactOptions::default()).unwrap().calls, 2);
+    assert_eq!(store.snapshot().trace_reward(&gone[1].trace_id), Some(1.0));
+    assert_eq!(store.delete_session(&gone[0].session_id).unwrap(), 2);
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert_eq!(r.dropped_rows, 2, "{r:?}");
+    assert_eq!(store.snapshot().trace_reward(&gone[1].trace_id), None);
+    store.close().unwrap();
+
+    for read_only in [true, false] {
+        let store = if read_only {
+            Store::open_read_only(dir.path()).unwrap()
+        } else {
+            Store::open(dir.path(), small_segments()).unwrap()
+        };
+        assert_eq!(store.snapshot().trace_reward(&gone[1].trace_id), None, "read-only: {read_only}");
+        assert_eq!(store.snapshot().session(&straggler[0].session_id, None, None).unwrap().len(), 2);
+    }
+    // A call appended again under that trace id starts without a reward.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    let mut again = gone[0].clone();
+    again.trace_id = gone[1].trace_id.clone();
+    again.session_id = "a-new-session".into();
+    store.append_durable(again).unwrap();
+    assert_eq!(store.snapshot().trace_reward(&gone[1].trace_id), None);
+    store.close().unwrap();
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}

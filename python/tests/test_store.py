@@ -162,6 +162,12 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
         assert store.audit()["sessions_checked"] == 2
         assert store.delete_session("b") == 1
         assert store.get("b0") is None
+        # A trace reward needs the trace's live call; nothing is written otherwise.
+        store.set_reward(0.5, trace_id="a1")
+        with pytest.raises(trajlog.NotFoundError, match="b0"):
+            store.set_reward(0.5, trace_id="b0")
+        with pytest.raises(trajlog.NotFoundError, match="never"):
+            store.set_reward(0.5, trace_id="never")
 
 
 def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):

@@ -476,6 +476,12 @@ class Store:
         self._native.seal(_text("session_id", session_id))
 
     def set_reward(self, value: float, *, trace_id: Optional[str] = None, session_id: Optional[str] = None) -> None:
+        """Set the reward of a trace's live call or of a session (last one wins); durable on return.
+
+        A ``trace_id`` with no live call (never appended, or deleted with its
+        session) raises ``NotFoundError`` and writes nothing; a session reward
+        needs no call.
+        """
         if (trace_id is None) == (session_id is None):
             raise InvalidInputError("invalid reward target: give exactly one of trace_id, session_id")
         reward = _number("reward", value)

@@ -253,8 +253,19 @@ impl Index {
         self.sessions.entry(Arc::from(session)).or_default().reward = Some(value);
     }
 
-    pub fn set_trace_reward(&mut self, trace: &str, value: f64) {
-        self.trace_rewards.insert(Arc::from(trace), value);
+    /// Set the reward of `trace`'s live call; a trace id with no live call
+    /// (never appended, or deleted with its session) takes none, so a
+    /// reward never outlives its call (format-spec/record.md §6). Returns
+    /// whether it was set.
+    pub fn set_trace_reward(&mut self, trace: &str, value: f64) -> bool {
+        match self.traces.get_key_value(trace) {
+            Some((key, _)) => {
+                let key = key.clone();
+                self.trace_rewards.insert(key, value);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Number of live calls.

@@ -397,8 +397,28 @@ impl Store {
     }
 
     /// Record a reward on a trace or a session (last one wins); durable on return.
+    ///
+    /// A trace reward goes to the trace id's live call: one appended before
+    /// it (durable or not) and not deleted since. A trace id with no live
+    /// call is refused with [`ErrorKind::NotFound`], and nothing is written.
+    /// A session reward needs no call (it may come before the session's
+    /// first one).
     pub fn set_reward(&self, target: Target, value: f64) -> Result<()> {
-        self.annotate(Annotation::Reward { target, value }, None)?.wait()
+        let Target::Trace(trace_id) = &target else {
+            return self.annotate(Annotation::Reward { target, value }, None)?.wait();
+        };
+        let trace_id = trace_id.clone();
+        let (tx, rx) = bounded(1);
+        self.annotate(Annotation::Reward { target, value }, Some(tx))?.wait()?;
+        match rx.recv().map_err(|_| self.inner.dead_error())? {
+            0 => Err(Error::new(
+                ErrorKind::NotFound,
+                format!(
+                    "set_reward: trace_id {trace_id:?} has no live call in this store (never appended, or deleted with its session); nothing was written"
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Mark a session complete: later appends to it are refused. Durable on return.

@@ -85,9 +85,9 @@ pub(super) fn apply_entry(
             }
         }
     };
-    apply_annotation(index, &ann);
+    let applied = apply_annotation(index, &ann) > 0;
     if let Annotation::Reward { target, .. } = ann {
-        if keep_reward(loc) {
+        if applied && keep_reward(loc) {
             rewards.push((loc, target));
         }
     }
@@ -103,14 +103,22 @@ pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
     });
 }
 
+/// Apply an annotation; returns how many calls a deletion deleted, 1 for a
+/// reward that was set and 0 for one that was not (a trace id with no live
+/// call), 0 for a seal.
 pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
     match ann {
-        Annotation::Reward { target: Target::Trace(t), value } => index.set_trace_reward(t, *value),
-        Annotation::Reward { target: Target::Session(s), value } => index.set_session_reward(s, *value),
-        Annotation::Seal { session_id } => index.seal(session_id),
-        Annotation::DeleteSession { session_id } => return index.delete_session(session_id),
+        Annotation::Reward { target: Target::Trace(t), value } => u64::from(index.set_trace_reward(t, *value)),
+        Annotation::Reward { target: Target::Session(s), value } => {
+            index.set_session_reward(s, *value);
+            1
+        }
+        Annotation::Seal { session_id } => {
+            index.seal(session_id);
+            0
+        }
+        Annotation::DeleteSession { session_id } => index.delete_session(session_id),
     }
-    0
 }
 
 /// The `steps` shards of a manifest, in publication order (their shard ids).

@@ -159,7 +159,7 @@ impl Writer {
                 if !self.poisoned() {
                     match self.append_annotation(&ann) {
                         Ok(count) => {
-                            if let Annotation::Reward { target, .. } = &ann {
+                            if let (Annotation::Reward { target, .. }, 1..) = (&ann, count) {
                                 self.note_reward(target);
                             }
                             if let Some(reply) = reply {
@@ -376,6 +376,12 @@ impl Writer {
     }
 
     pub(super) fn append_annotation(&mut self, ann: &Annotation) -> Result<u64> {
+        if let Annotation::Reward { target: Target::Trace(t), .. } = ann {
+            if !self.index.traces.contains_key(t.as_str()) {
+                // Nothing to reward (`Store::set_reward` says so): no record.
+                return Ok(0);
+            }
+        }
         let mut body = Vec::with_capacity(64);
         encode_annotation(&mut body, ann);
         let loc = self.reserve(frame_bytes(body.len() as u64))?;

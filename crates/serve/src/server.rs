@@ -741,8 +741,14 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
     };
     let store = app.store.clone();
     let t = target.clone();
-    match blocking(move || store.set_reward(t, value)).await {
-        Ok(()) => {
+    // A trace id with no live call is the caller's mistake (404), not the store's.
+    let set = blocking(move || match store.set_reward(t, value) {
+        Err(e) if matches!(e.kind(), trajlog::ErrorKind::NotFound) => Ok(Err(e.to_string())),
+        r => r.map(Ok),
+    });
+    match set.await {
+        Ok(Err(missing)) => error(StatusCode::NOT_FOUND, missing),
+        Ok(Ok(())) => {
             let (kind, id) = match &target {
                 Target::Trace(id) => ("trace_id", id),
                 Target::Session(id) => ("session_id", id),

@@ -535,6 +535,12 @@ async fn control_errors_workers_and_metrics() {
     // trajlog's own: reward, seal, audit.
     assert_eq!(e.post("/sessions/m/reward", &serde_json::json!({"reward": 1.5})).await.0, 200);
     assert_eq!(e.post("/sessions/m/reward", &serde_json::json!({})).await.0, 400);
+    let traces = e.get_json("/sessions/m/traces").await;
+    let tid = traces[0]["trace_id"].as_str().expect("a captured trace").to_owned();
+    assert_eq!(e.post(&format!("/traces/{tid}/reward"), &serde_json::json!({"reward": 0.5})).await.0, 200);
+    let (s, t) = e.post("/traces/no-such-trace/reward", &serde_json::json!({"reward": 0.5})).await;
+    assert_eq!(s, 404, "a trace id with no live call: {t}");
+    assert!(t.contains("no-such-trace"), "{t}");
     assert_eq!(e.post("/sessions/m/seal", &Value::Null).await.0, 200);
     let (s, t) = e.post("/sessions/m/v1/chat/completions", &chat("after seal", 2)).await;
     assert_eq!(s, 503, "a sealed session refuses new traces: {t}");
