@@ -150,6 +150,14 @@ pub(crate) enum Leftover {
 }
 
 impl Leftover {
+    /// The file, and what a writable open does with it.
+    pub fn describe(&self) -> (PathBuf, &'static str) {
+        match self {
+            Leftover::Delete(p) => (p.clone(), "deleted by the next writable open"),
+            Leftover::SetAside(p) => (p.clone(), "moved to lost+found/ by the next writable open"),
+        }
+    }
+
     /// Delete or set aside the file.
     pub fn dispose(&self, dir: &Path) -> Result<()> {
         match self {

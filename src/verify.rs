@@ -38,6 +38,10 @@ pub struct VerifyReport {
     pub torn_tail: Option<Problem>,
     /// Sessions the rewards side table lists (None: there is none).
     pub rewards_sessions: Option<usize>,
+    /// Files an interrupted operation left that the next writable open
+    /// disposes of (not damage: they hold nothing live), each with what it
+    /// will do.
+    pub leftovers: Vec<(PathBuf, &'static str)>,
 }
 
 /// Bytes of call records by what they hold.
@@ -89,7 +93,7 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         }
     };
     match crate::inventory::inventory(dir).and_then(|inv| crate::inventory::leftovers(dir, &manifest, &inv)) {
-        Ok(_) => {}
+        Ok(found) => report.leftovers = found.iter().map(crate::inventory::Leftover::describe).collect(),
         Err(e) => {
             let path = match e.kind() {
                 crate::error::ErrorKind::Corrupt { path, .. } => path.clone(),

@@ -908,6 +908,12 @@ fn reads_the_v9_fixture_with_a_segment_retired_after_a_kept_one() {
     assert_eq!(listed.first(), Some(&1));
     assert!(!listed.contains(&2) && dir.join("seg-0000000002.tlog").exists(), "{listed:?}");
     drop(check_shard_fixture(&dir));
+    // `verify` names the leftover, not as damage.
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.leftovers.len(), 1, "{:?}", report.leftovers);
+    assert!(report.leftovers[0].0.ends_with("seg-0000000002.tlog"), "{:?}", report.leftovers);
+    assert!(report.leftovers[0].1.contains("deleted"), "{:?}", report.leftovers);
     // A writer deletes the retired segment left behind, and reads the same.
     let copy = tempfile::tempdir().unwrap();
     copy_dir(&dir, copy.path());
@@ -915,5 +921,6 @@ fn reads_the_v9_fixture_with_a_segment_retired_after_a_kept_one() {
     assert!(!copy.path().join("seg-0000000002.tlog").exists());
     assert!(copy.path().join("seg-0000000001.tlog").exists());
     drop(check_shard_fixture(copy.path()));
-    assert!(trajlog::verify::verify_dir(copy.path()).unwrap().problems.is_empty());
+    let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
 }

@@ -17,6 +17,9 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
     if let Some(t) = &report.torn_tail {
         println!("TORN TAIL {} at offset {}: {}", t.path.display(), t.offset, t.what);
     }
+    for (path, fate) in &report.leftovers {
+        println!("LEFTOVER {}: left by an interrupted operation, holds nothing live; {fate}", path.display());
+    }
     let verdict = match (report.problems.len(), &report.torn_tail) {
         (0, None) => "ok".to_owned(),
         (0, Some(_)) => "ok but for a torn tail (an interrupted write, no acknowledged record lost)".to_owned(),
