@@ -383,9 +383,23 @@ impl ShardFile {
             .set_column_metadata(columns)
             .build()
             .map_err(|e| corrupt(&self.path, format!("row group {rg}: {e}")))?;
-        let metadata = ParquetMetaData::new(self.meta.metadata().file_metadata().clone(), vec![rg_meta]);
-        let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
-            .map_err(|e| corrupt(&self.path, e))?;
+        // Without the file's key-value metadata (the per-row-group crc32
+        // table and the embedded Arrow schema grow with the file): cloning and
+        // parsing them again for each row group made an open of a store
+        // O(row groups²) per shard. The Arrow schema decoded at open is
+        // supplied instead, so batches come back with the same schema.
+        let fm = self.meta.metadata().file_metadata();
+        let file_meta = parquet::file::metadata::FileMetaData::new(
+            fm.version(),
+            fm.num_rows(),
+            fm.created_by().map(str::to_owned),
+            None,
+            fm.schema_descr_ptr(),
+            fm.column_orders().cloned(),
+        );
+        let metadata = ParquetMetaData::new(file_meta, vec![rg_meta]);
+        let options = ArrowReaderOptions::new().with_schema(self.meta.schema().clone());
+        let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), options).map_err(|e| corrupt(&self.path, e))?;
         ParquetRecordBatchReaderBuilder::new_with_metadata(data, meta)
             .with_row_groups(vec![0])
             .with_projection(mask)
