@@ -5,7 +5,8 @@
 # the index, not the payload), then time and measure peak RSS (GNU time) of:
 #   open + list (`trajlog ls`, read-only) before and after compaction,
 #   the first compaction (everything), a second one after 50 new sessions,
-#   reading one session (`trajlog show`, from the shards),
+#   reading one session (`trajlog show`, from the shards), and the two
+#   whole-store scans (`trajlog export` of every call, `trajlog audit`),
 # and report bytes on disk. One markdown table, one row per size. Each store
 # starts with one straggler: a session of one call, never sealed, so never
 # compacted (as an agent that crashed mid-rollout leaves it); "on disk" and
@@ -70,13 +71,15 @@ for calls in "${sizes[@]}"; do
     "$bin" generate --store "$dir" --sessions 50 "${call_shape[@]}" --first-session "$sessions" >&2
     measure compact2 "$bin" compact --store "$dir"
     measure show "$bin" show --store "$dir" "task-$((sessions / 8 / 2)):0"
+    measure export "$bin" export --store "$dir"
+    measure audit "$bin" audit --store "$dir"
     disk=$(du -sm "$dir" | cut -f1)
     shards=$(du -sm "$dir/shards" | cut -f1)
     segs=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' | wc -l)
     segs_mb=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' -exec du -cm {} + | tail -1 | cut -f1)
-    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
+    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $m_export | $m_audit | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
 done
 echo
-echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | on disk | segments left |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | export all | audit | on disk | segments left |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

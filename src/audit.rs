@@ -123,8 +123,12 @@ fn around(ids: &[u32], pos: usize) -> Vec<u32> {
 /// Audit every session of `snapshot` (by primary session id).
 pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
     let mut report = AuditReport::default();
+    // A copy whose decoded shard row groups are dropped as they pile up: the
+    // audit reads every session, its memory must not grow with the store.
+    let mut snap = snapshot.clone();
     for info in snapshot.sessions() {
-        match audit_session(snapshot, &info.session_id) {
+        snap.bound_decoded(crate::limits::SCAN_DECODED_BYTES_MAX);
+        match audit_session(&snap, &info.session_id) {
             Ok(None) => {}
             Ok(Some(s)) => {
                 report.sessions_checked += 1;

@@ -58,3 +58,7 @@ pub const DEFAULT_SHARD_BYTES: usize = 256 * 1024 * 1024;
 /// bytes of token columns it has decoded (full prompts counted), so that its
 /// resident set stays bounded however large the store.
 pub const RELEASE_PAGES_EVERY_BYTES: u64 = 256 * 1024 * 1024;
+/// Scans over many sessions (compaction, `audit`, `trajlog export`) drop the
+/// shard row groups they decoded once these hold more than this many bytes,
+/// so that their memory does not grow with the store (`Snapshot::bound_decoded`).
+pub const SCAN_DECODED_BYTES_MAX: usize = 256 * 1024 * 1024;

@@ -15,6 +15,8 @@ use crate::record::Call;
 use crate::segment::SegmentRef;
 use crate::shard::reader::{call_from_row, ShardFile, ShardPos};
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 /// What a snapshot sees.
@@ -35,9 +37,30 @@ pub struct View {
 /// renumbered from the manifest at the next open.
 pub(crate) type ShardSlots = Arc<Vec<Option<Arc<ShardFile>>>>;
 
-/// Decoded shard row groups, kept for the life of one snapshot so that views
-/// into them can borrow from it (an append-only map: entries never move).
-type RowGroupCache = elsa::sync::FrozenMap<(u32, u32), Box<arrow_array::RecordBatch>>;
+/// Decoded shard row groups, kept so that views into them can borrow from
+/// the snapshot (an append-only map: entries never move while it is
+/// borrowed). [`Snapshot::bound_decoded`] evicts from it, which needs
+/// `&mut`: no view can be alive then. `bytes` is their memory, `clock` the
+/// use counter that orders evictions (least recently used first).
+#[derive(Default)]
+struct RowGroupCache {
+    batches: elsa::sync::FrozenMap<(u32, u32), Box<Decoded>>,
+    bytes: AtomicUsize,
+    clock: AtomicU64,
+}
+
+/// One decoded row group, with its memory and when it was last read.
+struct Decoded {
+    batch: arrow_array::RecordBatch,
+    bytes: usize,
+    used: AtomicU64,
+}
+
+impl std::fmt::Debug for RowGroupCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowGroupCache").field("bytes", &self.bytes).finish_non_exhaustive()
+    }
+}
 
 /// A consistent read view of a store: cheap to take, safe to hold while the
 /// writer appends, seals, rolls and compacts.
@@ -264,6 +287,47 @@ impl Snapshot {
         Self { view, row_groups: std::sync::OnceLock::new() }
     }
 
+    /// Memory held by the shard row groups this snapshot has decoded and
+    /// kept. A read of a compacted call decodes its row group once and keeps
+    /// it for the views it hands out, so a snapshot that reads many sessions
+    /// grows by what it read until [`Snapshot::bound_decoded`] or
+    /// [`Snapshot::release_decoded`].
+    pub fn decoded_bytes(&self) -> usize {
+        self.row_groups.get().map_or(0, |c| c.bytes.load(Relaxed))
+    }
+
+    /// Drop every decoded shard row group (the next read of a compacted call
+    /// decodes its row group again). Taking `&mut self` proves that no view
+    /// into them is alive.
+    pub fn release_decoded(&mut self) {
+        self.row_groups = std::sync::OnceLock::new();
+    }
+
+    /// When the decoded row groups hold more than `budget` bytes, drop the
+    /// least recently read ones until half the budget is left: what a loop
+    /// over many sessions calls between two of them, so that its memory
+    /// stays bounded whatever the store's size while the row groups it is
+    /// still reading (a collection reads several generations side by side)
+    /// stay decoded.
+    pub fn bound_decoded(&mut self, budget: usize) {
+        let Some(cache) = self.row_groups.get_mut() else { return };
+        if *cache.bytes.get_mut() <= budget {
+            return;
+        }
+        let map: &mut HashMap<(u32, u32), Box<Decoded>> = cache.batches.as_mut();
+        let mut by_use: Vec<((u32, u32), u64)> = map.iter().map(|(k, d)| (*k, d.used.load(Relaxed))).collect();
+        by_use.sort_unstable_by_key(|&(_, used)| used);
+        let bytes = cache.bytes.get_mut();
+        for (key, _) in by_use {
+            if *bytes <= budget / 2 {
+                break;
+            }
+            if let Some(d) = map.remove(&key) {
+                *bytes -= d.bytes;
+            }
+        }
+    }
+
     /// Give the resident pages of every segment mapping back (long reads of
     /// whole segments call it now and then; see `Mapping::release_pages`).
     pub(crate) fn release_pages(&self) {
@@ -297,11 +361,22 @@ impl Snapshot {
         let file = self.view.shards.get(pos.shard as usize).and_then(Option::as_ref).ok_or_else(|| {
             Error::new(crate::error::ErrorKind::NotFound, format!("shard {} is not part of this snapshot", pos.shard))
         })?;
-        let cache = self.row_groups.get_or_init(RowGroupCache::new);
-        let batch = match cache.get(&(pos.shard, pos.row_group)) {
-            Some(b) => b,
-            None => cache.insert((pos.shard, pos.row_group), Box::new(file.read_row_group(pos.row_group)?)),
+        let cache = self.row_groups.get_or_init(RowGroupCache::default);
+        let now = cache.clock.fetch_add(1, Relaxed);
+        let decoded = match cache.batches.get(&(pos.shard, pos.row_group)) {
+            Some(d) => {
+                d.used.store(now, Relaxed);
+                d
+            }
+            None => {
+                let batch = file.read_row_group(pos.row_group)?;
+                let bytes = batch.get_array_memory_size();
+                cache.bytes.fetch_add(bytes, Relaxed);
+                let d = Decoded { batch, bytes, used: AtomicU64::new(now) };
+                cache.batches.insert((pos.shard, pos.row_group), Box::new(d))
+            }
         };
+        let batch = &decoded.batch;
         let (record, divergence) = call_from_row(batch, pos.row as usize, &file.path)?;
         Ok(CallView { loc, record, shard: Some(pos), divergence: divergence.map(|d| d as usize), snapshot: self })
     }

@@ -236,6 +236,76 @@ fn a_snapshot_keeps_reading_while_segments_are_retired() {
     assert_eq!(gone, report.retired_segments);
 }
 
+#[test]
+fn a_long_scan_gives_decoded_row_groups_back_and_reads_the_same() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let batch = simulate(&SimConfig { sessions: 12, steps: 4, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    // One call per row group: each session read decodes new ones.
+    let report = store.compact(&CompactOptions::default().steps_row_group_rows(1)).unwrap();
+    assert_eq!(report.sessions, 12);
+    let mut snap = store.snapshot();
+    assert_eq!(snap.decoded_bytes(), 0, "nothing read yet");
+    let ids: Vec<String> = snap.sessions().into_iter().map(|s| s.session_id).collect();
+    let mut held = Vec::new();
+    for id in &ids {
+        for v in snap.session(id, None, None).unwrap() {
+            assert!(v.is_compacted());
+            assert_same(&v, &calls[v.trace_id()]);
+        }
+        held.push(snap.decoded_bytes());
+    }
+    // Without a bound, what a snapshot decoded piles up with what it read.
+    assert!(held.windows(2).all(|w| w[1] > w[0]), "decoded bytes grow session by session: {held:?}");
+    let one_session = held[0];
+    snap.bound_decoded(usize::MAX);
+    assert_eq!(snap.decoded_bytes(), *held.last().unwrap(), "under the budget: kept");
+    // With a budget of about one session's row groups, the scan's memory stays
+    // under it plus one session, and every call still reads exactly.
+    let budget = one_session;
+    let mut peak = 0;
+    for id in &ids {
+        snap.bound_decoded(budget);
+        assert!(snap.decoded_bytes() <= budget);
+        for v in snap.session(id, None, None).unwrap() {
+            assert_same(&v, &calls[v.trace_id()]);
+        }
+        peak = peak.max(snap.decoded_bytes());
+    }
+    assert!(peak < *held.last().unwrap() / 3, "bounded: peak {peak} against {held:?}");
+    // Eviction takes the least recently read row groups first: of a bigger
+    // session A read before a smaller B, a budget of 2 x B evicts A, keeps B.
+    snap.release_decoded();
+    assert_eq!(snap.decoded_bytes(), 0);
+    let size = |snap: &mut trajlog::Snapshot, id: &str| {
+        snap.release_decoded();
+        snap.session(id, None, None).unwrap();
+        snap.decoded_bytes()
+    };
+    let mut sized: Vec<(usize, &String)> = ids.iter().map(|id| (size(&mut snap, id), id)).collect();
+    sized.sort();
+    let ((x_b, b), (x_a, a)) = (sized[0], sized[sized.len() - 1]);
+    assert!(x_a > x_b, "sessions of different sizes: {sized:?}");
+    snap.release_decoded();
+    snap.session(a, None, None).unwrap();
+    snap.session(b, None, None).unwrap();
+    assert_eq!(snap.decoded_bytes(), x_a + x_b);
+    snap.bound_decoded(2 * x_b);
+    assert_eq!(snap.decoded_bytes(), x_b, "A evicted, B kept");
+    snap.session(b, None, None).unwrap();
+    assert_eq!(snap.decoded_bytes(), x_b, "B read again without decoding");
+    snap.session(a, None, None).unwrap();
+    assert_eq!(snap.decoded_bytes(), x_a + x_b, "A decoded again");
+    check_reads(&store, &calls);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

@@ -16,6 +16,7 @@ mod collect;
 use crate::error::{Error, Result};
 use crate::limits::{
     DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS, RELEASE_PAGES_EVERY_BYTES,
+    SCAN_DECODED_BYTES_MAX,
 };
 use crate::shard::schema::{steps_schema, trajectories_schema};
 pub use crate::shard::writer::ShardCompression;
@@ -325,6 +326,9 @@ fn write_shards(
     order.sort_unstable();
     order.dedup();
     let mut retry = None;
+    // Reads go through a copy of the snapshot whose decoded shard row groups
+    // are dropped as they pile up (a collection reads whole generations).
+    let mut snap = snap.clone();
     let result = (|| -> Result<Vec<String>> {
         let mut steps = StepsBuilder::default();
         let mut trajs = TrajectoriesBuilder::default();
@@ -338,7 +342,7 @@ fn write_shards(
             };
             // A session with a damaged call stays in the log, whole, and is
             // reported; the others are compacted.
-            let (inputs, moved) = match session_inputs(snap, sid, &take, &mut report.token_bytes) {
+            let (inputs, moved) = match session_inputs(&snap, sid, &take, &mut report.token_bytes) {
                 Ok(Some(found)) => found,
                 Ok(None) => continue,
                 Err(e) => {
@@ -381,6 +385,7 @@ fn write_shards(
                 snap.release_pages();
                 released_at = report.token_bytes;
             }
+            snap.bound_decoded(SCAN_DECODED_BYTES_MAX);
             compacted.push((*sid).to_owned());
             if let Some(progress) = &opts.progress {
                 progress(done as u64 + 1, order.len() as u64, report.calls + report.moved_calls);

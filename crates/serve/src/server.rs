@@ -516,9 +516,12 @@ async fn query_traces(app: &Arc<App>, body: &Bytes) -> Response {
     };
     let store = app.store.clone();
     let r = blocking(move || {
-        let snap = store.snapshot();
+        let mut snap = store.snapshot();
         let mut all = Vec::new();
         for sid in &sids {
+            // A query over many compacted sessions: what was decoded for the
+            // earlier ones is dropped as it piles up.
+            snap.bound_decoded(trajlog::limits::SCAN_DECODED_BYTES_MAX);
             all.extend(traces_of(&snap, sid, &Window { since, limit })?);
         }
         Ok(all)

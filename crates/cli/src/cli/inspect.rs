@@ -10,7 +10,7 @@ fn open(dir: &Path, cmd: &str) -> trajlog::Result<Snapshot> {
 }
 
 pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
-    let snap = open(dir, "export")?;
+    let mut snap = open(dir, "export")?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let sessions: Vec<String> = match session {
@@ -21,6 +21,9 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
     // exported (damage stays confined to the records it touches).
     let mut damaged = 0u64;
     for id in sessions {
+        // Memory stays bounded whatever the store's size: the shard row
+        // groups decoded for earlier sessions are dropped as they pile up.
+        snap.bound_decoded(trajlog::limits::SCAN_DECODED_BYTES_MAX);
         for call in snap.session_each(&id, None, None) {
             let call = match call.and_then(|c| Ok((c.session_id() == id, c.to_call()?))) {
                 Ok((own, call)) => {
