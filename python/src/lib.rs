@@ -794,14 +794,18 @@ impl NativeStore {
     fn get_sdk(&self, py: Python<'_>, trace_ids: Vec<String>) -> PyResult<Vec<Option<SdkTuple>>> {
         let store = self.get()?;
         py.detach(|| {
-            let snap = store.snapshot();
-            trace_ids
-                .iter()
-                .map(|id| match snap.get(id)? {
-                    Some(v) => Ok(trajlog::rllm::call_to_sdk(&v.to_call()?)?.map(sdk_tuple)),
-                    None => Ok(None),
-                })
-                .collect::<trajlog::Result<Vec<_>>>()
+            let mut snap = store.snapshot();
+            let mut out = Vec::with_capacity(trace_ids.len());
+            for id in &trace_ids {
+                // Many compacted ids: what was decoded for earlier ones is
+                // dropped as it piles up.
+                snap.bound_decoded(trajlog::limits::SCAN_DECODED_BYTES_MAX);
+                out.push(match snap.get(id)? {
+                    Some(v) => trajlog::rllm::call_to_sdk(&v.to_call()?)?.map(sdk_tuple),
+                    None => None,
+                });
+            }
+            Ok::<_, trajlog::Error>(out)
         })
         .map_err(to_py)
     }
