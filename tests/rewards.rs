@@ -421,3 +421,45 @@ fn a_deleted_calls_reward_does_not_come_back() {
     store.close().unwrap();
     assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
 }
+
+/// Found by the model test: a trace reward on a compacted call, carried
+/// forward by retirement, then the trace id appended again and the replaced
+/// row collected. The reward stays with the trace id, through a reopen.
+#[test]
+fn a_trace_reward_survives_retirement_and_a_replacement() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), trajlog::Options::default()).unwrap();
+    let call = |c: u32| Call {
+        trace_id: "t15".into(),
+        session_id: "s2".into(),
+        prompt_token_ids: vec![1, 2],
+        completion_token_ids: vec![c],
+        ..Default::default()
+    };
+    let compact =
+        |sel| CompactOptions::default().selection(sel).steps_row_group_rows(3).collect_dead_fraction(Some(0.0));
+    let reward = |store: &Store| {
+        store.flush().unwrap();
+        store.snapshot().trace_reward("t15")
+    };
+    store.append(call(3)).unwrap();
+    store.set_reward(Target::Trace("t15".into()), -67.0).unwrap();
+    // Compacted, its segment retired: the reward's record is carried forward.
+    store.compact(&compact(Selection::OlderThan(0.0))).unwrap();
+    assert_eq!(reward(&store), Some(-67.0));
+    // Appended again: the compacted row is dead, and the next compaction
+    // collects it.
+    store.append(call(4)).unwrap();
+    assert_eq!(reward(&store), Some(-67.0));
+    let report = store.compact(&compact(Selection::SealedOnly)).unwrap();
+    assert_eq!(report.dropped_rows, 1, "the replaced row is collected");
+    assert_eq!(reward(&store), Some(-67.0));
+    store.close().unwrap();
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().trace_reward("t15"), Some(-67.0), "read-only reopen");
+    drop(ro);
+    let store = Store::open(dir.path(), trajlog::Options::default()).unwrap();
+    assert_eq!(reward(&store), Some(-67.0), "writable reopen");
+    let snap = store.snapshot();
+    assert_eq!(snap.get("t15").unwrap().unwrap().completion_token_ids(), &[4], "the new call is the live one");
+}

@@ -318,7 +318,7 @@ impl Writer {
         });
         let session: Arc<str> = Arc::from(call.session_id.as_str());
         let trace_id: Arc<str> = Arc::from(call.trace_id.as_str());
-        self.index.apply_call(CallMeta {
+        let replaced = self.index.apply_call(CallMeta {
             loc,
             shard: None,
             timestamp: call.timestamp,
@@ -326,10 +326,21 @@ impl Writer {
             sessions: self.index.sessions_of(&call.session_id, &call.session_uids),
         });
         self.touch(&trace_id);
+        // A trace reward stays with its trace id when the call is replaced,
+        // and is written again after the new call (format-spec/record.md §6):
+        // the record that set it sits before the new call, and the replay
+        // ignores it once the replaced call's record or shard row is gone
+        // (retired, collected); the copy applies to the new call.
+        let carried = replaced.and_then(|_| self.index.trace_rewards.get(&*trace_id).copied());
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
         self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens), seq, depth });
+        if let Some(value) = carried {
+            let target = Target::Trace(trace_id.to_string());
+            self.append_annotation(&Annotation::Reward { target: target.clone(), value })?;
+            self.note_reward(&target);
+        }
         if self.buf.len() >= BATCH_BYTES_MAX {
             // Bound the writer's memory: write now, make durable at batch end.
             self.write_buf()?;
