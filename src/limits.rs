@@ -57,7 +57,7 @@ pub const DEFAULT_SHARD_BYTES: usize = 256 * 1024 * 1024;
 /// A compaction gives the segments' resident pages back after each this many
 /// bytes of token columns it has decoded (full prompts counted), so that its
 /// resident set stays bounded however large the store.
-pub const RELEASE_PAGES_EVERY_BYTES: u64 = 256 * 1024 * 1024;
+pub const RELEASE_PAGES_EVERY_BYTES: u64 = 64 * 1024 * 1024;
 /// Scans over many sessions (compaction, `audit`, `trajlog export`) drop the
 /// shard row groups they decoded once these hold more than this many bytes,
 /// so that their memory does not grow with the store (`Snapshot::bound_decoded`).

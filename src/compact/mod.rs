@@ -401,6 +401,10 @@ fn write_shards(
         }
         Ok(compacted)
     })();
+    // The publication needs the index next, not the pages read: they are
+    // given back before it, and the decoded row groups with the copy.
+    snap.release_pages();
+    drop(snap);
     let staged_steps = steps_w.finish();
     let staged_traj = traj_w.finish();
     match (result, staged_steps, staged_traj) {

@@ -70,7 +70,7 @@ use crate::record::{Annotation, Call, Target, ValidCall};
 use crate::segment::recovery::{load_segment, OnDamage};
 use crate::segment::writer::ActiveSegment;
 use crate::segment::SegmentRef;
-use crate::shard::reader::{ShardFile, ShardPos, ShardRow};
+use crate::shard::reader::{ShardFile, ShardRow};
 use crate::snapshot::{Snapshot, View};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender};
 use std::collections::HashSet;

@@ -120,9 +120,6 @@ pub(super) struct Prepared {
     /// The base view's trace map with the compacted calls switched to their
     /// shard rows.
     pub(super) traces: imbl::OrdMap<Arc<str>, Arc<CallMeta>>,
-    /// Every compacted call: trace id → (the log position it was compacted
-    /// from, its shard row).
-    pub(super) placements: std::collections::HashMap<Arc<str>, (Loc, ShardPos)>,
     /// Shard rows per trace id and per session, the new files' included
     /// and the obsolete files' taken away.
     pub(super) shard_traces: RowCounts,

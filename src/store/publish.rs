@@ -123,7 +123,6 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         }
     }
     drop(base.view);
-    let mut placements = std::collections::HashMap::new();
     let mut files = Vec::new();
     // One shard's index rows at a time: memory holds one file's rows, not
     // every row of the compaction.
@@ -137,13 +136,8 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         for row in &rows {
             // A row that is not the base's live call of its trace id can
             // never become it later (later calls are later in the log).
-            let trace_id = match index.place_in_shard(&row.trace_id, row.loc, row.pos) {
-                Some(id) => {
-                    placements.insert(id.clone(), (row.loc, row.pos));
-                    id
-                }
-                None => row.trace_id.clone(),
-            };
+            let trace_id =
+                index.place_in_shard(&row.trace_id, row.loc, row.pos).unwrap_or_else(|| row.trace_id.clone());
             for s in row.sessions.iter() {
                 count_row(&mut shard_sessions, s);
             }
@@ -162,7 +156,6 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         first_shard_id,
         files,
         traces: index.traces,
-        placements,
         shard_traces,
         shard_sessions,
         obsolete: obsolete.clone(),
@@ -296,7 +289,10 @@ impl Writer {
         // it is still the call that was compacted.
         let mut traces = std::mem::take(&mut p.traces);
         for id in touched {
-            let placement = p.placements.get(id);
+            // Where the prepared map serves the call from: its shard row,
+            // placed by this compaction or an earlier one (shard rows move
+            // only at publications, which are one at a time).
+            let placement = traces.get(id).and_then(|m| m.shard.map(|pos| (m.loc, pos)));
             if let Some(s) = in_segments_of(traces.get(id).map(|m| &**m)) {
                 if let Some(n) = p.in_segments.get_mut(&s) {
                     *n = n.saturating_sub(1);
@@ -304,8 +300,8 @@ impl Writer {
             }
             let now = self.index.traces.get(id).cloned().map(|mut m| {
                 if let Some((loc, pos)) = placement {
-                    if *loc == m.loc {
-                        Arc::make_mut(&mut m).shard = Some(*pos);
+                    if loc == m.loc && m.shard != Some(pos) {
+                        Arc::make_mut(&mut m).shard = Some(pos);
                     }
                 }
                 m
