@@ -122,11 +122,19 @@ fn around(ids: &[u32], pos: usize) -> Vec<u32> {
 
 /// Audit every session of `snapshot` (by primary session id).
 pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
+    audit_with_progress(snapshot, &mut |_, _| {})
+}
+
+/// [`audit`], calling `progress(done, total)` after each session (for a
+/// progress bar: an audit reads every call of the store).
+pub fn audit_with_progress(snapshot: &Snapshot, progress: &mut dyn FnMut(u64, u64)) -> Result<AuditReport> {
     let mut report = AuditReport::default();
     // A copy whose decoded shard row groups are dropped as they pile up: the
     // audit reads every session, its memory must not grow with the store.
     let mut snap = snapshot.clone();
-    for info in snapshot.sessions() {
+    let sessions = snapshot.sessions();
+    let total = sessions.len() as u64;
+    for (done, info) in sessions.into_iter().enumerate() {
         snap.bound_decoded(crate::limits::SCAN_DECODED_BYTES_MAX);
         match audit_session(&snap, &info.session_id) {
             Ok(None) => {}
@@ -146,6 +154,7 @@ pub fn audit(snapshot: &Snapshot) -> Result<AuditReport> {
             // Damage stays confined to the session it touches.
             Err(e) => report.sessions_damaged.push((info.session_id.clone(), e.to_string())),
         }
+        progress(done as u64 + 1, total);
     }
     Ok(report)
 }

@@ -265,9 +265,13 @@ fn a_flipped_payload_byte_is_confined_to_its_records() {
     .expect("scan");
     assert_eq!((ok, bad), (all.len() - 1, 1));
     // Audit and compaction skip s0 (reported) and handle the rest.
-    let audit = trajlog::audit::audit(&snap).expect("audit");
+    let mut steps = Vec::new();
+    let audit =
+        trajlog::audit::audit_with_progress(&snap, &mut |done, total| steps.push((done, total))).expect("audit");
     assert_eq!(audit.sessions_damaged.len(), 1, "{:?}", audit.sessions_damaged);
     assert_eq!(audit.sessions_checked, 5);
+    // Progress after every session, the damaged one included.
+    assert_eq!(steps, (1..=6).map(|d| (d, 6)).collect::<Vec<_>>());
     // Appending to the damaged session works (the damaged call is no parent).
     let mut next = all[5].clone();
     next.trace_id = "t0-next".into();

@@ -20,7 +20,12 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
     // A damaged record is reported on stderr and skipped; every other call is
     // exported (damage stays confined to the records it touches).
     let mut damaged = 0u64;
+    // On a terminal, a bar on stderr (stdout is the export).
+    let bar = crate::progress::bar(sessions.len() as u64, "exporting", "sessions");
     for id in sessions {
+        if let Some(bar) = &bar {
+            bar.inc(1);
+        }
         // Memory stays bounded whatever the store's size: the shard row
         // groups decoded for earlier sessions are dropped as they pile up.
         snap.bound_decoded(trajlog::limits::SCAN_DECODED_BYTES_MAX);
@@ -45,6 +50,9 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
                 return Ok(crate::stdout_failed(&e));
             }
         }
+    }
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
     }
     // The last buffered lines are written here: a failure is an error too.
     if let Err(e) = out.flush() {

@@ -89,7 +89,16 @@ const HISTORY_LINES: usize = 3;
 
 pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
     let snap = super::open_read_only(dir, "audit")?.snapshot();
-    let report = trajlog::audit::audit(&snap)?;
+    let bar = crate::progress::bar(0, "auditing", "sessions");
+    let report = trajlog::audit::audit_with_progress(&snap, &mut |done, total| {
+        if let Some(bar) = &bar {
+            bar.set_length(total);
+            bar.set_position(done);
+            if done >= total {
+                bar.finish_and_clear();
+            }
+        }
+    })?;
     if json {
         println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
     } else {
