@@ -132,6 +132,7 @@ pub fn audit_with_progress(snapshot: &Snapshot, progress: &mut dyn FnMut(u64, u6
     // A copy whose decoded shard row groups are dropped as they pile up: the
     // audit reads every session, its memory must not grow with the store.
     let mut snap = snapshot.clone();
+    snap.decode_whole_row_groups();
     let sessions = snapshot.sessions();
     let total = sessions.len() as u64;
     for (done, info) in sessions.into_iter().enumerate() {

@@ -37,21 +37,29 @@ pub struct View {
 /// renumbered from the manifest at the next open.
 pub(crate) type ShardSlots = Arc<Vec<Option<Arc<ShardFile>>>>;
 
-/// Decoded shard row groups, kept so that views into them can borrow from
-/// the snapshot (an append-only map: entries never move while it is
-/// borrowed). [`Snapshot::bound_decoded`] evicts from it, which needs
-/// `&mut`: no view can be alive then. `bytes` is their memory, `clock` the
-/// use counter that orders evictions (least recently used first).
+/// Decoded shard rows, kept so that views into them can borrow from the
+/// snapshot (an append-only map: entries never move while it is borrowed).
+/// An entry is a run of rows of one row group, keyed by (shard, row group,
+/// first row, end row); `ranges` lists the runs decoded per row group, to find the
+/// one holding a row. [`Snapshot::bound_decoded`] evicts from both, which
+/// needs `&mut`: no view can be alive then. `bytes` is their memory, `clock`
+/// the use counter that orders evictions (least recently used first).
 #[derive(Default)]
 struct RowGroupCache {
-    batches: elsa::sync::FrozenMap<(u32, u32), Box<Decoded>>,
+    batches: elsa::sync::FrozenMap<(u32, u32, u32, u32), Box<Decoded>>,
+    ranges: std::sync::Mutex<HashMap<(u32, u32), Runs>>,
     bytes: AtomicUsize,
     clock: AtomicU64,
 }
 
-/// One decoded row group, with its memory and when it was last read.
+/// The runs of rows of one row group decoded so far.
+type Runs = Vec<std::ops::Range<u32>>;
+
+/// Decoded rows of a row group, from row `first` on, with their memory and
+/// when they were last read.
 struct Decoded {
     batch: arrow_array::RecordBatch,
+    first: u32,
     bytes: usize,
     used: AtomicU64,
 }
@@ -68,6 +76,9 @@ impl std::fmt::Debug for RowGroupCache {
 pub struct Snapshot {
     view: Arc<View>,
     row_groups: std::sync::OnceLock<RowGroupCache>,
+    /// Decode whole row groups (scans: each is read once for all its
+    /// sessions), not only the rows a read needs (point reads).
+    whole_row_groups: bool,
 }
 
 impl Clone for Snapshot {
@@ -284,7 +295,7 @@ impl<'a> CallView<'a> {
 
 impl Snapshot {
     pub(crate) fn new(view: Arc<View>) -> Self {
-        Self { view, row_groups: std::sync::OnceLock::new() }
+        Self { view, row_groups: std::sync::OnceLock::new(), whole_row_groups: false }
     }
 
     /// Memory held by the shard row groups this snapshot has decoded and
@@ -314,8 +325,10 @@ impl Snapshot {
         if *cache.bytes.get_mut() <= budget {
             return;
         }
-        let map: &mut HashMap<(u32, u32), Box<Decoded>> = cache.batches.as_mut();
-        let mut by_use: Vec<((u32, u32), u64)> = map.iter().map(|(k, d)| (*k, d.used.load(Relaxed))).collect();
+        let map: &mut HashMap<(u32, u32, u32, u32), Box<Decoded>> = cache.batches.as_mut();
+        let ranges = cache.ranges.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut by_use: Vec<((u32, u32, u32, u32), u64)> =
+            map.iter().map(|(k, d)| (*k, d.used.load(Relaxed))).collect();
         by_use.sort_unstable_by_key(|&(_, used)| used);
         let bytes = cache.bytes.get_mut();
         for (key, _) in by_use {
@@ -325,7 +338,44 @@ impl Snapshot {
             if let Some(d) = map.remove(&key) {
                 *bytes -= d.bytes;
             }
+            let (shard, rg, start, end) = key;
+            if let Some(runs) = ranges.get_mut(&(shard, rg)) {
+                runs.retain(|r| (r.start, r.end) != (start, end));
+            }
         }
+    }
+
+    /// Decode whole shard row groups from now on, not only the rows each
+    /// read needs: for a loop over many sessions, which reads every row of a
+    /// row group sooner or later (each row group is then decompressed once,
+    /// not once per session). Point reads (the default) decode only the
+    /// rows they serve, so holding a session's views costs its own rows.
+    pub fn decode_whole_row_groups(&mut self) {
+        self.whole_row_groups = true;
+    }
+
+    /// The decoded rows of (`shard`, `rg`) that hold `want`, decoding them
+    /// (or the whole row group, see [`Snapshot::decode_whole_row_groups`])
+    /// if no decoded run holds them.
+    fn decoded_rows(&self, file: &ShardFile, shard: u32, rg: u32, want: std::ops::Range<u32>) -> Result<&Decoded> {
+        let cache = self.row_groups.get_or_init(RowGroupCache::default);
+        let now = cache.clock.fetch_add(1, Relaxed);
+        let mut ranges = cache.ranges.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let runs = ranges.entry((shard, rg)).or_default();
+        if let Some(run) = runs.iter().find(|r| r.start <= want.start && want.end <= r.end) {
+            if let Some(d) = cache.batches.get(&(shard, rg, run.start, run.end)) {
+                d.used.store(now, Relaxed);
+                return Ok(d);
+            }
+        }
+        let run = if self.whole_row_groups { 0..file.rows_in(rg).unwrap_or(0) } else { want };
+        let batch = file.read_rows(rg, (!self.whole_row_groups).then(|| run.clone()))?;
+        let bytes = batch.get_array_memory_size();
+        cache.bytes.fetch_add(bytes, Relaxed);
+        let d = Decoded { batch, first: run.start, bytes, used: AtomicU64::new(now) };
+        let key = (shard, rg, run.start, run.end);
+        runs.push(run);
+        Ok(cache.batches.insert(key, Box::new(d)))
     }
 
     /// Give the resident pages of every segment mapping back (long reads of
@@ -361,23 +411,9 @@ impl Snapshot {
         let file = self.view.shards.get(pos.shard as usize).and_then(Option::as_ref).ok_or_else(|| {
             Error::new(crate::error::ErrorKind::NotFound, format!("shard {} is not part of this snapshot", pos.shard))
         })?;
-        let cache = self.row_groups.get_or_init(RowGroupCache::default);
-        let now = cache.clock.fetch_add(1, Relaxed);
-        let decoded = match cache.batches.get(&(pos.shard, pos.row_group)) {
-            Some(d) => {
-                d.used.store(now, Relaxed);
-                d
-            }
-            None => {
-                let batch = file.read_row_group(pos.row_group)?;
-                let bytes = batch.get_array_memory_size();
-                cache.bytes.fetch_add(bytes, Relaxed);
-                let d = Decoded { batch, bytes, used: AtomicU64::new(now) };
-                cache.batches.insert((pos.shard, pos.row_group), Box::new(d))
-            }
-        };
+        let decoded = self.decoded_rows(file, pos.shard, pos.row_group, pos.row..pos.row.saturating_add(1))?;
         let batch = &decoded.batch;
-        let (record, divergence) = call_from_row(batch, pos.row as usize, &file.path)?;
+        let (record, divergence) = call_from_row(batch, (pos.row - decoded.first) as usize, &file.path)?;
         Ok(CallView { loc, record, shard: Some(pos), divergence: divergence.map(|d| d as usize), snapshot: self })
     }
 
@@ -443,6 +479,9 @@ impl Snapshot {
         let limit = limit.unwrap_or(usize::MAX);
         // `skip` on the persistent vector: O(log n), not a walk from the start.
         let calls = if start == 0 { entry.calls.clone() } else { entry.calls.skip(start.min(entry.calls.len())) };
+        if !self.whole_row_groups {
+            self.decode_session_rows(&calls, limit);
+        }
         calls
             .iter()
             .take(limit)
@@ -451,6 +490,29 @@ impl Snapshot {
                 _ => self.call_at(k.loc),
             })
             .collect()
+    }
+
+    /// Point reads of a session: decode, per shard row group, the one run of
+    /// rows from its first to its last compacted call read (a session's rows
+    /// are contiguous in its shard), instead of one run per call. Errors are
+    /// left to the reads of the calls, which report them one by one.
+    fn decode_session_rows(&self, calls: &crate::index::CallList, limit: usize) {
+        let mut runs: std::collections::BTreeMap<(u32, u32), std::ops::Range<u32>> = Default::default();
+        for k in calls.iter().take(limit) {
+            let Some(pos) = self.view.index.traces.get(&k.trace_id).filter(|m| m.loc == k.loc).and_then(|m| m.shard)
+            else {
+                continue;
+            };
+            let end = pos.row.saturating_add(1);
+            runs.entry((pos.shard, pos.row_group))
+                .and_modify(|r| *r = r.start.min(pos.row)..r.end.max(end))
+                .or_insert(pos.row..end);
+        }
+        for ((shard, rg), rows) in runs {
+            if let Some(Some(file)) = self.view.shards.get(shard as usize) {
+                let _ = self.decoded_rows(file, shard, rg, rows);
+            }
+        }
     }
 
     fn info(&self, id: &str, e: &crate::index::SessionEntry) -> Option<SessionInfo> {

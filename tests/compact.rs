@@ -306,6 +306,53 @@ fn a_long_scan_gives_decoded_row_groups_back_and_reads_the_same() {
     check_reads(&store, &calls);
 }
 
+#[test]
+fn a_point_read_decodes_only_the_rows_it_serves() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let batch = simulate(&SimConfig { sessions: 12, steps: 4, ..SimConfig::default() });
+    let calls = all_calls(&batch);
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    // Every call in one row group (256 rows by default).
+    store.compact(&CompactOptions::default()).unwrap();
+    let sid = &batch[5].session_id;
+    let read = |snap: &trajlog::Snapshot| {
+        for v in snap.session(sid, None, None).unwrap() {
+            assert!(v.is_compacted());
+            assert_same(&v, &calls[v.trace_id()]);
+        }
+        snap.decoded_bytes()
+    };
+    let point = read(&store.snapshot());
+    let mut scan = store.snapshot();
+    scan.decode_whole_row_groups();
+    let whole = read(&scan);
+    // One session of twelve: its rows, not the row group's.
+    assert!(point > 0 && point * 4 < whole, "point read {point} bytes, whole row group {whole}");
+    // A read by trace id decodes its row alone; the session read after it
+    // decodes its own run and reads exactly.
+    let snap = store.snapshot();
+    let one = &batch[7].calls[2];
+    assert_same(&snap.get(&one.trace_id).unwrap().unwrap(), one);
+    let single = snap.decoded_bytes();
+    assert!(single > 0 && single < point, "one row {single} bytes, one session {point}");
+    for v in snap.session(&batch[7].session_id, None, None).unwrap() {
+        assert_same(&v, &calls[v.trace_id()]);
+    }
+    // A session read again decodes nothing more.
+    let before = snap.decoded_bytes();
+    for v in snap.session(&batch[7].session_id, None, None).unwrap() {
+        assert_same(&v, &calls[v.trace_id()]);
+    }
+    assert_eq!(snap.decoded_bytes(), before);
+    check_reads(&store, &calls);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

@@ -795,6 +795,7 @@ impl NativeStore {
         let store = self.get()?;
         py.detach(|| {
             let mut snap = store.snapshot();
+            snap.decode_whole_row_groups();
             let mut out = Vec::with_capacity(trace_ids.len());
             for id in &trace_ids {
                 // Many compacted ids: what was decoded for earlier ones is

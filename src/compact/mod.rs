@@ -329,6 +329,7 @@ fn write_shards(
     // Reads go through a copy of the snapshot whose decoded shard row groups
     // are dropped as they pile up (a collection reads whole generations).
     let mut snap = snap.clone();
+    snap.decode_whole_row_groups();
     let result = (|| -> Result<Vec<String>> {
         let mut steps = StepsBuilder::default();
         let mut trajs = TrajectoriesBuilder::default();

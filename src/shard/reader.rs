@@ -287,18 +287,40 @@ impl ShardFile {
         roots: Option<&[usize]>,
         batch_size: usize,
     ) -> Result<ParquetRecordBatchReader> {
+        self.row_group_reader_of(rg, roots, batch_size, None)
+    }
+
+    /// [`ShardFile::row_group_reader`] of the rows `rows` of the row group
+    /// only (all if `None`): the pages are read and checked as for the whole
+    /// row group, but only those rows are decoded into arrays.
+    fn row_group_reader_of(
+        &self,
+        rg: usize,
+        roots: Option<&[usize]>,
+        batch_size: usize,
+        rows: Option<std::ops::Range<usize>>,
+    ) -> Result<ParquetRecordBatchReader> {
+        let selection = rows.map(|r| {
+            parquet::arrow::arrow_reader::RowSelection::from(vec![
+                parquet::arrow::arrow_reader::RowSelector::skip(r.start),
+                parquet::arrow::arrow_reader::RowSelector::select(r.end.saturating_sub(r.start)),
+            ])
+        });
         let schema = self.meta.parquet_schema();
         let mask = match roots {
             Some(r) => ProjectionMask::roots(schema, r.iter().copied()),
             None => ProjectionMask::all(),
         };
         let Some(chunks) = &self.chunks else {
-            return ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, self.meta.clone())
+            let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, self.meta.clone())
                 .with_row_groups(vec![rg])
                 .with_projection(mask)
-                .with_batch_size(batch_size)
-                .build()
-                .map_err(|e| parquet_err("read a shard row group", e));
+                .with_batch_size(batch_size);
+            let builder = match selection {
+                Some(s) => builder.with_row_selection(s),
+                None => builder,
+            };
+            return builder.build().map_err(|e| parquet_err("read a shard row group", e));
         };
         let no_rg = || corrupt(&self.path, format!("no row group {rg}"));
         let crcs = chunks.get(rg).ok_or_else(no_rg)?;
@@ -400,12 +422,21 @@ impl ShardFile {
         let metadata = ParquetMetaData::new(file_meta, vec![rg_meta]);
         let options = ArrowReaderOptions::new().with_schema(self.meta.schema().clone());
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), options).map_err(|e| corrupt(&self.path, e))?;
-        ParquetRecordBatchReaderBuilder::new_with_metadata(data, meta)
+        let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(data, meta)
             .with_row_groups(vec![0])
             .with_projection(mask)
-            .with_batch_size(batch_size)
-            .build()
-            .map_err(|e| parquet_err("read a shard row group", e))
+            .with_batch_size(batch_size);
+        let builder = match selection {
+            Some(s) => builder.with_row_selection(s),
+            None => builder,
+        };
+        builder.build().map_err(|e| parquet_err("read a shard row group", e))
+    }
+
+    /// How many rows row group `rg` holds (None: no such row group).
+    pub fn rows_in(&self, rg: u32) -> Option<u32> {
+        let n = self.meta.metadata().row_groups().get(rg as usize)?.num_rows();
+        u32::try_from(n).ok()
     }
 
     /// Where row group `rg` starts, for error messages.
@@ -477,8 +508,23 @@ impl ShardFile {
     /// of `extra` are spliced back into it (shard.md §2.1) and their columns
     /// dropped, so that [`call_from_row`] sees each call's `extra` as appended.
     pub fn read_row_group(&self, rg: u32) -> Result<RecordBatch> {
+        self.read_rows(rg, None)
+    }
+
+    /// The rows of row group `rg` in `rows` (all if `None`), decoded as
+    /// [`ShardFile::read_row_group`] decodes them: row `i` of the batch is
+    /// row `rows.start + i` of the row group. A range past the row group is
+    /// an error.
+    pub fn read_rows(&self, rg: u32, rows: Option<std::ops::Range<u32>>) -> Result<RecordBatch> {
         let rg = rg as usize;
-        let reader = self.row_group_reader(rg, None, usize::MAX >> 1)?;
+        if let Some(r) = &rows {
+            let n = self.rows_in(rg as u32).unwrap_or(0);
+            if r.start >= r.end || r.end > n {
+                return Err(corrupt(&self.path, format!("rows {r:?} are not in row group {rg} ({n} rows)")));
+            }
+        }
+        let rows = rows.map(|r| r.start as usize..r.end as usize);
+        let reader = self.row_group_reader_of(rg, None, usize::MAX >> 1, rows)?;
         let mut batches = Vec::new();
         for b in reader {
             batches.push(

@@ -517,6 +517,7 @@ async fn query_traces(app: &Arc<App>, body: &Bytes) -> Response {
     let store = app.store.clone();
     let r = blocking(move || {
         let mut snap = store.snapshot();
+        snap.decode_whole_row_groups();
         let mut all = Vec::new();
         for sid in &sids {
             // A query over many compacted sessions: what was decoded for the

@@ -11,6 +11,7 @@ fn open(dir: &Path, cmd: &str) -> trajlog::Result<Snapshot> {
 
 pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
     let mut snap = open(dir, "export")?;
+    snap.decode_whole_row_groups();
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     let sessions: Vec<String> = match session {
