@@ -236,18 +236,29 @@ fn a_snapshot_keeps_reading_while_segments_are_retired() {
     assert_eq!(gone, report.retired_segments);
 }
 
-#[test]
-fn a_long_scan_gives_decoded_row_groups_back_and_reads_the_same() {
-    let dir = tempdir();
-    let store = Store::open(dir.path(), Options::default()).unwrap();
-    let batch = simulate(&SimConfig { sessions: 12, steps: 4, ..SimConfig::default() });
-    let calls = all_calls(&batch);
+/// A store of `sessions` simulated sessions of `steps` calls, each sealed,
+/// not compacted yet; with the sessions and the calls by trace id.
+fn sealed_sessions(
+    dir: &Path,
+    sessions: usize,
+    steps: usize,
+) -> (Store, Vec<trajlog_sim::SimSession>, BTreeMap<String, Call>) {
+    let store = Store::open(dir, Options::default()).unwrap();
+    let batch = simulate(&SimConfig { sessions, steps, ..SimConfig::default() });
     for s in &batch {
         for c in &s.calls {
             store.append(c.clone()).unwrap();
         }
         store.seal_session(&s.session_id).unwrap();
     }
+    let calls = all_calls(&batch);
+    (store, batch, calls)
+}
+
+#[test]
+fn a_long_scan_gives_decoded_row_groups_back_and_reads_the_same() {
+    let dir = tempdir();
+    let (store, _, calls) = sealed_sessions(dir.path(), 12, 4);
     // One call per row group: each session read decodes new ones.
     let report = store.compact(&CompactOptions::default().steps_row_group_rows(1)).unwrap();
     assert_eq!(report.sessions, 12);
@@ -309,15 +320,7 @@ fn a_long_scan_gives_decoded_row_groups_back_and_reads_the_same() {
 #[test]
 fn a_point_read_decodes_only_the_rows_it_serves() {
     let dir = tempdir();
-    let store = Store::open(dir.path(), Options::default()).unwrap();
-    let batch = simulate(&SimConfig { sessions: 12, steps: 4, ..SimConfig::default() });
-    let calls = all_calls(&batch);
-    for s in &batch {
-        for c in &s.calls {
-            store.append(c.clone()).unwrap();
-        }
-        store.seal_session(&s.session_id).unwrap();
-    }
+    let (store, batch, calls) = sealed_sessions(dir.path(), 12, 4);
     // Every call in one row group (256 rows by default).
     store.compact(&CompactOptions::default()).unwrap();
     let sid = &batch[5].session_id;
