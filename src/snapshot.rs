@@ -81,6 +81,9 @@ pub struct Snapshot {
     whole_row_groups: bool,
 }
 
+/// A clone shares the view, not the decoded rows: it starts with none, and
+/// in point-read mode (scans call [`Snapshot::decode_whole_row_groups`] on
+/// their clone).
 impl Clone for Snapshot {
     fn clone(&self) -> Self {
         Snapshot::new(self.view.clone())
