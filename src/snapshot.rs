@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 pub use crate::format::docs::Docs;
 use crate::format::docs::{self, Columns};
 use crate::format::record::{decode_call, CallRecord, Loc, Relation};
-use crate::index::{CallMeta, Index};
+use crate::index::Index;
 use crate::limits::MESSAGES_DELTA_DEPTH_MAX;
 use crate::record::Call;
 use crate::segment::SegmentRef;
@@ -24,18 +24,16 @@ use std::sync::Arc;
 pub struct View {
     pub(crate) index: Index,
     pub(crate) segments: imbl::OrdMap<u64, SegmentRef>,
-    /// Published `steps` shards, by shard id (`None`: a shard a collection
-    /// rewrote; no index entry points at it any more).
+    /// Published `steps` shards, by shard id, and where each compacted call
+    /// is served from.
     pub(crate) shards: ShardSlots,
     /// Damage found and confined when the store was opened.
     pub(crate) damage: Arc<Vec<crate::error::Problem>>,
 }
 
-/// The `steps` shards of a view by shard id. A slot is emptied, not
-/// removed, when a collection replaces its file, so that shard ids (the
-/// index's positions) stay stable while the store is open; they are
-/// renumbered from the manifest at the next open.
-pub(crate) type ShardSlots = Arc<Vec<Option<Arc<ShardFile>>>>;
+/// The `steps` shards of a view (see [`ShardSet`]), shared by the views
+/// published between two publications.
+pub(crate) type ShardSlots = Arc<crate::shard::set::ShardSet>;
 
 /// Decoded shard rows, kept so that views into them can borrow from the
 /// snapshot (an append-only map: entries never move while it is borrowed).
@@ -411,7 +409,7 @@ impl Snapshot {
 
     /// A compacted call, from its shard row group (decoded once per snapshot).
     fn shard_call(&self, loc: Loc, pos: ShardPos) -> Result<CallView<'_>> {
-        let file = self.view.shards.get(pos.shard as usize).and_then(Option::as_ref).ok_or_else(|| {
+        let file = self.view.shards.file(pos.shard).ok_or_else(|| {
             Error::new(crate::error::ErrorKind::NotFound, format!("shard {} is not part of this snapshot", pos.shard))
         })?;
         let decoded = self.decoded_rows(file, pos.shard, pos.row_group, pos.row..pos.row.saturating_add(1))?;
@@ -420,10 +418,12 @@ impl Snapshot {
         Ok(CallView { loc, record, shard: Some(pos), divergence: divergence.map(|d| d as usize), snapshot: self })
     }
 
-    fn read(&self, meta: &CallMeta) -> Result<CallView<'_>> {
-        match meta.shard {
-            None => self.call_at(meta.loc),
-            Some(pos) => self.shard_call(meta.loc, pos),
+    /// The call record at `loc`: from its shard row if it was compacted,
+    /// else from its segment.
+    fn read(&self, loc: Loc) -> Result<CallView<'_>> {
+        match self.view.shards.position(loc) {
+            None => self.call_at(loc),
+            Some(pos) => self.shard_call(loc, pos),
         }
     }
 
@@ -431,7 +431,7 @@ impl Snapshot {
     pub fn get(&self, trace_id: &str) -> Result<Option<CallView<'_>>> {
         match self.view.index.traces.get(trace_id) {
             None => Ok(None),
-            Some(meta) => self.read(meta).map(Some),
+            Some(meta) => self.read(meta.loc).map(Some),
         }
     }
 
@@ -485,14 +485,7 @@ impl Snapshot {
         if !self.whole_row_groups {
             self.decode_session_rows(&calls, limit);
         }
-        calls
-            .iter()
-            .take(limit)
-            .map(|k| match self.view.index.traces.get(&k.trace_id) {
-                Some(meta) if meta.loc == k.loc => self.read(meta),
-                _ => self.call_at(k.loc),
-            })
-            .collect()
+        calls.iter().take(limit).map(|k| self.read(k.loc)).collect()
     }
 
     /// Point reads of a session: decode, per shard row group, the one run of
@@ -502,17 +495,14 @@ impl Snapshot {
     fn decode_session_rows(&self, calls: &crate::index::CallList, limit: usize) {
         let mut runs: std::collections::BTreeMap<(u32, u32), std::ops::Range<u32>> = Default::default();
         for k in calls.iter().take(limit) {
-            let Some(pos) = self.view.index.traces.get(&k.trace_id).filter(|m| m.loc == k.loc).and_then(|m| m.shard)
-            else {
-                continue;
-            };
+            let Some(pos) = self.view.shards.position(k.loc) else { continue };
             let end = pos.row.saturating_add(1);
             runs.entry((pos.shard, pos.row_group))
                 .and_modify(|r| *r = r.start.min(pos.row)..r.end.max(end))
                 .or_insert(pos.row..end);
         }
         for ((shard, rg), rows) in runs {
-            if let Some(Some(file)) = self.view.shards.get(shard as usize) {
+            if let Some(file) = self.view.shards.file(shard) {
                 let _ = self.decoded_rows(file, shard, rg, rows);
             }
         }
@@ -542,7 +532,9 @@ impl Snapshot {
         let Some(e) = self.view.index.sessions.get(session_id) else { return false };
         e.calls.iter().any(|k| {
             self.view.index.traces.get(k.trace_id.as_ref()).is_some_and(|m| {
-                m.loc == k.loc && m.shard.is_none() && m.sessions.first().is_some_and(|s| s.as_ref() == session_id)
+                m.loc == k.loc
+                    && !self.view.shards.is_compacted(m.loc)
+                    && m.sessions.first().is_some_and(|s| s.as_ref() == session_id)
             })
         })
     }
@@ -606,14 +598,13 @@ impl Snapshot {
     pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, u64, u64)> {
         let mut live: HashMap<u32, u64> = HashMap::new();
         for meta in self.view.index.traces.values() {
-            if let Some(pos) = meta.shard {
+            if let Some(pos) = self.view.shards.position(meta.loc) {
                 *live.entry(pos.shard).or_default() += 1;
             }
         }
         self.view
             .shards
-            .iter()
-            .flatten()
+            .files()
             .map(|f| (f.id, f.path.clone(), f.rows(), live.get(&f.id).copied().unwrap_or(0)))
             .collect()
     }
@@ -626,7 +617,7 @@ impl Snapshot {
     ) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = std::collections::BTreeMap::new();
         for meta in self.view.index.traces.values() {
-            let (Some(pos), Some(s)) = (meta.shard, meta.sessions.first()) else { continue };
+            let (Some(pos), Some(s)) = (self.view.shards.position(meta.loc), meta.sessions.first()) else { continue };
             if ids.contains(&pos.shard) {
                 let shards = out.entry(s.to_string()).or_default();
                 if !shards.contains(&pos.shard) {
@@ -639,7 +630,7 @@ impl Snapshot {
 
     /// Published `steps` shards (paths), by shard id.
     pub fn shard_paths(&self) -> Vec<std::path::PathBuf> {
-        self.view.shards.iter().flatten().map(|s| s.path.clone()).collect()
+        self.view.shards.files().map(|s| s.path.clone()).collect()
     }
 
     /// Visit every live call: first those still in segments, in log order, then
@@ -656,12 +647,14 @@ impl Snapshot {
     pub fn for_each_call_each(&self, mut f: impl FnMut(Result<CallView<'_>>) -> Result<()>) -> Result<()> {
         // Live calls still in segments, in log order, from the index (not by
         // scanning frames: a damaged frame must not hide the ones after it).
-        let mut locs: Vec<Loc> = self.view.index.traces.values().filter(|m| m.shard.is_none()).map(|m| m.loc).collect();
+        let shards = &self.view.shards;
+        let mut locs: Vec<Loc> =
+            self.view.index.traces.values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
         locs.sort_unstable();
         for loc in locs {
             f(self.call_at(loc))?;
         }
-        for file in self.view.shards.iter().flatten() {
+        for file in shards.files() {
             for rg in 0..file.row_groups() as u32 {
                 let batch = match file.read_row_group(rg) {
                     Ok(b) => b,
@@ -680,7 +673,7 @@ impl Snapshot {
                     };
                     let pos = ShardPos { shard: file.id, row_group: rg, row: row as u32 };
                     let Some(meta) = self.view.index.traces.get(record.trace_id) else { continue };
-                    if meta.shard != Some(pos) {
+                    if shards.position(meta.loc) != Some(pos) {
                         continue;
                     }
                     let divergence = divergence.map(|d| d as usize);

@@ -6,6 +6,7 @@
 pub mod extra;
 pub mod reader;
 pub mod schema;
+pub mod set;
 pub mod writer;
 
 /// The compaction generation of a published shard file

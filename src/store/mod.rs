@@ -44,7 +44,7 @@ pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
 
 use admission::{check_trace_id, ChatPrev, SendState};
-use protocol::{count_row, uncount_row, Cmd, CompactionBase, Prepared};
+use protocol::{Cmd, CompactionBase, Prepared, RowCounts};
 use queue::{annotation_bytes, call_bytes, Permit, Queue};
 use receipt::{lock, Durable, Inner};
 use recovery::seal_skipped_active;
@@ -134,7 +134,7 @@ impl Store {
         let mut loaded = load_dir(&dir, manifest, options.recovery, true, &|loc| rewards.after_through(loc))?;
         for (_, target) in std::mem::take(&mut loaded.rewards) {
             for s in rewards::sessions_of_target(&loaded.index, &target) {
-                if loaded.shard_sessions.contains_key(&s) {
+                if loaded.shard_sessions.contains(&s) {
                     rewards.dirty.insert(s);
                 }
             }
@@ -175,7 +175,7 @@ impl Store {
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
-        let shards: crate::snapshot::ShardSlots = Arc::new(loaded.shards.into_iter().map(Some).collect());
+        let shards: crate::snapshot::ShardSlots = Arc::new(loaded.shards);
         let damage = Arc::new(std::mem::take(&mut loaded.damage));
         let report = Mutex::new(Arc::new(std::mem::take(&mut loaded.report)));
         let view =

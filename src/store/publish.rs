@@ -1,17 +1,19 @@
 //! Publishing a compaction (format-spec/shard.md §5), split by who owns what.
 //!
 //! The compacting thread does the work proportional to the store: it opens
-//! and checks the new `steps` shards and reads their rows, switches the
-//! compacted calls to their shard rows in a copy of the index taken when the
-//! compaction began (a persistent map: the copy is O(1), each switch
-//! O(log n)), and counts, for retirement, the live calls still in segments.
-//! The writer thread, which owns the manifest and the indexes, then commits
-//! the publication and applies those changes, re-checking only the trace ids
-//! it changed since the compaction began (it notes them from then on), so a
-//! replacement or a deletion made meanwhile still wins, exactly as if every
-//! compacted call had been switched on the writer thread.
+//! and checks the new `steps` shards and reads their rows, builds the shard
+//! set the publication makes (the placement of every row by log position,
+//! see `ShardSet`), and counts, for retirement, the live calls still in
+//! segments. The trace map is not touched: a compacted call keeps its entry,
+//! and reads find its row by the entry's log position. The writer thread,
+//! which owns the manifest and the indexes, then commits the publication and
+//! switches to the new set, re-counting only the trace ids it changed since
+//! the compaction began (it notes them from then on). A replacement or a
+//! deletion made meanwhile wins by itself: the new entry's log position has
+//! no row.
 
 use super::*;
+use crate::shard::set::ShardSet;
 
 /// A compaction begun ([`Store::begin_compaction`]): its shard generation and
 /// the snapshot it compacts. Dropped without publishing, it tells the writer
@@ -101,29 +103,29 @@ pub(crate) struct Obsolete {
 }
 
 /// The compacting thread's part of a publication: open the new `steps`
-/// shards (still under their staged names) and switch their rows' calls in
-/// the base view's index; take the rows of the obsolete `steps` files out
-/// of the row counts.
+/// shards (still under their staged names) and build the shard set the
+/// publication makes; take the rows of the obsolete `steps` files out of
+/// the row counts.
 fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete: &Obsolete) -> Result<Prepared> {
     let shards_dir = dir.join(SHARDS_DIR);
-    let first_shard_id = u32::try_from(base.view.shards.len())
+    let first_shard_id = u32::try_from(base.view.shards.slots())
         .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
-    let mut index = base.view.index.clone();
-    let (mut shard_traces, mut shard_sessions) = (base.shard_traces, base.shard_sessions);
+    // The rows the obsolete files take away and the new files add, by the
+    // hashes the row counts keep.
+    let (mut gone_traces, mut gone_sessions) = (Vec::new(), Vec::new());
+    let (mut new_traces, mut new_sessions) = (Vec::new(), Vec::new());
     let mut rows = Vec::new();
     for id in &obsolete.shard_ids {
-        let Some(Some(f)) = base.view.shards.get(*id as usize) else { continue };
+        let Some(f) = base.view.shards.file(*id) else { continue };
         rows.clear();
         f.index_rows(&mut rows)?;
         for row in &rows {
-            uncount_row(&mut shard_traces, &row.trace_id);
-            for s in row.sessions.iter() {
-                uncount_row(&mut shard_sessions, s);
-            }
+            gone_traces.push(RowCounts::hash(&row.trace_id));
+            gone_sessions.extend(row.sessions.iter().map(|s| RowCounts::hash(s)));
         }
     }
-    drop(base.view);
     let mut files = Vec::new();
+    let mut placements = Vec::new();
     // One shard's index rows at a time: memory holds one file's rows, not
     // every row of the compaction.
     for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
@@ -134,28 +136,30 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         f.path = shards_dir.join(&p.shard.path);
         files.push(f);
         for row in &rows {
-            // A row that is not the base's live call of its trace id can
-            // never become it later (later calls are later in the log).
-            let trace_id =
-                index.place_in_shard(&row.trace_id, row.loc, row.pos).unwrap_or_else(|| row.trace_id.clone());
-            for s in row.sessions.iter() {
-                count_row(&mut shard_sessions, s);
-            }
-            count_row(&mut shard_traces, &trace_id);
+            new_traces.push(RowCounts::hash(&row.trace_id));
+            new_sessions.extend(row.sessions.iter().map(|s| RowCounts::hash(s)));
+            placements.push((row.loc, row.pos));
         }
     }
     drop(rows);
+    let shard_traces = base.shard_traces.changed(gone_traces, new_traces);
+    let shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
+    let (shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
+    let base_traces = base.view.index.traces.clone();
+    let base_shards = base.view.shards.clone();
+    drop(base.view);
     let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
-    for (_, meta) in index.traces.iter() {
-        if let (None, Some(s)) = (&meta.shard, meta.sessions.first()) {
-            *in_segments.entry(s.clone()).or_default() += 1;
+    for (_, meta) in base_traces.iter() {
+        if let Some(s) = in_segments_of(Some(meta), &shards) {
+            *in_segments.entry(s).or_default() += 1;
         }
     }
     Ok(Prepared {
         token: base.token,
-        first_shard_id,
-        files,
-        traces: index.traces,
+        shards: Arc::new(shards),
+        base_shards,
+        emptied,
+        base_traces,
         shard_traces,
         shard_sessions,
         obsolete: obsolete.clone(),
@@ -164,8 +168,8 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
 }
 
 /// What a trace id's call counts for in [`Prepared::in_segments`].
-fn in_segments_of(meta: Option<&CallMeta>) -> Option<Arc<str>> {
-    meta.filter(|m| m.shard.is_none()).and_then(|m| m.sessions.first().cloned())
+fn in_segments_of(meta: Option<&Arc<CallMeta>>, shards: &ShardSet) -> Option<Arc<str>> {
+    meta.filter(|m| !shards.is_compacted(m.loc)).and_then(|m| m.sessions.first().cloned())
 }
 
 impl Writer {
@@ -203,7 +207,7 @@ impl Writer {
     pub(super) fn changed_since(&mut self, p: &Prepared) -> Result<HashSet<Arc<str>>> {
         let mine = self.journal.as_ref().is_some_and(|j| j.token == p.token);
         match if mine { self.journal.take() } else { None } {
-            Some(j) if self.shards.len() == p.first_shard_id as usize => Ok(j.touched),
+            Some(j) if Arc::ptr_eq(&self.shards, &p.base_shards) => Ok(j.touched),
             _ => Err(Error::new(
                 ErrorKind::Io,
                 "internal: this publication does not belong to the compaction under way; nothing was published, compact again",
@@ -258,19 +262,13 @@ impl Writer {
         self.manifest.pending.clear();
         self.manifest.shards.extend(staged.iter().map(|r| r.shard.clone()));
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
-        // Serve compacted calls from the new shards.
-        let mut files: Vec<Option<Arc<ShardFile>>> = self.shards.as_ref().clone();
-        // Obsolete slots are emptied, not removed: shard ids stay stable.
-        // Snapshots still holding an obsolete `steps` file read it through
-        // a descriptor opened now; the files are deleted at once, so no
-        // directory listing sees the old and the new rows together, and
-        // their space is freed when the last such snapshot is dropped.
-        for id in &p.obsolete.shard_ids {
-            if let Some(f) = files.get_mut(*id as usize).and_then(Option::take) {
-                if Arc::strong_count(&f) > 1 {
-                    f.pin()?;
-                }
-            }
+        // Serve compacted calls from the new shards. Snapshots still
+        // holding an obsolete `steps` file read it through a descriptor
+        // opened now; the files are deleted at once, so no directory listing
+        // sees the old and the new rows together, and their space is freed
+        // when the last such snapshot is dropped.
+        for f in std::mem::take(&mut p.emptied) {
+            f.pin()?;
         }
         if !obsolete.is_empty() {
             // Best effort: a file that cannot be deleted now stays listed
@@ -282,39 +280,20 @@ impl Writer {
             super::recovery::sync_shard_dirs(&shards_dir, &self.options.faults)?;
             self.manifest.obsolete.retain(|o| !deleted.contains(&o));
         }
-        files.extend(std::mem::take(&mut p.files).into_iter().map(|f| Some(Arc::new(f))));
-        self.shards = Arc::new(files);
-        // The prepared trace map, with what changed since the base re-checked:
-        // the writer's current entry wins, switched to its shard row only if
-        // it is still the call that was compacted.
-        let mut traces = std::mem::take(&mut p.traces);
+        self.shards = p.shards.clone();
+        // The counts of live calls in segments were taken on the base view:
+        // re-count the trace ids changed since (the writer's entry wins; a
+        // new entry has no shard row, being later than the compaction).
         for id in touched {
-            // Where the prepared map serves the call from: its shard row,
-            // placed by this compaction or an earlier one (shard rows move
-            // only at publications, which are one at a time).
-            let placement = traces.get(id).and_then(|m| m.shard.map(|pos| (m.loc, pos)));
-            if let Some(s) = in_segments_of(traces.get(id).map(|m| &**m)) {
+            if let Some(s) = in_segments_of(p.base_traces.get(id), &self.shards) {
                 if let Some(n) = p.in_segments.get_mut(&s) {
                     *n = n.saturating_sub(1);
                 }
             }
-            let now = self.index.traces.get(id).cloned().map(|mut m| {
-                if let Some((loc, pos)) = placement {
-                    if loc == m.loc && m.shard != Some(pos) {
-                        Arc::make_mut(&mut m).shard = Some(pos);
-                    }
-                }
-                m
-            });
-            if let Some(s) = in_segments_of(now.as_deref()) {
+            if let Some(s) = in_segments_of(self.index.traces.get(id), &self.shards) {
                 *p.in_segments.entry(s).or_default() += 1;
             }
-            match now {
-                Some(m) => traces.insert(id.clone(), m),
-                None => traces.remove(id),
-            };
         }
-        self.index.traces = traces;
         self.shard_traces = std::mem::take(&mut p.shard_traces);
         self.shard_sessions = std::mem::take(&mut p.shard_sessions);
         for s in sessions {

@@ -24,11 +24,11 @@ pub(super) struct Loaded {
     pub(super) manifest: Manifest,
     pub(super) index: Index,
     pub(super) segments: imbl::OrdMap<u64, SegmentRef>,
-    pub(super) shards: Vec<Arc<ShardFile>>,
+    pub(super) shards: crate::shard::set::ShardSet,
     /// Shard rows (live or not) per session name.
-    pub(super) shard_sessions: super::protocol::RowCounts,
+    pub(super) shard_sessions: RowCounts,
     /// Shard rows (live or not) per trace id.
-    pub(super) shard_traces: super::protocol::RowCounts,
+    pub(super) shard_traces: RowCounts,
     /// The last segment, if unsealed: its entries and valid end.
     pub(super) active: Option<(u64, PathBuf, u64, Vec<FooterEntry>)>,
     /// The active segment had damaged regions skipped (seal it before appending).
@@ -64,7 +64,6 @@ pub(super) fn apply_entry(
         None if e.kind == KIND_CALL => {
             index.apply_call(CallMeta {
                 loc,
-                shard: None,
                 timestamp: e.timestamp,
                 trace_id: Arc::from(e.id.as_str()),
                 sessions: index.sessions_of(&e.session_id, &e.session_uids),
@@ -96,7 +95,6 @@ pub(super) fn apply_entry(
 pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
     index.apply_call(CallMeta {
         loc: row.loc,
-        shard: Some(row.pos),
         timestamp: row.timestamp,
         trace_id: row.trace_id.clone(),
         sessions: row.sessions.clone(),
@@ -186,18 +184,18 @@ pub(super) fn load_dir(
     let mut index = Index::default();
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
-    let (shards, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
+    let (files, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
+    let shards = crate::shard::set::ShardSet::new(files, rows.iter().map(|r| (r.loc, r.pos)));
     // Shard rows per trace id and per session: only a writer needs them
     // (retirement, collection), and at a million rows they are the largest
     // structure after the index, so a read-only open leaves them empty.
-    let mut shard_sessions = super::protocol::RowCounts::default();
-    let mut shard_traces = super::protocol::RowCounts::default();
+    let (mut trace_rows, mut session_rows) = (Vec::new(), Vec::new());
     for r in rows.iter().filter(|_| writable) {
-        super::protocol::count_row(&mut shard_traces, &r.trace_id);
-        for s in r.sessions.iter() {
-            super::protocol::count_row(&mut shard_sessions, s);
-        }
+        trace_rows.push(RowCounts::hash(&r.trace_id));
+        session_rows.extend(r.sessions.iter().map(|s| RowCounts::hash(s)));
     }
+    let shard_traces = RowCounts::from_hashes(trace_rows);
+    let shard_sessions = RowCounts::from_hashes(session_rows);
     // Rewards matter to the side table only once some session is in a shard.
     let any_shards = !rows.is_empty();
     let keep = |loc: Loc| any_shards && keep_reward(loc);
@@ -502,7 +500,7 @@ pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View
                 let view = View {
                     index: loaded.index,
                     segments: loaded.segments,
-                    shards: Arc::new(loaded.shards.into_iter().map(Some).collect()),
+                    shards: Arc::new(loaded.shards),
                     damage: Arc::new(loaded.damage),
                 };
                 return Ok((view, loaded.report));

@@ -107,12 +107,12 @@ impl Writer {
                     // the deletion after it) is what keeps that row dead.
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
                     let live = self.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
-                    if !live && self.shard_traces.contains_key(e.id.as_str()) {
+                    if !live && self.shard_traces.contains(e.id.as_str()) {
                         needed = true;
                         break;
                     }
                 } else if e.kind == KIND_DELETE_SESSION {
-                    if self.shard_sessions.contains_key(e.id.as_str()) || kept_sessions.contains(e.id.as_str()) {
+                    if self.shard_sessions.contains(e.id.as_str()) || kept_sessions.contains(e.id.as_str()) {
                         needed = true;
                         break;
                     }

@@ -218,7 +218,7 @@ impl Writer {
     /// be compacting them with the reward they had when it began).
     pub(super) fn note_reward(&mut self, target: &Target) {
         for s in sessions_of_target(&self.index, target) {
-            if self.journal.is_some() || self.shard_sessions.contains_key(&s) {
+            if self.journal.is_some() || self.shard_sessions.contains(&s) {
                 self.rewards.dirty.insert(s);
             }
         }

@@ -16,8 +16,8 @@ pub(super) struct Writer {
     pub(super) shards: crate::snapshot::ShardSlots,
     /// Shard rows per session and per trace id (persistent maps: a
     /// compaction prepares the next ones from a copy, see publish.rs).
-    pub(super) shard_sessions: super::protocol::RowCounts,
-    pub(super) shard_traces: super::protocol::RowCounts,
+    pub(super) shard_sessions: RowCounts,
+    pub(super) shard_traces: RowCounts,
     /// While a compaction is under way: the trace ids whose live call changed
     /// since it began.
     pub(super) journal: Option<Journal>,
@@ -320,7 +320,6 @@ impl Writer {
         let trace_id: Arc<str> = Arc::from(call.trace_id.as_str());
         let replaced = self.index.apply_call(CallMeta {
             loc,
-            shard: None,
             timestamp: call.timestamp,
             trace_id: trace_id.clone(),
             sessions: self.index.sessions_of(&call.session_id, &call.session_uids),
@@ -356,7 +355,7 @@ impl Writer {
             // Only calls still in segments can be parents (compacted ones may
             // have had their segment retired).
             let in_segments = |k: &&crate::index::CallKey| {
-                self.index.traces.get(&k.trace_id).is_some_and(|m| m.loc == k.loc && m.shard.is_none())
+                self.index.traces.get(&k.trace_id).is_some_and(|m| m.loc == k.loc && !self.shards.is_compacted(m.loc))
             };
             let mut locs: Vec<Loc> = entry.calls.iter().filter(in_segments).map(|k| k.loc).collect();
             locs.sort();

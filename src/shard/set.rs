@@ -1,0 +1,146 @@
+//! The published `steps` shards a view reads, and where each compacted call
+//! is served from.
+//!
+//! A compacted call keeps its index entry (trace id, sessions, timestamp,
+//! log position); whether and where it is in a shard is looked up here by
+//! that log position, not stored in the entry. A publication then builds a
+//! new placement table (one 32-byte entry per shard row) and leaves the
+//! trace map alone: storing the position in each entry made a publication
+//! copy the entry and the map's path to it for every call it compacted,
+//! while the published view still shared the old ones (the trace map held
+//! twice at the compaction's peak).
+
+use super::reader::{ShardFile, ShardPos};
+use crate::format::record::Loc;
+use std::sync::Arc;
+
+/// One shard row: the log position of the call record it was compacted
+/// from, and the row.
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    loc: Loc,
+    pos: ShardPos,
+}
+
+/// The `steps` shards of a view by shard id, and the placement of their
+/// rows. A slot is emptied, not removed, when a collection replaces its
+/// file, so that shard ids stay stable while the store is open; they are
+/// renumbered from the manifest at the next open.
+#[derive(Debug, Default)]
+pub struct ShardSet {
+    files: Vec<Option<Arc<ShardFile>>>,
+    /// Every row of the files present, sorted by log position, one per
+    /// position: a call record is compacted into one row of the published
+    /// files (a collection that moves rows drops the old file's in the same
+    /// publication). Dead rows (replaced or deleted after compaction) are
+    /// here too; they are never asked for, since lookups go by the log
+    /// position of a live index entry.
+    placements: Vec<Placement>,
+}
+
+/// Sort by log position; of two rows of one position (which a consistent
+/// store never has) the later shard's wins, as it would in a replay.
+fn sorted(mut placements: Vec<Placement>) -> Vec<Placement> {
+    placements.sort_unstable_by(|a, b| a.loc.cmp(&b.loc).then(a.pos.shard.cmp(&b.pos.shard)));
+    placements.reverse();
+    placements.dedup_by_key(|p| p.loc);
+    placements.reverse();
+    placements.shrink_to_fit();
+    placements
+}
+
+impl ShardSet {
+    /// The shards of an open (ids `0..files.len()`), with every row's
+    /// (log position, row).
+    pub fn new(files: Vec<Arc<ShardFile>>, rows: impl IntoIterator<Item = (Loc, ShardPos)>) -> ShardSet {
+        let placements = sorted(rows.into_iter().map(|(loc, pos)| Placement { loc, pos }).collect());
+        ShardSet { files: files.into_iter().map(Some).collect(), placements }
+    }
+
+    /// This set after a publication: the slots `obsolete` emptied (their
+    /// rows dropped) and `added` appended, with their rows. The files are
+    /// given back emptied, for the caller to pin while snapshots read them.
+    pub fn published(
+        &self,
+        obsolete: &[u32],
+        added: Vec<ShardFile>,
+        rows: impl IntoIterator<Item = (Loc, ShardPos)>,
+    ) -> (ShardSet, Vec<Arc<ShardFile>>) {
+        let mut files = self.files.clone();
+        let mut emptied = Vec::new();
+        for id in obsolete {
+            if let Some(f) = files.get_mut(*id as usize).and_then(Option::take) {
+                emptied.push(f);
+            }
+        }
+        files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
+        let kept = self.placements.iter().filter(|p| !obsolete.contains(&p.pos.shard)).copied();
+        let placements = sorted(kept.chain(rows.into_iter().map(|(loc, pos)| Placement { loc, pos })).collect());
+        (ShardSet { files, placements }, emptied)
+    }
+
+    /// The file of shard `id`, if this set still has it.
+    pub fn file(&self, id: u32) -> Option<&Arc<ShardFile>> {
+        self.files.get(id as usize).and_then(Option::as_ref)
+    }
+
+    /// The files present, by shard id.
+    pub fn files(&self) -> impl Iterator<Item = &Arc<ShardFile>> {
+        self.files.iter().flatten()
+    }
+
+    /// Number of shard ids given out (emptied slots included): the next
+    /// file gets this id.
+    pub fn slots(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Where the call record at `loc` is served from, if it was compacted
+    /// into a file of this set. O(log rows).
+    pub fn position(&self, loc: Loc) -> Option<ShardPos> {
+        let i = self.placements.binary_search_by(|p| p.loc.cmp(&loc)).ok()?;
+        self.placements.get(i).map(|p| p.pos)
+    }
+
+    /// Whether the call record at `loc` is served from a shard.
+    pub fn is_compacted(&self, loc: Loc) -> bool {
+        self.position(loc).is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loc(segment: u64, offset: u64) -> Loc {
+        Loc { segment, offset }
+    }
+    fn pos(shard: u32, row: u32) -> ShardPos {
+        ShardPos { shard, row_group: 0, row }
+    }
+
+    #[test]
+    fn positions_by_log_position_and_publication_replaces_obsolete_rows() {
+        let set = ShardSet::new(Vec::new(), [(loc(2, 8), pos(0, 1)), (loc(1, 8), pos(0, 0)), (loc(3, 8), pos(1, 0))]);
+        assert_eq!(set.position(loc(1, 8)), Some(pos(0, 0)));
+        assert_eq!(set.position(loc(2, 8)), Some(pos(0, 1)));
+        assert_eq!(set.position(loc(3, 8)), Some(pos(1, 0)));
+        assert_eq!(set.position(loc(2, 9)), None);
+        // Shard 0 collected: its live row moves to shard 2, its dead one is gone.
+        let (next, emptied) = set.published(&[0], Vec::new(), [(loc(1, 8), pos(2, 0))]);
+        assert!(emptied.is_empty(), "the set had no files to give back");
+        assert_eq!(next.position(loc(1, 8)), Some(pos(2, 0)));
+        assert_eq!(next.position(loc(2, 8)), None);
+        assert_eq!(next.position(loc(3, 8)), Some(pos(1, 0)));
+        // The old set is unchanged (a snapshot may still read it).
+        assert_eq!(set.position(loc(2, 8)), Some(pos(0, 1)));
+    }
+
+    #[test]
+    fn of_two_rows_at_one_position_the_later_shard_wins() {
+        let set = ShardSet::new(Vec::new(), [(loc(1, 8), pos(3, 0)), (loc(1, 8), pos(1, 5)), (loc(1, 16), pos(1, 6))]);
+        assert_eq!(set.position(loc(1, 8)), Some(pos(3, 0)));
+        assert_eq!(set.position(loc(1, 16)), Some(pos(1, 6)));
+        assert_eq!(set.placements.len(), 2);
+    }
+}
