@@ -11,7 +11,7 @@ use imbl::OrdMap;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
-/// What the index keeps per live call.
+/// What the index keeps per live call (its trace id is the map's key).
 #[derive(Debug, Clone)]
 pub struct CallMeta {
     /// The call record's position in the log (its frame, until the segment is
@@ -19,7 +19,6 @@ pub struct CallMeta {
     /// is looked up by it (`ShardSet::position`).
     pub loc: Loc,
     pub timestamp: f64,
-    pub trace_id: Arc<str>,
     /// `session_id` first, then the extra session uids (deduplicated).
     pub sessions: Arc<[Arc<str>]>,
 }
@@ -177,13 +176,14 @@ fn remove_key(calls: &mut CallList, key: &CallKey) {
 }
 
 impl Index {
-    /// Apply a call record; returns the call it replaced (same trace id), if any.
-    pub fn apply_call(&mut self, meta: CallMeta) -> Option<Arc<CallMeta>> {
-        let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id: meta.trace_id.clone() };
+    /// Apply a call record of `trace_id`; returns the call it replaced (same
+    /// trace id), if any.
+    pub fn apply_call(&mut self, trace_id: Arc<str>, meta: CallMeta) -> Option<Arc<CallMeta>> {
+        let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id };
         let meta = Arc::new(meta);
         let replaced = self.traces.insert(key.trace_id.clone(), meta.clone());
         if let Some(old) = &replaced {
-            let old_key = CallKey { timestamp: old.timestamp, loc: old.loc, trace_id: old.trace_id.clone() };
+            let old_key = CallKey { timestamp: old.timestamp, loc: old.loc, trace_id: key.trace_id.clone() };
             for s in old.sessions.iter() {
                 if let Some(entry) = self.sessions.get_mut(s) {
                     remove_key(&mut entry.calls, &old_key);

@@ -62,12 +62,8 @@ pub(super) fn apply_entry(
     let ann = match crate::segment::recovery::annotation_of_entry(e) {
         Some(ann) => ann,
         None if e.kind == KIND_CALL => {
-            index.apply_call(CallMeta {
-                loc,
-                timestamp: e.timestamp,
-                trace_id: Arc::from(e.id.as_str()),
-                sessions: index.sessions_of(&e.session_id, &e.session_uids),
-            });
+            let sessions = index.sessions_of(&e.session_id, &e.session_uids);
+            index.apply_call(Arc::from(e.id.as_str()), CallMeta { loc, timestamp: e.timestamp, sessions });
             return;
         }
         None => {
@@ -93,12 +89,10 @@ pub(super) fn apply_entry(
 }
 
 pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
-    index.apply_call(CallMeta {
-        loc: row.loc,
-        timestamp: row.timestamp,
-        trace_id: row.trace_id.clone(),
-        sessions: row.sessions.clone(),
-    });
+    index.apply_call(
+        row.trace_id.clone(),
+        CallMeta { loc: row.loc, timestamp: row.timestamp, sessions: row.sessions.clone() },
+    );
 }
 
 /// Apply an annotation; returns how many calls a deletion deleted, 1 for a

@@ -170,21 +170,27 @@ impl Writer {
             return Ok(retire);
         }
         // Carry current rewards and seals forward (deduplicated by target).
-        let mut seen: HashSet<(u8, String)> = HashSet::new();
+        let mut seen: HashSet<(u8, &str)> = HashSet::new();
         let mut carried_count = 0;
-        for ann in annotations {
-            let target = match &ann {
-                Annotation::Reward { target: Target::Trace(t), .. } => (0, t),
-                Annotation::Reward { target: Target::Session(s), .. } => (1, s),
-                Annotation::Seal { session_id } => (2, session_id),
+        for ann in &annotations {
+            let target = match ann {
+                Annotation::Reward { target: Target::Trace(t), .. } => (0, t.as_str()),
+                Annotation::Reward { target: Target::Session(s), .. } => (1, s.as_str()),
+                Annotation::Seal { session_id } => (2, session_id.as_str()),
                 Annotation::DeleteSession { .. } => continue,
             };
-            let carried = if seen.insert((target.0, target.1.clone())) { self.current(&ann) } else { None };
+            let carried = if seen.insert(target) { self.current(ann) } else { None };
             if let Some(a) = carried {
                 self.append_annotation(&a)?;
                 carried_count += 1;
+                if self.buf.len() >= super::writer::BATCH_BYTES_MAX {
+                    // Bound the writer's memory, as appends do.
+                    self.write_buf()?;
+                }
             }
         }
+        drop(seen);
+        drop(annotations);
         self.write_buf()?;
         self.active()?.sync()?;
         self.unsynced_since = None;

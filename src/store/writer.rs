@@ -49,7 +49,7 @@ pub(super) struct Journal {
 }
 
 const BATCH_RECORDS_MAX: usize = 1024;
-const BATCH_BYTES_MAX: usize = 16 << 20;
+pub(super) const BATCH_BYTES_MAX: usize = 16 << 20;
 
 /// Poisons the store if the writer thread unwinds from a panic, so that every
 /// waiter wakes with an error instead of waiting for ever (its `Drop` runs
@@ -318,12 +318,8 @@ impl Writer {
         });
         let session: Arc<str> = Arc::from(call.session_id.as_str());
         let trace_id: Arc<str> = Arc::from(call.trace_id.as_str());
-        let replaced = self.index.apply_call(CallMeta {
-            loc,
-            timestamp: call.timestamp,
-            trace_id: trace_id.clone(),
-            sessions: self.index.sessions_of(&call.session_id, &call.session_uids),
-        });
+        let sessions = self.index.sessions_of(&call.session_id, &call.session_uids);
+        let replaced = self.index.apply_call(trace_id.clone(), CallMeta { loc, timestamp: call.timestamp, sessions });
         self.touch(&trace_id);
         // A trace reward stays with its trace id when the call is replaced,
         // and is written again after the new call (format-spec/record.md §6):
