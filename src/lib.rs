@@ -80,6 +80,7 @@ mod record;
 pub mod repair;
 pub mod rllm;
 mod snapshot;
+pub mod space;
 mod store;
 pub mod trace_json;
 pub mod verify;

@@ -72,7 +72,7 @@ impl std::fmt::Debug for RowGroupCache {
 /// writer appends, seals, rolls and compacts.
 #[derive(Debug)]
 pub struct Snapshot {
-    view: Arc<View>,
+    pub(crate) view: Arc<View>,
     row_groups: std::sync::OnceLock<RowGroupCache>,
     /// Decode whole row groups (scans: each is read once for all its
     /// sessions), not only the rows a read needs (point reads).

@@ -1035,3 +1035,70 @@ fn carried_seals_are_not_rewritten_by_every_compaction() {
         assert_eq!(snap.call_count(), 80);
     }
 }
+
+/// `trajlog space`'s accounting: every frame of every segment counted once
+/// (live, compacted, dead or annotation), the segments a straggler keeps
+/// named with it, and a shard's dead rows after a deletion.
+#[test]
+fn space_accounts_every_frame_and_names_what_keeps_a_segment() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 30, steps: 4, shape: Shape::Lean, ..SimConfig::default() });
+    let (straggler, rest) = (&batch[0], &batch[1..]);
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in &straggler.calls {
+        store.append(c.clone()).unwrap();
+    }
+    for s in rest {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    store.flush().unwrap();
+    let total: u64 = batch.iter().map(|s| s.calls.len() as u64).sum();
+    // Frames and the 64-byte header fill the active segment exactly, and a
+    // sealed one up to its footer.
+    let check_frames = |r: &trajlog::space::SpaceReport| {
+        for s in &r.segments {
+            let frames = s.live_bytes + s.compacted_bytes + s.dead_bytes + s.annotation_bytes + 64;
+            if s.sealed {
+                assert!(frames < s.file_bytes, "{s:?}");
+            } else {
+                assert_eq!(frames, s.file_bytes, "{s:?}");
+            }
+            assert_eq!(s.unreadable_bytes, 0);
+        }
+    };
+    let r = trajlog::space::space(&store.snapshot()).unwrap();
+    check_frames(&r);
+    assert!(r.segments.len() >= 3, "the test needs several segments: {}", r.segments.len());
+    assert_eq!(r.segments.iter().map(|s| s.live_calls).sum::<u64>(), total);
+    assert_eq!(r.segments.iter().map(|s| s.compacted_calls + s.dead_calls).sum::<u64>(), 0);
+    assert_eq!(r.segments.iter().map(|s| s.annotations).sum::<u64>(), rest.len() as u64, "one seal per session");
+    assert!(r.shards.is_empty());
+
+    store.compact(&CompactOptions::default()).unwrap();
+    let r = trajlog::space::space(&store.snapshot()).unwrap();
+    check_frames(&r);
+    let kept: Vec<&trajlog::space::SegmentSpace> = r.segments.iter().filter(|s| s.live_calls > 0).collect();
+    assert_eq!(kept.iter().map(|s| s.live_calls).sum::<u64>(), straggler.calls.len() as u64);
+    for s in &kept {
+        assert_eq!(s.kept_by.len(), 1, "{s:?}");
+        assert_eq!(s.kept_by[0].session_id, straggler.session_id);
+        assert!(!s.kept_by[0].sealed);
+        assert_eq!((s.kept_by[0].calls, s.kept_by[0].bytes), (s.live_calls, s.live_bytes));
+    }
+    assert!(kept.iter().any(|s| s.compacted_calls > 0), "the straggler's segment holds compacted calls too");
+    let compacted = total - straggler.calls.len() as u64;
+    assert_eq!(r.shards.iter().map(|s| s.rows).sum::<u64>(), compacted);
+    assert_eq!(r.shards.iter().map(|s| s.live_rows).sum::<u64>(), compacted);
+    assert!(r.live_bytes() > 0 && r.live_bytes() < r.segment_bytes() + r.shard_bytes());
+
+    // A deleted compacted session: its rows are dead until a collection.
+    assert_eq!(store.delete_session(&rest[0].session_id).unwrap(), 4);
+    let r = trajlog::space::space(&store.snapshot()).unwrap();
+    check_frames(&r);
+    assert_eq!(r.shards.iter().map(|s| s.rows).sum::<u64>(), compacted);
+    assert_eq!(r.shards.iter().map(|s| s.live_rows).sum::<u64>(), compacted - 4);
+    assert_eq!(r.segments.iter().map(|s| s.dead_calls).sum::<u64>(), 4, "their frames, where kept, are dead");
+}

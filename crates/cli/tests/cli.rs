@@ -451,3 +451,29 @@ fn a_failed_write_to_stdout_other_than_a_closed_pipe_is_an_error() {
         assert!(stderr.contains("cannot write to standard output") && !stderr.contains("panicked"), "{stderr}");
     }
 }
+
+#[test]
+fn space_names_the_open_session_that_keeps_a_segment() {
+    let dir = common::tempdir();
+    let store = dir.path().join("store");
+    let out = trajlog(&["ingest", "--store", s(&store)], TRACES);
+    assert!(out.status.success());
+    // Seal every session but task-1:0, then compact: its segment stays.
+    let db = trajlog::Store::open(&store, trajlog::Options::default()).unwrap();
+    db.seal_session("task-2:0").unwrap();
+    db.compact(&trajlog::CompactOptions::default()).unwrap();
+    db.close().unwrap();
+    let out = trajlog(&["space", "--store", s(&store)], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("task-1:0 (2, "), "{text}");
+    assert!(text.contains("steps shards: 1 files") && text.contains("1 rows (1 live)"), "{text}");
+    assert!(text.contains("kept only by the live calls of sessions not finished (task-1:0)"), "{text}");
+    let out = trajlog(&["space", "--store", s(&store), "--json"], "");
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let segs = doc["segments"].as_array().unwrap();
+    let live: u64 = segs.iter().map(|s| s["live_calls"].as_u64().unwrap()).sum();
+    assert_eq!(live, 2);
+    assert_eq!(doc["shards"][0]["live_rows"], 1);
+    assert!(doc["disk_over_live"].as_f64().unwrap() > 1.0);
+}

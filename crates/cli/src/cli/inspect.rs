@@ -1,4 +1,4 @@
-//! Read-side subcommands: `export`, `ls`, `show`. They open the store
+//! Read-side subcommands: `export`, `ls`, `show`, `space`. They open the store
 //! read-only, so they work beside a running writer.
 
 use std::io::Write;
@@ -92,6 +92,98 @@ pub fn ls(dir: &Path) -> trajlog::Result<i32> {
         snap.segments().len(),
         super::human_bytes(bytes)
     );
+    Ok(0)
+}
+
+pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
+    let snap = open(dir, "space")?;
+    let r = trajlog::space::space(&snap)?;
+    let hb = super::human_bytes;
+    let (segments, shards, live) = (r.segment_bytes(), r.shard_bytes(), r.live_bytes());
+    let ratio = if live == 0 { None } else { Some((segments + shards) as f64 / live as f64) };
+    if json {
+        let doc = serde_json::json!({
+            "segments": r.segments,
+            "shards": r.shards,
+            "segment_bytes": segments,
+            "shard_bytes": shards,
+            "live_bytes": live,
+            "disk_over_live": ratio,
+        });
+        println!("{doc}");
+        return Ok(0);
+    }
+    println!(
+        "{:>8} {:<7} {:>10} {:>20} {:>20} {:>18} {:>10}  KEPT BY (live calls)",
+        "SEGMENT", "STATE", "FILE", "LIVE (calls)", "COMPACTED (calls)", "DEAD (calls)", "ANNOT."
+    );
+    let pair = |b: u64, n: u64| format!("{} ({n})", hb(b));
+    for s in &r.segments {
+        let mut kept: Vec<String> = s
+            .kept_by
+            .iter()
+            .take(3)
+            .map(|k| format!("{} ({}, {}{})", k.session_id, k.calls, hb(k.bytes), if k.sealed { "" } else { ", open" }))
+            .collect();
+        if s.kept_by.len() > 3 {
+            kept.push(format!("+{} more", s.kept_by.len() - 3));
+        }
+        if s.unreadable_bytes > 0 {
+            kept.push(format!("{} unreadable", hb(s.unreadable_bytes)));
+        }
+        println!(
+            "{:>8} {:<7} {:>10} {:>20} {:>20} {:>18} {:>10}  {}",
+            s.id,
+            if s.sealed { "sealed" } else { "active" },
+            hb(s.file_bytes),
+            pair(s.live_bytes, s.live_calls),
+            pair(s.compacted_bytes, s.compacted_calls),
+            pair(s.dead_bytes, s.dead_calls),
+            hb(s.annotation_bytes),
+            kept.join(", ")
+        );
+    }
+    let sum = |f: fn(&trajlog::space::SegmentSpace) -> u64| r.segments.iter().map(f).sum::<u64>();
+    println!(
+        "segments: {} files, {}: live calls {}, compacted calls waiting for retirement {}, dead calls {}, annotations {}",
+        r.segments.len(),
+        hb(segments),
+        hb(sum(|s| s.live_bytes)),
+        hb(sum(|s| s.compacted_bytes)),
+        hb(sum(|s| s.dead_bytes)),
+        hb(sum(|s| s.annotation_bytes))
+    );
+    let rows: u64 = r.shards.iter().map(|s| s.rows).sum();
+    let live_rows: u64 = r.shards.iter().map(|s| s.live_rows).sum();
+    println!("steps shards: {} files, {}, {rows} rows ({live_rows} live)", r.shards.len(), hb(shards));
+    match ratio {
+        Some(x) => println!(
+            "live data {}; segments and steps shards {}: {x:.2}× the live data",
+            hb(live),
+            hb(segments + shards)
+        ),
+        None => println!("live data 0 B; segments and steps shards {}", hb(segments + shards)),
+    }
+    // What an operator can do about the segments open sessions keep.
+    let open: Vec<&trajlog::space::SegmentSpace> = r
+        .segments
+        .iter()
+        .filter(|s| s.sealed && !s.kept_by.is_empty() && s.kept_by.iter().all(|k| !k.sealed))
+        .collect();
+    if !open.is_empty() {
+        let mut names: Vec<&str> = open.iter().flat_map(|s| s.kept_by.iter().map(|k| k.session_id.as_str())).collect();
+        names.sort_unstable();
+        names.dedup();
+        let shown: Vec<&str> = names.iter().take(5).copied().collect();
+        let held: u64 = open.iter().map(|s| s.file_bytes).sum();
+        println!(
+            "{} sealed segments ({}) are kept only by the live calls of sessions not finished ({}{}): seal those sessions (or delete them), or compact with --older-than SECONDS; the next compaction then frees these segments",
+            open.len(),
+            hb(held),
+            shown.join(", "),
+            if names.len() > shown.len() { format!(", +{} more", names.len() - shown.len()) } else { String::new() }
+        );
+    }
     Ok(0)
 }
 

@@ -105,6 +105,17 @@ enum Command {
         #[arg(long)]
         store: PathBuf,
     },
+    /// Where the store's bytes are and what keeps them: per segment, the
+    /// frames of live calls, of compacted calls waiting for retirement, of
+    /// dead calls and of annotations, and the sessions whose live calls keep
+    /// it; per shard, live and dead rows; the live data against the disk.
+    Space {
+        #[arg(long)]
+        store: PathBuf,
+        /// One JSON document instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show one session call by call: tokens, and how each prompt relates to its parent.
     Show {
         #[arg(long)]
@@ -354,6 +365,7 @@ pub fn main() -> i32 {
         Command::Export { store, session } => inspect::export(&store, session.as_deref()),
         Command::Ls { store } => inspect::ls(&store),
         Command::Show { store, session } => inspect::show(&store, &session),
+        Command::Space { store, json } => inspect::space(&store, json),
         Command::Verify { store } => repair::verify(&store),
         Command::Repair { store, dry_run } => repair::repair(&store, dry_run),
         Command::Compact {

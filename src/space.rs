@@ -1,0 +1,211 @@
+//! Where a store's bytes are, and what keeps them: live-bytes accounting
+//! per segment and per shard (`trajlog space`).
+//!
+//! A segment is freed (retired) only once nothing needs its records
+//! (format-spec/shard.md §6): its calls compacted or dead, none of them a
+//! parent of a call still in segments. So what keeps a segment on disk is,
+//! first of all, the live calls it still serves — most often those of a
+//! session that never finished (a straggler), which is never compacted.
+//! This report counts, per segment, the frames of live calls served from
+//! it, of live calls now served from shards, of dead calls (replaced or
+//! deleted) and of annotations, and names the sessions whose live calls it
+//! serves, most bytes first. It reads the footers (a sealed segment) or the
+//! frames (the active one) and the index; no record body is decoded.
+
+use crate::error::Result;
+use crate::format::frame::{frame_bytes, read_frame, FrameRead};
+use crate::format::record::{Loc, KIND_CALL};
+use crate::format::segment::{FooterEntry, HEADER_BYTES};
+use crate::segment::SegmentRef;
+use crate::snapshot::Snapshot;
+use std::collections::HashMap;
+
+/// One segment's bytes, by what its frames hold.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SegmentSpace {
+    pub id: u64,
+    pub path: std::path::PathBuf,
+    pub sealed: bool,
+    /// The file's length (a sealed segment: header, frames, footer,
+    /// trailer); the active segment: its written part (the rest is
+    /// preallocated, sparse).
+    pub file_bytes: u64,
+    /// Frames of live calls served from this segment (not compacted).
+    pub live_bytes: u64,
+    pub live_calls: u64,
+    /// Frames of live calls now served from shards: freed when the segment
+    /// is retired.
+    pub compacted_bytes: u64,
+    pub compacted_calls: u64,
+    /// Frames of calls replaced or deleted since (kept while they may be a
+    /// live call's prefix-delta parent, or keep a shard row dead).
+    pub dead_bytes: u64,
+    pub dead_calls: u64,
+    /// Frames of seals, rewards and session deletions.
+    pub annotation_bytes: u64,
+    pub annotations: u64,
+    /// Bytes whose frames could not be read (damage the store was opened
+    /// past, or a footer that does not decode and frames after a bad one).
+    pub unreadable_bytes: u64,
+    /// The primary sessions of the live calls served from this segment,
+    /// most bytes first: what keeps it on disk.
+    pub kept_by: Vec<SessionBytes>,
+}
+
+/// A session's live calls in one segment.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SessionBytes {
+    pub session_id: String,
+    pub calls: u64,
+    pub bytes: u64,
+    /// Whether the session is sealed (finished): a sealed session is
+    /// compacted by the next `trajlog compact`; an open one waits for its
+    /// seal (or for `--older-than`).
+    pub sealed: bool,
+}
+
+/// One published `steps` shard: its rows, and how many are still live.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ShardSpace {
+    pub path: std::path::PathBuf,
+    pub file_bytes: u64,
+    pub rows: u64,
+    /// Rows that are the live call of their trace id; the others (replaced
+    /// or deleted after compaction) go when a collection rewrites the file.
+    pub live_rows: u64,
+}
+
+/// A store's bytes: per segment, per `steps` shard, and in total.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SpaceReport {
+    pub segments: Vec<SegmentSpace>,
+    pub shards: Vec<ShardSpace>,
+}
+
+impl SpaceReport {
+    /// Bytes of every segment file.
+    pub fn segment_bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.file_bytes).sum()
+    }
+
+    /// Bytes of every `steps` shard file.
+    pub fn shard_bytes(&self) -> u64 {
+        self.shards.iter().map(|s| s.file_bytes).sum()
+    }
+
+    /// The live data: frames of live calls still in segments, the live
+    /// fraction of each shard (by rows), and the annotations of segments
+    /// that hold nothing else (the current seals and rewards carried
+    /// forward), which the store needs.
+    pub fn live_bytes(&self) -> u64 {
+        let in_segments: u64 = self.segments.iter().map(|s| s.live_bytes).sum();
+        let carried: u64 = self
+            .segments
+            .iter()
+            .filter(|s| s.live_calls + s.compacted_calls + s.dead_calls == 0)
+            .map(|s| s.annotation_bytes)
+            .sum();
+        let in_shards: u64 = self
+            .shards
+            .iter()
+            .map(|s| if s.rows == 0 { 0 } else { (s.file_bytes as u128 * s.live_rows as u128 / s.rows as u128) as u64 })
+            .sum();
+        in_segments + carried + in_shards
+    }
+}
+
+/// The entries of a segment's frames: its footer's (sealed), else read
+/// from the frames, stopping at the first that does not read.
+fn entries_of(seg: &SegmentRef) -> (Vec<FooterEntry>, u64) {
+    if seg.sealed {
+        let trailer = crate::format::segment::read_trailer(seg.mapped_bytes());
+        if let Some(Ok(entries)) = trailer.map(|t| crate::format::segment::decode_footer(seg.mapped_bytes(), &t)) {
+            return (entries, 0);
+        }
+    }
+    let bytes = seg.bytes();
+    let mut entries = Vec::new();
+    let mut offset = HEADER_BYTES;
+    loop {
+        match read_frame(bytes, offset) {
+            Ok(FrameRead::Frame { body, next }) => {
+                match crate::segment::recovery::entry_of_body(offset, body) {
+                    Ok(e) => entries.push(e),
+                    Err(_) => return (entries, (bytes.len() as u64).saturating_sub(offset)),
+                }
+                offset = next;
+            }
+            Ok(FrameRead::End) => return (entries, 0),
+            Err(_) => return (entries, (bytes.len() as u64).saturating_sub(offset)),
+        }
+    }
+}
+
+/// How many sessions a segment's `kept_by` names at most.
+const KEPT_BY_MAX: usize = 16;
+
+/// Account every segment and `steps` shard of `snap`. O(frames in
+/// segments + live calls); reads footers and, for the active segment, its
+/// frames.
+pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
+    let view = &snap.view;
+    let mut report = SpaceReport::default();
+    for seg in view.segments.values() {
+        let file_bytes = if seg.sealed {
+            std::fs::metadata(seg.path.as_path()).map_or(seg.visible_len, |m| m.len())
+        } else {
+            seg.visible_len
+        };
+        let (entries, unreadable_bytes) = entries_of(seg);
+        let mut s = SegmentSpace {
+            id: seg.id,
+            path: seg.path.as_path().to_path_buf(),
+            sealed: seg.sealed,
+            file_bytes,
+            unreadable_bytes,
+            ..SegmentSpace::default()
+        };
+        let mut keepers: HashMap<&str, (u64, u64)> = HashMap::new();
+        for e in &entries {
+            let bytes = frame_bytes(u64::from(e.body_len));
+            if e.kind != KIND_CALL {
+                s.annotation_bytes += bytes;
+                s.annotations += 1;
+                continue;
+            }
+            let loc = Loc { segment: seg.id, offset: e.frame_offset };
+            let live = view.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
+            if !live {
+                s.dead_bytes += bytes;
+                s.dead_calls += 1;
+            } else if view.shards.is_compacted(loc) {
+                s.compacted_bytes += bytes;
+                s.compacted_calls += 1;
+            } else {
+                s.live_bytes += bytes;
+                s.live_calls += 1;
+                let k = keepers.entry(e.session_id.as_str()).or_default();
+                k.0 += 1;
+                k.1 += bytes;
+            }
+        }
+        let mut kept_by: Vec<SessionBytes> = keepers
+            .into_iter()
+            .map(|(id, (calls, bytes))| SessionBytes {
+                session_id: id.to_owned(),
+                calls,
+                bytes,
+                sealed: snap.is_sealed(id),
+            })
+            .collect();
+        kept_by.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.session_id.cmp(&b.session_id)));
+        kept_by.truncate(KEPT_BY_MAX);
+        s.kept_by = kept_by;
+        report.segments.push(s);
+    }
+    for (_, path, rows, live_rows) in snap.shard_liveness() {
+        let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+        report.shards.push(ShardSpace { path, file_bytes, rows, live_rows });
+    }
+    Ok(report)
+}
