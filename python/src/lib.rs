@@ -914,6 +914,20 @@ impl NativeStore {
         serde_json::to_string(&report).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
     }
 
+    /// Where the store's bytes are and what keeps them (`trajlog space`), as JSON text.
+    fn space_json(&self, py: Python<'_>) -> PyResult<String> {
+        let store = self.get()?;
+        let report = py.detach(|| trajlog::space::space(&store.snapshot())).map_err(to_py)?;
+        let doc = serde_json::json!({
+            "segment_bytes": report.segment_bytes(),
+            "shard_bytes": report.shard_bytes(),
+            "live_bytes": report.live_bytes(),
+            "segments": report.segments,
+            "shards": report.shards,
+        });
+        Ok(doc.to_string())
+    }
+
     /// Segment files of the current snapshot (paths), for diagnostics.
     fn segment_paths(&self) -> PyResult<Vec<String>> {
         Ok(self.get()?.snapshot().segments().iter().map(|s| s.path.display().to_string()).collect())

@@ -170,6 +170,22 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
             store.set_reward(0.5, trace_id="never")
 
 
+def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append(trace_id="s0", session_id="straggler", prompt_token_ids=[1], completion_token_ids=[2], timestamp=0.0)
+        for i in range(3):
+            store.append(trace_id=f"a{i}", session_id="a", prompt_token_ids=list(range(i + 1)), completion_token_ids=[7], timestamp=float(i))
+        store.seal("a")
+        store.compact()
+        space = store.space()
+        kept = [s for s in space["segments"] if s["live_calls"] > 0]
+        assert [s["live_calls"] for s in kept] == [1]
+        assert kept[0]["kept_by"] == [{"session_id": "straggler", "calls": 1, "bytes": kept[0]["live_bytes"], "sealed": False}]
+        assert kept[0]["compacted_calls"] == 3
+        assert [(s["rows"], s["live_rows"]) for s in space["shards"]] == [(3, 3)]
+        assert 0 < space["live_bytes"] < space["segment_bytes"] + space["shard_bytes"]
+
+
 def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):
     """A process forked while the store is open for writing (a torch
     DataLoader worker, a multiprocessing worker) does not hold its LOCK once

@@ -581,6 +581,15 @@ class Store:
         """The TI/TO audit (see `trajlog audit`)."""
         return json.loads(self._native.audit_json())
 
+    def space(self) -> dict:
+        """Where the store's bytes are and what keeps them (see `trajlog
+        space`): `segments` (per segment: `live_bytes`/`live_calls` still
+        served from it, `compacted_bytes`, `dead_bytes`, `annotation_bytes`,
+        and `kept_by`, the sessions whose live calls keep it, with `sealed`),
+        `shards` (per `steps` file: `rows`, `live_rows`, `file_bytes`), and
+        the totals `segment_bytes`, `shard_bytes`, `live_bytes`."""
+        return json.loads(self._native.space_json())
+
     def close(self) -> None:
         self._native.close()
 
