@@ -8,8 +8,8 @@
 //! session that never finished (a straggler), which is never compacted.
 //! This report counts, per segment, the frames of live calls served from
 //! it, of live calls now served from shards, of dead calls (replaced or
-//! deleted) and of annotations, and names the sessions whose live calls it
-//! serves, most bytes first. It reads the footers (a sealed segment) or the
+//! deleted) and of annotations, and names the sessions that keep it (those
+//! with a live call still in segments), most bytes first. It reads the footers (a sealed segment) or the
 //! frames (the active one) and the index; no record body is decoded.
 
 use crate::error::Result;
@@ -47,12 +47,20 @@ pub struct SegmentSpace {
     /// Bytes whose frames could not be read (damage the store was opened
     /// past, or a footer that does not decode and frames after a bad one).
     pub unreadable_bytes: u64,
-    /// The primary sessions of the live calls served from this segment,
-    /// most bytes first: what keeps it on disk.
+    /// The sessions that keep this segment on disk, most bytes first (at
+    /// most 16): those with records here and a live call still served from
+    /// segments (here or elsewhere). Retirement keeps every record of such
+    /// a session, since any may be a prefix-delta parent. A segment can
+    /// also be kept, until a collection, by a dead call whose trace has a
+    /// shard row or by a deletion of compacted rows.
     pub kept_by: Vec<SessionBytes>,
+    /// How many sessions keep it (`kept_by` lists the first 16).
+    pub kept_by_sessions: u64,
+    /// Whether every session that keeps it is unfinished (not sealed).
+    pub kept_only_by_open_sessions: bool,
 }
 
-/// A session's live calls in one segment.
+/// A session's records in one segment (its calls, live or not).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SessionBytes {
     pub session_id: String,
@@ -150,6 +158,16 @@ const KEPT_BY_MAX: usize = 16;
 pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
     let view = &snap.view;
     let mut report = SpaceReport::default();
+    // Retirement keeps every record of a session that still has a live
+    // call served from segments (any of them may be its prefix-delta
+    // parent): those sessions keep the segments that hold their records.
+    let in_segments: std::collections::HashSet<&str> = view
+        .index
+        .traces
+        .values()
+        .filter(|m| !view.shards.is_compacted(m.loc))
+        .filter_map(|m| m.sessions.first().map(|s| &**s))
+        .collect();
     for seg in view.segments.values() {
         let file_bytes = if seg.sealed {
             std::fs::metadata(seg.path.as_path()).map_or(seg.visible_len, |m| m.len())
@@ -184,6 +202,8 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
             } else {
                 s.live_bytes += bytes;
                 s.live_calls += 1;
+            }
+            if in_segments.contains(e.session_id.as_str()) {
                 let k = keepers.entry(e.session_id.as_str()).or_default();
                 k.0 += 1;
                 k.1 += bytes;
@@ -198,6 +218,8 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
                 sealed: snap.is_sealed(id),
             })
             .collect();
+        s.kept_by_sessions = kept_by.len() as u64;
+        s.kept_only_by_open_sessions = !kept_by.is_empty() && kept_by.iter().all(|k| !k.sealed);
         kept_by.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.session_id.cmp(&b.session_id)));
         kept_by.truncate(KEPT_BY_MAX);
         s.kept_by = kept_by;

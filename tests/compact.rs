@@ -1102,3 +1102,39 @@ fn space_accounts_every_frame_and_names_what_keeps_a_segment() {
     assert_eq!(r.shards.iter().map(|s| s.live_rows).sum::<u64>(), compacted - 4);
     assert_eq!(r.segments.iter().map(|s| s.dead_calls).sum::<u64>(), 4, "their frames, where kept, are dead");
 }
+
+/// A session compacted while unfinished (`--older-than`) that gets a new
+/// call keeps the segments holding its compacted records (retirement keeps
+/// every record of a session with a call in segments): `space` names it
+/// there beside the straggler that kept the segment through the compaction.
+#[test]
+fn space_names_a_session_whose_old_records_it_keeps() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 2, steps: 3, shape: Shape::Lean, ..SimConfig::default() });
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for c in &batch[0].calls {
+        store.append(c.clone()).unwrap();
+    }
+    // A straggler written now: too recent for `--older-than 3600`.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let mut straggler = batch[1].calls[0].clone();
+    straggler.timestamp = now;
+    store.append(straggler).unwrap();
+    let r = store.compact(&CompactOptions::default().selection(Selection::OlderThan(3600.0))).unwrap();
+    assert_eq!(r.calls, 3, "{r:?}");
+    let mut late = batch[0].calls[2].clone();
+    late.trace_id = "late-call".into();
+    late.timestamp = now;
+    store.append(late).unwrap();
+    store.flush().unwrap();
+    let r = trajlog::space::space(&store.snapshot()).unwrap();
+    let old = r.segments.iter().find(|s| s.compacted_calls > 0).expect("the straggler keeps the first segment");
+    assert_eq!((old.live_calls, old.compacted_calls), (1, 3), "{old:?}");
+    let kept: Vec<(&str, u64)> = old.kept_by.iter().map(|k| (k.session_id.as_str(), k.calls)).collect();
+    assert_eq!(kept.len(), 2, "{old:?}");
+    assert!(
+        kept.contains(&(batch[0].session_id.as_str(), 3)) && kept.contains(&(batch[1].session_id.as_str(), 1)),
+        "{kept:?}"
+    );
+    assert!(old.kept_only_by_open_sessions);
+}

@@ -922,6 +922,8 @@ impl NativeStore {
             "segment_bytes": report.segment_bytes(),
             "shard_bytes": report.shard_bytes(),
             "live_bytes": report.live_bytes(),
+            "disk_over_live": (report.live_bytes() > 0)
+                .then(|| (report.segment_bytes() + report.shard_bytes()) as f64 / report.live_bytes() as f64),
             "segments": report.segments,
             "shards": report.shards,
         });

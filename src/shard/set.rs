@@ -74,6 +74,7 @@ impl ShardSet {
             }
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
+        let obsolete: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
         let kept = self.placements.iter().filter(|p| !obsolete.contains(&p.pos.shard)).copied();
         let placements = sorted(kept.chain(rows.into_iter().map(|(loc, pos)| Placement { loc, pos })).collect());
         (ShardSet { files, placements }, emptied)

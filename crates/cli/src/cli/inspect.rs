@@ -114,7 +114,7 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         return Ok(0);
     }
     println!(
-        "{:>8} {:<7} {:>10} {:>20} {:>20} {:>18} {:>10}  KEPT BY (live calls)",
+        "{:>8} {:<7} {:>10} {:>20} {:>20} {:>18} {:>10}  KEPT BY (records here)",
         "SEGMENT", "STATE", "FILE", "LIVE (calls)", "COMPACTED (calls)", "DEAD (calls)", "ANNOT."
     );
     let pair = |b: u64, n: u64| format!("{} ({n})", hb(b));
@@ -125,8 +125,8 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
             .take(3)
             .map(|k| format!("{} ({}, {}{})", k.session_id, k.calls, hb(k.bytes), if k.sealed { "" } else { ", open" }))
             .collect();
-        if s.kept_by.len() > 3 {
-            kept.push(format!("+{} more", s.kept_by.len() - 3));
+        if s.kept_by_sessions > 3 {
+            kept.push(format!("+{} more", s.kept_by_sessions - 3));
         }
         if s.unreadable_bytes > 0 {
             kept.push(format!("{} unreadable", hb(s.unreadable_bytes)));
@@ -165,11 +165,8 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         None => println!("live data 0 B; segments and steps shards {}", hb(segments + shards)),
     }
     // What an operator can do about the segments open sessions keep.
-    let open: Vec<&trajlog::space::SegmentSpace> = r
-        .segments
-        .iter()
-        .filter(|s| s.sealed && !s.kept_by.is_empty() && s.kept_by.iter().all(|k| !k.sealed))
-        .collect();
+    let open: Vec<&trajlog::space::SegmentSpace> =
+        r.segments.iter().filter(|s| s.sealed && s.kept_only_by_open_sessions).collect();
     if !open.is_empty() {
         let mut names: Vec<&str> = open.iter().flat_map(|s| s.kept_by.iter().map(|k| k.session_id.as_str())).collect();
         names.sort_unstable();
