@@ -123,7 +123,9 @@ impl SpaceReport {
 }
 
 /// The entries of a segment's frames: its footer's (sealed), else read
-/// from the frames, stopping at the first that does not read.
+/// from the frames; a frame that does not read is counted as unreadable
+/// and the scan goes on at the next valid frame (as a skip-corrupted open
+/// does), so the calls after damage are still accounted.
 fn entries_of(seg: &SegmentRef) -> (Vec<FooterEntry>, u64) {
     if seg.sealed {
         let trailer = crate::format::segment::read_trailer(seg.mapped_bytes());
@@ -132,19 +134,31 @@ fn entries_of(seg: &SegmentRef) -> (Vec<FooterEntry>, u64) {
         }
     }
     let bytes = seg.bytes();
+    let end = bytes.len() as u64;
     let mut entries = Vec::new();
+    let mut unreadable = 0;
     let mut offset = HEADER_BYTES;
     loop {
-        match read_frame(bytes, offset) {
+        let read = match read_frame(bytes, offset) {
             Ok(FrameRead::Frame { body, next }) => {
-                match crate::segment::recovery::entry_of_body(offset, body) {
-                    Ok(e) => entries.push(e),
-                    Err(_) => return (entries, (bytes.len() as u64).saturating_sub(offset)),
-                }
+                crate::segment::recovery::entry_of_body(offset, body).ok().map(|e| (e, next))
+            }
+            Ok(FrameRead::End) => return (entries, unreadable),
+            Err(_) => None,
+        };
+        match read {
+            Some((e, next)) => {
+                entries.push(e);
                 offset = next;
             }
-            Ok(FrameRead::End) => return (entries, 0),
-            Err(_) => return (entries, (bytes.len() as u64).saturating_sub(offset)),
+            None => {
+                let resume = crate::segment::recovery::next_valid_frame(bytes, offset).unwrap_or(end);
+                unreadable += resume.saturating_sub(offset);
+                if resume >= end {
+                    return (entries, unreadable);
+                }
+                offset = resume;
+            }
         }
     }
 }

@@ -1138,3 +1138,28 @@ fn space_names_a_session_whose_old_records_it_keeps() {
     );
     assert!(old.kept_only_by_open_sessions);
 }
+
+/// `space` on an active segment with a damaged record in the middle (a
+/// skip-corrupted read-only open): the damaged frame is counted as
+/// unreadable and the calls after it are still accounted.
+#[test]
+fn space_goes_on_past_a_damaged_frame() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 1, steps: 4, shape: Shape::Lean, ..SimConfig::default() });
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for c in &batch[0].calls {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let second = store.snapshot().get(&batch[0].calls[1].trace_id).unwrap().unwrap().loc;
+    store.close().unwrap();
+    let seg = dir.path().join(format!("seg-{:010}.tlog", second.segment));
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[second.offset as usize + 8 + 40] ^= 0x01;
+    std::fs::write(&seg, bytes).unwrap();
+    let ro = Store::open_read_only_with(dir.path(), trajlog::RecoveryMode::SkipCorrupted).unwrap();
+    let r = trajlog::space::space(&ro.snapshot()).unwrap();
+    let active = r.segments.iter().find(|s| !s.sealed).unwrap();
+    assert!(active.unreadable_bytes > 0, "{active:?}");
+    assert_eq!(active.live_calls, 3, "the calls before and after the damage: {active:?}");
+}
