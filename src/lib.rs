@@ -92,5 +92,5 @@ pub use compact::{
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target, ValidCall};
-pub use snapshot::{CallView, Docs, SegmentInfo, SessionInfo, Snapshot};
+pub use snapshot::{CallView, Docs, IndexLayers, SegmentInfo, SessionInfo, Snapshot};
 pub use store::{Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store};

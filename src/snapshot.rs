@@ -88,6 +88,17 @@ impl Clone for Snapshot {
     }
 }
 
+/// See [`Snapshot::index_layers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexLayers {
+    /// Live calls in all.
+    pub calls: usize,
+    /// Of them, in the frozen layer.
+    pub frozen_calls: usize,
+    /// The frozen layer's heap bytes.
+    pub frozen_bytes: usize,
+}
+
 /// Summary of one session.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SessionInfo {
@@ -429,9 +440,9 @@ impl Snapshot {
 
     /// The live call with this trace id.
     pub fn get(&self, trace_id: &str) -> Result<Option<CallView<'_>>> {
-        match self.view.index.traces.get(trace_id) {
+        match self.view.index.live(trace_id) {
             None => Ok(None),
-            Some(meta) => self.read(meta.loc).map(Some),
+            Some(call) => self.read(call.loc()).map(Some),
         }
     }
 
@@ -469,11 +480,10 @@ impl Snapshot {
         since: Option<f64>,
         limit: Option<usize>,
     ) -> Vec<Result<CallView<'_>>> {
-        let Some(entry) = self.view.index.sessions.get(session_id) else { return Vec::new() };
+        let calls = self.view.index.session_calls(session_id);
         let start = match since {
             None => 0,
-            Some(t) => entry
-                .calls
+            Some(t) => calls
                 .binary_search_by(
                     |k| if k.timestamp > t { std::cmp::Ordering::Greater } else { std::cmp::Ordering::Less },
                 )
@@ -481,7 +491,7 @@ impl Snapshot {
         };
         let limit = limit.unwrap_or(usize::MAX);
         // `skip` on the persistent vector: O(log n), not a walk from the start.
-        let calls = if start == 0 { entry.calls.clone() } else { entry.calls.skip(start.min(entry.calls.len())) };
+        let calls = if start == 0 { calls } else { calls.skip(start.min(calls.len())) };
         if !self.whole_row_groups {
             self.decode_session_rows(&calls, limit);
         }
@@ -508,41 +518,41 @@ impl Snapshot {
         }
     }
 
-    fn info(&self, id: &str, e: &crate::index::SessionEntry) -> Option<SessionInfo> {
-        let (first, last) = (e.calls.front()?, e.calls.last()?);
-        Some(SessionInfo {
+    fn info(id: &str, s: crate::index::SessionSummary) -> SessionInfo {
+        SessionInfo {
             session_id: id.to_owned(),
-            calls: e.calls.len(),
-            first_timestamp: first.timestamp,
-            last_timestamp: last.timestamp,
-            sealed: e.sealed,
-            reward: e.reward,
-        })
+            calls: s.calls,
+            first_timestamp: s.first_timestamp,
+            last_timestamp: s.last_timestamp,
+            sealed: s.sealed,
+            reward: s.reward,
+        }
     }
 
     /// One session's summary (None if it has no live call).
     pub fn session_info(&self, session_id: &str) -> Option<SessionInfo> {
-        self.view.index.sessions.get(session_id).and_then(|e| self.info(session_id, e))
+        self.view.index.session_summary(session_id).map(|s| Self::info(session_id, s))
     }
 
     /// Whether a live call whose primary session is `session_id` is still
     /// served from segments (not compacted). From the index alone: nothing is
     /// read or decoded.
     pub(crate) fn has_calls_in_segments(&self, session_id: &str) -> bool {
-        let Some(e) = self.view.index.sessions.get(session_id) else { return false };
-        e.calls.iter().any(|k| {
-            self.view.index.traces.get(k.trace_id.as_ref()).is_some_and(|m| {
-                m.loc == k.loc
-                    && !self.view.shards.is_compacted(m.loc)
-                    && m.sessions.first().is_some_and(|s| s.as_ref() == session_id)
+        let index = &self.view.index;
+        if index.is_frozen_session(session_id) {
+            return false;
+        }
+        index.session_calls(session_id).iter().any(|k| {
+            index.live(k.trace_id.as_ref()).is_some_and(|m| {
+                m.loc() == k.loc && !self.view.shards.is_compacted(k.loc) && m.primary_session() == Some(session_id)
             })
         })
     }
 
     /// Every session with at least one live call, by first call time then id.
     pub fn sessions(&self) -> Vec<SessionInfo> {
-        let mut out: Vec<SessionInfo> =
-            self.view.index.sessions.iter().filter_map(|(id, e)| self.info(id, e)).collect();
+        let mut out: Vec<SessionInfo> = Vec::new();
+        self.view.index.for_each_session(|id, s| out.push(Self::info(id, s)));
         out.sort_by(|a, b| {
             a.first_timestamp.total_cmp(&b.first_timestamp).then_with(|| a.session_id.cmp(&b.session_id))
         });
@@ -561,20 +571,29 @@ impl Snapshot {
 
     /// Whether a session is sealed.
     pub fn is_sealed(&self, session_id: &str) -> bool {
-        self.view.index.sessions.get(session_id).is_some_and(|e| e.sealed)
+        self.view.index.is_sealed(session_id)
     }
 
     pub fn trace_reward(&self, trace_id: &str) -> Option<f64> {
-        self.view.index.trace_rewards.get(trace_id).copied()
+        self.view.index.trace_reward(trace_id)
     }
 
     pub fn session_reward(&self, session_id: &str) -> Option<f64> {
-        self.view.index.sessions.get(session_id).and_then(|e| e.reward)
+        self.view.index.session_reward(session_id)
     }
 
     /// Number of live calls.
     pub fn call_count(&self) -> usize {
         self.view.index.call_count()
+    }
+
+    /// How the index holds this snapshot's live calls: how many are in the
+    /// frozen layer (compacted sessions untouched since the open, in flat
+    /// arrays) and the bytes that layer takes; the others are in the
+    /// in-memory maps (ARCHITECTURE.md, "Two index layers").
+    pub fn index_layers(&self) -> IndexLayers {
+        let (frozen_calls, frozen_bytes) = self.view.index.frozen_stats();
+        IndexLayers { calls: self.call_count(), frozen_calls, frozen_bytes }
     }
 
     /// Segments of this snapshot, oldest first.
@@ -597,8 +616,8 @@ impl Snapshot {
     /// O(live calls).
     pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, u64, u64)> {
         let mut live: HashMap<u32, u64> = HashMap::new();
-        for meta in self.view.index.traces.values() {
-            if let Some(pos) = self.view.shards.position(meta.loc) {
+        for call in self.view.index.live_calls() {
+            if let Some(pos) = self.view.shards.position(call.loc()) {
                 *live.entry(pos.shard).or_default() += 1;
             }
         }
@@ -616,8 +635,10 @@ impl Snapshot {
         ids: &std::collections::HashSet<u32>,
     ) -> std::collections::BTreeMap<String, Vec<u32>> {
         let mut out: std::collections::BTreeMap<String, Vec<u32>> = std::collections::BTreeMap::new();
-        for meta in self.view.index.traces.values() {
-            let (Some(pos), Some(s)) = (self.view.shards.position(meta.loc), meta.sessions.first()) else { continue };
+        for call in self.view.index.live_calls() {
+            let (Some(pos), Some(s)) = (self.view.shards.position(call.loc()), call.primary_session()) else {
+                continue;
+            };
             if ids.contains(&pos.shard) {
                 let shards = out.entry(s.to_string()).or_default();
                 if !shards.contains(&pos.shard) {
@@ -646,10 +667,11 @@ impl Snapshot {
     /// and offset, and the scan goes on; `f` decides whether to stop.
     pub fn for_each_call_each(&self, mut f: impl FnMut(Result<CallView<'_>>) -> Result<()>) -> Result<()> {
         // Live calls still in segments, in log order, from the index (not by
-        // scanning frames: a damaged frame must not hide the ones after it).
+        // scanning frames: a damaged frame must not hide the ones after it);
+        // the frozen layer's calls are all compacted.
         let shards = &self.view.shards;
         let mut locs: Vec<Loc> =
-            self.view.index.traces.values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
+            self.view.index.hot_calls().values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
         locs.sort_unstable();
         for loc in locs {
             f(self.call_at(loc))?;
@@ -672,12 +694,12 @@ impl Snapshot {
                         }
                     };
                     let pos = ShardPos { shard: file.id, row_group: rg, row: row as u32 };
-                    let Some(meta) = self.view.index.traces.get(record.trace_id) else { continue };
-                    if shards.position(meta.loc) != Some(pos) {
+                    let Some(loc) = self.view.index.live(record.trace_id).map(|c| c.loc()) else { continue };
+                    if shards.position(loc) != Some(pos) {
                         continue;
                     }
                     let divergence = divergence.map(|d| d as usize);
-                    f(Ok(CallView { loc: meta.loc, record, shard: Some(pos), divergence, snapshot: self }))?;
+                    f(Ok(CallView { loc, record, shard: Some(pos), divergence, snapshot: self }))?;
                 }
             }
         }

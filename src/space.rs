@@ -177,7 +177,7 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
     // parent): those sessions keep the segments that hold their records.
     let in_segments: std::collections::HashSet<&str> = view
         .index
-        .traces
+        .hot_calls()
         .values()
         .filter(|m| !view.shards.is_compacted(m.loc))
         .filter_map(|m| m.sessions.first().map(|s| &**s))
@@ -206,7 +206,7 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
                 continue;
             }
             let loc = Loc { segment: seg.id, offset: e.frame_offset };
-            let live = view.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
+            let live = view.index.is_live_at(e.id.as_str(), loc);
             if !live {
                 s.dead_bytes += bytes;
                 s.dead_calls += 1;

@@ -7,9 +7,12 @@
 //! the scanned tail) and in the writer thread, so both always agree.
 
 use crate::format::record::Loc;
+use frozen::{Frozen, FrozenRow};
 use imbl::OrdMap;
 use std::cmp::Ordering;
 use std::sync::Arc;
+
+pub(crate) mod frozen;
 
 /// What the index keeps per live call (its trace id is the map's key).
 #[derive(Debug, Clone)]
@@ -150,7 +153,9 @@ impl CallList {
 /// Per-session index entry.
 #[derive(Debug, Clone, Default)]
 pub struct SessionEntry {
-    /// Oldest first: by timestamp, then by append position.
+    /// Oldest first: by timestamp, then by append position. Empty for a
+    /// frozen session (its calls are in the frozen layer), whose entry
+    /// holds its seal and reward only.
     pub calls: CallList,
     pub sealed: bool,
     pub reward: Option<f64>,
@@ -159,14 +164,66 @@ pub struct SessionEntry {
     solo: Option<Arc<[Arc<str>]>>,
 }
 
-/// The indexes of a whole store at one point of its log.
+/// A live call as the index knows it.
+#[derive(Debug, Clone, Copy)]
+pub enum LiveCall<'a> {
+    /// A call of the in-memory maps.
+    Hot(&'a CallMeta),
+    /// A call of the frozen layer: a compacted call of one session.
+    Frozen { loc: Loc, session: &'a str },
+}
+
+impl LiveCall<'_> {
+    pub fn loc(&self) -> Loc {
+        match self {
+            LiveCall::Hot(m) => m.loc,
+            LiveCall::Frozen { loc, .. } => *loc,
+        }
+    }
+    /// Its `session_id`.
+    pub fn primary_session(&self) -> Option<&str> {
+        match self {
+            LiveCall::Hot(m) => m.sessions.first().map(|s| &**s),
+            LiveCall::Frozen { session, .. } => Some(session),
+        }
+    }
+    /// `session_id` first, then the extra session uids.
+    pub fn sessions(&self) -> Arc<[Arc<str>]> {
+        match self {
+            LiveCall::Hot(m) => m.sessions.clone(),
+            LiveCall::Frozen { session, .. } => Arc::from([Arc::from(*session)]),
+        }
+    }
+}
+
+/// A session's summary, from the index alone.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionSummary {
+    pub calls: usize,
+    pub first_timestamp: f64,
+    pub last_timestamp: f64,
+    pub sealed: bool,
+    pub reward: Option<f64>,
+}
+
+/// The indexes of a whole store at one point of its log, in two layers: the
+/// in-memory maps (persistent B-trees: every call in segments, every call
+/// written or changed since the open, seals and rewards), and the frozen
+/// layer (`frozen.rs`: compacted sessions nothing touched since, in flat
+/// arrays). A session or trace id is in one layer only; a write that names
+/// a frozen one thaws it into the maps first.
 #[derive(Debug, Clone, Default)]
 pub struct Index {
     /// Values behind an `Arc`: a snapshot's path copies move 8-byte pointers,
     /// not whole entries.
-    pub traces: OrdMap<Arc<str>, Arc<CallMeta>>,
-    pub sessions: OrdMap<Arc<str>, SessionEntry>,
-    pub trace_rewards: OrdMap<Arc<str>, f64>,
+    traces: OrdMap<Arc<str>, Arc<CallMeta>>,
+    sessions: OrdMap<Arc<str>, SessionEntry>,
+    trace_rewards: OrdMap<Arc<str>, f64>,
+    frozen: Arc<Frozen>,
+    /// Frozen sessions whose calls moved into the maps.
+    thawed: imbl::OrdSet<u32>,
+    /// Their calls, in all.
+    thawed_rows: usize,
 }
 
 fn remove_key(calls: &mut CallList, key: &CallKey) {
@@ -176,9 +233,71 @@ fn remove_key(calls: &mut CallList, key: &CallKey) {
 }
 
 impl Index {
+    /// An index whose frozen layer is `frozen` and whose maps are empty.
+    pub(crate) fn with_frozen(frozen: Frozen) -> Index {
+        Index { frozen: Arc::new(frozen), ..Index::default() }
+    }
+
+    /// The frozen session `name`, unless thawed.
+    fn frozen_session(&self, name: &str) -> Option<u32> {
+        self.frozen.session(name).filter(|i| !self.thawed.contains(i))
+    }
+
+    /// The frozen call of `trace_id`, unless its session is thawed.
+    fn frozen_trace(&self, trace_id: &str) -> Option<&FrozenRow> {
+        self.frozen.trace(trace_id).filter(|r| !self.thawed.contains(&r.session))
+    }
+
+    /// Whether frozen session `session` (a [`FrozenRow`]'s) is not thawed.
+    pub(crate) fn is_frozen(&self, session: u32) -> bool {
+        !self.thawed.contains(&session)
+    }
+
+    /// Move a frozen session's calls before `before` into the maps, and
+    /// mark it thawed: its later calls (an open replaying the log meets
+    /// them later) are applied to the maps as they come.
+    fn thaw(&mut self, session: u32, before: Loc) {
+        if self.thawed.insert(session).is_some() {
+            return;
+        }
+        let frozen = self.frozen.clone();
+        let rows = frozen.session_rows(session);
+        self.thawed_rows += rows.len();
+        let name = frozen.session_name(session);
+        let sessions = self.sessions_of(name, &[]);
+        for r in rows.iter().filter(|r| r.loc < before) {
+            let meta = CallMeta { loc: r.loc, timestamp: r.timestamp, sessions: sessions.clone() };
+            // Its trace id is in no other layer (a record naming it thaws
+            // the session first): nothing to thaw, nothing replaced.
+            self.apply_call_to_maps(Arc::from(frozen.trace_id(r)), meta);
+        }
+    }
+
+    /// Thaw what a record at `at` naming `trace_id` or `sessions` concerns.
+    fn thaw_for(&mut self, trace_id: Option<&str>, sessions: &[Arc<str>], at: Loc) {
+        if self.frozen.is_empty() {
+            return;
+        }
+        if let Some(r) = trace_id.and_then(|t| self.frozen_trace(t)) {
+            let s = r.session;
+            self.thaw(s, at);
+        }
+        for s in sessions {
+            if let Some(i) = self.frozen_session(s) {
+                self.thaw(i, at);
+            }
+        }
+    }
+
     /// Apply a call record of `trace_id`; returns the call it replaced (same
     /// trace id), if any.
     pub fn apply_call(&mut self, trace_id: Arc<str>, meta: CallMeta) -> Option<Arc<CallMeta>> {
+        let sessions = meta.sessions.clone();
+        self.thaw_for(Some(&trace_id), &sessions, meta.loc);
+        self.apply_call_to_maps(trace_id, meta)
+    }
+
+    fn apply_call_to_maps(&mut self, trace_id: Arc<str>, meta: CallMeta) -> Option<Arc<CallMeta>> {
         let key = CallKey { timestamp: meta.timestamp, loc: meta.loc, trace_id };
         let meta = Arc::new(meta);
         let replaced = self.traces.insert(key.trace_id.clone(), meta.clone());
@@ -207,8 +326,10 @@ impl Index {
         replaced
     }
 
-    /// Delete every call that belongs to `session`; returns how many.
-    pub fn delete_session(&mut self, session: &str) -> u64 {
+    /// Delete every call that belongs to `session` (a deletion record at
+    /// `at`); returns how many.
+    pub fn delete_session(&mut self, session: &str, at: Loc) -> u64 {
+        self.thaw_for(None, &[Arc::from(session)], at);
         let Some(entry) = self.sessions.remove(session) else { return 0 };
         let mut count = 0;
         for key in entry.calls.iter() {
@@ -248,27 +369,156 @@ impl Index {
         self.sessions.entry(Arc::from(session)).or_default().reward = Some(value);
     }
 
-    /// Set the reward of `trace`'s live call; a trace id with no live call
-    /// (never appended, or deleted with its session) takes none, so a
-    /// reward never outlives its call (format-spec/record.md §6). Returns
-    /// whether it was set.
-    pub fn set_trace_reward(&mut self, trace: &str, value: f64) -> bool {
-        match self.traces.get_key_value(trace) {
-            Some((key, _)) => {
-                if self.trace_rewards.get(trace).is_some_and(|r| r.to_bits() == value.to_bits()) {
-                    return true;
-                }
-                let key = key.clone();
-                self.trace_rewards.insert(key, value);
-                true
-            }
-            None => false,
+    /// Set the reward of `trace`'s live call, by a record at `at`; a trace
+    /// id with no live call there (never appended, or deleted with its
+    /// session) takes none, so a reward never outlives its call
+    /// (format-spec/record.md §6). Returns whether it was set.
+    pub fn set_trace_reward(&mut self, trace: &str, value: f64, at: Loc) -> bool {
+        let key = match self.traces.get_key_value(trace) {
+            Some((key, _)) => key.clone(),
+            // A frozen call is live from its position on.
+            None => match self.frozen_trace(trace) {
+                Some(r) if r.loc < at => Arc::from(trace),
+                _ => return false,
+            },
+        };
+        if self.trace_rewards.get(trace).is_some_and(|r| r.to_bits() == value.to_bits()) {
+            return true;
         }
+        self.trace_rewards.insert(key, value);
+        true
     }
 
     /// Number of live calls.
     pub fn call_count(&self) -> usize {
-        self.traces.len()
+        self.traces.len() + self.frozen.len().saturating_sub(self.thawed_rows)
+    }
+
+    /// The live call of `trace_id`.
+    pub fn live(&self, trace_id: &str) -> Option<LiveCall<'_>> {
+        match self.traces.get(trace_id) {
+            Some(m) => Some(LiveCall::Hot(m)),
+            None => self
+                .frozen_trace(trace_id)
+                .map(|r| LiveCall::Frozen { loc: r.loc, session: self.frozen.session_name(r.session) }),
+        }
+    }
+
+    /// Whether `trace_id`'s live call is the record at `loc`.
+    pub fn is_live_at(&self, trace_id: &str, loc: Loc) -> bool {
+        self.live(trace_id).is_some_and(|c| c.loc() == loc)
+    }
+
+    /// Every live call: the maps' (by trace id), then the frozen layer's.
+    pub fn live_calls(&self) -> impl Iterator<Item = LiveCall<'_>> + '_ {
+        let hot = self.traces.values().map(|m| LiveCall::Hot(m));
+        let frozen = self
+            .frozen
+            .rows()
+            .iter()
+            .filter(|r| self.is_frozen(r.session))
+            .map(|r| LiveCall::Frozen { loc: r.loc, session: self.frozen.session_name(r.session) });
+        hot.chain(frozen)
+    }
+
+    /// The calls in the maps (the frozen layer's are all compacted).
+    pub(crate) fn hot_calls(&self) -> &OrdMap<Arc<str>, Arc<CallMeta>> {
+        &self.traces
+    }
+
+    /// A session's calls, oldest first; empty for a session with none.
+    /// O(1) from the maps; a frozen session's list is built (O(its calls)).
+    pub fn session_calls(&self, session: &str) -> CallList {
+        if let Some(e) = self.sessions.get(session) {
+            if e.calls.len() > 0 {
+                return e.calls.clone();
+            }
+        }
+        match self.frozen_session(session) {
+            None => CallList::default(),
+            Some(i) => {
+                let keys: Vec<CallKey> = self
+                    .frozen
+                    .session_rows(i)
+                    .iter()
+                    .map(|r| CallKey {
+                        timestamp: r.timestamp,
+                        loc: r.loc,
+                        trace_id: Arc::from(self.frozen.trace_id(r)),
+                    })
+                    .collect();
+                CallList::Small(Arc::new(keys))
+            }
+        }
+    }
+
+    /// Whether `session` is frozen (all its calls compacted).
+    pub fn is_frozen_session(&self, session: &str) -> bool {
+        !self.frozen.is_empty() && self.frozen_session(session).is_some()
+    }
+
+    /// A session's summary; `None` for one with no live call.
+    pub fn session_summary(&self, session: &str) -> Option<SessionSummary> {
+        let entry = self.sessions.get(session);
+        let (sealed, reward) = entry.map_or((false, None), |e| (e.sealed, e.reward));
+        if let Some(e) = entry.filter(|e| e.calls.len() > 0) {
+            let (first, last) = (e.calls.front()?, e.calls.last()?);
+            return Some(SessionSummary {
+                calls: e.calls.len(),
+                first_timestamp: first.timestamp,
+                last_timestamp: last.timestamp,
+                sealed,
+                reward,
+            });
+        }
+        let rows = self.frozen.session_rows(self.frozen_session(session)?);
+        let (first, last) = (rows.first()?, rows.last()?);
+        Some(SessionSummary {
+            calls: rows.len(),
+            first_timestamp: first.timestamp,
+            last_timestamp: last.timestamp,
+            sealed,
+            reward,
+        })
+    }
+
+    /// Every session with a live call, with its summary: the maps' (by
+    /// name), then the frozen ones.
+    pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
+        for (name, _) in self.sessions.iter().filter(|(_, e)| e.calls.len() > 0) {
+            if let Some(s) = self.session_summary(name) {
+                f(name, s);
+            }
+        }
+        for i in (0..self.frozen.session_count()).filter(|i| self.is_frozen(*i)) {
+            let name = self.frozen.session_name(i);
+            if let Some(s) = self.session_summary(name) {
+                f(name, s);
+            }
+        }
+    }
+
+    /// Whether `session` is sealed.
+    pub fn is_sealed(&self, session: &str) -> bool {
+        self.sessions.get(session).is_some_and(|e| e.sealed)
+    }
+
+    /// Every sealed session (sealed or not, they have an entry in the maps).
+    pub fn sealed_sessions(&self) -> impl Iterator<Item = &Arc<str>> + '_ {
+        self.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| k)
+    }
+
+    pub fn session_reward(&self, session: &str) -> Option<f64> {
+        self.sessions.get(session).and_then(|e| e.reward)
+    }
+
+    pub fn trace_reward(&self, trace: &str) -> Option<f64> {
+        self.trace_rewards.get(trace).copied()
+    }
+
+    /// The frozen layer's calls and heap bytes (0, 0 without one).
+    pub fn frozen_stats(&self) -> (usize, usize) {
+        (self.frozen.len().saturating_sub(self.thawed_rows), self.frozen.heap_bytes())
     }
 
     /// [`sessions_of`], sharing what the index already holds: a session's

@@ -170,8 +170,7 @@ impl Store {
             }
         };
         loaded.segments.remove(&active.id);
-        let sealed: HashSet<String> =
-            loaded.index.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| k.to_string()).collect();
+        let sealed: HashSet<String> = loaded.index.sealed_sessions().map(|k| k.to_string()).collect();
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
@@ -348,10 +347,9 @@ impl Store {
             _ => {
                 let view = lock(&self.inner.view).clone();
                 view.index
-                    .traces
-                    .get(call.trace_id.as_str())
-                    .filter(|m| !m.sessions.first().is_some_and(|p| s.deleted_after(p, durable_seq)))
-                    .map(|m| m.sessions.clone())
+                    .live(call.trace_id.as_str())
+                    .filter(|m| !m.primary_session().is_some_and(|p| s.deleted_after(p, durable_seq)))
+                    .map(|m| m.sessions())
             }
         };
         if let Some(current) = current {

@@ -145,7 +145,8 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
     let shard_traces = base.shard_traces.changed(gone_traces, new_traces);
     let shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
     let (shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
-    let base_traces = base.view.index.traces.clone();
+    // The frozen layer's calls are all compacted: none is in segments.
+    let base_traces = base.view.index.hot_calls().clone();
     let base_shards = base.view.shards.clone();
     drop(base.view);
     let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
@@ -290,7 +291,7 @@ impl Writer {
                     *n = n.saturating_sub(1);
                 }
             }
-            if let Some(s) = in_segments_of(self.index.traces.get(id), &self.shards) {
+            if let Some(s) = in_segments_of(self.index.hot_calls().get(id), &self.shards) {
                 *p.in_segments.entry(s).or_default() += 1;
             }
         }

@@ -80,7 +80,7 @@ pub(super) fn apply_entry(
             }
         }
     };
-    let applied = apply_annotation(index, &ann) > 0;
+    let applied = apply_annotation(index, &ann, loc) > 0;
     if let Annotation::Reward { target, .. } = ann {
         if applied && keep_reward(loc) {
             rewards.push((loc, target));
@@ -88,19 +88,25 @@ pub(super) fn apply_entry(
     }
 }
 
-pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow) {
+/// Apply a shard row to the maps, unless it stands in the frozen layer:
+/// `frozen` is its frozen session, if it was frozen at the open (a record
+/// naming the session or the trace id since may have thawed it).
+pub(super) fn apply_shard_row(index: &mut Index, row: &ShardRow, frozen: Option<u32>) {
+    if frozen.is_some_and(|s| index.is_frozen(s)) {
+        return;
+    }
     index.apply_call(
         row.trace_id.clone(),
         CallMeta { loc: row.loc, timestamp: row.timestamp, sessions: row.sessions.clone() },
     );
 }
 
-/// Apply an annotation; returns how many calls a deletion deleted, 1 for a
-/// reward that was set and 0 for one that was not (a trace id with no live
-/// call), 0 for a seal.
-pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
+/// Apply an annotation, a record at `at`; returns how many calls a deletion
+/// deleted, 1 for a reward that was set and 0 for one that was not (a trace
+/// id with no live call), 0 for a seal.
+pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation, at: Loc) -> u64 {
     match ann {
-        Annotation::Reward { target: Target::Trace(t), value } => u64::from(index.set_trace_reward(t, *value)),
+        Annotation::Reward { target: Target::Trace(t), value } => u64::from(index.set_trace_reward(t, *value, at)),
         Annotation::Reward { target: Target::Session(s), value } => {
             index.set_session_reward(s, *value);
             1
@@ -109,7 +115,7 @@ pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation) -> u64 {
             index.seal(session_id);
             0
         }
-        Annotation::DeleteSession { session_id } => index.delete_session(session_id),
+        Annotation::DeleteSession { session_id } => index.delete_session(session_id, at),
     }
 }
 
@@ -175,11 +181,14 @@ pub(super) fn load_dir(
     writable: bool,
     keep_reward: &dyn Fn(Loc) -> bool,
 ) -> Result<Loaded> {
-    let mut index = Index::default();
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
     let (files, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
     let shards = crate::shard::set::ShardSet::new(files, rows.iter().map(|r| (r.loc, r.pos)));
+    // Sessions wholly in shards, of no other call's trace id, go to the
+    // frozen layer; the log's records thaw what they name as the replay
+    // meets them (index/frozen.rs).
+    let (mut index, frozen_of) = freeze(&rows);
     // Shard rows per trace id and per session: only a writer needs them
     // (retirement, collection), and at a million rows they are the largest
     // structure after the index, so a read-only open leaves them empty.
@@ -193,7 +202,7 @@ pub(super) fn load_dir(
     // Rewards matter to the side table only once some session is in a shard.
     let any_shards = !rows.is_empty();
     let keep = |loc: Loc| any_shards && keep_reward(loc);
-    let mut rows = rows.into_iter().peekable();
+    let mut rows = rows.into_iter().zip(frozen_of).peekable();
     let last = manifest.segments.last().map(|s| s.id);
     let mut damage = Vec::new();
     let mut rewards = Vec::new();
@@ -249,12 +258,12 @@ pub(super) fn load_dir(
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
         for e in &seg.entries {
             let loc = Loc { segment: seg.id, offset: e.frame_offset };
-            while let Some(row) = rows.next_if(|row| row.loc < loc) {
-                apply_shard_row(&mut index, &row);
+            while let Some((row, frozen)) = rows.next_if(|(row, _)| row.loc < loc) {
+                apply_shard_row(&mut index, &row, frozen);
             }
-            if let Some(row) = rows.next_if(|row| row.loc == loc) {
+            if let Some((row, frozen)) = rows.next_if(|(row, _)| row.loc == loc) {
                 // The call was compacted: its shard row stands for its record.
-                apply_shard_row(&mut index, &row);
+                apply_shard_row(&mut index, &row, frozen);
                 continue;
             }
             apply_entry(&mut index, &r, e, &mut damage, &mut rewards, &keep);
@@ -264,8 +273,8 @@ pub(super) fn load_dir(
         }
         segments.insert(seg.id, r);
     }
-    for row in rows {
-        apply_shard_row(&mut index, &row);
+    for (row, frozen) in rows {
+        apply_shard_row(&mut index, &row, frozen);
     }
     Ok(Loaded {
         manifest,
@@ -280,6 +289,20 @@ pub(super) fn load_dir(
         report,
         rewards,
     })
+}
+
+/// An index whose frozen layer holds the cold rows of `rows` (sorted by
+/// log position), and for each row its frozen session, if it has one.
+fn freeze(rows: &[ShardRow]) -> (Index, Vec<Option<u32>>) {
+    let cold = crate::index::frozen::cold_rows(rows);
+    let input: Vec<&ShardRow> = rows.iter().zip(&cold).filter(|(_, c)| **c).map(|(r, _)| r).collect();
+    let Some((frozen, sessions)) = crate::index::frozen::Frozen::build(&input) else {
+        return (Index::default(), vec![None; rows.len()]);
+    };
+    drop(input);
+    let mut sessions = sessions.into_iter();
+    let of = cold.iter().map(|c| if *c { sessions.next() } else { None }).collect();
+    (Index::with_frozen(frozen), of)
 }
 
 /// [`RecoveryMode::SkipCorrupted`], writable: an active segment whose damaged

@@ -21,20 +21,15 @@ impl Writer {
     /// nothing is set for it any more.
     fn current(&self, ann: &Annotation) -> Option<Annotation> {
         match ann {
-            Annotation::Seal { session_id } => {
-                self.index.sessions.get(session_id.as_str()).is_some_and(|e| e.sealed).then(|| ann.clone())
-            }
+            Annotation::Seal { session_id } => self.index.is_sealed(session_id.as_str()).then(|| ann.clone()),
             Annotation::Reward { target: Target::Session(s), .. } => self
                 .index
-                .sessions
-                .get(s.as_str())
-                .and_then(|e| e.reward)
+                .session_reward(s.as_str())
                 .map(|value| Annotation::Reward { target: Target::Session(s.clone()), value }),
             Annotation::Reward { target: Target::Trace(t), .. } => self
                 .index
-                .trace_rewards
-                .get(t.as_str())
-                .map(|v| Annotation::Reward { target: Target::Trace(t.clone()), value: *v }),
+                .trace_reward(t.as_str())
+                .map(|value| Annotation::Reward { target: Target::Trace(t.clone()), value }),
             Annotation::DeleteSession { .. } => None,
         }
     }
@@ -106,7 +101,7 @@ impl Writer {
                     // A dead call whose trace has a shard row: this record (or
                     // the deletion after it) is what keeps that row dead.
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
-                    let live = self.index.traces.get(e.id.as_str()).is_some_and(|m| m.loc == loc);
+                    let live = self.index.is_live_at(e.id.as_str(), loc);
                     if !live && self.shard_traces.contains(e.id.as_str()) {
                         needed = true;
                         break;

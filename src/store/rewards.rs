@@ -169,7 +169,7 @@ fn parse_loc(s: &str) -> Option<Loc> {
 pub(super) fn sessions_of_target(index: &Index, target: &Target) -> Vec<Arc<str>> {
     match target {
         Target::Session(s) => vec![Arc::from(s.as_str())],
-        Target::Trace(t) => index.traces.get(t.as_str()).map(|m| m.sessions.to_vec()).unwrap_or_default(),
+        Target::Trace(t) => index.live(t.as_str()).map(|m| m.sessions().to_vec()).unwrap_or_default(),
     }
 }
 
@@ -182,16 +182,16 @@ fn encode(index: &Index, sessions: &BTreeSet<Arc<str>>, through: Loc) -> Result<
     let mut reward = Float64Builder::new();
     let mut listed = BTreeSet::new();
     for s in sessions {
-        let Some(entry) = index.sessions.get(s.as_ref()) else { continue };
+        let Some(summary) = index.session_summary(s.as_ref()) else { continue };
         listed.insert(s.clone());
         sid.append_value(s.as_ref());
         tid.append_null();
-        reward.append_option(entry.reward);
-        for key in entry.calls.iter() {
-            if let Some(v) = index.trace_rewards.get(key.trace_id.as_ref()) {
+        reward.append_option(summary.reward);
+        for key in index.session_calls(s.as_ref()).iter() {
+            if let Some(v) = index.trace_reward(key.trace_id.as_ref()) {
                 sid.append_value(s.as_ref());
                 tid.append_value(key.trace_id.as_ref());
-                reward.append_value(*v);
+                reward.append_value(v);
             }
         }
     }

@@ -326,7 +326,7 @@ impl Writer {
         // the record that set it sits before the new call, and the replay
         // ignores it once the replaced call's record or shard row is gone
         // (retired, collected); the copy applies to the new call.
-        let carried = replaced.and_then(|_| self.index.trace_rewards.get(&*trace_id).copied());
+        let carried = replaced.and_then(|_| self.index.trace_reward(&trace_id));
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
@@ -346,14 +346,18 @@ impl Writer {
     /// A session the delta cache does not know may still have calls on disk
     /// (after a reopen, or after eviction): load its most recent contexts.
     pub(super) fn load_contexts(&mut self, session: &str) -> Result<()> {
-        let Some(entry) = self.index.sessions.get(session) else { return Ok(()) };
+        if self.index.is_frozen_session(session) {
+            // All compacted: none can be a parent.
+            return Ok(());
+        }
+        let calls = self.index.session_calls(session);
         let keys: Vec<Loc> = {
             // Only calls still in segments can be parents (compacted ones may
             // have had their segment retired).
             let in_segments = |k: &&crate::index::CallKey| {
-                self.index.traces.get(&k.trace_id).is_some_and(|m| m.loc == k.loc && !self.shards.is_compacted(m.loc))
+                self.index.is_live_at(&k.trace_id, k.loc) && !self.shards.is_compacted(k.loc)
             };
-            let mut locs: Vec<Loc> = entry.calls.iter().filter(in_segments).map(|k| k.loc).collect();
+            let mut locs: Vec<Loc> = calls.iter().filter(in_segments).map(|k| k.loc).collect();
             locs.sort();
             locs.into_iter().rev().take(DELTA_LOOKBACK_CALLS).rev().collect()
         };
@@ -383,7 +387,7 @@ impl Writer {
 
     pub(super) fn append_annotation(&mut self, ann: &Annotation) -> Result<u64> {
         if let Annotation::Reward { target: Target::Trace(t), .. } = ann {
-            if !self.index.traces.contains_key(t.as_str()) {
+            if self.index.live(t.as_str()).is_none() {
                 // Nothing to reward (`Store::set_reward` says so): no record.
                 return Ok(0);
             }
@@ -401,12 +405,12 @@ impl Writer {
         }
         if let (Annotation::DeleteSession { session_id }, Some(_)) = (ann, &self.journal) {
             // Every call the deletion can remove is in the session's list.
-            let calls = self.index.sessions.get(session_id.as_str()).map(|e| e.calls.clone());
-            for key in calls.iter().flat_map(|c| c.iter()) {
+            let calls = self.index.session_calls(session_id.as_str());
+            for key in calls.iter() {
                 self.touch(&key.trace_id);
             }
         }
-        Ok(apply_annotation(&mut self.index, ann))
+        Ok(apply_annotation(&mut self.index, ann, loc))
     }
 
     pub(super) fn write_buf(&mut self) -> Result<()> {

@@ -1,0 +1,166 @@
+//! The index's frozen layer (src/index/frozen.rs): compacted sessions open
+//! into flat arrays, read exactly as from the maps, and any write that
+//! names one thaws it first, so that every replay rule sees what it saw
+//! before.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use trajlog::{Call, CompactOptions, Selection, Snapshot, Store, Target};
+
+/// Everything a reader can ask the index, as text to compare.
+fn fingerprint(snap: &Snapshot, trace_ids: &[String]) -> Vec<String> {
+    let mut out = vec![format!("calls {}", snap.call_count())];
+    for s in snap.sessions() {
+        out.push(format!("{s:?}"));
+        let ids: Vec<String> =
+            snap.session(&s.session_id, None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+        out.push(format!("  {ids:?}"));
+        out.push(format!("  sealed {} reward {:?}", snap.is_sealed(&s.session_id), snap.session_reward(&s.session_id)));
+        if let Some(mid) = snap.session(&s.session_id, None, None).unwrap().get(2) {
+            let since = snap.session(&s.session_id, Some(mid.timestamp()), Some(2)).unwrap();
+            out.push(format!("  since {:?}", since.iter().map(|c| c.trace_id()).collect::<Vec<_>>()));
+        }
+    }
+    for t in trace_ids {
+        let live = snap.get(t).unwrap().map(|c| (c.session_id().to_owned(), c.timestamp().to_bits()));
+        out.push(format!("{t}: {live:?} reward {:?}", snap.trace_reward(t)));
+    }
+    let mut scanned = Vec::new();
+    snap.for_each_call(|c| {
+        scanned.push(c.trace_id().to_owned());
+        Ok(())
+    })
+    .unwrap();
+    scanned.sort();
+    out.push(format!("scan {scanned:?}"));
+    out
+}
+
+fn ids(calls: &[Call]) -> Vec<String> {
+    let mut v: Vec<String> = calls.iter().map(|c| c.trace_id.clone()).collect();
+    v.push("new-0".into());
+    v
+}
+
+/// Sessions s0..s7 compacted (s0..s2 sealed, with session rewards), s8..s11
+/// in segments; returns the calls appended.
+fn build(dir: &Path) -> Vec<Call> {
+    let all = chained_calls(12, 6);
+    let store = Store::open(dir, small_segments()).unwrap();
+    for c in &all[..48] {
+        store.append(c.clone()).unwrap();
+    }
+    for s in 0..3 {
+        store.seal_session(&format!("s{s}")).unwrap();
+        store.set_reward(Target::Session(format!("s{s}")), s as f64).unwrap();
+    }
+    let report = store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    assert_eq!(report.sessions, 8);
+    for c in &all[48..] {
+        store.append(c.clone()).unwrap();
+    }
+    store.close().unwrap();
+    all
+}
+
+fn reopen_matches(dir: &Path, want: &[String], trace_ids: &[String]) -> Store {
+    let ro = Store::open_read_only(dir).unwrap();
+    assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen");
+    let store = Store::open(dir, small_segments()).unwrap();
+    assert_eq!(fingerprint(&store.snapshot(), trace_ids), want, "writable reopen");
+    store
+}
+
+#[test]
+fn compacted_sessions_open_frozen_and_read_the_same() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    store.set_reward(Target::Trace("t1-3".into()), 0.25).unwrap();
+    store.flush().unwrap();
+    let before = fingerprint(&store.snapshot(), &ids(&all));
+    store.close().unwrap();
+
+    let store = reopen_matches(dir.path(), &before, &ids(&all));
+    let layers = store.snapshot().index_layers();
+    // The eight compacted sessions, 6 calls each; the others are in
+    // segments.
+    assert_eq!((layers.calls, layers.frozen_calls), (all.len(), 48), "{layers:?}");
+    assert!(layers.frozen_bytes > 0);
+    assert_all(&store, &all);
+    assert_eq!(store.snapshot().trace_reward("t1-3"), Some(0.25));
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+#[test]
+fn a_write_naming_a_frozen_session_thaws_it_first() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    let trace_ids = ids(&all);
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.snapshot().index_layers().frozen_calls, 48);
+
+    // A reward on a frozen trace, a session reward and a seal: annotations
+    // only, nothing thaws.
+    store.set_reward(Target::Trace("t3-0".into()), 1.5).unwrap();
+    store.set_reward(Target::Session("s4".into()), -2.0).unwrap();
+    store.seal_session("s5").unwrap();
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.index_layers().frozen_calls, 48);
+    assert_eq!((snap.trace_reward("t3-0"), snap.session_reward("s4")), (Some(1.5), Some(-2.0)));
+
+    // An append to frozen s6 (a timestamp between two of its calls): s6
+    // thaws, the call takes its place in the session's order.
+    let mut c = all[36].clone();
+    c.trace_id = "new-0".into();
+    c.timestamp = 602.5;
+    store.append(c).unwrap();
+    // A replacement of one of frozen s7's calls (a later timestamp).
+    let mut r = all[42 + 2].clone();
+    r.timestamp = 999.0;
+    store.append(r).unwrap();
+    // A deletion of frozen s2.
+    assert_eq!(store.delete_session("s2").unwrap(), 6);
+    store.flush().unwrap();
+
+    let snap = store.snapshot();
+    let layers = snap.index_layers();
+    assert_eq!(layers.frozen_calls, 48 - 18, "s6, s7 and s2 thawed: {layers:?}");
+    assert_eq!(snap.call_count(), all.len() + 1 - 6);
+    let s6: Vec<String> = snap.session("s6", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(s6, ["t6-0", "t6-1", "t6-2", "new-0", "t6-3", "t6-4", "t6-5"]);
+    let s7: Vec<String> = snap.session("s7", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(s7, ["t7-0", "t7-1", "t7-3", "t7-4", "t7-5", "t7-2"]);
+    assert_eq!(snap.get("t7-2").unwrap().unwrap().timestamp(), 999.0);
+    assert!(snap.session_info("s2").is_none());
+    assert!(snap.get("t2-0").unwrap().is_none());
+    // Still frozen, still right.
+    assert_eq!(snap.trace_reward("t3-0"), Some(1.5));
+    assert_eq!(snap.session_info("s4").unwrap().reward, Some(-2.0));
+    assert!(snap.is_sealed("s5"));
+    let want = fingerprint(&snap, &trace_ids);
+    drop(snap);
+    store.close().unwrap();
+
+    // The replay meets the same records in log order and thaws the same
+    // sessions at the same points.
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    assert_eq!(store.snapshot().index_layers().frozen_calls, 48 - 18);
+
+    // A compaction of everything that collects every dead row (t7-2's
+    // replaced row and s2's would keep s7 and s2 in the maps), and a
+    // reopen: what was thawed and compacted again is frozen again.
+    let opts = CompactOptions::default().selection(Selection::OlderThan(0.0)).collect_dead_fraction(Some(0.0));
+    store.compact(&opts).unwrap();
+    let want = fingerprint(&store.snapshot(), &trace_ids);
+    store.close().unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    let layers = store.snapshot().index_layers();
+    assert_eq!(layers.frozen_calls, layers.calls, "{layers:?}");
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
