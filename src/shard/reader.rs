@@ -26,7 +26,7 @@ use parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder,
 };
 use parquet::arrow::ProjectionMask;
-use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataReader};
+use parquet::file::metadata::{ParquetMetaData, ParquetMetaDataOptions, ParquetMetaDataReader, ParquetStatisticsPolicy};
 use parquet::file::reader::ChunkReader;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -216,7 +216,16 @@ impl ShardFile {
             }
         }
         let footer = tail.get(..footer_len as usize).unwrap_or_default();
-        let metadata = ParquetMetaDataReader::decode_metadata(footer).map_err(|e| corrupt_at(path, footer_start, e))?;
+        // Column statistics stay in the file for other readers (DuckDB prunes
+        // with them); trajlog reads none, and decoded they were most of a
+        // shard's memory: ~60 bytes a row at 256-row row groups.
+        let skip = || ParquetStatisticsPolicy::SkipAll;
+        let options = ParquetMetaDataOptions::new()
+            .with_column_stats_policy(skip())
+            .with_size_stats_policy(skip())
+            .with_encoding_stats_policy(skip());
+        let metadata = ParquetMetaDataReader::decode_metadata_with_options(footer, Some(&options))
+            .map_err(|e| corrupt_at(path, footer_start, e))?;
         let version = kv_value(&metadata, META_FORMAT_VERSION).and_then(|v| v.parse::<u32>().ok());
         let version = match version {
             Some(v) if (SHARD_FORMAT_VERSION_MIN..=SHARD_FORMAT_VERSION).contains(&v) => v,

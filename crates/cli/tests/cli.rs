@@ -469,6 +469,9 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     assert!(text.contains("task-1:0 (2, "), "{text}");
     assert!(text.contains("steps shards: 1 files") && text.contains("1 rows (1 live)"), "{text}");
     assert!(text.contains("kept only by the live calls of sessions not finished (task-1:0)"), "{text}");
+    // task-2:0's compacted call is also in session "outer": a call of
+    // several sessions stays in the index's maps, never frozen.
+    assert!(text.contains("index: 3 live calls, 0 of them in the frozen layer"), "{text}");
     let out = trajlog(&["space", "--store", s(&store), "--json"], "");
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let segs = doc["segments"].as_array().unwrap();
@@ -476,4 +479,5 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     assert_eq!(live, 2);
     assert_eq!(doc["shards"][0]["live_rows"], 1);
     assert!(doc["disk_over_live"].as_f64().unwrap() > 1.0);
+    assert_eq!((doc["index"]["live_calls"].as_u64(), doc["index"]["frozen_calls"].as_u64()), (Some(3), Some(0)));
 }

@@ -101,6 +101,7 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     let hb = super::human_bytes;
     let (segments, shards, live) = (r.segment_bytes(), r.shard_bytes(), r.live_bytes());
     let ratio = if live == 0 { None } else { Some((segments + shards) as f64 / live as f64) };
+    let layers = snap.index_layers();
     if json {
         let doc = serde_json::json!({
             "segments": r.segments,
@@ -109,6 +110,11 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
             "shard_bytes": shards,
             "live_bytes": live,
             "disk_over_live": ratio,
+            "index": {
+                "live_calls": layers.calls,
+                "frozen_calls": layers.frozen_calls,
+                "frozen_bytes": layers.frozen_bytes,
+            },
         });
         println!("{doc}");
         return Ok(0);
@@ -164,6 +170,12 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         ),
         None => println!("live data 0 B; segments and steps shards {}", hb(segments + shards)),
     }
+    println!(
+        "index: {} live calls, {} of them in the frozen layer ({}; compacted sessions untouched since the open)",
+        layers.calls,
+        layers.frozen_calls,
+        hb(layers.frozen_bytes as u64)
+    );
     // What an operator can do about the segments open sessions keep.
     let open: Vec<&trajlog::space::SegmentSpace> =
         r.segments.iter().filter(|s| s.sealed && s.kept_only_by_open_sessions).collect();
