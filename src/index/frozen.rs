@@ -65,6 +65,9 @@ pub(crate) struct Frozen {
     sessions: Vec<FrozenSession>,
     /// (trace id hash, row), sorted.
     by_trace: Vec<(u64, u32)>,
+    /// Per session, whether a seal record was replayed for it while the
+    /// open built the index (a seal after that goes to the maps).
+    sealed: Vec<bool>,
 }
 
 impl Frozen {
@@ -115,6 +118,23 @@ impl Frozen {
         None
     }
 
+    /// Whether the open's replay sealed frozen session `session`.
+    pub fn is_sealed(&self, session: u32) -> bool {
+        self.sealed.get(session as usize).copied().unwrap_or(false)
+    }
+
+    /// Seal frozen session `session` (an open's replay).
+    pub fn seal(&mut self, session: u32) {
+        if let Some(s) = self.sealed.get_mut(session as usize) {
+            *s = true;
+        }
+    }
+
+    /// Every sealed frozen session.
+    pub fn sealed_sessions(&self) -> impl Iterator<Item = u32> + '_ {
+        self.sealed.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i as u32)
+    }
+
     /// A frozen session's calls, oldest first.
     pub fn session_rows(&self, session: u32) -> &[FrozenRow] {
         let i = session as usize;
@@ -162,6 +182,7 @@ impl Frozen {
             rows: Vec::with_capacity(rows.len()),
             sessions: Vec::new(),
             by_trace: Vec::with_capacity(rows.len()),
+            sealed: Vec::new(),
         };
         let mut session_of_input = vec![0u32; rows.len()];
         for (hash, i) in order {
@@ -194,6 +215,7 @@ impl Frozen {
         }
         f.by_trace.sort_unstable();
         f.text.shrink_to_fit();
+        f.sealed = vec![false; f.sessions.len()];
         Some((f, session_of_input))
     }
 
@@ -203,6 +225,7 @@ impl Frozen {
             + self.rows.capacity() * std::mem::size_of::<FrozenRow>()
             + self.sessions.capacity() * std::mem::size_of::<FrozenSession>()
             + self.by_trace.capacity() * std::mem::size_of::<(u64, u32)>()
+            + self.sealed.capacity()
     }
 }
 

@@ -71,3 +71,18 @@ impl Mapping {
         start..start + b.len()
     }
 }
+
+/// Give the heap's free pages back to the system (glibc's `malloc_trim`).
+/// An open frees the per-row structures it decoded from the shards (about
+/// 120 bytes a compacted call, in small blocks among the blocks it keeps);
+/// glibc returns only the top of its heap by itself, so without this the
+/// process keeps those pages resident: 265 MB instead of 160 MB after a
+/// read-only open of a million compacted calls. No effect elsewhere.
+pub(crate) fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only releases free memory of the allocator's own
+    // arenas; it touches no allocation that is in use and takes its locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

@@ -170,7 +170,7 @@ impl Store {
             }
         };
         loaded.segments.remove(&active.id);
-        let sealed: HashSet<String> = loaded.index.sealed_sessions().map(|k| k.to_string()).collect();
+        let sealed: HashSet<String> = loaded.index.sealed_sessions().map(str::to_owned).collect();
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));

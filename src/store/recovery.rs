@@ -276,6 +276,10 @@ pub(super) fn load_dir(
     for (row, frozen) in rows {
         apply_shard_row(&mut index, &row, frozen);
     }
+    if any_shards {
+        // The shard rows just dropped were most of the open's heap.
+        crate::storage::mmap::trim_heap();
+    }
     Ok(Loaded {
         manifest,
         index,
