@@ -1163,3 +1163,43 @@ fn space_goes_on_past_a_damaged_frame() {
     assert!(active.unreadable_bytes > 0, "{active:?}");
     assert_eq!(active.live_calls, 3, "the calls before and after the damage: {active:?}");
 }
+
+/// `steps` row groups of every published shard file, from the files.
+fn steps_row_groups(dir: &Path) -> Vec<i64> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir.join("shards/steps")).unwrap() {
+        let file = std::fs::File::open(e.unwrap().path()).unwrap();
+        let meta = ParquetRecordBatchReaderBuilder::try_new(file).unwrap().metadata().clone();
+        out.extend(meta.row_groups().iter().map(|g| g.num_rows()));
+    }
+    out
+}
+
+#[test]
+fn a_row_group_closes_at_its_rows_or_its_bytes() {
+    // By rows: 4 sessions × 6 calls in row groups of at most 5 rows.
+    let dir = tempdir();
+    let (store, _, calls) = sealed_sessions(dir.path(), 4, 6);
+    store.compact(&CompactOptions::default().steps_row_group_rows(5)).unwrap();
+    let groups = steps_row_groups(dir.path());
+    assert_eq!(groups.iter().sum::<i64>(), 24);
+    assert!(groups.iter().all(|g| *g <= 5) && groups.len() >= 5, "{groups:?}");
+    // The default: one row group for so few rows.
+    let dir2 = tempdir();
+    let (store2, _, _) = sealed_sessions(dir2.path(), 4, 6);
+    store2.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(steps_row_groups(dir2.path()), vec![24]);
+    // By bytes: a cap below one row's size closes a row group per row,
+    // whatever the rows allowed; every call reads back exactly.
+    let dir3 = tempdir();
+    let (store3, _, _) = sealed_sessions(dir3.path(), 4, 6);
+    store3.compact(&CompactOptions::default().row_group_bytes(1)).unwrap();
+    assert_eq!(steps_row_groups(dir3.path()), vec![1; 24]);
+    let snap = store3.snapshot();
+    for (id, want) in &calls {
+        assert_same(&snap.get(id).unwrap().unwrap(), want);
+    }
+    let err = store3.compact(&CompactOptions::default().row_group_bytes(0)).unwrap_err();
+    assert!(err.to_string().contains("row_group_bytes"), "{err}");
+    drop((store, store2));
+}

@@ -15,8 +15,8 @@ mod collect;
 
 use crate::error::{Error, Result};
 use crate::limits::{
-    DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS, RELEASE_PAGES_EVERY_BYTES,
-    SCAN_DECODED_BYTES_MAX,
+    DEFAULT_ROW_GROUP_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS,
+    RELEASE_PAGES_EVERY_BYTES, SCAN_DECODED_BYTES_MAX,
 };
 use crate::shard::schema::{steps_schema, trajectories_schema};
 pub use crate::shard::writer::ShardCompression;
@@ -55,10 +55,13 @@ pub type CompactProgress = Arc<dyn Fn(u64, u64, u64) + Send + Sync>;
 pub struct CompactOptions {
     /// Which sessions are taken (default: sealed ones).
     pub selection: Selection,
-    /// Rows per `steps` row group.
+    /// Rows per `steps` row group, at most.
     pub steps_row_group_rows: usize,
-    /// Rows per `trajectories` row group.
+    /// Rows per `trajectories` row group, at most.
     pub trajectories_row_group_rows: usize,
+    /// Size (uncompressed estimate) at which a row group of either table
+    /// is closed, whatever its rows.
+    pub row_group_bytes: usize,
     /// Size (uncompressed estimate) at which a shard file is closed.
     pub shard_bytes: usize,
     /// Page compression of the shards.
@@ -93,6 +96,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("selection", &self.selection)
             .field("steps_row_group_rows", &self.steps_row_group_rows)
             .field("trajectories_row_group_rows", &self.trajectories_row_group_rows)
+            .field("row_group_bytes", &self.row_group_bytes)
             .field("shard_bytes", &self.shard_bytes)
             .field("compression", &self.compression)
             .field("progress", &self.progress.is_some())
@@ -108,6 +112,7 @@ impl Default for CompactOptions {
             selection: Selection::SealedOnly,
             steps_row_group_rows: DEFAULT_STEPS_ROW_GROUP_ROWS,
             trajectories_row_group_rows: DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS,
+            row_group_bytes: DEFAULT_ROW_GROUP_BYTES,
             shard_bytes: DEFAULT_SHARD_BYTES,
             compression: ShardCompression::default(),
             progress: None,
@@ -132,16 +137,23 @@ impl CompactOptions {
         self.selection = v;
         self
     }
-    /// Rows per `steps` row group.
+    /// Rows per `steps` row group, at most.
     #[must_use]
     pub fn steps_row_group_rows(mut self, v: usize) -> Self {
         self.steps_row_group_rows = v;
         self
     }
-    /// Rows per `trajectories` row group.
+    /// Rows per `trajectories` row group, at most.
     #[must_use]
     pub fn trajectories_row_group_rows(mut self, v: usize) -> Self {
         self.trajectories_row_group_rows = v;
+        self
+    }
+    /// Size (uncompressed estimate) at which a row group of either table
+    /// is closed, whatever its rows.
+    #[must_use]
+    pub fn row_group_bytes(mut self, v: usize) -> Self {
+        self.row_group_bytes = v;
         self
     }
     /// Size (uncompressed estimate) at which a shard file is closed.
@@ -359,7 +371,7 @@ fn write_shards(
             };
             for s in &inputs {
                 steps.push(s);
-                if steps.rows >= opts.steps_row_group_rows {
+                if steps.rows >= opts.steps_row_group_rows || steps.bytes >= opts.row_group_bytes {
                     let bytes = steps.bytes;
                     steps_w.write_row_group(&steps.finish()?, bytes)?;
                 }
@@ -369,7 +381,7 @@ fn write_shards(
             for (k, t) in chains(&inputs).iter().enumerate() {
                 trajs.push(sid, k as u32, &group, t, session_reward);
                 report.trajectories += 1;
-                if trajs.rows >= opts.trajectories_row_group_rows {
+                if trajs.rows >= opts.trajectories_row_group_rows || trajs.bytes >= opts.row_group_bytes {
                     let bytes = trajs.bytes;
                     traj_w.write_row_group(&trajs.finish()?, bytes)?;
                 }
@@ -435,6 +447,9 @@ pub(crate) fn run_with(
 ) -> Result<CompactReport> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
+    }
+    if opts.row_group_bytes == 0 {
+        return Err(Error::invalid("row_group_bytes", "must be at least 1"));
     }
     if let Some(f) = opts.collect_dead_fraction {
         if !(0.0..=1.0).contains(&f) {

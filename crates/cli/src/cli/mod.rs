@@ -152,9 +152,14 @@ enum Command {
         /// Close a shard file past this many bytes (uncompressed estimate).
         #[arg(long, default_value_t = trajlog::limits::DEFAULT_SHARD_BYTES)]
         shard_bytes: usize,
-        /// Rows per `steps` row group (trajectories get a quarter).
+        /// Rows per `steps` row group, at most (trajectories get a 64th,
+        /// at least 1).
         #[arg(long, default_value_t = trajlog::limits::DEFAULT_STEPS_ROW_GROUP_ROWS)]
         row_group_rows: usize,
+        /// Close a row group of either table past this many bytes
+        /// (uncompressed estimate), whatever its rows.
+        #[arg(long, default_value_t = trajlog::limits::DEFAULT_ROW_GROUP_BYTES)]
+        row_group_bytes: usize,
         /// zstd | zstd:LEVEL | none
         #[arg(long, default_value = "zstd")]
         compression: String,
@@ -374,6 +379,7 @@ pub fn main() -> i32 {
             older_than,
             shard_bytes,
             row_group_rows,
+            row_group_bytes,
             compression,
             collect_dead,
             no_collect,
@@ -385,6 +391,7 @@ pub fn main() -> i32 {
                 older_than,
                 shard_bytes,
                 row_group_rows,
+                row_group_bytes,
                 compression,
                 collect_dead: (!no_collect).then_some(collect_dead),
                 merge_fanout: (!no_merge).then_some(merge_fanout),

@@ -18,6 +18,7 @@ pub struct CompactArgs {
     pub older_than: Option<f64>,
     pub shard_bytes: usize,
     pub row_group_rows: usize,
+    pub row_group_bytes: usize,
     pub compression: String,
     /// `--collect-dead` (`None`: `--no-collect`).
     pub collect_dead: Option<f64>,
@@ -31,7 +32,8 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         CompactOptions::default()
             .selection(args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
             .steps_row_group_rows(args.row_group_rows)
-            .trajectories_row_group_rows((args.row_group_rows / 4).max(1))
+            .trajectories_row_group_rows((args.row_group_rows / 64).max(1))
+            .row_group_bytes(args.row_group_bytes)
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
             .collect_dead_fraction(args.collect_dead)
