@@ -917,7 +917,9 @@ impl NativeStore {
     /// Where the store's bytes are and what keeps them (`trajlog space`), as JSON text.
     fn space_json(&self, py: Python<'_>) -> PyResult<String> {
         let store = self.get()?;
-        let report = py.detach(|| trajlog::space::space(&store.snapshot())).map_err(to_py)?;
+        let snap = store.snapshot();
+        let report = py.detach(|| trajlog::space::space(&snap)).map_err(to_py)?;
+        let layers = snap.index_layers();
         let doc = serde_json::json!({
             "segment_bytes": report.segment_bytes(),
             "shard_bytes": report.shard_bytes(),
@@ -926,6 +928,11 @@ impl NativeStore {
                 .then(|| (report.segment_bytes() + report.shard_bytes()) as f64 / report.live_bytes() as f64),
             "segments": report.segments,
             "shards": report.shards,
+            "index": {
+                "live_calls": layers.calls,
+                "frozen_calls": layers.frozen_calls,
+                "frozen_bytes": layers.frozen_bytes,
+            },
         });
         Ok(doc.to_string())
     }

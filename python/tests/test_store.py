@@ -184,6 +184,12 @@ def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
         assert kept[0]["compacted_calls"] == 3
         assert [(s["rows"], s["live_rows"]) for s in space["shards"]] == [(3, 3)]
         assert 0 < space["live_bytes"] < space["segment_bytes"] + space["shard_bytes"]
+        # Compacted in this process: the index still holds them in its maps.
+        assert (space["index"]["live_calls"], space["index"]["frozen_calls"]) == (4, 0)
+    with trajlog.Store(tmp_path / "s") as store:
+        # Opened again: session "a", all compacted, is in the frozen layer.
+        index = store.space()["index"]
+        assert (index["live_calls"], index["frozen_calls"]) == (4, 3) and index["frozen_bytes"] > 0
 
 
 def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):

@@ -587,7 +587,10 @@ class Store:
         served from it, `compacted_bytes`, `dead_bytes`, `annotation_bytes`,
         and `kept_by`, the sessions whose live calls keep it, with `sealed`),
         `shards` (per `steps` file: `rows`, `live_rows`, `file_bytes`), and
-        the totals `segment_bytes`, `shard_bytes`, `live_bytes`."""
+        the totals `segment_bytes`, `shard_bytes`, `live_bytes`; `index`:
+        `live_calls`, and how many of them the index holds in its frozen
+        layer (`frozen_calls`, `frozen_bytes`: compacted sessions untouched
+        since the store was opened)."""
         return json.loads(self._native.space_json())
 
     def close(self) -> None:
