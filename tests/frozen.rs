@@ -44,8 +44,8 @@ fn ids(calls: &[Call]) -> Vec<String> {
     v
 }
 
-/// Sessions s0..s7 compacted (s0..s2 sealed, with session rewards), s8..s11
-/// in segments; returns the calls appended.
+/// Sessions s0..s7 compacted (s0..s2 sealed, with session rewards, and a
+/// reward on s6), s8..s11 in segments; returns the calls appended.
 fn build(dir: &Path) -> Vec<Call> {
     let all = chained_calls(12, 6);
     let store = Store::open(dir, small_segments()).unwrap();
@@ -56,6 +56,7 @@ fn build(dir: &Path) -> Vec<Call> {
         store.seal_session(&format!("s{s}")).unwrap();
         store.set_reward(Target::Session(format!("s{s}")), s as f64).unwrap();
     }
+    store.set_reward(Target::Session("s6".into()), 6.5).unwrap();
     let report = store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
     assert_eq!(report.sessions, 8);
     for c in &all[48..] {
@@ -108,10 +109,14 @@ fn a_write_naming_a_frozen_session_thaws_it_first() {
     store.set_reward(Target::Trace("t3-0".into()), 1.5).unwrap();
     store.set_reward(Target::Session("s4".into()), -2.0).unwrap();
     store.seal_session("s5").unwrap();
+    // s1's reward was set before the compaction (a value of the frozen
+    // layer since the open); a new one wins over it, here and at reopens.
+    store.set_reward(Target::Session("s1".into()), 7.0).unwrap();
     store.flush().unwrap();
     let snap = store.snapshot();
     assert_eq!(snap.index_layers().frozen_calls, 48);
     assert_eq!((snap.trace_reward("t3-0"), snap.session_reward("s4")), (Some(1.5), Some(-2.0)));
+    assert_eq!((snap.session_reward("s0"), snap.session_reward("s1")), (Some(0.0), Some(7.0)));
 
     // An append to frozen s6 (a timestamp between two of its calls): s6
     // thaws, the call takes its place in the session's order.
@@ -133,6 +138,7 @@ fn a_write_naming_a_frozen_session_thaws_it_first() {
     assert_eq!(snap.call_count(), all.len() + 1 - 6);
     let s6: Vec<String> = snap.session("s6", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
     assert_eq!(s6, ["t6-0", "t6-1", "t6-2", "new-0", "t6-3", "t6-4", "t6-5"]);
+    assert_eq!(snap.session_reward("s6"), Some(6.5), "thawing keeps the reward");
     let s7: Vec<String> = snap.session("s7", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
     assert_eq!(s7, ["t7-0", "t7-1", "t7-3", "t7-4", "t7-5", "t7-2"]);
     assert_eq!(snap.get("t7-2").unwrap().unwrap().timestamp(), 999.0);

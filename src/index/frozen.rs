@@ -68,6 +68,9 @@ pub(crate) struct Frozen {
     /// Per session, whether a seal record was replayed for it while the
     /// open built the index (a seal after that goes to the maps).
     sealed: Vec<bool>,
+    /// Per session, the session reward the open's replay left it with
+    /// (likewise).
+    rewards: Vec<Option<f64>>,
 }
 
 impl Frozen {
@@ -130,6 +133,18 @@ impl Frozen {
         }
     }
 
+    /// The session reward the open's replay set on frozen session `session`.
+    pub fn reward(&self, session: u32) -> Option<f64> {
+        self.rewards.get(session as usize).copied().flatten()
+    }
+
+    /// Set frozen session `session`'s reward (an open's replay).
+    pub fn set_reward(&mut self, session: u32, value: f64) {
+        if let Some(r) = self.rewards.get_mut(session as usize) {
+            *r = Some(value);
+        }
+    }
+
     /// Every sealed frozen session.
     pub fn sealed_sessions(&self) -> impl Iterator<Item = u32> + '_ {
         self.sealed.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i as u32)
@@ -183,6 +198,7 @@ impl Frozen {
             sessions: Vec::new(),
             by_trace: Vec::with_capacity(rows.len()),
             sealed: Vec::new(),
+            rewards: Vec::new(),
         };
         let mut session_of_input = vec![0u32; rows.len()];
         for (hash, i) in order {
@@ -216,6 +232,7 @@ impl Frozen {
         f.by_trace.sort_unstable();
         f.text.shrink_to_fit();
         f.sealed = vec![false; f.sessions.len()];
+        f.rewards = vec![None; f.sessions.len()];
         Some((f, session_of_input))
     }
 
@@ -226,6 +243,7 @@ impl Frozen {
             + self.sessions.capacity() * std::mem::size_of::<FrozenSession>()
             + self.by_trace.capacity() * std::mem::size_of::<(u64, u32)>()
             + self.sealed.capacity()
+            + self.rewards.capacity() * std::mem::size_of::<Option<f64>>()
     }
 }
 

@@ -265,8 +265,13 @@ impl Index {
         self.thawed_rows += rows.len();
         let name = frozen.session_name(session);
         if frozen.is_sealed(session) {
-            // The maps hold a thawed session's seal.
+            // The maps hold a thawed session's seal and reward.
             self.sessions.entry(Arc::from(name)).or_default().sealed = true;
+        }
+        if let Some(value) = frozen.reward(session) {
+            let entry = self.sessions.entry(Arc::from(name)).or_default();
+            // One set since the open is newer.
+            entry.reward = entry.reward.or(Some(value));
         }
         let sessions = self.sessions_of(name, &[]);
         for r in rows.iter().filter(|r| r.loc < before) {
@@ -376,9 +381,19 @@ impl Index {
 
     /// Set `session`'s reward; setting the value it has (bit for bit)
     /// changes nothing, as [`Index::seal`].
+    /// While an open builds the index, a frozen session's reward is a value
+    /// of the frozen layer, as its seal ([`Index::seal`]).
     pub fn set_session_reward(&mut self, session: &str, value: f64) {
-        if self.sessions.get(session).and_then(|e| e.reward).is_some_and(|r| r.to_bits() == value.to_bits()) {
+        if self.session_reward(session).is_some_and(|r| r.to_bits() == value.to_bits()) {
             return;
+        }
+        if self.sessions.get(session).is_none_or(|e| e.reward.is_none()) {
+            if let Some(i) = self.frozen_session(session) {
+                if let Some(frozen) = Arc::get_mut(&mut self.frozen) {
+                    frozen.set_reward(i, value);
+                    return;
+                }
+            }
         }
         self.sessions.entry(Arc::from(session)).or_default().reward = Some(value);
     }
@@ -474,7 +489,7 @@ impl Index {
     /// A session's summary; `None` for one with no live call.
     pub fn session_summary(&self, session: &str) -> Option<SessionSummary> {
         let entry = self.sessions.get(session);
-        let (sealed, reward) = (self.is_sealed(session), entry.and_then(|e| e.reward));
+        let (sealed, reward) = (self.is_sealed(session), self.session_reward(session));
         if let Some(e) = entry.filter(|e| e.calls.len() > 0) {
             let (first, last) = (e.calls.front()?, e.calls.last()?);
             return Some(SessionSummary {
@@ -525,8 +540,13 @@ impl Index {
         self.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| &**k).chain(frozen)
     }
 
+    /// A reward set in the maps (after the open) wins over the frozen
+    /// layer's (replayed at the open).
     pub fn session_reward(&self, session: &str) -> Option<f64> {
-        self.sessions.get(session).and_then(|e| e.reward)
+        self.sessions
+            .get(session)
+            .and_then(|e| e.reward)
+            .or_else(|| self.frozen_session(session).and_then(|i| self.frozen.reward(i)))
     }
 
     pub fn trace_reward(&self, trace: &str) -> Option<f64> {

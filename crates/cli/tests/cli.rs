@@ -250,6 +250,20 @@ fn generate_writes_each_shape() {
             assert_eq!(export(&default), export(&store));
         }
     }
+    // --rewards: each session rewarded (1 for odd session numbers) and sealed.
+    let store = dir.path().join("rewarded");
+    let args = ["generate", "--store", s(&store), "--sessions", "3", "--steps", "2", "--prompt-tokens", "50"];
+    let out = trajlog(&[&args[..], &["--shape", "lean", "--rewards"]].concat(), "");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let db = trajlog::Store::open_read_only(&store).unwrap();
+    let mut got: Vec<(String, Option<f64>, bool)> =
+        db.snapshot().sessions().into_iter().map(|i| (i.session_id, i.reward, i.sealed)).collect();
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    let rewards: Vec<Option<f64>> = got.iter().map(|g| g.1).collect();
+    assert_eq!(rewards.len(), 3);
+    assert!(got.iter().all(|g| g.2), "{got:?}");
+    assert_eq!(rewards.iter().filter(|r| **r == Some(1.0)).count(), 1, "{got:?}");
+    assert_eq!(rewards.iter().filter(|r| **r == Some(0.0)).count(), 2, "{got:?}");
 }
 
 fn object_keys(line: &str) -> Vec<String> {

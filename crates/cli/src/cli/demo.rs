@@ -228,6 +228,8 @@ pub struct GenerateShape {
     /// Mean tokens added to the next prompt per turn; likewise.
     pub tool_tokens: Option<usize>,
     pub shape: Shape,
+    /// Set a session reward on each session before sealing it.
+    pub rewards: bool,
 }
 
 /// Half to 1.5 times `mean`, at least one token.
@@ -283,6 +285,10 @@ pub fn generate(
             tokens += (c.prompt_token_ids.len() + c.completion_token_ids.len()) as u64;
             calls += 1;
             store.append(c)?;
+        }
+        if g.rewards {
+            // As a trainer scores each rollout: 1 for every other session.
+            store.set_reward(trajlog::Target::Session(session.session_id.clone()), (s % 2) as f64)?;
         }
         store.seal_session(&session.session_id)?;
     }

@@ -214,6 +214,10 @@ enum Command {
         /// (drawn from half to 1.5 times it; default 100 to 400).
         #[arg(long, value_name = "N")]
         tool_tokens: Option<usize>,
+        /// Set a session reward on each session before sealing it, as a
+        /// trainer scores each rollout (1 for odd session numbers, else 0).
+        #[arg(long)]
+        rewards: bool,
     },
     /// Run one multi-turn agent workload against trajlog and two SQLite baselines; print one table.
     Bench {
@@ -466,10 +470,11 @@ pub fn main() -> i32 {
             first_session,
             completion_tokens,
             tool_tokens,
+            rewards,
         } => demo::generate(
             &store,
             first_session..first_session.saturating_add(sessions),
-            demo::GenerateShape { steps, prompt_tokens, completion_tokens, tool_tokens, shape },
+            demo::GenerateShape { steps, prompt_tokens, completion_tokens, tool_tokens, shape, rewards },
             seed,
         ),
     };
