@@ -9,8 +9,10 @@
 //! or one of its trace ids, and such a record *thaws* the session (its calls
 //! move into the in-memory maps, [`super::Index`]) before it is applied, so
 //! the replay rules (format-spec/record.md §6) run on exactly the calls they
-//! ran on before. A row costs 44 bytes here plus its trace id's bytes, where
-//! the maps cost about 370 bytes a call.
+//! ran on before. Seals and session rewards do not thaw: while the open's
+//! replay builds the layer they are values of it, later ones go to the
+//! maps. A row costs 56 bytes here plus its trace id's bytes (~75 in all
+//! for short ids), where the maps cost about 370 bytes a call.
 
 use crate::format::record::Loc;
 use crate::shard::reader::ShardRow;
@@ -53,7 +55,8 @@ fn session_of(r: &ShardRow) -> &str {
     r.sessions.first().map_or("", |s| s)
 }
 
-/// The frozen sessions of a view (immutable; shared by every snapshot).
+/// The frozen sessions of a view: built at an open, whose replay also sets
+/// their seals and rewards here, then shared by every snapshot unchanged.
 #[derive(Debug, Default)]
 pub(crate) struct Frozen {
     /// Trace ids and session names, back to back.
