@@ -88,10 +88,12 @@ impl Clone for Snapshot {
     }
 }
 
-/// See [`Snapshot::index_layers`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// See [`Snapshot::index_layers`]. Serialized as `trajlog space --json`'s
+/// and Python `Store.space()`'s `index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct IndexLayers {
     /// Live calls in all.
+    #[serde(rename = "live_calls")]
     pub calls: usize,
     /// Of them, in the frozen layer.
     pub frozen_calls: usize,

@@ -928,11 +928,7 @@ impl NativeStore {
                 .then(|| (report.segment_bytes() + report.shard_bytes()) as f64 / report.live_bytes() as f64),
             "segments": report.segments,
             "shards": report.shards,
-            "index": {
-                "live_calls": layers.calls,
-                "frozen_calls": layers.frozen_calls,
-                "frozen_bytes": layers.frozen_bytes,
-            },
+            "index": layers,
         });
         Ok(doc.to_string())
     }

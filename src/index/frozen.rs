@@ -20,8 +20,9 @@ use std::cmp::Ordering;
 use std::collections::HashSet;
 use std::hash::{Hash, Hasher};
 
-/// The 64-bit hash the layer sorts ids by: SipHash-1-3 with zero keys (the
-/// standard library's `DefaultHasher::new()`), in memory only.
+/// The 64-bit hash the layer sorts ids by, and the store's row counts keep
+/// (`store/protocol.rs`): SipHash-1-3 with zero keys (the standard
+/// library's `DefaultHasher::new()`), in memory only.
 pub(crate) fn id_hash(id: &str) -> u64 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     id.hash(&mut h);

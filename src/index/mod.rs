@@ -264,14 +264,13 @@ impl Index {
         let rows = frozen.session_rows(session);
         self.thawed_rows += rows.len();
         let name = frozen.session_name(session);
-        if frozen.is_sealed(session) {
-            // The maps hold a thawed session's seal and reward.
-            self.sessions.entry(Arc::from(name)).or_default().sealed = true;
-        }
-        if let Some(value) = frozen.reward(session) {
+        let (sealed, reward) = (frozen.is_sealed(session), frozen.reward(session));
+        if sealed || reward.is_some() {
+            // The maps hold a thawed session's seal and reward (a reward
+            // set since the open is newer).
             let entry = self.sessions.entry(Arc::from(name)).or_default();
-            // One set since the open is newer.
-            entry.reward = entry.reward.or(Some(value));
+            entry.sealed |= sealed;
+            entry.reward = entry.reward.or(reward);
         }
         let sessions = self.sessions_of(name, &[]);
         for r in rows.iter().filter(|r| r.loc < before) {
@@ -489,39 +488,51 @@ impl Index {
     /// A session's summary; `None` for one with no live call.
     pub fn session_summary(&self, session: &str) -> Option<SessionSummary> {
         let entry = self.sessions.get(session);
-        let (sealed, reward) = (self.is_sealed(session), self.session_reward(session));
-        if let Some(e) = entry.filter(|e| e.calls.len() > 0) {
-            let (first, last) = (e.calls.front()?, e.calls.last()?);
-            return Some(SessionSummary {
-                calls: e.calls.len(),
-                first_timestamp: first.timestamp,
-                last_timestamp: last.timestamp,
-                sealed,
-                reward,
-            });
+        match entry.and_then(Self::mapped_summary) {
+            Some(s) => Some(s),
+            None => self.frozen_summary(self.frozen_session(session)?, entry),
         }
-        let rows = self.frozen.session_rows(self.frozen_session(session)?);
+    }
+
+    /// The summary of a session with calls in the maps. Such a session is
+    /// not frozen (a call reaches the maps only after thawing what it
+    /// names), so its entry holds its seal and reward.
+    fn mapped_summary(e: &SessionEntry) -> Option<SessionSummary> {
+        let (first, last) = (e.calls.front()?, e.calls.last()?);
+        Some(SessionSummary {
+            calls: e.calls.len(),
+            first_timestamp: first.timestamp,
+            last_timestamp: last.timestamp,
+            sealed: e.sealed,
+            reward: e.reward,
+        })
+    }
+
+    /// The summary of frozen session `i`; `entry` is its entry in the maps,
+    /// if any (a seal or reward set since the open).
+    fn frozen_summary(&self, i: u32, entry: Option<&SessionEntry>) -> Option<SessionSummary> {
+        let rows = self.frozen.session_rows(i);
         let (first, last) = (rows.first()?, rows.last()?);
         Some(SessionSummary {
             calls: rows.len(),
             first_timestamp: first.timestamp,
             last_timestamp: last.timestamp,
-            sealed,
-            reward,
+            sealed: entry.is_some_and(|e| e.sealed) || self.frozen.is_sealed(i),
+            reward: entry.and_then(|e| e.reward).or(self.frozen.reward(i)),
         })
     }
 
     /// Every session with a live call, with its summary: the maps' (by
     /// name), then the frozen ones.
     pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
-        for (name, _) in self.sessions.iter().filter(|(_, e)| e.calls.len() > 0) {
-            if let Some(s) = self.session_summary(name) {
+        for (name, e) in self.sessions.iter() {
+            if let Some(s) = Self::mapped_summary(e) {
                 f(name, s);
             }
         }
         for i in (0..self.frozen.session_count()).filter(|i| self.is_frozen(*i)) {
             let name = self.frozen.session_name(i);
-            if let Some(s) = self.session_summary(name) {
+            if let Some(s) = self.frozen_summary(i, self.sessions.get(name)) {
                 f(name, s);
             }
         }

@@ -96,10 +96,7 @@ impl RowCounts {
     /// The hash an id is kept under (SipHash-1-3 with zero keys: stable
     /// within a build; these hashes are never written to disk).
     pub(crate) fn hash(id: &str) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        id.hash(&mut h);
-        h.finish()
+        crate::index::frozen::id_hash(id)
     }
 
     /// The multiset of these hashes.

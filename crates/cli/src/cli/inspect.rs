@@ -110,11 +110,7 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
             "shard_bytes": shards,
             "live_bytes": live,
             "disk_over_live": ratio,
-            "index": {
-                "live_calls": layers.calls,
-                "frozen_calls": layers.frozen_calls,
-                "frozen_bytes": layers.frozen_bytes,
-            },
+            "index": layers,
         });
         println!("{doc}");
         return Ok(0);
