@@ -97,8 +97,13 @@ pub struct IndexLayers {
     pub calls: usize,
     /// Of them, in the frozen layer.
     pub frozen_calls: usize,
-    /// The frozen layer's heap bytes.
+    /// The frozen layer's heap bytes (its tables are in the shard index
+    /// file when the open found one: then only its seal and reward flags).
     pub frozen_bytes: usize,
+    /// Size of the shard index file the view reads its compacted calls'
+    /// placements and frozen layer from, mapped (0: none; the open decoded
+    /// the shards). format-spec/shard-index.md.
+    pub index_file_bytes: u64,
 }
 
 /// Summary of one session.
@@ -595,7 +600,8 @@ impl Snapshot {
     /// in-memory maps (ARCHITECTURE.md, "Two index layers").
     pub fn index_layers(&self) -> IndexLayers {
         let (frozen_calls, frozen_bytes) = self.view.index.frozen_stats();
-        IndexLayers { calls: self.call_count(), frozen_calls, frozen_bytes }
+        let index_file_bytes = self.view.shards.index_file().map_or(0, |ix| ix.file_len());
+        IndexLayers { calls: self.call_count(), frozen_calls, frozen_bytes, index_file_bytes }
     }
 
     /// Segments of this snapshot, oldest first.

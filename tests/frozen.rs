@@ -66,11 +66,44 @@ fn build(dir: &Path) -> Vec<Call> {
     all
 }
 
+/// Reopen read-only and writable and compare with `want`; when a shard
+/// index file is there, also read-only without it and with it damaged or
+/// stale (the open decodes the shards then): the same answers each time.
+/// The writable open leaves a file that describes the shards.
 fn reopen_matches(dir: &Path, want: &[String], trace_ids: &[String]) -> Store {
+    let index = dir.join("shards").join("index.tsi");
     let ro = Store::open_read_only(dir).unwrap();
+    let layers = ro.snapshot().index_layers();
     assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen");
+    drop(ro);
+    // A file that describes the shards (a stale one is left for the
+    // writable open to replace).
+    if layers.index_file_bytes > 0 {
+        let saved = std::fs::read(&index).unwrap();
+        assert_eq!(layers.index_file_bytes, saved.len() as u64, "the open read the shard index file");
+        std::fs::remove_file(&index).unwrap();
+        let ro = Store::open_read_only(dir).unwrap();
+        assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0);
+        assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen without the shard index file");
+        drop(ro);
+        // A flipped byte anywhere (header, directory, any section) fails a check.
+        for at in [3, 30, saved.len() / 3, saved.len() / 2, saved.len() - 5] {
+            let mut damaged = saved.clone();
+            damaged[at] ^= 0x20;
+            std::fs::write(&index, &damaged).unwrap();
+            let ro = Store::open_read_only(dir).unwrap();
+            assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0, "byte {at} flipped: not used");
+            assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen, byte {at} of the file flipped");
+        }
+        std::fs::write(&index, &saved).unwrap();
+    }
     let store = Store::open(dir, small_segments()).unwrap();
     assert_eq!(fingerprint(&store.snapshot(), trace_ids), want, "writable reopen");
+    let layers = store.snapshot().index_layers();
+    if layers.frozen_calls > 0 {
+        assert!(index.exists(), "a writable open of compacted sessions leaves a shard index file");
+        assert_eq!(layers.index_file_bytes, std::fs::metadata(&index).unwrap().len());
+    }
     store
 }
 
@@ -86,6 +119,7 @@ fn compacted_sessions_open_frozen_and_read_the_same() {
 
     let store = reopen_matches(dir.path(), &before, &ids(&all));
     let layers = store.snapshot().index_layers();
+    assert!(layers.index_file_bytes > 0, "opened from the shard index file: {layers:?}");
     // The eight compacted sessions, 6 calls each; the others are in
     // segments.
     assert_eq!((layers.calls, layers.frozen_calls), (all.len(), 48), "{layers:?}");
@@ -169,4 +203,81 @@ fn a_write_naming_a_frozen_session_thaws_it_first() {
     assert_eq!(layers.frozen_calls, layers.calls, "{layers:?}");
     let report = trajlog::verify::verify_dir(dir.path()).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+#[test]
+fn a_stale_or_missing_shard_index_file_is_rebuilt_and_answers_stay_the_same() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    let trace_ids = ids(&all);
+    let index = dir.path().join("shards").join("index.tsi");
+    assert!(index.exists(), "the compaction wrote the shard index file");
+    let stale = std::fs::read(&index).unwrap();
+
+    // A second compaction (s8..s11) replaces the file; the old one, put
+    // back, names other shards: an open does without it, and a writable
+    // open writes it anew.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    for s in 8..12 {
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    store.compact(&CompactOptions::default()).unwrap();
+    let want = fingerprint(&store.snapshot(), &trace_ids);
+    store.close().unwrap();
+    let fresh = std::fs::read(&index).unwrap();
+    assert_ne!(fresh, stale);
+    std::fs::write(&index, &stale).unwrap();
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0, "a stale file is not used");
+    assert_eq!(fingerprint(&ro.snapshot(), &trace_ids), want);
+    drop(ro);
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    assert_eq!(std::fs::read(&index).unwrap(), fresh, "rebuilt as the compaction wrote it");
+    let layers = store.snapshot().index_layers();
+    assert_eq!((layers.frozen_calls, layers.calls), (all.len(), all.len()), "{layers:?}");
+    store.close().unwrap();
+
+    // Deleted: the same.
+    std::fs::remove_file(&index).unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    drop(store);
+    assert_eq!(std::fs::read(&index).unwrap(), fresh);
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+/// A record in a kept segment that names a frozen session before some of
+/// its compacted calls (here: the replaced first version of one of them)
+/// thaws it at the open; the session's later rows are then applied at
+/// their log positions, with or without the shard index file.
+#[test]
+fn a_thaw_at_the_open_applies_the_later_rows_in_log_order() {
+    let dir = tempdir();
+    let all = chained_calls(2, 4);
+    let store = Store::open(dir.path(), trajlog::Options::default()).unwrap();
+    // s1's first call, never sealed, keeps the segment.
+    store.append(all[4].clone()).unwrap();
+    for c in &all[..4] {
+        store.append(c.clone()).unwrap();
+    }
+    // t0-1 replaced: its first record stays in the segment, dead.
+    let mut r = all[1].clone();
+    r.timestamp = 500.0;
+    r.completion_token_ids.push(7);
+    if let Some(lp) = &mut r.logprobs {
+        lp.push(-0.5);
+    }
+    store.append(r.clone()).unwrap();
+    store.seal_session("s0").unwrap();
+    let report = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(report.sessions, 1);
+    let trace_ids: Vec<String> = ["t0-0", "t0-1", "t0-2", "t0-3", "t1-0"].map(String::from).into();
+    let want = fingerprint(&store.snapshot(), &trace_ids);
+    store.close().unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    let snap = store.snapshot();
+    let s0: Vec<String> = snap.session("s0", None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(s0, ["t0-0", "t0-2", "t0-3", "t0-1"]);
+    assert_same(&snap.get("t0-1").unwrap().unwrap(), &r);
+    assert_eq!(snap.index_layers().frozen_calls, 0, "s0 thawed at the open");
 }

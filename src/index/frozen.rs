@@ -15,24 +15,26 @@
 //! for short ids), where the maps cost about 370 bytes a call.
 
 use crate::format::record::Loc;
-use crate::shard::reader::ShardRow;
+use crate::shard::reader::{ShardPos, ShardRow};
+use crate::storage::table::Table;
+use bytemuck::{Pod, Zeroable};
 use std::cmp::Ordering;
 use std::collections::HashSet;
-use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-/// The 64-bit hash the layer sorts ids by, and the store's row counts keep
-/// (`store/protocol.rs`): SipHash-1-3 with zero keys (the standard
-/// library's `DefaultHasher::new()`), in memory only.
+/// The 64-bit hash the layer sorts ids by, the shard index file stores
+/// (format-spec/shard-index.md §3) and the store's row counts keep
+/// (`store/protocol.rs`): XXH3-64 with seed 0 of the id's UTF-8 bytes.
 pub(crate) fn id_hash(id: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish()
+    xxhash_rust::xxh3::xxh3_64(id.as_bytes())
 }
 
-/// A frozen call.
-#[derive(Debug, Clone, Copy)]
+/// A frozen call (40 bytes, the layout of format-spec/shard-index.md §4).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub(crate) struct FrozenRow {
-    pub loc: Loc,
+    segment: u64,
+    offset: u64,
     pub timestamp: f64,
     /// Its trace id: `text[trace..trace + trace_len]`.
     trace: u64,
@@ -41,34 +43,114 @@ pub(crate) struct FrozenRow {
     pub session: u32,
 }
 
+impl FrozenRow {
+    /// The log position of the call record it was compacted from.
+    pub fn loc(&self) -> Loc {
+        Loc { segment: self.segment, offset: self.offset }
+    }
+}
+
 /// A frozen session: its calls are `rows[first_row..]` up to the next
-/// session's first row.
-#[derive(Debug, Clone, Copy)]
-struct FrozenSession {
+/// session's first row (24 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub(crate) struct FrozenSession {
     hash: u64,
     name: u64,
     name_len: u32,
     first_row: u32,
 }
 
-/// A row's `session_id` (a frozen row has no other session).
-fn session_of(r: &ShardRow) -> &str {
-    r.sessions.first().map_or("", |s| s)
+/// A trace id's frozen row, in the table sorted by (hash, row) (16 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Pod, Zeroable)]
+pub(crate) struct TraceEntry {
+    hash: u64,
+    row: u32,
+    reserved: u32,
 }
 
-/// The frozen sessions of a view: built at an open, whose replay also sets
-/// their seals and rewards here, then shared by every snapshot unchanged.
+/// The sessions of a shard row: `session_id` first, then the extra
+/// session uids.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RowSessions<'a> {
+    /// A row of one session (every frozen row).
+    One(&'a str),
+    /// As a decoded shard row holds them (shared by consecutive rows).
+    List(&'a [Arc<str>]),
+}
+
+impl<'a> RowSessions<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            RowSessions::One(_) => 1,
+            RowSessions::List(l) => l.len(),
+        }
+    }
+
+    /// Its `session_id` ("" for none, which no row has).
+    pub fn first(&self) -> &'a str {
+        match self {
+            RowSessions::One(s) => s,
+            RowSessions::List(l) => l.first().map_or("", |s| s),
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &'a str> + 'a {
+        let (one, list) = match *self {
+            RowSessions::One(s) => (Some(s), &[][..]),
+            RowSessions::List(l) => (None, l),
+        };
+        one.into_iter().chain(list.iter().map(|s| &**s))
+    }
+
+    /// Whether both are the same list object (a cheap "same sessions" for
+    /// consecutive decoded rows; `false` says nothing).
+    fn same_list(&self, other: &RowSessions<'_>) -> bool {
+        match (self, other) {
+            (RowSessions::List(a), RowSessions::List(b)) => std::ptr::eq(*a, *b),
+            _ => false,
+        }
+    }
+}
+
+/// A shard row as the index layers take it, borrowed from a decoded shard
+/// row or from a mapped shard index.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RowRef<'a> {
+    pub loc: Loc,
+    pub timestamp: f64,
+    pub pos: ShardPos,
+    pub trace_id: &'a str,
+    pub sessions: RowSessions<'a>,
+}
+
+impl<'a> From<&'a ShardRow> for RowRef<'a> {
+    fn from(r: &'a ShardRow) -> Self {
+        RowRef {
+            loc: r.loc,
+            timestamp: r.timestamp,
+            pos: r.pos,
+            trace_id: &r.trace_id,
+            sessions: RowSessions::List(&r.sessions),
+        }
+    }
+}
+
+/// The frozen sessions of a view: built at an open from the shard rows, or
+/// mapped from the shard index file; the open's replay also sets their
+/// seals and rewards here, then every snapshot shares the layer unchanged.
 #[derive(Debug, Default)]
 pub(crate) struct Frozen {
     /// Trace ids and session names, back to back.
-    text: Vec<u8>,
+    text: Table<u8>,
     /// Grouped by session (in `sessions` order), each session's calls by
     /// (timestamp, log position), as a session lists them.
-    rows: Vec<FrozenRow>,
+    rows: Table<FrozenRow>,
     /// Sorted by (name hash, name).
-    sessions: Vec<FrozenSession>,
+    sessions: Table<FrozenSession>,
     /// (trace id hash, row), sorted.
-    by_trace: Vec<(u64, u32)>,
+    by_trace: Table<TraceEntry>,
     /// Per session, whether a seal record was replayed for it while the
     /// open built the index (a seal after that goes to the maps).
     sealed: Vec<bool>,
@@ -77,11 +159,68 @@ pub(crate) struct Frozen {
     rewards: Vec<Option<f64>>,
 }
 
+/// The four tables of a frozen layer, for the shard index file to write.
+pub(crate) struct FrozenTables<'a> {
+    pub text: &'a [u8],
+    pub rows: &'a [FrozenRow],
+    pub sessions: &'a [FrozenSession],
+    pub by_trace: &'a [TraceEntry],
+}
+
 impl Frozen {
     fn str_at(&self, at: u64, len: u32) -> &str {
         let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return "" };
-        // Built from `&str`s: always valid UTF-8 at these bounds.
+        // Built from `&str`s, or checked when mapped (`from_tables`).
         self.text.get(at..at.saturating_add(len)).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("")
+    }
+
+    /// A layer over tables read from a shard index file, checked first:
+    /// every string in bounds and UTF-8, every row's session and every
+    /// session's first row in range and in order, the trace table's rows in
+    /// range. What the check cannot see (a hash or an order broken by
+    /// damage the file's checksums missed) makes lookups miss, never panic.
+    pub fn from_tables(
+        text: Table<u8>,
+        rows: Table<FrozenRow>,
+        sessions: Table<FrozenSession>,
+        by_trace: Table<TraceEntry>,
+    ) -> std::result::Result<Frozen, String> {
+        let n = sessions.len();
+        let f = Frozen { text, rows, sessions, by_trace, sealed: vec![false; n], rewards: vec![None; n] };
+        let ok_str = |at: u64, len: u32| {
+            let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return false };
+            f.text.get(at..at.saturating_add(len)).is_some_and(|b| std::str::from_utf8(b).is_ok())
+        };
+        let mut prev_first = 0u32;
+        for (i, s) in f.sessions.iter().enumerate() {
+            if !ok_str(s.name, s.name_len) {
+                return Err(format!("frozen session {i}: its name is out of the text table or not UTF-8"));
+            }
+            if s.first_row < prev_first || s.first_row as usize >= f.rows.len() {
+                return Err(format!("frozen session {i}: first row {} out of order or range", s.first_row));
+            }
+            prev_first = s.first_row;
+        }
+        if f.sessions.first().is_some_and(|s| s.first_row != 0) || (f.sessions.is_empty() && !f.rows.is_empty()) {
+            return Err("the frozen rows do not start at the first session".into());
+        }
+        for (i, r) in f.rows.iter().enumerate() {
+            if !ok_str(r.trace, r.trace_len) {
+                return Err(format!("frozen row {i}: its trace id is out of the text table or not UTF-8"));
+            }
+            if r.session as usize >= n {
+                return Err(format!("frozen row {i}: session {} out of range", r.session));
+            }
+        }
+        if f.by_trace.len() != f.rows.len() || f.by_trace.iter().any(|e| e.row as usize >= f.rows.len()) {
+            return Err("the trace table does not list each frozen row once".into());
+        }
+        Ok(f)
+    }
+
+    /// Its tables, to write.
+    pub fn tables(&self) -> FrozenTables<'_> {
+        FrozenTables { text: &self.text, rows: &self.rows, sessions: &self.sessions, by_trace: &self.by_trace }
     }
 
     /// A row's trace id.
@@ -154,6 +293,11 @@ impl Frozen {
         self.sealed.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i as u32)
     }
 
+    /// The index of a frozen session's first row.
+    pub fn first_row(&self, session: u32) -> Option<u32> {
+        self.sessions.get(session as usize).map(|s| s.first_row)
+    }
+
     /// A frozen session's calls, oldest first.
     pub fn session_rows(&self, session: u32) -> &[FrozenRow] {
         let i = session as usize;
@@ -168,84 +312,97 @@ impl Frozen {
     /// The frozen call with trace id `trace_id`.
     pub fn trace(&self, trace_id: &str) -> Option<&FrozenRow> {
         let h = id_hash(trace_id);
-        let at = self.by_trace.partition_point(|(x, _)| *x < h);
+        let at = self.by_trace.partition_point(|e| e.hash < h);
         self.by_trace
             .get(at..)?
             .iter()
-            .take_while(|(x, _)| *x == h)
-            .filter_map(|(_, r)| self.rows.get(*r as usize))
+            .take_while(|e| e.hash == h)
+            .filter_map(|e| self.rows.get(e.row as usize))
             .find(|r| self.trace_id(r) == trace_id)
     }
 
-    /// Freeze `rows` (each of one session alone, no two with one trace id;
-    /// see [`cold_rows`]), with the frozen session of each. `None` past what
-    /// the layer's 32-bit numbers address: the caller keeps every call in
-    /// the maps then.
-    pub fn build(rows: &[&ShardRow]) -> Option<(Frozen, Vec<u32>)> {
+    /// Freeze the rows `cold` marks of `rows` (each of one session alone, no
+    /// two with one trace id; see [`cold_rows`]); with each row's frozen
+    /// row (`None` for a row not frozen). `None` past what the layer's
+    /// 32-bit numbers address: the caller keeps every call in the maps then.
+    pub fn build(rows: &[RowRef<'_>], cold: &[bool]) -> Option<(Frozen, Vec<Option<u32>>)> {
         if u32::try_from(rows.len()).is_err() {
             return None;
         }
-        let mut order: Vec<(u64, u32)> =
-            rows.iter().enumerate().map(|(i, r)| (id_hash(session_of(r)), i as u32)).collect();
-        let row = |i: u32| rows.get(i as usize).copied();
+        let mut order: Vec<(u64, u32)> = rows
+            .iter()
+            .zip(cold)
+            .enumerate()
+            .filter(|(_, (_, c))| **c)
+            .map(|(i, (r, _))| (id_hash(r.sessions.first()), i as u32))
+            .collect();
+        let row = |i: u32| rows.get(i as usize);
         order.sort_unstable_by(|a, b| {
             a.0.cmp(&b.0).then_with(|| match (row(a.1), row(b.1)) {
-                (Some(x), Some(y)) => {
-                    session_of(x).cmp(session_of(y)).then(x.timestamp.total_cmp(&y.timestamp)).then(x.loc.cmp(&y.loc))
-                }
+                (Some(x), Some(y)) => x
+                    .sessions
+                    .first()
+                    .cmp(y.sessions.first())
+                    .then(x.timestamp.total_cmp(&y.timestamp))
+                    .then(x.loc.cmp(&y.loc)),
                 _ => Ordering::Equal,
             })
         });
-        let mut f = Frozen {
-            text: Vec::new(),
-            rows: Vec::with_capacity(rows.len()),
-            sessions: Vec::new(),
-            by_trace: Vec::with_capacity(rows.len()),
-            sealed: Vec::new(),
-            rewards: Vec::new(),
-        };
-        let mut session_of_input = vec![0u32; rows.len()];
+        let (mut text, mut frows, mut sessions) =
+            (Vec::new(), Vec::with_capacity(order.len()), Vec::<FrozenSession>::new());
+        let mut by_trace = Vec::with_capacity(order.len());
+        let mut frozen_row_of_input = vec![None; rows.len()];
+        let mut last_name: Option<&str> = None;
         for (hash, i) in order {
             let Some(r) = row(i) else { continue };
-            let name = session_of(r);
-            let new_session = f.sessions.last().is_none_or(|s| s.hash != hash || f.str_at(s.name, s.name_len) != name);
-            if new_session {
-                let at = f.text.len() as u64;
-                f.text.extend_from_slice(name.as_bytes());
-                f.sessions.push(FrozenSession {
+            let name = r.sessions.first();
+            if last_name != Some(name) {
+                let at = text.len() as u64;
+                text.extend_from_slice(name.as_bytes());
+                sessions.push(FrozenSession {
                     hash,
                     name: at,
                     name_len: u32::try_from(name.len()).ok()?,
-                    first_row: f.rows.len() as u32,
+                    first_row: frows.len() as u32,
                 });
+                last_name = Some(name);
             }
-            let at = f.text.len() as u64;
-            f.text.extend_from_slice(r.trace_id.as_bytes());
-            f.by_trace.push((id_hash(&r.trace_id), f.rows.len() as u32));
-            f.rows.push(FrozenRow {
-                loc: r.loc,
+            let at = text.len() as u64;
+            text.extend_from_slice(r.trace_id.as_bytes());
+            by_trace.push(TraceEntry { hash: id_hash(r.trace_id), row: frows.len() as u32, reserved: 0 });
+            let session = (sessions.len() - 1) as u32;
+            if let Some(s) = frozen_row_of_input.get_mut(i as usize) {
+                *s = Some(frows.len() as u32);
+            }
+            frows.push(FrozenRow {
+                segment: r.loc.segment,
+                offset: r.loc.offset,
                 timestamp: r.timestamp,
                 trace: at,
                 trace_len: u32::try_from(r.trace_id.len()).ok()?,
-                session: (f.sessions.len() - 1) as u32,
+                session,
             });
-            if let Some(s) = session_of_input.get_mut(i as usize) {
-                *s = (f.sessions.len() - 1) as u32;
-            }
         }
-        f.by_trace.sort_unstable();
-        f.text.shrink_to_fit();
-        f.sealed = vec![false; f.sessions.len()];
-        f.rewards = vec![None; f.sessions.len()];
-        Some((f, session_of_input))
+        by_trace.sort_unstable();
+        text.shrink_to_fit();
+        let n = sessions.len();
+        let f = Frozen {
+            text: text.into(),
+            rows: frows.into(),
+            sessions: sessions.into(),
+            by_trace: by_trace.into(),
+            sealed: vec![false; n],
+            rewards: vec![None; n],
+        };
+        Some((f, frozen_row_of_input))
     }
 
-    /// Bytes this layer holds.
+    /// Bytes of heap this layer holds.
     pub fn heap_bytes(&self) -> usize {
-        self.text.capacity()
-            + self.rows.capacity() * std::mem::size_of::<FrozenRow>()
-            + self.sessions.capacity() * std::mem::size_of::<FrozenSession>()
-            + self.by_trace.capacity() * std::mem::size_of::<(u64, u32)>()
+        self.text.heap_bytes()
+            + self.rows.heap_bytes()
+            + self.sessions.heap_bytes()
+            + self.by_trace.heap_bytes()
             + self.sealed.capacity()
             + self.rewards.capacity() * std::mem::size_of::<Option<f64>>()
     }
@@ -255,11 +412,11 @@ impl Frozen {
 /// frozen: those of a session whose every row is of it alone and whose
 /// trace ids have no other shard row (a replacement not yet collected).
 /// What the log's records do to them is left to thawing.
-pub(crate) fn cold_rows(rows: &[ShardRow]) -> Vec<bool> {
+pub(crate) fn cold_rows(rows: &[RowRef<'_>]) -> Vec<bool> {
     let mut hot_sessions: HashSet<u64> = HashSet::new();
-    let mut traces: Vec<(u64, u32)> = rows.iter().enumerate().map(|(i, r)| (id_hash(&r.trace_id), i as u32)).collect();
+    let mut traces: Vec<(u64, u32)> = rows.iter().enumerate().map(|(i, r)| (id_hash(r.trace_id), i as u32)).collect();
     traces.sort_unstable();
-    let mut heat = |r: Option<&ShardRow>| {
+    let mut heat = |r: Option<&RowRef<'_>>| {
         for s in r.iter().flat_map(|r| r.sessions.iter()) {
             hot_sessions.insert(id_hash(s));
         }
@@ -277,18 +434,15 @@ pub(crate) fn cold_rows(rows: &[ShardRow]) -> Vec<bool> {
     for r in rows.iter().filter(|r| r.sessions.len() != 1) {
         heat(Some(r));
     }
-    // Consecutive rows share their session list: hash each list once.
-    let mut last: Option<(*const [std::sync::Arc<str>], bool)> = None;
+    // Consecutive decoded rows share their session list: hash each list once.
+    let mut last: Option<(RowSessions<'_>, bool)> = None;
     rows.iter()
-        .map(|r| {
-            let ptr: *const [std::sync::Arc<str>] = &*r.sessions;
-            match last {
-                Some((p, cold)) if std::ptr::eq(p, ptr) => cold,
-                _ => {
-                    let cold = r.sessions.len() == 1 && r.sessions.iter().all(|s| !hot_sessions.contains(&id_hash(s)));
-                    last = Some((ptr, cold));
-                    cold
-                }
+        .map(|r| match last {
+            Some((l, cold)) if l.same_list(&r.sessions) => cold,
+            _ => {
+                let cold = r.sessions.len() == 1 && !hot_sessions.contains(&id_hash(r.sessions.first()));
+                last = Some((r.sessions, cold));
+                cold
             }
         })
         .collect()

@@ -224,6 +224,10 @@ pub struct Index {
     thawed: imbl::OrdSet<u32>,
     /// Their calls, in all.
     thawed_rows: usize,
+    /// While an open replays the log over a mapped frozen layer: each thaw
+    /// (session, the position of the record that thawed it), for the open
+    /// to apply the session's later rows as the replay reaches them.
+    thaw_log: Option<Vec<(u32, Loc)>>,
 }
 
 fn remove_key(calls: &mut CallList, key: &CallKey) {
@@ -236,6 +240,24 @@ impl Index {
     /// An index whose frozen layer is `frozen` and whose maps are empty.
     pub(crate) fn with_frozen(frozen: Frozen) -> Index {
         Index { frozen: Arc::new(frozen), ..Index::default() }
+    }
+
+    /// Record thaws from now on, for [`Index::take_thaws`] (an open that
+    /// does not meet every frozen row in its replay).
+    pub(crate) fn record_thaws(&mut self, on: bool) {
+        self.thaw_log = on.then(Vec::new);
+    }
+
+    /// The thaws recorded since the last call: (frozen session, position of
+    /// the record that thawed it); its rows from that position on are not
+    /// in the maps yet.
+    pub(crate) fn take_thaws(&mut self) -> Vec<(u32, Loc)> {
+        self.thaw_log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The frozen layer.
+    pub(crate) fn frozen(&self) -> &Frozen {
+        &self.frozen
     }
 
     /// The frozen session `name`, unless thawed.
@@ -260,6 +282,9 @@ impl Index {
         if self.thawed.insert(session).is_some() {
             return;
         }
+        if let Some(log) = &mut self.thaw_log {
+            log.push((session, before));
+        }
         let frozen = self.frozen.clone();
         let rows = frozen.session_rows(session);
         self.thawed_rows += rows.len();
@@ -273,8 +298,8 @@ impl Index {
             entry.reward = entry.reward.or(reward);
         }
         let sessions = self.sessions_of(name, &[]);
-        for r in rows.iter().filter(|r| r.loc < before) {
-            let meta = CallMeta { loc: r.loc, timestamp: r.timestamp, sessions: sessions.clone() };
+        for r in rows.iter().filter(|r| r.loc() < before) {
+            let meta = CallMeta { loc: r.loc(), timestamp: r.timestamp, sessions: sessions.clone() };
             // Its trace id is in no other layer (a record naming it thaws
             // the session first): nothing to thaw, nothing replaced.
             self.apply_call_to_maps(Arc::from(frozen.trace_id(r)), meta);
@@ -406,7 +431,7 @@ impl Index {
             Some((key, _)) => key.clone(),
             // A frozen call is live from its position on.
             None => match self.frozen_trace(trace) {
-                Some(r) if r.loc < at => Arc::from(trace),
+                Some(r) if r.loc() < at => Arc::from(trace),
                 _ => return false,
             },
         };
@@ -428,7 +453,7 @@ impl Index {
             Some(m) => Some(LiveCall::Hot(m)),
             None => self
                 .frozen_trace(trace_id)
-                .map(|r| LiveCall::Frozen { loc: r.loc, session: self.frozen.session_name(r.session) }),
+                .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
         }
     }
 
@@ -445,7 +470,7 @@ impl Index {
             .rows()
             .iter()
             .filter(|r| self.is_frozen(r.session))
-            .map(|r| LiveCall::Frozen { loc: r.loc, session: self.frozen.session_name(r.session) });
+            .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) });
         hot.chain(frozen)
     }
 
@@ -471,7 +496,7 @@ impl Index {
                     .iter()
                     .map(|r| CallKey {
                         timestamp: r.timestamp,
-                        loc: r.loc,
+                        loc: r.loc(),
                         trace_id: Arc::from(self.frozen.trace_id(r)),
                     })
                     .collect();

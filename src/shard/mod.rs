@@ -4,6 +4,7 @@
 //! (`crate::compact`) builds its rows and drives the writer.
 
 pub mod extra;
+pub(crate) mod index_file;
 pub mod reader;
 pub mod schema;
 pub mod set;

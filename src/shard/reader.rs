@@ -49,6 +49,7 @@ pub struct ShardFile {
     /// Its `trajlog.shard_format_version` (format 3: documents moved out of
     /// `extra`, spliced back by [`ShardFile::read_row_group`]).
     version: u32,
+    checksum: ShardChecksum,
     /// Set when a collection deletes the file while snapshots still read it
     /// ([`ShardFile::pin`]): reads go through this descriptor, not the path.
     pinned: Arc<std::sync::OnceLock<File>>,
@@ -202,8 +203,9 @@ impl ShardFile {
         }
         let footer_start = len - 8 - u64::from(footer_len);
         let tail = read_at(&file, path, footer_start, u64::from(footer_len) + 8)?;
+        let checksum = ShardChecksum { len, footer_crc32: crc32fast::hash(&tail) };
         if let Some(want) = expected {
-            let got = crc32fast::hash(&tail);
+            let got = checksum.footer_crc32;
             if got != want.footer_crc32 {
                 return Err(corrupt_at(
                     path,
@@ -244,7 +246,13 @@ impl ShardFile {
         let chunks = if version == 1 { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
             .map_err(|e| corrupt_at(path, footer_start, e))?;
-        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version, pinned: Arc::default() })
+        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version, checksum, pinned: Arc::default() })
+    }
+
+    /// Its length and footer crc32, as read at open (the manifest's
+    /// checksum of it, format-spec/manifest.md).
+    pub fn checksum(&self) -> ShardChecksum {
+        self.checksum
     }
 
     /// Number of row groups.

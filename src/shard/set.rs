@@ -10,16 +10,48 @@
 //! while the published view still shared the old ones (the trace map held
 //! twice at the compaction's peak).
 
+use super::index_file::{ShardIndex, NOT_FROZEN};
 use super::reader::{ShardFile, ShardPos};
 use crate::format::record::Loc;
+use crate::storage::table::Table;
+use bytemuck::{Pod, Zeroable};
 use std::sync::Arc;
 
 /// One shard row: the log position of the call record it was compacted
-/// from, and the row.
-#[derive(Debug, Clone, Copy)]
-struct Placement {
-    loc: Loc,
-    pos: ShardPos,
+/// from, and the row (32 bytes, the layout of format-spec/shard-index.md
+/// §4). `shard` numbers the set's files as the shard index file does (see
+/// [`ShardSet::position`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable)]
+pub(crate) struct Placement {
+    segment: u64,
+    offset: u64,
+    pub shard: u32,
+    row_group: u32,
+    row: u32,
+    /// The row's frozen row in the shard index file, or `u32::MAX`.
+    pub frozen_row: u32,
+}
+
+impl Placement {
+    pub(crate) fn new(loc: Loc, pos: ShardPos, frozen_row: u32) -> Placement {
+        Placement {
+            segment: loc.segment,
+            offset: loc.offset,
+            shard: pos.shard,
+            row_group: pos.row_group,
+            row: pos.row,
+            frozen_row,
+        }
+    }
+
+    pub(crate) fn loc(&self) -> Loc {
+        Loc { segment: self.segment, offset: self.offset }
+    }
+
+    pub(crate) fn pos(&self) -> ShardPos {
+        ShardPos { shard: self.shard, row_group: self.row_group, row: self.row }
+    }
 }
 
 /// The `steps` shards of a view by shard id, and the placement of their
@@ -34,16 +66,24 @@ pub struct ShardSet {
     /// files (a collection that moves rows drops the old file's in the same
     /// publication). Dead rows (replaced or deleted after compaction) are
     /// here too; they are never asked for, since lookups go by the log
-    /// position of a live index entry.
-    placements: Vec<Placement>,
+    /// position of a live index entry. Built in memory, or mapped from the
+    /// shard index file.
+    placements: Table<Placement>,
+    /// The slot of each shard number the placements use, when they number
+    /// the files present in order (a mapped table after a collection
+    /// emptied slots); `None`: shard number = slot.
+    slot_of: Option<Vec<u32>>,
+    /// The shard index file this set's files are described by, if any: the
+    /// next publication builds its file from it.
+    index: Option<Arc<ShardIndex>>,
 }
 
 /// Sort by log position; of two rows of one position (which a consistent
 /// store never has) the later shard's wins, as it would in a replay.
 fn sorted(mut placements: Vec<Placement>) -> Vec<Placement> {
-    placements.sort_unstable_by(|a, b| a.loc.cmp(&b.loc).then(a.pos.shard.cmp(&b.pos.shard)));
+    placements.sort_unstable_by(|a, b| a.loc().cmp(&b.loc()).then(a.shard.cmp(&b.shard)));
     placements.reverse();
-    placements.dedup_by_key(|p| p.loc);
+    placements.dedup_by_key(|p| p.loc());
     placements.reverse();
     placements.shrink_to_fit();
     placements
@@ -53,8 +93,61 @@ impl ShardSet {
     /// The shards of an open (ids `0..files.len()`), with every row's
     /// (log position, row).
     pub fn new(files: Vec<Arc<ShardFile>>, rows: impl IntoIterator<Item = (Loc, ShardPos)>) -> ShardSet {
-        let placements = sorted(rows.into_iter().map(|(loc, pos)| Placement { loc, pos }).collect());
-        ShardSet { files: files.into_iter().map(Some).collect(), placements }
+        let placements = sorted(rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN)).collect());
+        ShardSet { files: files.into_iter().map(Some).collect(), placements: placements.into(), slot_of: None, index: None }
+    }
+
+    /// The shards of an open (ids `0..files.len()`), with the placements of
+    /// their rows, sorted by log position, one per position.
+    pub(crate) fn from_placements(files: Vec<Arc<ShardFile>>, placements: Vec<Placement>) -> ShardSet {
+        ShardSet { files: files.into_iter().map(Some).collect(), placements: placements.into(), slot_of: None, index: None }
+    }
+
+    /// Its placements (shard numbers as [`ShardSet::slot`] maps them).
+    pub(crate) fn placements(&self) -> &[Placement] {
+        &self.placements
+    }
+
+    /// The shards of an open, placed by a shard index file written for
+    /// exactly these files, in this order.
+    pub(crate) fn from_index(files: Vec<Arc<ShardFile>>, index: Arc<ShardIndex>) -> ShardSet {
+        ShardSet {
+            files: files.into_iter().map(Some).collect(),
+            placements: index.placements(),
+            slot_of: None,
+            index: Some(index),
+        }
+    }
+
+    /// This set placed by `index`, a shard index file written for its files
+    /// present, in slot order.
+    pub(crate) fn with_index(&self, index: Arc<ShardIndex>) -> ShardSet {
+        let slots: Vec<u32> = self.present_slots().collect();
+        let identity = slots.iter().enumerate().all(|(i, s)| i as u32 == *s);
+        ShardSet {
+            files: self.files.clone(),
+            placements: index.placements(),
+            slot_of: (!identity).then_some(slots),
+            index: Some(index),
+        }
+    }
+
+    /// The slots that hold a file, in order (the order of the manifest).
+    pub(crate) fn present_slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.files.iter().enumerate().filter(|(_, f)| f.is_some()).map(|(i, _)| i as u32)
+    }
+
+    /// The slot of a placement's shard number.
+    pub(crate) fn slot(&self, shard: u32) -> Option<u32> {
+        match &self.slot_of {
+            None => Some(shard),
+            Some(slots) => slots.get(shard as usize).copied(),
+        }
+    }
+
+    /// The shard index file describing this set, if any.
+    pub(crate) fn index_file(&self) -> Option<&Arc<ShardIndex>> {
+        self.index.as_ref()
     }
 
     /// This set after a publication: the slots `obsolete` emptied (their
@@ -75,9 +168,13 @@ impl ShardSet {
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
         let obsolete: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
-        let kept = self.placements.iter().filter(|p| !obsolete.contains(&p.pos.shard)).copied();
-        let placements = sorted(kept.chain(rows.into_iter().map(|(loc, pos)| Placement { loc, pos })).collect());
-        (ShardSet { files, placements }, emptied)
+        let kept = self.placements.iter().filter_map(|p| {
+            let slot = self.slot(p.shard)?;
+            (!obsolete.contains(&slot)).then_some(Placement { shard: slot, frozen_row: NOT_FROZEN, ..*p })
+        });
+        let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
+        let placements = sorted(kept.chain(new).collect());
+        (ShardSet { files, placements: placements.into(), slot_of: None, index: None }, emptied)
     }
 
     /// The file of shard `id`, if this set still has it.
@@ -99,8 +196,9 @@ impl ShardSet {
     /// Where the call record at `loc` is served from, if it was compacted
     /// into a file of this set. O(log rows).
     pub fn position(&self, loc: Loc) -> Option<ShardPos> {
-        let i = self.placements.binary_search_by(|p| p.loc.cmp(&loc)).ok()?;
-        self.placements.get(i).map(|p| p.pos)
+        let i = self.placements.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
+        let p = self.placements.get(i)?;
+        Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })
     }
 
     /// Whether the call record at `loc` is served from a shard.

@@ -5,6 +5,7 @@
 
 pub mod fault;
 pub mod mmap;
+pub(crate) mod table;
 pub(crate) mod lock;
 
 use fault::{Faults, Op};

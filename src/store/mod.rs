@@ -170,6 +170,9 @@ impl Store {
             }
         };
         loaded.segments.remove(&active.id);
+        if let Some(w) = loaded.index_to_write.take() {
+            w.write(&dir, &mut loaded, &options.faults);
+        }
         let sealed: HashSet<String> = loaded.index.sealed_sessions().map(str::to_owned).collect();
         let mut segments = loaded.segments.clone();
         segments

@@ -89,12 +89,14 @@ pub(super) struct CompactionBase {
 /// kept, a session's reward rewritten in the side table), never a loss.
 /// Before, a hash map of the ids (~50 MB at a million rows, ~24 bytes per
 /// bucket at most 7/8 full) was copied by each compaction to be changed.
+/// The sorted hashes live in memory or in the shard index file
+/// (format-spec/shard-index.md), which stores them for a writable open.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RowCounts(Arc<[u64]>);
+pub(crate) struct RowCounts(Arc<crate::storage::table::Table<u64>>);
 
 impl RowCounts {
-    /// The hash an id is kept under (SipHash-1-3 with zero keys: stable
-    /// within a build; these hashes are never written to disk).
+    /// The hash an id is kept under (XXH3-64, seed 0: the shard index
+    /// file's, `index::frozen::id_hash`).
     pub(crate) fn hash(id: &str) -> u64 {
         crate::index::frozen::id_hash(id)
     }
@@ -102,7 +104,17 @@ impl RowCounts {
     /// The multiset of these hashes.
     pub(crate) fn from_hashes(mut hashes: Vec<u64>) -> RowCounts {
         hashes.sort_unstable();
-        RowCounts(hashes.into())
+        RowCounts(Arc::new(hashes.into()))
+    }
+
+    /// The multiset of these hashes, sorted already.
+    pub(crate) fn from_sorted(hashes: crate::storage::table::Table<u64>) -> RowCounts {
+        RowCounts(Arc::new(hashes))
+    }
+
+    /// The sorted hashes.
+    pub(crate) fn as_slice(&self) -> &[u64] {
+        self.0.as_slice()
     }
 
     /// Whether a row of `id` exists (or of an id of the same hash).
@@ -132,7 +144,7 @@ impl RowCounts {
             out.push(h);
         }
         out.extend(new);
-        RowCounts(out.into())
+        RowCounts(Arc::new(out.into()))
     }
 }
 

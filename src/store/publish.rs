@@ -73,7 +73,7 @@ impl Store {
         self.writable()?;
         let base = compaction.base.take().ok_or_else(Error::closed)?;
         let token = base.token;
-        let prepared = match prepare(&self.inner.dir, base, &staged, obsolete) {
+        let prepared = match prepare(&self.inner.dir, base, &staged, obsolete, &self.inner.options.faults) {
             Ok(p) => p,
             Err(e) => {
                 // Nothing was published.
@@ -106,7 +106,13 @@ pub(crate) struct Obsolete {
 /// shards (still under their staged names) and build the shard set the
 /// publication makes; take the rows of the obsolete `steps` files out of
 /// the row counts.
-fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete: &Obsolete) -> Result<Prepared> {
+fn prepare(
+    dir: &Path,
+    base: CompactionBase,
+    staged: &[PendingRename],
+    obsolete: &Obsolete,
+    faults: &crate::storage::fault::Faults,
+) -> Result<Prepared> {
     let shards_dir = dir.join(SHARDS_DIR);
     let first_shard_id = u32::try_from(base.view.shards.slots())
         .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
@@ -126,8 +132,12 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
     }
     let mut files = Vec::new();
     let mut placements = Vec::new();
-    // One shard's index rows at a time: memory holds one file's rows, not
-    // every row of the compaction.
+    // The shard index file is rewritten from the base view's and the new
+    // rows when the base view has one (or no shards yet); the new rows are
+    // kept for it, else one file's rows at a time.
+    let base_index = base.view.shards.index_file().cloned();
+    let write_index = base_index.is_some() || base.view.shards.files().next().is_none();
+    let mut new_rows = Vec::new();
     for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
         let mut f = ShardFile::open(&shards_dir.join(&p.staged), first_shard_id + i as u32, p.shard.checksum)?;
         rows.clear();
@@ -140,11 +150,24 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
             new_sessions.extend(row.sessions.iter().map(|s| RowCounts::hash(s)));
             placements.push((row.loc, row.pos));
         }
+        if write_index {
+            new_rows.append(&mut rows);
+        }
     }
     drop(rows);
-    let shard_traces = base.shard_traces.changed(gone_traces, new_traces);
-    let shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
-    let (shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
+    let mut shard_traces = base.shard_traces.changed(gone_traces, new_traces);
+    let mut shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
+    let (mut shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
+    if write_index {
+        // Best effort: without the file the next open decodes the shards.
+        if let Some(ix) =
+            write_index_file(&shards_dir, &base.view.shards, base_index.as_deref(), obsolete, &shards, new_rows, faults)
+        {
+            shard_traces = RowCounts::from_sorted(ix.trace_hashes());
+            shard_sessions = RowCounts::from_sorted(ix.session_hashes());
+            shards = shards.with_index(Arc::new(ix));
+        }
+    }
     // The frozen layer's calls are all compacted: none is in segments.
     let base_traces = base.view.index.hot_calls().clone();
     let base_shards = base.view.shards.clone();
@@ -166,6 +189,57 @@ fn prepare(dir: &Path, base: CompactionBase, staged: &[PendingRename], obsolete:
         obsolete: obsolete.clone(),
         in_segments,
     })
+}
+
+/// Write the shard index file of `published` (the set a publication makes
+/// from `base`, `obsolete` emptied, the files of `new_rows` added) from
+/// `base_index` (the file of `base`; `None` when `base` has no files) and
+/// the new rows, and open it back. `None` when that fails (the file left is
+/// then the old one or none, which the next open sees does not describe the
+/// manifest's shards).
+fn write_index_file(
+    shards_dir: &Path,
+    base: &ShardSet,
+    base_index: Option<&crate::shard::index_file::ShardIndex>,
+    obsolete: &Obsolete,
+    published: &ShardSet,
+    new_rows: Vec<ShardRow>,
+    faults: &crate::storage::fault::Faults,
+) -> Option<crate::shard::index_file::ShardIndex> {
+    use crate::shard::index_file::{self, ShardIndex, ShardKey};
+    // The file numbers the files present in order: a slot's number is its
+    // place among the present slots of the published set.
+    let present: Vec<u32> = published.present_slots().collect();
+    let number = |slot: u32| present.binary_search(&slot).ok().map(|i| i as u32);
+    let keys: Vec<ShardKey> =
+        present.iter().filter_map(|s| published.file(*s)).map(|f| ShardKey::of(f, shards_dir)).collect();
+    let gone: HashSet<u32> = obsolete.shard_ids.iter().copied().collect();
+    let frozen = base_index.map(|ix| ix.frozen()).unwrap_or_default();
+    let mut rows = match base_index {
+        Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
+        None => Vec::new(),
+    };
+    for r in &new_rows {
+        let mut r = crate::index::frozen::RowRef::from(r);
+        r.pos.shard = number(r.pos.shard)?;
+        rows.push(r);
+    }
+    rows.sort_by_key(|r| r.loc);
+    let built = index_file::build(&rows, true)?;
+    let hot = built.hot_rows(&rows);
+    let contents = index_file::Contents {
+        frozen: built.frozen.tables(),
+        placements: &built.placements,
+        hot: &hot,
+        trace_hashes: &built.trace_hashes,
+        session_hashes: &built.session_hashes,
+    };
+    index_file::write(shards_dir, &keys, &contents, faults).ok()?;
+    drop(hot);
+    drop(built);
+    drop(rows);
+    drop(new_rows);
+    ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == keys)
 }
 
 /// What a trace id's call counts for in [`Prepared::in_segments`].

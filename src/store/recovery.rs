@@ -3,6 +3,8 @@
 //! (format-spec/segment.md §6, shard.md §4), read-only loads.
 
 use super::*;
+use crate::index::frozen::RowRef;
+use crate::storage::fault::Faults;
 
 pub(super) fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
     let path = dir.join(MANIFEST_NAME);
@@ -40,6 +42,9 @@ pub(super) struct Loaded {
     /// The reward annotations replayed that `load_dir` was asked to keep
     /// (those the rewards side table may not reflect): position and target.
     pub(super) rewards: Vec<(Loc, Target)>,
+    /// The shard index file to write once the open succeeded, if it has
+    /// none that describes its shards.
+    pub(super) index_to_write: Option<IndexToWrite>,
 }
 
 /// Apply one footer entry to `index`.
@@ -138,21 +143,27 @@ pub(super) fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<(PathBuf
     published.chain(pending).filter(steps).collect()
 }
 
-/// Open shards and read their index rows (sorted by log position).
-pub(super) fn load_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<(Vec<Arc<ShardFile>>, Vec<ShardRow>)> {
+/// Open shards (ids in the order given).
+pub(super) fn open_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<Vec<Arc<ShardFile>>> {
     let mut files = Vec::with_capacity(paths.len());
-    let mut rows = Vec::new();
     for (i, (path, expected)) in paths.iter().enumerate() {
         if !path.exists() {
             let dir = path.parent().and_then(Path::parent).and_then(Path::parent).unwrap_or(Path::new("."));
             return Err(missing_listed_file(dir, path));
         }
-        let f = ShardFile::open(path, i as u32, *expected)?;
+        files.push(Arc::new(ShardFile::open(path, i as u32, *expected)?));
+    }
+    Ok(files)
+}
+
+/// Every index row of `files`, sorted by log position.
+pub(super) fn shard_rows(files: &[Arc<ShardFile>]) -> Result<Vec<ShardRow>> {
+    let mut rows = Vec::new();
+    for f in files {
         f.index_rows(&mut rows)?;
-        files.push(Arc::new(f));
     }
     rows.sort_by_key(|r| r.loc);
-    Ok((files, rows))
+    Ok(rows)
 }
 
 /// A file the manifest lists is gone.
@@ -183,26 +194,12 @@ pub(super) fn load_dir(
 ) -> Result<Loaded> {
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
-    let (files, rows) = load_shards(&steps_shard_paths(dir, &manifest))?;
-    let shards = crate::shard::set::ShardSet::new(files, rows.iter().map(|r| (r.loc, r.pos)));
-    // Sessions wholly in shards, of no other call's trace id, go to the
-    // frozen layer; the log's records thaw what they name as the replay
-    // meets them (index/frozen.rs).
-    let (mut index, frozen_of) = freeze(&rows);
-    // Shard rows per trace id and per session: only a writer needs them
-    // (retirement, collection), and at a million rows they are the largest
-    // structure after the index, so a read-only open leaves them empty.
-    let (mut trace_rows, mut session_rows) = (Vec::new(), Vec::new());
-    for r in rows.iter().filter(|_| writable) {
-        trace_rows.push(RowCounts::hash(&r.trace_id));
-        session_rows.extend(r.sessions.iter().map(|s| RowCounts::hash(s)));
-    }
-    let shard_traces = RowCounts::from_hashes(trace_rows);
-    let shard_sessions = RowCounts::from_hashes(session_rows);
+    let files = open_shards(&steps_shard_paths(dir, &manifest))?;
+    let any_shards = !files.is_empty();
+    let Shards { shards, mut index, mut feed, shard_traces, shard_sessions, to_write } =
+        load_shards(dir, files, writable)?;
     // Rewards matter to the side table only once some session is in a shard.
-    let any_shards = !rows.is_empty();
     let keep = |loc: Loc| any_shards && keep_reward(loc);
-    let mut rows = rows.into_iter().zip(frozen_of).peekable();
     let last = manifest.segments.last().map(|s| s.id);
     let mut damage = Vec::new();
     let mut rewards = Vec::new();
@@ -258,12 +255,9 @@ pub(super) fn load_dir(
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
         for e in &seg.entries {
             let loc = Loc { segment: seg.id, offset: e.frame_offset };
-            while let Some((row, frozen)) = rows.next_if(|(row, _)| row.loc < loc) {
-                apply_shard_row(&mut index, &row, frozen);
-            }
-            if let Some((row, frozen)) = rows.next_if(|(row, _)| row.loc == loc) {
-                // The call was compacted: its shard row stands for its record.
-                apply_shard_row(&mut index, &row, frozen);
+            feed.apply(&mut index, |at| at < loc);
+            // A compacted call: its shard row stands for its record.
+            if feed.apply(&mut index, |at| at == loc) || (e.kind == KIND_CALL && feed.is_compacted(&shards, loc)) {
                 continue;
             }
             apply_entry(&mut index, &r, e, &mut damage, &mut rewards, &keep);
@@ -273,9 +267,9 @@ pub(super) fn load_dir(
         }
         segments.insert(seg.id, r);
     }
-    for (row, frozen) in rows {
-        apply_shard_row(&mut index, &row, frozen);
-    }
+    feed.apply(&mut index, |_| true);
+    index.record_thaws(false);
+    drop(feed);
     if any_shards {
         // The shard rows just dropped were most of the open's heap.
         crate::storage::mmap::trim_heap();
@@ -292,21 +286,192 @@ pub(super) fn load_dir(
         damage,
         report,
         rewards,
+        index_to_write: to_write,
     })
 }
 
-/// An index whose frozen layer holds the cold rows of `rows` (sorted by
-/// log position), and for each row its frozen session, if it has one.
-fn freeze(rows: &[ShardRow]) -> (Index, Vec<Option<u32>>) {
-    let cold = crate::index::frozen::cold_rows(rows);
-    let input: Vec<&ShardRow> = rows.iter().zip(&cold).filter(|(_, c)| **c).map(|(r, _)| r).collect();
-    let Some((frozen, sessions)) = crate::index::frozen::Frozen::build(&input) else {
-        return (Index::default(), vec![None; rows.len()]);
+/// What an open takes from the `steps` shards: their set, the index with
+/// its frozen layer, the rows its replay applies, the writer's row counts.
+struct Shards {
+    shards: crate::shard::set::ShardSet,
+    index: Index,
+    feed: RowFeed,
+    shard_traces: RowCounts,
+    shard_sessions: RowCounts,
+    to_write: Option<IndexToWrite>,
+}
+
+/// The shards of an open: from the shard index file when it describes
+/// exactly `files` (format-spec/shard-index.md), else from their index
+/// columns, decoded and sorted; a writable open then writes the file, for
+/// the next open (best effort: without it an open only takes longer).
+fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result<Shards> {
+    use crate::shard::index_file::{self, ShardIndex, ShardKey};
+    let shards_dir = dir.join(SHARDS_DIR);
+    let keys: Vec<ShardKey> = files.iter().map(|f| ShardKey::of(f, &shards_dir)).collect();
+    if files.is_empty() {
+        return Ok(Shards {
+            shards: crate::shard::set::ShardSet::new(files, []),
+            index: Index::default(),
+            feed: RowFeed::default(),
+            shard_traces: RowCounts::default(),
+            shard_sessions: RowCounts::default(),
+            to_write: None,
+        });
+    }
+    if let Ok(Some(ix)) = ShardIndex::open(&shards_dir) {
+        if ix.shards() == keys {
+            return Ok(from_index_file(files, Arc::new(ix), writable));
+        }
+    }
+    // Sessions wholly in shards, of no other call's trace id, go to the
+    // frozen layer; the log's records thaw what they name as the replay
+    // meets them (index/frozen.rs).
+    let rows = shard_rows(&files)?;
+    let refs: Vec<RowRef<'_>> = rows.iter().map(RowRef::from).collect();
+    let Some(built) = index_file::build(&refs, writable) else {
+        // Past the frozen layer's 32-bit row numbers: every row in the maps.
+        let shards = crate::shard::set::ShardSet::new(files, rows.iter().map(|r| (r.loc, r.pos)));
+        let hashes = |f: &dyn Fn(&ShardRow) -> Vec<u64>| RowCounts::from_hashes(rows.iter().flat_map(f).collect());
+        let shard_traces = hashes(&|r| vec![RowCounts::hash(&r.trace_id)]);
+        let shard_sessions = hashes(&|r| r.sessions.iter().map(|s| RowCounts::hash(s)).collect());
+        drop(refs);
+        let feed = RowFeed { rows: rows.into_iter().map(|r| (r, None)).collect(), ..RowFeed::default() };
+        return Ok(Shards { shards, index: Index::default(), feed, shard_traces, shard_sessions, to_write: None });
     };
-    drop(input);
-    let mut sessions = sessions.into_iter();
-    let of = cold.iter().map(|c| if *c { sessions.next() } else { None }).collect();
-    (Index::with_frozen(frozen), of)
+    let index_file::Built { frozen, frozen_row, placements, hot, trace_hashes, session_hashes } = built;
+    // A writable open writes the file once the open succeeded
+    // ([`IndexToWrite`]): the rows not frozen are kept for it.
+    let to_write = writable
+        .then(|| IndexToWrite { keys, hot: hot.iter().filter_map(|i| rows.get(*i as usize).cloned()).collect() });
+    drop(refs);
+    let shards = crate::shard::set::ShardSet::from_placements(files, placements);
+    let sessions: Vec<Option<u32>> =
+        frozen_row.iter().map(|r| r.and_then(|r| frozen.rows().get(r as usize)).map(|r| r.session)).collect();
+    let feed = RowFeed { rows: rows.into_iter().zip(sessions).collect(), ..RowFeed::default() };
+    Ok(Shards {
+        shards,
+        index: Index::with_frozen(frozen),
+        feed,
+        shard_traces: RowCounts::from_sorted(trace_hashes.into()),
+        shard_sessions: RowCounts::from_sorted(session_hashes.into()),
+        to_write,
+    })
+}
+
+/// The shard index file a writable open that found none (or a stale one)
+/// writes once it succeeded (a refused open changes no file): the rest of
+/// it is in the loaded index's frozen layer, the shard set's placements and
+/// the row counts.
+pub(super) struct IndexToWrite {
+    keys: Vec<crate::shard::index_file::ShardKey>,
+    hot: Vec<ShardRow>,
+}
+
+impl IndexToWrite {
+    /// Write the file and open it back, for `loaded` to use: its shard set
+    /// and row counts then read the file (best effort: on failure the next
+    /// open decodes the shards again).
+    pub(super) fn write(self, dir: &Path, loaded: &mut Loaded, faults: &Faults) {
+        use crate::shard::index_file::{self, ShardIndex};
+        let shards_dir = dir.join(SHARDS_DIR);
+        let hot: Vec<RowRef<'_>> = self.hot.iter().map(RowRef::from).collect();
+        let contents = index_file::Contents {
+            frozen: loaded.index.frozen().tables(),
+            placements: loaded.shards.placements(),
+            hot: &hot,
+            trace_hashes: loaded.shard_traces.as_slice(),
+            session_hashes: loaded.shard_sessions.as_slice(),
+        };
+        if index_file::write(&shards_dir, &self.keys, &contents, faults).is_err() {
+            return;
+        }
+        if let Ok(Some(ix)) = ShardIndex::open(&shards_dir) {
+            if ix.shards() == self.keys {
+                loaded.shard_traces = RowCounts::from_sorted(ix.trace_hashes());
+                loaded.shard_sessions = RowCounts::from_sorted(ix.session_hashes());
+                loaded.shards = loaded.shards.with_index(Arc::new(ix));
+            }
+        }
+    }
+}
+
+/// The shards of an open, from a shard index file that describes them.
+fn from_index_file(
+    files: Vec<Arc<ShardFile>>,
+    ix: Arc<crate::shard::index_file::ShardIndex>,
+    writable: bool,
+) -> Shards {
+    let mut index = Index::with_frozen(ix.frozen());
+    index.record_thaws(true);
+    let feed =
+        RowFeed { rows: ix.hot_rows().iter().map(|r| (r.clone(), None)).collect(), mapped: true, ..RowFeed::default() };
+    let (shard_traces, shard_sessions) = if writable {
+        (RowCounts::from_sorted(ix.trace_hashes()), RowCounts::from_sorted(ix.session_hashes()))
+    } else {
+        (RowCounts::default(), RowCounts::default())
+    };
+    let shards = crate::shard::set::ShardSet::from_index(files, ix);
+    Shards { shards, index, feed, shard_traces, shard_sessions, to_write: None }
+}
+
+/// The shard rows an open's replay applies at their log positions, in
+/// order: every row when the shards were decoded (with its frozen session,
+/// if frozen: applied only once thawed), or, from a shard index file, the
+/// rows not frozen and the later rows of each session the replay thaws.
+#[derive(Default)]
+struct RowFeed {
+    rows: std::collections::VecDeque<(ShardRow, Option<u32>)>,
+    /// Frozen rows of thawed sessions, by (log position, frozen row).
+    thawed: std::collections::BinaryHeap<std::cmp::Reverse<(Loc, u32)>>,
+    /// From a shard index file: `rows` are not every shard row.
+    mapped: bool,
+}
+
+impl RowFeed {
+    /// Apply, in log order, the rows at positions `upto` accepts (a prefix
+    /// of the rows left); whether any was applied.
+    fn apply(&mut self, index: &mut Index, upto: impl Fn(Loc) -> bool) -> bool {
+        let mut any = false;
+        loop {
+            for (session, before) in index.take_thaws() {
+                let frozen = index.frozen();
+                let Some(first) = frozen.first_row(session) else { continue };
+                for (i, r) in frozen.session_rows(session).iter().enumerate() {
+                    if r.loc() >= before {
+                        self.thawed.push(std::cmp::Reverse((r.loc(), first + i as u32)));
+                    }
+                }
+            }
+            let next_row = self.rows.front().map(|(r, _)| r.loc);
+            let next_thawed = self.thawed.peek().map(|std::cmp::Reverse((loc, _))| *loc);
+            match (next_row, next_thawed) {
+                (Some(a), b) if b.is_none_or(|b| a <= b) && upto(a) => {
+                    if let Some((row, frozen)) = self.rows.pop_front() {
+                        apply_shard_row(index, &row, frozen);
+                    }
+                }
+                (_, Some(b)) if upto(b) => {
+                    if let Some(std::cmp::Reverse((_, i))) = self.thawed.pop() {
+                        let frozen = index.frozen();
+                        let Some(r) = frozen.rows().get(i as usize) else { continue };
+                        let (trace, name) = (Arc::from(frozen.trace_id(r)), frozen.session_name(r.session).to_owned());
+                        let meta =
+                            CallMeta { loc: r.loc(), timestamp: r.timestamp, sessions: index.sessions_of(&name, &[]) };
+                        index.apply_call(trace, meta);
+                    }
+                }
+                _ => return any,
+            }
+            any = true;
+        }
+    }
+
+    /// Whether the call at `loc` was compacted into a row this feed does not
+    /// give (a frozen row, when the rows came from a shard index file).
+    fn is_compacted(&self, shards: &crate::shard::set::ShardSet, loc: Loc) -> bool {
+        self.mapped && shards.is_compacted(loc)
+    }
 }
 
 /// [`RecoveryMode::SkipCorrupted`], writable: an active segment whose damaged

@@ -166,8 +166,12 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         ),
         None => println!("live data 0 B; segments and steps shards {}", hb(segments + shards)),
     }
+    let file = match layers.index_file_bytes {
+        0 => "no shard index file: the open decoded the shards".to_owned(),
+        n => format!("shard index file {}, mapped", hb(n)),
+    };
     println!(
-        "index: {} live calls, {} of them in the frozen layer ({}; compacted sessions untouched since the open)",
+        "index: {} live calls, {} of them in the frozen layer ({} of heap; compacted sessions untouched since the open); {file}",
         layers.calls,
         layers.frozen_calls,
         hb(layers.frozen_bytes as u64)

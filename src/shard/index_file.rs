@@ -1,0 +1,489 @@
+//! The shard index file, `DIR/shards/index.tsi` (format-spec/shard-index.md):
+//! what an open would otherwise decode from every `steps` shard's index
+//! columns and sort — the placement of every shard row, the frozen layer
+//! (`index/frozen.rs`), the rows that are not frozen, and the id hashes a
+//! writer counts — written once per publication and mapped at the next
+//! open, which then reads no shard row.
+//!
+//! The file is a cache of a pure function of the `steps` shards it lists
+//! (their paths, lengths and footer checksums): an open uses it only when
+//! that list is the manifest's, and otherwise (no file, another list, a
+//! failed check) decodes the shards as before; a writable open then writes
+//! it anew. So losing or damaging it costs time, never data, and a crash at
+//! any point of its replacement leaves either file, both consistent.
+
+use super::reader::{ShardFile, ShardPos, ShardRow};
+use super::set::Placement;
+use crate::error::{Error, Result};
+use crate::format::record::Loc;
+use crate::index::frozen::{cold_rows, id_hash, Frozen, FrozenRow, FrozenSession, FrozenTables, RowRef, TraceEntry};
+use crate::storage::fault::{self, Faults, Op};
+use crate::storage::mmap::Mapping;
+use crate::storage::table::Table;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Its name in `DIR/shards/`.
+pub(crate) const INDEX_FILE_NAME: &str = "index.tsi";
+const MAGIC: [u8; 8] = *b"TRJLSIX1";
+/// The version this build writes and reads.
+pub(crate) const INDEX_FILE_VERSION: u32 = 1;
+const HEADER_LEN: usize = 24;
+const DIR_ENTRY_LEN: usize = 32;
+
+/// Section kinds, in the order written (format-spec/shard-index.md §2).
+const SHARDS: u32 = 1;
+const PLACEMENTS: u32 = 2;
+const FROZEN_ROWS: u32 = 3;
+const FROZEN_SESSIONS: u32 = 4;
+const TRACE_TABLE: u32 = 5;
+const TEXT: u32 = 6;
+const HOT_ROWS: u32 = 7;
+const TRACE_HASHES: u32 = 8;
+const SESSION_HASHES: u32 = 9;
+const SECTIONS: [u32; 9] =
+    [SHARDS, PLACEMENTS, FROZEN_ROWS, FROZEN_SESSIONS, TRACE_TABLE, TEXT, HOT_ROWS, TRACE_HASHES, SESSION_HASHES];
+/// "Not a frozen row", in a placement's `frozen_row`.
+pub(crate) const NOT_FROZEN: u32 = u32::MAX;
+
+/// A `steps` shard as the file names it: its path under `DIR/shards/`,
+/// its length and the crc32 of its footer (as the manifest's checksum).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardKey {
+    pub path: String,
+    pub len: u64,
+    pub footer_crc32: u32,
+}
+
+impl ShardKey {
+    /// The key of an open shard file under `shards_dir`.
+    pub(crate) fn of(f: &ShardFile, shards_dir: &Path) -> ShardKey {
+        let path = f.path.strip_prefix(shards_dir).unwrap_or(&f.path).to_string_lossy().into_owned();
+        let c = f.checksum();
+        ShardKey { path, len: c.len, footer_crc32: c.footer_crc32 }
+    }
+}
+
+/// What the file holds, built from every shard row (sorted by log
+/// position): also what an open without the file uses in memory.
+pub(crate) struct Built {
+    pub frozen: Frozen,
+    /// Per input row, its frozen row, if frozen.
+    pub frozen_row: Vec<Option<u32>>,
+    /// Sorted by log position, one per position (of two rows at one
+    /// position the later shard's, as a replay would keep).
+    pub placements: Vec<Placement>,
+    /// The input rows not frozen, by their index in the input.
+    pub hot: Vec<u32>,
+    /// Every row's trace id hash, sorted.
+    pub trace_hashes: Vec<u64>,
+    /// Every row's session hashes (`session_id` and uids), sorted.
+    pub session_hashes: Vec<u64>,
+}
+
+/// Build the file's contents from every shard row, sorted by log position.
+/// `None` past the 32-bit row numbers of the frozen layer.
+pub(crate) fn build(rows: &[RowRef<'_>], with_hashes: bool) -> Option<Built> {
+    let cold = cold_rows(rows);
+    let (frozen, frozen_row) = Frozen::build(rows, &cold)?;
+    drop(cold);
+    let mut placements: Vec<Placement> = rows
+        .iter()
+        .zip(&frozen_row)
+        .map(|(r, f)| Placement::new(r.loc, r.pos, f.unwrap_or(NOT_FROZEN)))
+        .collect();
+    placements.sort_by(|a, b| a.loc().cmp(&b.loc()).then(a.pos().shard.cmp(&b.pos().shard)));
+    placements.reverse();
+    placements.dedup_by_key(|p| p.loc());
+    placements.reverse();
+    let hot = frozen_row.iter().enumerate().filter(|(_, f)| f.is_none()).map(|(i, _)| i as u32).collect();
+    let (mut trace_hashes, mut session_hashes) = (Vec::new(), Vec::new());
+    if with_hashes {
+        trace_hashes = rows.iter().map(|r| id_hash(r.trace_id)).collect();
+        session_hashes = rows.iter().flat_map(|r| r.sessions.iter().map(id_hash)).collect();
+        trace_hashes.sort_unstable();
+        session_hashes.sort_unstable();
+    }
+    Some(Built { frozen, frozen_row, placements, hot, trace_hashes, session_hashes })
+}
+
+fn pad8(n: usize) -> usize {
+    n.div_ceil(8) * 8
+}
+
+fn encode_shards(shards: &[ShardKey]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for s in shards {
+        out.extend_from_slice(&s.len.to_le_bytes());
+        out.extend_from_slice(&s.footer_crc32.to_le_bytes());
+        out.extend_from_slice(&(s.path.len() as u32).to_le_bytes());
+        out.extend_from_slice(s.path.as_bytes());
+        out.resize(pad8(out.len()), 0);
+    }
+    out
+}
+
+fn encode_hot(hot: &[RowRef<'_>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for r in hot {
+        for v in [r.loc.segment, r.loc.offset, r.timestamp.to_bits()] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [r.pos.shard, r.pos.row_group, r.pos.row, r.trace_id.len() as u32, r.sessions.len() as u32] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(r.trace_id.as_bytes());
+        for s in r.sessions.iter() {
+            out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+            out.extend_from_slice(s.as_bytes());
+        }
+        out.resize(pad8(out.len()), 0);
+    }
+    out
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> Error {
+    Error::io(format!("{what} {}", path.display()), e)
+}
+
+/// What the file holds, borrowed from where it was built.
+pub(crate) struct Contents<'a> {
+    pub frozen: FrozenTables<'a>,
+    /// Sorted by log position, one per position.
+    pub placements: &'a [Placement],
+    /// The rows not frozen, sorted by log position.
+    pub hot: &'a [RowRef<'a>],
+    pub trace_hashes: &'a [u64],
+    pub session_hashes: &'a [u64],
+}
+
+impl Built {
+    /// The hot rows of `rows` (the rows this was built from).
+    pub(crate) fn hot_rows<'a>(&self, rows: &[RowRef<'a>]) -> Vec<RowRef<'a>> {
+        self.hot.iter().filter_map(|i| rows.get(*i as usize).copied()).collect()
+    }
+}
+
+/// Write the file for `shards` (the manifest's `steps` shards, in order:
+/// a placement's shard number indexes this list) into `shards_dir`,
+/// replacing any: a temporary file, fsynced, renamed, the directory
+/// fsynced. Returns its size.
+pub(crate) fn write(shards_dir: &Path, shards: &[ShardKey], c: &Contents<'_>, faults: &Faults) -> Result<u64> {
+    let dst = shards_dir.join(INDEX_FILE_NAME);
+    let tmp = shards_dir.join(format!("{INDEX_FILE_NAME}.tmp"));
+    fault::check(faults, Op::Replace { path: &dst }).map_err(|e| io(&dst, "replace", e))?;
+    let f = &c.frozen;
+    let shards_bytes = encode_shards(shards);
+    let hot_bytes = encode_hot(c.hot);
+    let sections: [(u32, &[u8], u64); 9] = [
+        (SHARDS, &shards_bytes, shards.len() as u64),
+        (PLACEMENTS, bytemuck::cast_slice(c.placements), c.placements.len() as u64),
+        (FROZEN_ROWS, bytemuck::cast_slice(f.rows), f.rows.len() as u64),
+        (FROZEN_SESSIONS, bytemuck::cast_slice(f.sessions), f.sessions.len() as u64),
+        (TRACE_TABLE, bytemuck::cast_slice(f.by_trace), f.by_trace.len() as u64),
+        (TEXT, f.text, f.text.len() as u64),
+        (HOT_ROWS, &hot_bytes, c.hot.len() as u64),
+        (TRACE_HASHES, bytemuck::cast_slice(c.trace_hashes), c.trace_hashes.len() as u64),
+        (SESSION_HASHES, bytemuck::cast_slice(c.session_hashes), c.session_hashes.len() as u64),
+    ];
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| io(&tmp, "create", e))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    let mut directory = Vec::with_capacity(sections.len() * DIR_ENTRY_LEN);
+    let mut at = HEADER_LEN + sections.len() * DIR_ENTRY_LEN;
+    for (kind, bytes, count) in &sections {
+        directory.extend_from_slice(&kind.to_le_bytes());
+        directory.extend_from_slice(&crc32fast::hash(bytes).to_le_bytes());
+        directory.extend_from_slice(&(at as u64).to_le_bytes());
+        directory.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        directory.extend_from_slice(&count.to_le_bytes());
+        at = pad8(at + bytes.len());
+    }
+    let mut header = Vec::with_capacity(HEADER_LEN);
+    header.extend_from_slice(&MAGIC);
+    header.extend_from_slice(&INDEX_FILE_VERSION.to_le_bytes());
+    header.extend_from_slice(&(sections.len() as u32).to_le_bytes());
+    header.extend_from_slice(&crc32fast::hash(&directory).to_le_bytes());
+    header.extend_from_slice(&0u32.to_le_bytes());
+    let written = (|| {
+        w.write_all(&header)?;
+        w.write_all(&directory)?;
+        for (_, bytes, _) in &sections {
+            w.write_all(bytes)?;
+            w.write_all([0u8; 8].get(..pad8(bytes.len()) - bytes.len()).unwrap_or_default())?;
+        }
+        w.flush()
+    })();
+    written.map_err(|e| io(&tmp, "write", e))?;
+    let mut file = w.into_inner().map_err(|e| io(&tmp, "write", e.into_error()))?;
+    let len = file.seek(SeekFrom::End(0)).map_err(|e| io(&tmp, "write", e))?;
+    file.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
+    drop(file);
+    std::fs::rename(&tmp, &dst).map_err(|e| io(&dst, "rename over", e))?;
+    crate::storage::sync_dir(shards_dir, faults)?;
+    Ok(len)
+}
+
+/// A section's place in the file.
+#[derive(Debug, Clone, Copy, Default)]
+struct Section {
+    offset: usize,
+    len: usize,
+    count: usize,
+}
+
+/// An open, checked shard index file.
+#[derive(Debug)]
+pub(crate) struct ShardIndex {
+    map: Arc<Mapping>,
+    shards: Vec<ShardKey>,
+    sections: [Section; 10],
+    /// The rows not frozen, decoded (few: rows of several sessions, and
+    /// replacements not yet collected), sorted by log position.
+    hot: Vec<ShardRow>,
+    len: u64,
+}
+
+fn le_u32(b: &[u8], at: usize) -> Option<u32> {
+    b.get(at..at + 4)?.try_into().ok().map(u32::from_le_bytes)
+}
+
+fn le_u64(b: &[u8], at: usize) -> Option<u64> {
+    b.get(at..at + 8)?.try_into().ok().map(u64::from_le_bytes)
+}
+
+/// The crc32 of `len` bytes at `offset` of `file`, read through the page
+/// cache rather than the mapping, so that the check leaves no pages
+/// resident in this process.
+fn crc_of(file: &File, offset: u64, len: u64) -> std::io::Result<u32> {
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(buf.len() as u64) as usize;
+        let chunk = buf.get_mut(..n).unwrap_or_default();
+        file.read_exact_at(chunk, offset + done)?;
+        h.update(chunk);
+        done += n as u64;
+    }
+    Ok(h.finalize())
+}
+
+impl ShardIndex {
+    /// Open and check the file in `shards_dir`: `Ok(None)` when there is
+    /// none, `Err(what)` when it is damaged or of another version (the
+    /// caller then does without it).
+    pub(crate) fn open(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
+        let path = shards_dir.join(INDEX_FILE_NAME);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("open {}: {e}", path.display())),
+        };
+        if !cfg!(target_endian = "little") {
+            return Err("the shard index file is little-endian; this machine is not".into());
+        }
+        let len = file.metadata().map_err(|e| format!("stat {}: {e}", path.display()))?.len();
+        let map = Arc::new(Mapping::map(&file, len, &path).map_err(|e| e.to_string())?);
+        let b = map.bytes();
+        if b.get(..8) != Some(&MAGIC[..]) {
+            return Err("not a shard index file (bad magic)".into());
+        }
+        let version = le_u32(b, 8).unwrap_or(0);
+        if version != INDEX_FILE_VERSION {
+            return Err(format!("shard index file version {version}, this build reads {INDEX_FILE_VERSION}"));
+        }
+        let count = le_u32(b, 12).unwrap_or(0) as usize;
+        let dir_end = HEADER_LEN + count.saturating_mul(DIR_ENTRY_LEN);
+        let directory = b.get(HEADER_LEN..dir_end).ok_or("the directory runs past the end of the file")?;
+        if Some(crc32fast::hash(directory)) != le_u32(b, 16) {
+            return Err("the directory fails its crc32".into());
+        }
+        let mut sections = [Section::default(); 10];
+        let mut seen = [false; 10];
+        for e in directory.chunks_exact(DIR_ENTRY_LEN) {
+            let (kind, crc) = (le_u32(e, 0).unwrap_or(0), le_u32(e, 4).unwrap_or(0));
+            let (offset, slen, n) = (le_u64(e, 8).unwrap_or(0), le_u64(e, 16).unwrap_or(0), le_u64(e, 24).unwrap_or(0));
+            if offset % 8 != 0 || offset.checked_add(slen).is_none_or(|end| end > len) {
+                return Err(format!("section {kind} ({slen} bytes at {offset}) is misaligned or past the end"));
+            }
+            if crc_of(&file, offset, slen).map_err(|e| format!("read {}: {e}", path.display()))? != crc {
+                return Err(format!("section {kind} ({slen} bytes at {offset}) fails its crc32"));
+            }
+            let (Ok(offset), Ok(slen), Ok(n)) = (usize::try_from(offset), usize::try_from(slen), usize::try_from(n))
+            else {
+                return Err("a section does not fit in memory".into());
+            };
+            if let (Some(s), Some(seen)) = (sections.get_mut(kind as usize), seen.get_mut(kind as usize)) {
+                *s = Section { offset, len: slen, count: n };
+                *seen = true;
+            }
+        }
+        if let Some(k) = SECTIONS.iter().find(|k| !seen.get(**k as usize).copied().unwrap_or(false)) {
+            return Err(format!("section {k} is missing"));
+        }
+        let mut ix = ShardIndex { map, shards: Vec::new(), sections, hot: Vec::new(), len };
+        ix.shards = ix.parse_shards().ok_or("the shard list is malformed")?;
+        ix.hot = ix.parse_hot().ok_or("the rows not frozen are malformed")?;
+        // Every fixed-width table must fit its section.
+        let widths: [(u32, usize); 6] = [
+            (PLACEMENTS, std::mem::size_of::<Placement>()),
+            (FROZEN_ROWS, std::mem::size_of::<FrozenRow>()),
+            (FROZEN_SESSIONS, std::mem::size_of::<FrozenSession>()),
+            (TRACE_TABLE, std::mem::size_of::<TraceEntry>()),
+            (TRACE_HASHES, 8),
+            (SESSION_HASHES, 8),
+        ];
+        for (kind, width) in widths {
+            let s = ix.section(kind);
+            if s.count.checked_mul(width) != Some(s.len) {
+                return Err(format!("section {kind}: {} entries of {width} bytes are not {} bytes", s.count, s.len));
+            }
+        }
+        ix.frozen_tables()?;
+        if ix.placements().len() != ix.section(PLACEMENTS).count {
+            return Err("the placements are misaligned".into());
+        }
+        let rows = ix.section(FROZEN_ROWS).count;
+        if ix.placements().iter().any(|p| p.frozen_row != NOT_FROZEN && p.frozen_row as usize >= rows) {
+            return Err("a placement names a frozen row that is not there".into());
+        }
+        Ok(Some(ix))
+    }
+
+    fn section(&self, kind: u32) -> Section {
+        self.sections.get(kind as usize).copied().unwrap_or_default()
+    }
+
+    fn bytes_of(&self, kind: u32) -> &[u8] {
+        let s = self.section(kind);
+        self.map.bytes().get(s.offset..s.offset + s.len).unwrap_or_default()
+    }
+
+    fn parse_shards(&self) -> Option<Vec<ShardKey>> {
+        let b = self.bytes_of(SHARDS);
+        let mut at = 0;
+        let mut out = Vec::new();
+        for _ in 0..self.section(SHARDS).count {
+            let len = le_u64(b, at)?;
+            let footer_crc32 = le_u32(b, at + 8)?;
+            let n = le_u32(b, at + 12)? as usize;
+            let path = std::str::from_utf8(b.get(at + 16..at + 16 + n)?).ok()?.to_owned();
+            out.push(ShardKey { path, len, footer_crc32 });
+            at = pad8(at + 16 + n);
+        }
+        (at == b.len()).then_some(out)
+    }
+
+    fn parse_hot(&self) -> Option<Vec<ShardRow>> {
+        let b = self.bytes_of(HOT_ROWS);
+        let mut at = 0;
+        let mut out: Vec<ShardRow> = Vec::new();
+        let text = |at: usize, n: usize| b.get(at..at.checked_add(n)?).and_then(|t| std::str::from_utf8(t).ok());
+        for _ in 0..self.section(HOT_ROWS).count {
+            let loc = Loc { segment: le_u64(b, at)?, offset: le_u64(b, at + 8)? };
+            let timestamp = f64::from_bits(le_u64(b, at + 16)?);
+            let pos = ShardPos { shard: le_u32(b, at + 24)?, row_group: le_u32(b, at + 28)?, row: le_u32(b, at + 32)? };
+            let (tlen, nsessions) = (le_u32(b, at + 36)? as usize, le_u32(b, at + 40)? as usize);
+            let trace_id: Arc<str> = Arc::from(text(at + 44, tlen)?);
+            at += 44 + tlen;
+            let mut sessions: Vec<Arc<str>> = Vec::with_capacity(nsessions.min(1024));
+            for _ in 0..nsessions {
+                let n = le_u32(b, at)? as usize;
+                sessions.push(Arc::from(text(at + 4, n)?));
+                at += 4 + n;
+            }
+            at = pad8(at);
+            // Consecutive rows of one session list share it, as decoded rows do.
+            let sessions: Arc<[Arc<str>]> = match out.last() {
+                Some(prev) if *prev.sessions == *sessions => prev.sessions.clone(),
+                _ => sessions.into(),
+            };
+            out.push(ShardRow { loc, trace_id, sessions, timestamp, pos });
+        }
+        (at == b.len() && out.windows(2).all(|w| w.first().map(|r| r.loc) <= w.get(1).map(|r| r.loc))).then_some(out)
+    }
+
+    fn table<T: bytemuck::Pod>(&self, kind: u32) -> std::result::Result<Table<T>, String> {
+        let s = self.section(kind);
+        Table::mapped(&self.map, s.offset, s.count).ok_or_else(|| format!("section {kind} is misaligned"))
+    }
+
+    fn frozen_tables(&self) -> std::result::Result<Frozen, String> {
+        Frozen::from_tables(
+            self.table(TEXT)?,
+            self.table(FROZEN_ROWS)?,
+            self.table(FROZEN_SESSIONS)?,
+            self.table(TRACE_TABLE)?,
+        )
+    }
+
+    /// A frozen layer over the file's tables (checked at [`ShardIndex::open`]).
+    pub(crate) fn frozen(&self) -> Frozen {
+        self.frozen_tables().unwrap_or_default()
+    }
+
+    /// The `steps` shards the file was written for, in order.
+    pub(crate) fn shards(&self) -> &[ShardKey] {
+        &self.shards
+    }
+
+    /// Every shard row's placement, sorted by log position.
+    pub(crate) fn placements(&self) -> Table<Placement> {
+        self.table(PLACEMENTS).unwrap_or_default()
+    }
+
+    /// The rows not frozen, sorted by log position.
+    pub(crate) fn hot_rows(&self) -> &[ShardRow] {
+        &self.hot
+    }
+
+    /// Every row's trace id hash, sorted.
+    pub(crate) fn trace_hashes(&self) -> Table<u64> {
+        self.table(TRACE_HASHES).unwrap_or_default()
+    }
+
+    /// Every row's session hashes, sorted.
+    pub(crate) fn session_hashes(&self) -> Table<u64> {
+        self.table(SESSION_HASHES).unwrap_or_default()
+    }
+
+    /// The file's size in bytes.
+    pub(crate) fn file_len(&self) -> u64 {
+        self.len
+    }
+
+    /// Every shard row, from the file alone: the frozen rows (through
+    /// their placements) and the others, with the shard numbers `renumber`
+    /// gives (`None` drops the row), sorted by log position.
+    pub(crate) fn rows<'a>(&'a self, frozen: &'a Frozen, renumber: impl Fn(u32) -> Option<u32>) -> Vec<RowRef<'a>> {
+        let rows = frozen.rows();
+        let placements = self.placements();
+        let mut out = Vec::with_capacity(placements.len());
+        for p in placements.iter().filter(|p| p.frozen_row != NOT_FROZEN) {
+            let (Some(r), Some(shard)) = (rows.get(p.frozen_row as usize), renumber(p.shard)) else { continue };
+            out.push(RowRef {
+                loc: r.loc(),
+                timestamp: r.timestamp,
+                pos: ShardPos { shard, ..p.pos() },
+                trace_id: frozen.trace_id(r),
+                sessions: crate::index::frozen::RowSessions::One(frozen.session_name(r.session)),
+            });
+        }
+        for h in &self.hot {
+            let Some(shard) = renumber(h.pos.shard) else { continue };
+            let mut r = RowRef::from(h);
+            r.pos.shard = shard;
+            out.push(r);
+        }
+        out.sort_by_key(|r| r.loc);
+        out
+    }
+}
