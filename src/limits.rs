@@ -72,3 +72,9 @@ pub const RELEASE_PAGES_EVERY_BYTES: u64 = 64 * 1024 * 1024;
 /// shard row groups they decoded once these hold more than this many bytes,
 /// so that their memory does not grow with the store (`Snapshot::bound_decoded`).
 pub const SCAN_DECODED_BYTES_MAX: usize = 256 * 1024 * 1024;
+
+/// A publication writes the shard index file anew (format-spec/shard-index.md
+/// §1) once the `steps` files it does not describe hold more than 1/this of
+/// the rows it does: an open decodes at most that fraction of the rows from
+/// the shards, and each row is written again O(1) times on average.
+pub const INDEX_REWRITE_DIVISOR: usize = 8;

@@ -275,20 +275,33 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     // no longer need their prefix-delta parents in the log.
     let mut compacted: HashSet<Loc> = HashSet::new();
     let shards_dir = dir.join(crate::storage::SHARDS_DIR);
+    // Every `steps` row and the files' keys, for the shard index file.
+    let (mut steps_rows, mut keys, mut all_steps_read) = (Vec::new(), Vec::new(), manifest.pending.is_empty());
     for shard in &manifest.shards {
         let path = shards_dir.join(&shard.path);
         report.bytes += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
         let found = crate::shard::reader::verify_shard(&path, shard.checksum);
         let clean = found.is_empty();
         report.problems.extend(found);
+        if shard.path.starts_with("steps/") {
+            all_steps_read &= clean;
+        }
         if clean && shard.path.starts_with("steps/") {
-            let mut rows = Vec::new();
-            let read =
-                crate::shard::reader::ShardFile::open(&path, 0, shard.checksum).and_then(|f| f.index_rows(&mut rows));
+            let first = steps_rows.len();
+            let read = crate::shard::reader::ShardFile::open(&path, keys.len() as u32, shard.checksum).and_then(|f| {
+                keys.push(crate::shard::index_file::ShardKey::of(&f, &shards_dir));
+                f.index_rows(&mut steps_rows)
+            });
             if let Err(e) = read {
+                all_steps_read = false;
                 report.problems.push(Problem { path: path.clone(), offset: 0, what: e.message().to_owned() });
             }
-            compacted.extend(rows.iter().map(|r| r.loc));
+            compacted.extend(steps_rows.get(first..).unwrap_or_default().iter().map(|r| r.loc));
+        }
+    }
+    if all_steps_read {
+        if let Some(p) = check_index_file(&shards_dir, &keys, steps_rows) {
+            report.problems.push(p);
         }
     }
     // The rewards side table (format-spec/shard.md §8), if there is one.
@@ -316,4 +329,47 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         }
     }
     Ok(report)
+}
+
+/// The shard index file (format-spec/shard-index.md), if there is one that
+/// describes the first of the `steps` shards `keys` (a stale one, for
+/// other shards, is only not used): checked against what the rows of those
+/// shards (`rows` holds every `steps` row) make of it. A file that fails is a problem, though no data is lost: an
+/// open does without it, and deleting it makes the next writable open
+/// write it anew.
+fn check_index_file(
+    shards_dir: &Path,
+    keys: &[crate::shard::index_file::ShardKey],
+    mut rows: Vec<crate::shard::reader::ShardRow>,
+) -> Option<Problem> {
+    use crate::shard::index_file::{self, ShardIndex};
+    let path = shards_dir.join(index_file::INDEX_FILE_NAME);
+    let problem = |what: String| {
+        Problem {
+        path: path.clone(),
+        offset: 0,
+        what: format!("shard index file: {what}; delete it (it holds nothing the shards do not) and the next writable open writes it anew"),
+    }
+    };
+    let ix = match ShardIndex::open(shards_dir) {
+        Ok(Some(ix)) if keys.starts_with(ix.shards()) => ix,
+        Ok(_) => return None,
+        Err(what) => return Some(problem(what)),
+    };
+    // It describes the first shards (those published since are read from
+    // their files): their rows.
+    let described = ix.shards().len() as u32;
+    rows.retain(|r| r.pos.shard < described);
+    rows.sort_by_key(|r| r.loc);
+    let refs: Vec<crate::index::frozen::RowRef<'_>> = rows.iter().map(Into::into).collect();
+    let built = index_file::build(&refs, true)?;
+    let hot = built.hot_rows(&refs);
+    let contents = index_file::Contents {
+        frozen: built.frozen.tables(),
+        placements: &built.placements,
+        hot: &hot,
+        trace_hashes: &built.trace_hashes,
+        session_hashes: &built.session_hashes,
+    };
+    ix.check_against(ix.shards(), &contents).err().map(problem)
 }

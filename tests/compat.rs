@@ -924,3 +924,50 @@ fn reads_the_v9_fixture_with_a_segment_retired_after_a_kept_one() {
     let report = trajlog::verify::verify_dir(copy.path()).unwrap();
     assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
 }
+
+fn fixture_v11_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v11")
+}
+
+/// Store format 11: the v3 content, `task-1:0` compacted (sealed, with a
+/// session reward), the other sessions in segments; the compaction wrote the
+/// shard index file `shards/index.tsi` (format-spec/shard-index.md).
+fn write_fixture_v11() {
+    let dir = fixture_v11_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
+    assert_eq!(r.sessions, 1, "{r:?}");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    assert!(dir.join("shards/index.tsi").exists());
+}
+
+#[test]
+fn reads_the_v11_fixture_through_its_shard_index_file() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v11_dir().exists() {
+        write_fixture_v11();
+    }
+    let dir = fixture_v11_dir();
+    let index = std::fs::read(dir.join("shards/index.tsi")).expect("the fixture has a shard index file");
+    let snap = check_shard_fixture(&dir);
+    let layers = snap.index_layers();
+    assert_eq!(layers.index_file_bytes, index.len() as u64, "read through the file: {layers:?}");
+    drop(snap);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    // Without the file the same answers; a writer writes it back as it was.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    std::fs::remove_file(copy.path().join("shards/index.tsi")).unwrap();
+    let snap = check_shard_fixture(copy.path());
+    assert_eq!(snap.index_layers().index_file_bytes, 0);
+    drop(snap);
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    assert_eq!(std::fs::read(copy.path().join("shards/index.tsi")).unwrap(), index);
+}

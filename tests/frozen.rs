@@ -212,38 +212,70 @@ fn a_stale_or_missing_shard_index_file_is_rebuilt_and_answers_stay_the_same() {
     let trace_ids = ids(&all);
     let index = dir.path().join("shards").join("index.tsi");
     assert!(index.exists(), "the compaction wrote the shard index file");
-    let stale = std::fs::read(&index).unwrap();
+    let first = std::fs::read(&index).unwrap();
 
-    // A second compaction (s8..s11) replaces the file; the old one, put
-    // back, names other shards: an open does without it, and a writable
-    // open writes it anew.
+    // Compacting s8 (6 rows beside the file's 48) leaves the file as it is:
+    // it describes the first shards, an open decodes the new one.
     let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in 8..12 {
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
-    store.compact(&CompactOptions::default()).unwrap();
+    store.seal_session("s8").unwrap();
+    assert_eq!(store.compact(&CompactOptions::default()).unwrap().sessions, 1);
+    assert_eq!(std::fs::read(&index).unwrap(), first, "not rewritten for 1/8 of its rows");
     let want = fingerprint(&store.snapshot(), &trace_ids);
     store.close().unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    assert_eq!(store.snapshot().index_layers().index_file_bytes, first.len() as u64);
+    assert_eq!(std::fs::read(&index).unwrap(), first, "an open leaves a file that describes the first shards");
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+
+    // s9 too: the undescribed rows pass 1/8, the publication writes it anew.
+    store.seal_session("s9").unwrap();
+    assert_eq!(store.compact(&CompactOptions::default()).unwrap().sessions, 1);
     let fresh = std::fs::read(&index).unwrap();
-    assert_ne!(fresh, stale);
+    assert_ne!(fresh, first);
+    let want = fingerprint(&store.snapshot(), &trace_ids);
+    store.close().unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    let layers = store.snapshot().index_layers();
+    assert_eq!((layers.frozen_calls, layers.index_file_bytes), (60, fresh.len() as u64), "{layers:?}");
+    store.close().unwrap();
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+
+    // A file of other shards (another store's) is not used; a writable
+    // open writes the right one, as the publication wrote it.
+    let other = tempdir();
+    let store = Store::open(other.path(), small_segments()).unwrap();
+    for c in chained_calls(1, 3) {
+        store.append(c).unwrap();
+    }
+    store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    store.close().unwrap();
+    let stale = std::fs::read(other.path().join("shards").join("index.tsi")).unwrap();
     std::fs::write(&index, &stale).unwrap();
     let ro = Store::open_read_only(dir.path()).unwrap();
     assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0, "a stale file is not used");
     assert_eq!(fingerprint(&ro.snapshot(), &trace_ids), want);
     drop(ro);
-    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    // A stale one is not a problem for `verify`: it is only not used.
+    let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    drop(reopen_matches(dir.path(), &want, &trace_ids));
     assert_eq!(std::fs::read(&index).unwrap(), fresh, "rebuilt as the compaction wrote it");
-    let layers = store.snapshot().index_layers();
-    assert_eq!((layers.frozen_calls, layers.calls), (all.len(), all.len()), "{layers:?}");
-    store.close().unwrap();
 
     // Deleted: the same.
     std::fs::remove_file(&index).unwrap();
-    let store = reopen_matches(dir.path(), &want, &trace_ids);
-    drop(store);
+    drop(reopen_matches(dir.path(), &want, &trace_ids));
     assert_eq!(std::fs::read(&index).unwrap(), fresh);
+
+    // `verify` checks the file against the shards: a damaged one is named.
+    let mut damaged = fresh.clone();
+    let at = damaged.len() / 2;
+    damaged[at] ^= 1;
+    std::fs::write(&index, &damaged).unwrap();
     let report = trajlog::verify::verify_dir(dir.path()).unwrap();
-    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    assert!(report.problems[0].what.contains("shard index file"), "{:?}", report.problems);
 }
 
 /// A record in a kept segment that names a frozen session before some of

@@ -190,6 +190,8 @@ def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
         # Opened again: session "a", all compacted, is in the frozen layer.
         index = store.space()["index"]
         assert (index["live_calls"], index["frozen_calls"]) == (4, 3) and index["frozen_bytes"] > 0
+        # ... read from the shard index file the compaction wrote.
+        assert index["index_file_bytes"] == (tmp_path / "s" / "shards" / "index.tsi").stat().st_size
 
 
 def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):

@@ -590,7 +590,9 @@ class Store:
         the totals `segment_bytes`, `shard_bytes`, `live_bytes`; `index`:
         `live_calls`, and how many of them the index holds in its frozen
         layer (`frozen_calls`, `frozen_bytes`: compacted sessions untouched
-        since the store was opened)."""
+        since the store was opened) and `index_file_bytes`, the size of the
+        shard index file the open mapped (0: none, the shards were decoded;
+        format-spec/shard-index.md)."""
         return json.loads(self._native.space_json())
 
     def close(self) -> None:

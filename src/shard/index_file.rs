@@ -28,6 +28,8 @@ use std::sync::Arc;
 
 /// Its name in `DIR/shards/`.
 pub(crate) const INDEX_FILE_NAME: &str = "index.tsi";
+/// The name it is written under before the rename.
+pub(crate) const TMP_NAME: &str = "index.tsi.tmp";
 const MAGIC: [u8; 8] = *b"TRJLSIX1";
 /// The version this build writes and reads.
 pub(crate) const INDEX_FILE_VERSION: u32 = 1;
@@ -167,28 +169,37 @@ impl Built {
     }
 }
 
+/// The sections of a file (kind, bytes, entries), in the order written.
+fn sections<'a>(
+    shards: &[ShardKey],
+    c: &'a Contents<'a>,
+    shards_bytes: &'a [u8],
+    hot_bytes: &'a [u8],
+) -> [(u32, &'a [u8], u64); 9] {
+    let f = &c.frozen;
+    [
+        (SHARDS, shards_bytes, shards.len() as u64),
+        (PLACEMENTS, bytemuck::cast_slice(c.placements), c.placements.len() as u64),
+        (FROZEN_ROWS, bytemuck::cast_slice(f.rows), f.rows.len() as u64),
+        (FROZEN_SESSIONS, bytemuck::cast_slice(f.sessions), f.sessions.len() as u64),
+        (TRACE_TABLE, bytemuck::cast_slice(f.by_trace), f.by_trace.len() as u64),
+        (TEXT, f.text, f.text.len() as u64),
+        (HOT_ROWS, hot_bytes, c.hot.len() as u64),
+        (TRACE_HASHES, bytemuck::cast_slice(c.trace_hashes), c.trace_hashes.len() as u64),
+        (SESSION_HASHES, bytemuck::cast_slice(c.session_hashes), c.session_hashes.len() as u64),
+    ]
+}
+
 /// Write the file for `shards` (the manifest's `steps` shards, in order:
 /// a placement's shard number indexes this list) into `shards_dir`,
 /// replacing any: a temporary file, fsynced, renamed, the directory
 /// fsynced. Returns its size.
 pub(crate) fn write(shards_dir: &Path, shards: &[ShardKey], c: &Contents<'_>, faults: &Faults) -> Result<u64> {
     let dst = shards_dir.join(INDEX_FILE_NAME);
-    let tmp = shards_dir.join(format!("{INDEX_FILE_NAME}.tmp"));
+    let tmp = shards_dir.join(TMP_NAME);
     fault::check(faults, Op::Replace { path: &dst }).map_err(|e| io(&dst, "replace", e))?;
-    let f = &c.frozen;
-    let shards_bytes = encode_shards(shards);
-    let hot_bytes = encode_hot(c.hot);
-    let sections: [(u32, &[u8], u64); 9] = [
-        (SHARDS, &shards_bytes, shards.len() as u64),
-        (PLACEMENTS, bytemuck::cast_slice(c.placements), c.placements.len() as u64),
-        (FROZEN_ROWS, bytemuck::cast_slice(f.rows), f.rows.len() as u64),
-        (FROZEN_SESSIONS, bytemuck::cast_slice(f.sessions), f.sessions.len() as u64),
-        (TRACE_TABLE, bytemuck::cast_slice(f.by_trace), f.by_trace.len() as u64),
-        (TEXT, f.text, f.text.len() as u64),
-        (HOT_ROWS, &hot_bytes, c.hot.len() as u64),
-        (TRACE_HASHES, bytemuck::cast_slice(c.trace_hashes), c.trace_hashes.len() as u64),
-        (SESSION_HASHES, bytemuck::cast_slice(c.session_hashes), c.session_hashes.len() as u64),
-    ];
+    let (shards_bytes, hot_bytes) = (encode_shards(shards), encode_hot(c.hot));
+    let sections = sections(shards, c, &shards_bytes, &hot_bytes);
     let file = OpenOptions::new()
         .write(true)
         .create(true)
@@ -347,14 +358,11 @@ impl ShardIndex {
                 return Err(format!("section {kind}: {} entries of {width} bytes are not {} bytes", s.count, s.len));
             }
         }
+        // Mapped at 8-aligned offsets of a page-aligned mapping: aligned.
         ix.frozen_tables()?;
-        if ix.placements().len() != ix.section(PLACEMENTS).count {
-            return Err("the placements are misaligned".into());
-        }
-        let rows = ix.section(FROZEN_ROWS).count;
-        if ix.placements().iter().any(|p| p.frozen_row != NOT_FROZEN && p.frozen_row as usize >= rows) {
-            return Err("a placement names a frozen row that is not there".into());
-        }
+        ix.table::<Placement>(PLACEMENTS)?;
+        ix.table::<u64>(TRACE_HASHES)?;
+        ix.table::<u64>(SESSION_HASHES)?;
         Ok(Some(ix))
     }
 
@@ -417,15 +425,16 @@ impl ShardIndex {
     }
 
     fn frozen_tables(&self) -> std::result::Result<Frozen, String> {
-        Frozen::from_tables(
+        Ok(Frozen::from_tables(
             self.table(TEXT)?,
             self.table(FROZEN_ROWS)?,
             self.table(FROZEN_SESSIONS)?,
             self.table(TRACE_TABLE)?,
-        )
+        ))
     }
 
-    /// A frozen layer over the file's tables (checked at [`ShardIndex::open`]).
+    /// A frozen layer over the file's tables (their checksums and sizes
+    /// checked at [`ShardIndex::open`]).
     pub(crate) fn frozen(&self) -> Frozen {
         self.frozen_tables().unwrap_or_default()
     }
@@ -453,6 +462,18 @@ impl ShardIndex {
     /// Every row's session hashes, sorted.
     pub(crate) fn session_hashes(&self) -> Table<u64> {
         self.table(SESSION_HASHES).unwrap_or_default()
+    }
+
+    /// Whether this file holds exactly what [`write`] would write for
+    /// `shards` and `c`; else the first section that differs.
+    pub(crate) fn check_against(&self, shards: &[ShardKey], c: &Contents<'_>) -> std::result::Result<(), String> {
+        let (shards_bytes, hot_bytes) = (encode_shards(shards), encode_hot(c.hot));
+        for (kind, bytes, count) in sections(shards, c, &shards_bytes, &hot_bytes) {
+            if self.bytes_of(kind) != bytes || self.section(kind).count as u64 != count {
+                return Err(format!("section {kind} differs from what the shards' rows make"));
+            }
+        }
+        Ok(())
     }
 
     /// The file's size in bytes.

@@ -58,23 +58,28 @@ impl Placement {
 /// rows. A slot is emptied, not removed, when a collection replaces its
 /// file, so that shard ids stay stable while the store is open; they are
 /// renumbered from the manifest at the next open.
+///
+/// Every row of the files present is placed, sorted by log position, one
+/// per position: a call record is compacted into one row of the published
+/// files (a collection that moves rows drops the old file's in the same
+/// publication). Dead rows (replaced or deleted after compaction) are there
+/// too; they are never asked for, since lookups go by the log position of a
+/// live index entry. The placements are in two tables: `base` (built in
+/// memory, or mapped from the shard index file) and `extra`, the rows of
+/// files added since (publications that did not rewrite the file), so that
+/// a publication adds its rows without copying the others.
 #[derive(Debug, Default)]
 pub struct ShardSet {
     files: Vec<Option<Arc<ShardFile>>>,
-    /// Every row of the files present, sorted by log position, one per
-    /// position: a call record is compacted into one row of the published
-    /// files (a collection that moves rows drops the old file's in the same
-    /// publication). Dead rows (replaced or deleted after compaction) are
-    /// here too; they are never asked for, since lookups go by the log
-    /// position of a live index entry. Built in memory, or mapped from the
-    /// shard index file.
-    placements: Table<Placement>,
-    /// The slot of each shard number the placements use, when they number
-    /// the files present in order (a mapped table after a collection
-    /// emptied slots); `None`: shard number = slot.
-    slot_of: Option<Vec<u32>>,
-    /// The shard index file this set's files are described by, if any: the
-    /// next publication builds its file from it.
+    base: Arc<Table<Placement>>,
+    /// The slot of each shard number `base` uses, when it numbers the files
+    /// present in order (a mapped table after a collection emptied slots);
+    /// `None`: shard number = slot.
+    slot_of: Option<Arc<Vec<u32>>>,
+    /// Sorted by log position, shard numbers = slots.
+    extra: Arc<Vec<Placement>>,
+    /// The shard index file `base` comes from, if any: it describes the
+    /// files of `base`; the next publication writes its file from it.
     index: Option<Arc<ShardIndex>>,
 }
 
@@ -94,27 +99,37 @@ impl ShardSet {
     /// (log position, row).
     pub fn new(files: Vec<Arc<ShardFile>>, rows: impl IntoIterator<Item = (Loc, ShardPos)>) -> ShardSet {
         let placements = sorted(rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN)).collect());
-        ShardSet { files: files.into_iter().map(Some).collect(), placements: placements.into(), slot_of: None, index: None }
+        Self::from_placements(files, placements)
     }
 
     /// The shards of an open (ids `0..files.len()`), with the placements of
     /// their rows, sorted by log position, one per position.
     pub(crate) fn from_placements(files: Vec<Arc<ShardFile>>, placements: Vec<Placement>) -> ShardSet {
-        ShardSet { files: files.into_iter().map(Some).collect(), placements: placements.into(), slot_of: None, index: None }
-    }
-
-    /// Its placements (shard numbers as [`ShardSet::slot`] maps them).
-    pub(crate) fn placements(&self) -> &[Placement] {
-        &self.placements
-    }
-
-    /// The shards of an open, placed by a shard index file written for
-    /// exactly these files, in this order.
-    pub(crate) fn from_index(files: Vec<Arc<ShardFile>>, index: Arc<ShardIndex>) -> ShardSet {
         ShardSet {
             files: files.into_iter().map(Some).collect(),
-            placements: index.placements(),
+            base: Arc::new(placements.into()),
+            ..ShardSet::default()
+        }
+    }
+
+    /// Its placements, when they are one table (an open that built them;
+    /// shard numbers = slots).
+    pub(crate) fn placements(&self) -> &[Placement] {
+        &self.base
+    }
+
+    /// The shards of an open (ids `0..files.len()`) whose first files a
+    /// shard index file describes; `rows` place the rows of the others.
+    pub(crate) fn from_index(
+        files: Vec<Arc<ShardFile>>,
+        index: Arc<ShardIndex>,
+        rows: impl IntoIterator<Item = (Loc, ShardPos)>,
+    ) -> ShardSet {
+        ShardSet {
+            files: files.into_iter().map(Some).collect(),
+            base: Arc::new(index.placements()),
             slot_of: None,
+            extra: Arc::new(sorted(rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN)).collect())),
             index: Some(index),
         }
     }
@@ -126,8 +141,9 @@ impl ShardSet {
         let identity = slots.iter().enumerate().all(|(i, s)| i as u32 == *s);
         ShardSet {
             files: self.files.clone(),
-            placements: index.placements(),
-            slot_of: (!identity).then_some(slots),
+            base: Arc::new(index.placements()),
+            slot_of: (!identity).then(|| Arc::new(slots)),
+            extra: Arc::default(),
             index: Some(index),
         }
     }
@@ -137,7 +153,7 @@ impl ShardSet {
         self.files.iter().enumerate().filter(|(_, f)| f.is_some()).map(|(i, _)| i as u32)
     }
 
-    /// The slot of a placement's shard number.
+    /// The slot of a shard number of the base table.
     pub(crate) fn slot(&self, shard: u32) -> Option<u32> {
         match &self.slot_of {
             None => Some(shard),
@@ -145,14 +161,28 @@ impl ShardSet {
         }
     }
 
-    /// The shard index file describing this set, if any.
+    /// The shard index file describing this set's first files, if any.
     pub(crate) fn index_file(&self) -> Option<&Arc<ShardIndex>> {
         self.index.as_ref()
+    }
+
+    /// Rows of files the shard index file does not describe.
+    pub(crate) fn undescribed_rows(&self) -> usize {
+        self.extra.len()
+    }
+
+    /// The slots the shard index file describes (its shard numbers').
+    pub(crate) fn described_slots(&self) -> Vec<u32> {
+        let n = self.index.as_ref().map_or(0, |ix| ix.shards().len()) as u32;
+        (0..n).filter_map(|k| self.slot(k)).collect()
     }
 
     /// This set after a publication: the slots `obsolete` emptied (their
     /// rows dropped) and `added` appended, with their rows. The files are
     /// given back emptied, for the caller to pin while snapshots read them.
+    /// Without obsolete files the base table (and the shard index file
+    /// describing it) is kept and the new rows join `extra`; else every
+    /// row is copied into one table, described by no file.
     pub fn published(
         &self,
         obsolete: &[u32],
@@ -167,14 +197,26 @@ impl ShardSet {
             }
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
+        let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
+        if emptied.is_empty() {
+            let extra = sorted(self.extra.iter().copied().chain(new).collect());
+            let set = ShardSet {
+                files,
+                base: self.base.clone(),
+                slot_of: self.slot_of.clone(),
+                extra: Arc::new(extra),
+                index: self.index.clone(),
+            };
+            return (set, emptied);
+        }
         let obsolete: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
-        let kept = self.placements.iter().filter_map(|p| {
+        let kept = self.base.iter().filter_map(|p| {
             let slot = self.slot(p.shard)?;
             (!obsolete.contains(&slot)).then_some(Placement { shard: slot, frozen_row: NOT_FROZEN, ..*p })
         });
-        let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
-        let placements = sorted(kept.chain(new).collect());
-        (ShardSet { files, placements: placements.into(), slot_of: None, index: None }, emptied)
+        let kept_extra = self.extra.iter().filter(|p| !obsolete.contains(&p.shard)).copied();
+        let placements = sorted(kept.chain(kept_extra).chain(new).collect());
+        (ShardSet { files, base: Arc::new(placements.into()), ..ShardSet::default() }, emptied)
     }
 
     /// The file of shard `id`, if this set still has it.
@@ -196,8 +238,11 @@ impl ShardSet {
     /// Where the call record at `loc` is served from, if it was compacted
     /// into a file of this set. O(log rows).
     pub fn position(&self, loc: Loc) -> Option<ShardPos> {
-        let i = self.placements.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
-        let p = self.placements.get(i)?;
+        if let Ok(i) = self.extra.binary_search_by(|p| p.loc().cmp(&loc)) {
+            return self.extra.get(i).map(Placement::pos);
+        }
+        let i = self.base.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
+        let p = self.base.get(i)?;
         Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })
     }
 
@@ -240,6 +285,6 @@ mod tests {
         let set = ShardSet::new(Vec::new(), [(loc(1, 8), pos(3, 0)), (loc(1, 8), pos(1, 5)), (loc(1, 16), pos(1, 6))]);
         assert_eq!(set.position(loc(1, 8)), Some(pos(3, 0)));
         assert_eq!(set.position(loc(1, 16)), Some(pos(1, 6)));
-        assert_eq!(set.placements.len(), 2);
+        assert_eq!(set.base.len(), 2);
     }
 }

@@ -13,6 +13,10 @@
 //! 3. Bytes are only read through `&[u8]` obtained here, and every read of a
 //!    record goes through frame validation (CRC) first.
 //!
+//! 4. The shard index file (`shards/index.tsi`, format-spec/shard-index.md)
+//!    is never written in place: a new one is written under another name
+//!    and renamed over it, so a mapping of the old one keeps its inode.
+//!
 //! Callers outside trajlog that truncate segment files void this contract.
 
 use crate::error::{Error, Result};

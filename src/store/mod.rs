@@ -142,6 +142,9 @@ impl Store {
         for leftover in &leftovers {
             leftover.dispose(&dir)?;
         }
+        // A shard index file a crash left half written (never read).
+        recovery::remove_if_present(&dir.join(SHARDS_DIR).join(crate::shard::index_file::TMP_NAME))
+            .map_err(|e| Error::io("remove a half-written shard index file", e))?;
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
         // that no manifest ever lists two active segments.

@@ -89,10 +89,29 @@ pub(super) struct CompactionBase {
 /// kept, a session's reward rewritten in the side table), never a loss.
 /// Before, a hash map of the ids (~50 MB at a million rows, ~24 bytes per
 /// bucket at most 7/8 full) was copied by each compaction to be changed.
-/// The sorted hashes live in memory or in the shard index file
-/// (format-spec/shard-index.md), which stores them for a writable open.
+/// The sorted hashes live in two tables: `base` (in memory, or in the
+/// shard index file, which stores them for a writable open) and `extra`,
+/// the rows of files added since, so that a publication that takes no rows
+/// away adds its own without copying the others.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct RowCounts(Arc<crate::storage::table::Table<u64>>);
+pub(crate) struct RowCounts {
+    base: Arc<crate::storage::table::Table<u64>>,
+    extra: Arc<Vec<u64>>,
+}
+
+/// The sorted merge of two sorted multisets.
+fn merged(a: impl IntoIterator<Item = u64>, b: Vec<u64>) -> Vec<u64> {
+    let mut out = Vec::with_capacity(b.len());
+    let mut b = b.into_iter().peekable();
+    for h in a {
+        while let Some(x) = b.next_if(|x| *x < h) {
+            out.push(x);
+        }
+        out.push(h);
+    }
+    out.extend(b);
+    out
+}
 
 impl RowCounts {
     /// The hash an id is kept under (XXH3-64, seed 0: the shard index
@@ -104,47 +123,49 @@ impl RowCounts {
     /// The multiset of these hashes.
     pub(crate) fn from_hashes(mut hashes: Vec<u64>) -> RowCounts {
         hashes.sort_unstable();
-        RowCounts(Arc::new(hashes.into()))
+        Self::from_sorted(hashes.into())
     }
 
     /// The multiset of these hashes, sorted already.
     pub(crate) fn from_sorted(hashes: crate::storage::table::Table<u64>) -> RowCounts {
-        RowCounts(Arc::new(hashes))
+        RowCounts { base: Arc::new(hashes), extra: Arc::default() }
     }
 
-    /// The sorted hashes.
-    pub(crate) fn as_slice(&self) -> &[u64] {
-        self.0.as_slice()
+    /// These counts with `hashes` (any order) counted too, in `extra`.
+    pub(crate) fn with(&self, mut hashes: Vec<u64>) -> RowCounts {
+        hashes.sort_unstable();
+        RowCounts { base: self.base.clone(), extra: Arc::new(merged(self.extra.iter().copied(), hashes)) }
+    }
+
+    /// The sorted hashes, when they are one table (as an open builds them).
+    pub(crate) fn base(&self) -> &[u64] {
+        self.base.as_slice()
     }
 
     /// Whether a row of `id` exists (or of an id of the same hash).
     pub(crate) fn contains(&self, id: &str) -> bool {
-        self.0.binary_search(&Self::hash(id)).is_ok()
+        let h = Self::hash(id);
+        self.extra.binary_search(&h).is_ok() || self.base.binary_search(&h).is_ok()
     }
 
     /// These counts with one row of each hash of `removed` taken away (a
     /// hash not counted is ignored) and `added` counted.
     pub(crate) fn changed(&self, mut removed: Vec<u64>, mut added: Vec<u64>) -> RowCounts {
+        if removed.is_empty() {
+            return self.with(added);
+        }
         removed.sort_unstable();
         added.sort_unstable();
-        let mut kept = Vec::with_capacity(self.0.len().saturating_sub(removed.len()));
+        let all = merged(self.base.iter().copied(), self.extra.to_vec());
+        let mut kept = Vec::with_capacity(all.len().saturating_sub(removed.len()));
         let mut gone = removed.iter().peekable();
-        for &h in self.0.iter() {
+        for h in all {
             while gone.next_if(|g| **g < h).is_some() {}
             if gone.next_if(|g| **g == h).is_none() {
                 kept.push(h);
             }
         }
-        let mut out = Vec::with_capacity(kept.len() + added.len());
-        let mut new = added.into_iter().peekable();
-        for h in kept {
-            while let Some(a) = new.next_if(|a| *a < h) {
-                out.push(a);
-            }
-            out.push(h);
-        }
-        out.extend(new);
-        RowCounts(Arc::new(out.into()))
+        Self::from_sorted(merged(kept, added).into())
     }
 }
 
@@ -198,10 +219,18 @@ mod tests {
         assert!(next.contains("a") && !next.contains("b") && next.contains("c") && next.contains("d"));
         let mut want = [h("a"), h("c"), h("d")];
         want.sort_unstable();
-        assert_eq!(&next.0[..], &want[..]);
+        assert_eq!(next.base(), &want[..]);
         // The second row of "a" goes too.
         assert!(!next.changed(vec![h("a")], Vec::new()).contains("a"));
         // The counts it was made from are unchanged.
-        assert_eq!(counts.0.len(), 4);
+        assert_eq!(counts.base().len(), 4);
+        // Rows added without removals join `extra`; a removal then takes
+        // from either table.
+        let more = next.changed(Vec::new(), vec![h("b"), h("a")]);
+        assert_eq!((more.base().len(), more.extra.len()), (3, 2));
+        assert!(more.contains("b") && more.contains("a"));
+        let fewer = more.changed(vec![h("a"), h("b"), h("c")], Vec::new());
+        assert_eq!(fewer.base(), &[h("a").min(h("d")), h("a").max(h("d"))][..]);
+        assert!(!fewer.contains("b") && !fewer.contains("c"));
     }
 }

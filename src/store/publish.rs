@@ -136,7 +136,7 @@ fn prepare(
     // rows when the base view has one (or no shards yet); the new rows are
     // kept for it, else one file's rows at a time.
     let base_index = base.view.shards.index_file().cloned();
-    let write_index = base_index.is_some() || base.view.shards.files().next().is_none();
+    let may_write_index = base_index.is_some() || base.view.shards.files().next().is_none();
     let mut new_rows = Vec::new();
     for (i, p) in staged.iter().filter(|p| p.shard.path.starts_with("steps/")).enumerate() {
         let mut f = ShardFile::open(&shards_dir.join(&p.staged), first_shard_id + i as u32, p.shard.checksum)?;
@@ -150,11 +150,28 @@ fn prepare(
             new_sessions.extend(row.sessions.iter().map(|s| RowCounts::hash(s)));
             placements.push((row.loc, row.pos));
         }
-        if write_index {
+        if may_write_index {
             new_rows.append(&mut rows);
         }
     }
     drop(rows);
+    // The file is written anew for the first shards, when a collection took
+    // files it describes away, or when the files it does not describe hold
+    // more than 1/INDEX_REWRITE_DIVISOR of its rows: each row is rewritten
+    // O(1) times on average, and an open decodes that fraction at most.
+    let write_index = match &base_index {
+        _ if base.view.shards.files().next().is_none() => true,
+        None => false,
+        Some(ix) => {
+            let undescribed = base.view.shards.undescribed_rows() + placements.len();
+            let described: std::collections::HashSet<u32> = base.view.shards.described_slots().into_iter().collect();
+            obsolete.shard_ids.iter().any(|s| described.contains(s))
+                || undescribed.saturating_mul(crate::limits::INDEX_REWRITE_DIVISOR) > ix.placements().len()
+        }
+    };
+    if !write_index {
+        new_rows = Vec::new();
+    }
     let mut shard_traces = base.shard_traces.changed(gone_traces, new_traces);
     let mut shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
     let (mut shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
@@ -215,11 +232,17 @@ fn write_index_file(
         present.iter().filter_map(|s| published.file(*s)).map(|f| ShardKey::of(f, shards_dir)).collect();
     let gone: HashSet<u32> = obsolete.shard_ids.iter().copied().collect();
     let frozen = base_index.map(|ix| ix.frozen()).unwrap_or_default();
+    // The rows of the base's files the base's file does not describe.
+    let described: HashSet<u32> = base.described_slots().into_iter().collect();
+    let mut undescribed = Vec::new();
+    for slot in base.present_slots().filter(|s| !described.contains(s) && !gone.contains(s)) {
+        base.file(slot)?.index_rows(&mut undescribed).ok()?;
+    }
     let mut rows = match base_index {
         Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
         None => Vec::new(),
     };
-    for r in &new_rows {
+    for r in undescribed.iter().chain(&new_rows) {
         let mut r = crate::index::frozen::RowRef::from(r);
         r.pos.shard = number(r.pos.shard)?;
         rows.push(r);
@@ -239,6 +262,7 @@ fn write_index_file(
     drop(built);
     drop(rows);
     drop(new_rows);
+    drop(undescribed);
     ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == keys)
 }
 

@@ -319,9 +319,11 @@ fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result
             to_write: None,
         });
     }
+    // A file that describes the first files (publications since added
+    // others, which it does not describe yet) is used with their rows.
     if let Ok(Some(ix)) = ShardIndex::open(&shards_dir) {
-        if ix.shards() == keys {
-            return Ok(from_index_file(files, Arc::new(ix), writable));
+        if keys.starts_with(ix.shards()) {
+            return from_index_file(files, Arc::new(ix), writable);
         }
     }
     // Sessions wholly in shards, of no other call's trace id, go to the
@@ -380,8 +382,8 @@ impl IndexToWrite {
             frozen: loaded.index.frozen().tables(),
             placements: loaded.shards.placements(),
             hot: &hot,
-            trace_hashes: loaded.shard_traces.as_slice(),
-            session_hashes: loaded.shard_sessions.as_slice(),
+            trace_hashes: loaded.shard_traces.base(),
+            session_hashes: loaded.shard_sessions.base(),
         };
         if index_file::write(&shards_dir, &self.keys, &contents, faults).is_err() {
             return;
@@ -396,23 +398,31 @@ impl IndexToWrite {
     }
 }
 
-/// The shards of an open, from a shard index file that describes them.
+/// The shards of an open, from a shard index file that describes the
+/// first of `files`; the rows of the others are decoded and replayed like
+/// rows that are not frozen (a record of them naming a frozen session
+/// thaws it, as a record of the log does).
 fn from_index_file(
     files: Vec<Arc<ShardFile>>,
     ix: Arc<crate::shard::index_file::ShardIndex>,
     writable: bool,
-) -> Shards {
+) -> Result<Shards> {
     let mut index = Index::with_frozen(ix.frozen());
     index.record_thaws(true);
-    let feed =
-        RowFeed { rows: ix.hot_rows().iter().map(|r| (r.clone(), None)).collect(), mapped: true, ..RowFeed::default() };
-    let (shard_traces, shard_sessions) = if writable {
-        (RowCounts::from_sorted(ix.trace_hashes()), RowCounts::from_sorted(ix.session_hashes()))
-    } else {
-        (RowCounts::default(), RowCounts::default())
-    };
-    let shards = crate::shard::set::ShardSet::from_index(files, ix);
-    Shards { shards, index, feed, shard_traces, shard_sessions, to_write: None }
+    let later = shard_rows(files.get(ix.shards().len()..).unwrap_or_default())?;
+    let (mut shard_traces, mut shard_sessions) = (RowCounts::default(), RowCounts::default());
+    if writable {
+        shard_traces = RowCounts::from_sorted(ix.trace_hashes())
+            .with(later.iter().map(|r| RowCounts::hash(&r.trace_id)).collect());
+        shard_sessions = RowCounts::from_sorted(ix.session_hashes())
+            .with(later.iter().flat_map(|r| r.sessions.iter().map(|s| RowCounts::hash(s))).collect());
+    }
+    let shards = crate::shard::set::ShardSet::from_index(files, ix.clone(), later.iter().map(|r| (r.loc, r.pos)));
+    let mut rows: Vec<ShardRow> = ix.hot_rows().to_vec();
+    rows.extend(later);
+    rows.sort_by_key(|r| r.loc);
+    let feed = RowFeed { rows: rows.into_iter().map(|r| (r, None)).collect(), mapped: true, ..RowFeed::default() };
+    Ok(Shards { shards, index, feed, shard_traces, shard_sessions, to_write: None })
 }
 
 /// The shard rows an open's replay applies at their log positions, in
