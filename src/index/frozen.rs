@@ -125,6 +125,25 @@ pub(crate) struct RowRef<'a> {
     pub sessions: RowSessions<'a>,
 }
 
+/// A shard row, decoded or borrowed: what the builders of the frozen layer
+/// and of the shard index file take (so that decoded rows need no second
+/// copy as [`RowRef`]s).
+pub(crate) trait AsRow {
+    fn row(&self) -> RowRef<'_>;
+}
+
+impl AsRow for ShardRow {
+    fn row(&self) -> RowRef<'_> {
+        RowRef::from(self)
+    }
+}
+
+impl AsRow for RowRef<'_> {
+    fn row(&self) -> RowRef<'_> {
+        *self
+    }
+}
+
 impl<'a> From<&'a ShardRow> for RowRef<'a> {
     fn from(r: &'a ShardRow) -> Self {
         RowRef {
@@ -301,7 +320,7 @@ impl Frozen {
     /// two with one trace id; see [`cold_rows`]); with each row's frozen
     /// row (`None` for a row not frozen). `None` past what the layer's
     /// 32-bit numbers address: the caller keeps every call in the maps then.
-    pub fn build(rows: &[RowRef<'_>], cold: &[bool]) -> Option<(Frozen, Vec<Option<u32>>)> {
+    pub fn build<R: AsRow>(rows: &[R], cold: &[bool]) -> Option<(Frozen, Vec<Option<u32>>)> {
         if u32::try_from(rows.len()).is_err() {
             return None;
         }
@@ -310,9 +329,9 @@ impl Frozen {
             .zip(cold)
             .enumerate()
             .filter(|(_, (_, c))| **c)
-            .map(|(i, (r, _))| (id_hash(r.sessions.first()), i as u32))
+            .map(|(i, (r, _))| (id_hash(r.row().sessions.first()), i as u32))
             .collect();
-        let row = |i: u32| rows.get(i as usize);
+        let row = |i: u32| rows.get(i as usize).map(AsRow::row);
         order.sort_unstable_by(|a, b| {
             a.0.cmp(&b.0).then_with(|| match (row(a.1), row(b.1)) {
                 (Some(x), Some(y)) => x
@@ -397,11 +416,12 @@ impl Frozen {
 /// frozen: those of a session whose every row is of it alone and whose
 /// trace ids have no other shard row (a replacement not yet collected).
 /// What the log's records do to them is left to thawing.
-pub(crate) fn cold_rows(rows: &[RowRef<'_>]) -> Vec<bool> {
+pub(crate) fn cold_rows<R: AsRow>(rows: &[R]) -> Vec<bool> {
     let mut hot_sessions: HashSet<u64> = HashSet::new();
-    let mut traces: Vec<(u64, u32)> = rows.iter().enumerate().map(|(i, r)| (id_hash(r.trace_id), i as u32)).collect();
+    let mut traces: Vec<(u64, u32)> =
+        rows.iter().enumerate().map(|(i, r)| (id_hash(r.row().trace_id), i as u32)).collect();
     traces.sort_unstable();
-    let mut heat = |r: Option<&RowRef<'_>>| {
+    let mut heat = |r: Option<RowRef<'_>>| {
         for s in r.iter().flat_map(|r| r.sessions.iter()) {
             hot_sessions.insert(id_hash(s));
         }
@@ -410,18 +430,19 @@ pub(crate) fn cold_rows(rows: &[RowRef<'_>]) -> Vec<bool> {
     for w in traces.windows(2) {
         if let [(a, i), (b, j)] = w {
             if a == b {
-                heat(rows.get(*i as usize));
-                heat(rows.get(*j as usize));
+                heat(rows.get(*i as usize).map(AsRow::row));
+                heat(rows.get(*j as usize).map(AsRow::row));
             }
         }
     }
     drop(traces);
-    for r in rows.iter().filter(|r| r.sessions.len() != 1) {
+    for r in rows.iter().map(AsRow::row).filter(|r| r.sessions.len() != 1) {
         heat(Some(r));
     }
     // Consecutive decoded rows share their session list: hash each list once.
     let mut last: Option<(RowSessions<'_>, bool)> = None;
     rows.iter()
+        .map(AsRow::row)
         .map(|r| match last {
             Some((l, cold)) if l.same_list(&r.sessions) => cold,
             _ => {

@@ -16,7 +16,7 @@ use super::reader::{ShardFile, ShardPos, ShardRow};
 use super::set::Placement;
 use crate::error::{Error, Result};
 use crate::format::record::Loc;
-use crate::index::frozen::{cold_rows, id_hash, Frozen, FrozenRow, FrozenSession, FrozenTables, RowRef, TraceEntry};
+use crate::index::frozen::{cold_rows, id_hash, AsRow, Frozen, FrozenRow, FrozenSession, FrozenTables, RowRef, TraceEntry};
 use crate::storage::fault::{self, Faults, Op};
 use crate::storage::mmap::Mapping;
 use crate::storage::table::Table;
@@ -88,14 +88,14 @@ pub(crate) struct Built {
 
 /// Build the file's contents from every shard row, sorted by log position.
 /// `None` past the 32-bit row numbers of the frozen layer.
-pub(crate) fn build(rows: &[RowRef<'_>], with_hashes: bool) -> Option<Built> {
+pub(crate) fn build<R: AsRow>(rows: &[R], with_hashes: bool) -> Option<Built> {
     let cold = cold_rows(rows);
     let (frozen, frozen_row) = Frozen::build(rows, &cold)?;
     drop(cold);
     let mut placements: Vec<Placement> = rows
         .iter()
         .zip(&frozen_row)
-        .map(|(r, f)| Placement::new(r.loc, r.pos, f.unwrap_or(NOT_FROZEN)))
+        .map(|(r, f)| Placement::new(r.row().loc, r.row().pos, f.unwrap_or(NOT_FROZEN)))
         .collect();
     placements.sort_by(|a, b| a.loc().cmp(&b.loc()).then(a.pos().shard.cmp(&b.pos().shard)));
     placements.reverse();
@@ -104,8 +104,8 @@ pub(crate) fn build(rows: &[RowRef<'_>], with_hashes: bool) -> Option<Built> {
     let hot = frozen_row.iter().enumerate().filter(|(_, f)| f.is_none()).map(|(i, _)| i as u32).collect();
     let (mut trace_hashes, mut session_hashes) = (Vec::new(), Vec::new());
     if with_hashes {
-        trace_hashes = rows.iter().map(|r| id_hash(r.trace_id)).collect();
-        session_hashes = rows.iter().flat_map(|r| r.sessions.iter().map(id_hash)).collect();
+        trace_hashes = rows.iter().map(|r| id_hash(r.row().trace_id)).collect();
+        session_hashes = rows.iter().flat_map(|r| r.row().sessions.iter().map(id_hash)).collect();
         trace_hashes.sort_unstable();
         session_hashes.sort_unstable();
     }
@@ -164,8 +164,8 @@ pub(crate) struct Contents<'a> {
 
 impl Built {
     /// The hot rows of `rows` (the rows this was built from).
-    pub(crate) fn hot_rows<'a>(&self, rows: &[RowRef<'a>]) -> Vec<RowRef<'a>> {
-        self.hot.iter().filter_map(|i| rows.get(*i as usize).copied()).collect()
+    pub(crate) fn hot_rows<'a, R: AsRow>(&self, rows: &'a [R]) -> Vec<RowRef<'a>> {
+        self.hot.iter().filter_map(|i| rows.get(*i as usize).map(AsRow::row)).collect()
     }
 }
 

@@ -220,10 +220,10 @@ fn write_index_file(
     base_index: Option<&crate::shard::index_file::ShardIndex>,
     obsolete: &Obsolete,
     published: &ShardSet,
-    new_rows: Vec<ShardRow>,
+    mut new_rows: Vec<ShardRow>,
     faults: &crate::storage::fault::Faults,
 ) -> Option<crate::shard::index_file::ShardIndex> {
-    use crate::shard::index_file::{self, ShardIndex, ShardKey};
+    use crate::shard::index_file::{ShardIndex, ShardKey};
     // The file numbers the files present in order: a slot's number is its
     // place among the present slots of the published set.
     let present: Vec<u32> = published.present_slots().collect();
@@ -238,18 +238,38 @@ fn write_index_file(
     for slot in base.present_slots().filter(|s| !described.contains(s) && !gone.contains(s)) {
         base.file(slot)?.index_rows(&mut undescribed).ok()?;
     }
-    let mut rows = match base_index {
-        Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
-        None => Vec::new(),
-    };
-    for r in undescribed.iter().chain(&new_rows) {
-        let mut r = crate::index::frozen::RowRef::from(r);
+    for r in undescribed.iter_mut().chain(new_rows.iter_mut()) {
         r.pos.shard = number(r.pos.shard)?;
-        rows.push(r);
     }
-    rows.sort_by_key(|r| r.loc);
-    let built = index_file::build(&rows, true)?;
-    let hot = built.hot_rows(&rows);
+    let written = if base_index.is_none() && undescribed.is_empty() {
+        // The first shards: built from their decoded rows, no second copy.
+        new_rows.sort_by_key(|r| r.loc);
+        write_built(shards_dir, &keys, &new_rows, faults)
+    } else {
+        let mut rows = match base_index {
+            Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
+            None => Vec::new(),
+        };
+        rows.extend(undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from));
+        rows.sort_by_key(|r| r.loc);
+        write_built(shards_dir, &keys, &rows, faults)
+    };
+    drop(new_rows);
+    drop(undescribed);
+    written?;
+    ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == keys)
+}
+
+/// Build and write the shard index file of `rows`, sorted by log position.
+fn write_built<R: crate::index::frozen::AsRow>(
+    shards_dir: &Path,
+    keys: &[crate::shard::index_file::ShardKey],
+    rows: &[R],
+    faults: &crate::storage::fault::Faults,
+) -> Option<()> {
+    use crate::shard::index_file;
+    let built = index_file::build(rows, true)?;
+    let hot = built.hot_rows(rows);
     let contents = index_file::Contents {
         frozen: built.frozen.tables(),
         placements: &built.placements,
@@ -257,15 +277,9 @@ fn write_index_file(
         trace_hashes: &built.trace_hashes,
         session_hashes: &built.session_hashes,
     };
-    index_file::write(shards_dir, &keys, &contents, faults).ok()?;
-    drop(hot);
-    drop(built);
-    drop(rows);
-    drop(new_rows);
-    drop(undescribed);
-    ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == keys)
+    index_file::write(shards_dir, keys, &contents, faults).ok()?;
+    Some(())
 }
-
 /// What a trace id's call counts for in [`Prepared::in_segments`].
 fn in_segments_of(meta: Option<&Arc<CallMeta>>, shards: &ShardSet) -> Option<Arc<str>> {
     meta.filter(|m| !shards.is_compacted(m.loc)).and_then(|m| m.sessions.first().cloned())

@@ -330,14 +330,12 @@ fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result
     // frozen layer; the log's records thaw what they name as the replay
     // meets them (index/frozen.rs).
     let rows = shard_rows(&files)?;
-    let refs: Vec<RowRef<'_>> = rows.iter().map(RowRef::from).collect();
-    let Some(built) = index_file::build(&refs, writable) else {
+    let Some(built) = index_file::build(&rows, writable) else {
         // Past the frozen layer's 32-bit row numbers: every row in the maps.
         let shards = crate::shard::set::ShardSet::new(files, rows.iter().map(|r| (r.loc, r.pos)));
         let hashes = |f: &dyn Fn(&ShardRow) -> Vec<u64>| RowCounts::from_hashes(rows.iter().flat_map(f).collect());
         let shard_traces = hashes(&|r| vec![RowCounts::hash(&r.trace_id)]);
         let shard_sessions = hashes(&|r| r.sessions.iter().map(|s| RowCounts::hash(s)).collect());
-        drop(refs);
         let feed = RowFeed { rows: rows.into_iter().map(|r| (r, None)).collect(), ..RowFeed::default() };
         return Ok(Shards { shards, index: Index::default(), feed, shard_traces, shard_sessions, to_write: None });
     };
@@ -346,7 +344,6 @@ fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result
     // ([`IndexToWrite`]): the rows not frozen are kept for it.
     let to_write = writable
         .then(|| IndexToWrite { keys, hot: hot.iter().filter_map(|i| rows.get(*i as usize).cloned()).collect() });
-    drop(refs);
     let shards = crate::shard::set::ShardSet::from_placements(files, placements);
     let sessions: Vec<Option<u32>> =
         frozen_row.iter().map(|r| r.and_then(|r| frozen.rows().get(r as usize)).map(|r| r.session)).collect();
