@@ -364,12 +364,6 @@ fn check_index_file(
     let refs: Vec<crate::index::frozen::RowRef<'_>> = rows.iter().map(Into::into).collect();
     let built = index_file::build(&refs, true)?;
     let hot = built.hot_rows(&refs);
-    let contents = index_file::Contents {
-        frozen: built.frozen.tables(),
-        placements: &built.placements,
-        hot: &hot,
-        trace_hashes: &built.trace_hashes,
-        session_hashes: &built.session_hashes,
-    };
+    let contents = built.contents(&hot);
     ix.check_against(ix.shards(), &contents).err().map(problem)
 }

@@ -176,6 +176,12 @@ pub(crate) struct Frozen {
     /// Per session, the session reward the open's replay left it with
     /// (likewise).
     rewards: Vec<Option<f64>>,
+    /// Where the sessions of each top-`bits` hash prefix start in
+    /// `sessions` (2^bits + 1 entries, bits ≈ log2(sessions) − 2): a name
+    /// lookup reads one bucket of ~4 entries instead of a binary search's
+    /// ~20 cache misses (an open replays a seal and a reward per session).
+    directory: Vec<u32>,
+    directory_bits: u32,
 }
 
 /// The four tables of a frozen layer, for the shard index file to write.
@@ -210,7 +216,41 @@ impl Frozen {
         by_trace: Table<TraceEntry>,
     ) -> Frozen {
         let n = sessions.len();
-        Frozen { text, rows, sessions, by_trace, sealed: vec![false; n], rewards: vec![None; n] }
+        let f = Frozen {
+            text,
+            rows,
+            sessions,
+            by_trace,
+            sealed: vec![false; n],
+            rewards: vec![None; n],
+            directory: Vec::new(),
+            directory_bits: 0,
+        };
+        f.with_directory()
+    }
+
+    /// The bucket of a hash in the directory.
+    fn bucket(&self, hash: u64) -> usize {
+        hash.checked_shr(64 - self.directory_bits).unwrap_or(0) as usize
+    }
+
+    /// This layer with its session directory built (O(sessions)).
+    fn with_directory(mut self) -> Frozen {
+        let n = self.sessions.len();
+        let bits = if n < 8 { 0 } else { (usize::BITS - n.leading_zeros()).saturating_sub(3).min(24) };
+        self.directory_bits = bits;
+        let mut directory = Vec::with_capacity((1usize << bits) + 1);
+        for (i, s) in self.sessions.iter().enumerate() {
+            let b = self.bucket(s.hash);
+            while directory.len() <= b {
+                directory.push(i as u32);
+            }
+        }
+        while directory.len() <= 1usize << bits {
+            directory.push(n as u32);
+        }
+        self.directory = directory;
+        self
     }
 
     /// Its tables, to write.
@@ -249,8 +289,11 @@ impl Frozen {
     /// The frozen session named `name`.
     pub fn session(&self, name: &str) -> Option<u32> {
         let h = id_hash(name);
-        let at = self.sessions.partition_point(|s| s.hash < h);
-        let same = self.sessions.get(at..)?.iter().take_while(|s| s.hash == h);
+        let b = self.bucket(h);
+        let (lo, hi) = (*self.directory.get(b)? as usize, *self.directory.get(b + 1)? as usize);
+        let bucket = self.sessions.get(lo..hi)?;
+        let at = lo + bucket.partition_point(|s| s.hash < h);
+        let same = self.sessions.get(at..hi)?.iter().take_while(|s| s.hash == h);
         for (i, s) in same.enumerate() {
             if self.bytes_at(s.name, s.name_len) == name.as_bytes() {
                 return Some((at + i) as u32);
@@ -397,8 +440,10 @@ impl Frozen {
             by_trace: by_trace.into(),
             sealed: vec![false; n],
             rewards: vec![None; n],
+            directory: Vec::new(),
+            directory_bits: 0,
         };
-        Some((f, frozen_row_of_input))
+        Some((f.with_directory(), frozen_row_of_input))
     }
 
     /// Bytes of heap this layer holds.
@@ -409,6 +454,7 @@ impl Frozen {
             + self.by_trace.heap_bytes()
             + self.sealed.capacity()
             + self.rewards.capacity() * std::mem::size_of::<Option<f64>>()
+            + self.directory.capacity() * 4
     }
 }
 
@@ -452,4 +498,46 @@ pub(crate) fn cold_rows<R: AsRow>(rows: &[R]) -> Vec<bool> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every session and trace id is found through the session directory,
+    /// whatever the layer's size (the directory's bucket count follows it).
+    #[test]
+    fn every_session_and_trace_is_found_at_any_size() {
+        for sessions in [0usize, 1, 7, 8, 9, 100, 5000] {
+            let names: Vec<String> = (0..sessions).map(|s| format!("task-{s}:0")).collect();
+            let ids: Vec<String> = (0..sessions * 2).map(|i| format!("t{i}")).collect();
+            let lists: Vec<Vec<Arc<str>>> = names.iter().map(|n| vec![Arc::from(n.as_str())]).collect();
+            let rows: Vec<RowRef<'_>> = (0..sessions * 2)
+                .map(|i| RowRef {
+                    loc: Loc { segment: 1, offset: i as u64 * 8 },
+                    timestamp: i as f64,
+                    pos: ShardPos { shard: 0, row_group: 0, row: i as u32 },
+                    trace_id: &ids[i],
+                    sessions: RowSessions::List(&lists[i / 2]),
+                })
+                .collect();
+            let cold = cold_rows(&rows);
+            assert!(cold.iter().all(|c| *c));
+            let (f, frozen_row) = Frozen::build(&rows, &cold).unwrap();
+            assert_eq!(f.session_count() as usize, sessions);
+            for (s, name) in names.iter().enumerate() {
+                let i = f.session(name).unwrap_or_else(|| panic!("{name} of {sessions}"));
+                assert_eq!(f.session_name(i), name);
+                let got: Vec<&str> = f.session_rows(i).iter().map(|r| f.trace_id(r)).collect();
+                assert_eq!(got, [ids[2 * s].as_str(), ids[2 * s + 1].as_str()]);
+            }
+            for (i, id) in ids.iter().enumerate() {
+                let r = f.trace(id).unwrap();
+                assert_eq!(r.loc().offset, i as u64 * 8);
+                assert_eq!(frozen_row[i].and_then(|k| f.rows().get(k as usize)).map(|r| r.loc()), Some(r.loc()));
+            }
+            assert_eq!(f.session("task-x:0"), None);
+            assert!(f.trace("t-none").is_none());
+        }
+    }
 }

@@ -391,10 +391,14 @@ impl Index {
     /// frozen session's seal is a flag of the layer: at a million sessions,
     /// a map entry each cost ~0.2 KB and a fifth of the open.
     pub fn seal(&mut self, session: &str) {
-        if self.is_sealed(session) {
+        if self.sessions.get(session).is_some_and(|e| e.sealed) {
             return;
         }
+        // One lookup in the layer (an open replays a seal per session).
         if let Some(i) = self.frozen_session(session) {
+            if self.frozen.is_sealed(i) {
+                return;
+            }
             if let Some(frozen) = Arc::get_mut(&mut self.frozen) {
                 frozen.seal(i);
                 return;
@@ -408,14 +412,20 @@ impl Index {
     /// While an open builds the index, a frozen session's reward is a value
     /// of the frozen layer, as its seal ([`Index::seal`]).
     pub fn set_session_reward(&mut self, session: &str, value: f64) {
-        if self.session_reward(session).is_some_and(|r| r.to_bits() == value.to_bits()) {
-            return;
-        }
-        if self.sessions.get(session).is_none_or(|e| e.reward.is_none()) {
-            if let Some(i) = self.frozen_session(session) {
-                if let Some(frozen) = Arc::get_mut(&mut self.frozen) {
-                    frozen.set_reward(i, value);
-                    return;
+        let same = |r: Option<f64>| r.is_some_and(|r| r.to_bits() == value.to_bits());
+        match self.sessions.get(session).and_then(|e| e.reward) {
+            Some(r) if same(Some(r)) => return,
+            Some(_) => {}
+            // One lookup in the layer (an open replays a reward per session).
+            None => {
+                if let Some(i) = self.frozen_session(session) {
+                    if same(self.frozen.reward(i)) {
+                        return;
+                    }
+                    if let Some(frozen) = Arc::get_mut(&mut self.frozen) {
+                        frozen.set_reward(i, value);
+                        return;
+                    }
                 }
             }
         }

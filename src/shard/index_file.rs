@@ -163,6 +163,18 @@ pub(crate) struct Contents<'a> {
 }
 
 impl Built {
+    /// What the file holds: this, with `hot`, the rows not frozen
+    /// ([`Built::hot_rows`]).
+    pub(crate) fn contents<'a>(&'a self, hot: &'a [RowRef<'a>]) -> Contents<'a> {
+        Contents {
+            frozen: self.frozen.tables(),
+            placements: &self.placements,
+            hot,
+            trace_hashes: &self.trace_hashes,
+            session_hashes: &self.session_hashes,
+        }
+    }
+
     /// The hot rows of `rows` (the rows this was built from).
     pub(crate) fn hot_rows<'a, R: AsRow>(&self, rows: &'a [R]) -> Vec<RowRef<'a>> {
         self.hot.iter().filter_map(|i| rows.get(*i as usize).map(AsRow::row)).collect()

@@ -270,13 +270,7 @@ fn write_built<R: crate::index::frozen::AsRow>(
     use crate::shard::index_file;
     let built = index_file::build(rows, true)?;
     let hot = built.hot_rows(rows);
-    let contents = index_file::Contents {
-        frozen: built.frozen.tables(),
-        placements: &built.placements,
-        hot: &hot,
-        trace_hashes: &built.trace_hashes,
-        session_hashes: &built.session_hashes,
-    };
+    let contents = built.contents(&hot);
     index_file::write(shards_dir, keys, &contents, faults).ok()?;
     Some(())
 }

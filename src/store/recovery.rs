@@ -301,10 +301,11 @@ struct Shards {
     to_write: Option<IndexToWrite>,
 }
 
-/// The shards of an open: from the shard index file when it describes
-/// exactly `files` (format-spec/shard-index.md), else from their index
-/// columns, decoded and sorted; a writable open then writes the file, for
-/// the next open (best effort: without it an open only takes longer).
+/// The shards of an open: from the shard index file when it describes the
+/// first of `files` (format-spec/shard-index.md; the others' rows are
+/// decoded), else from every file's index columns, decoded and sorted; a
+/// writable open then writes the file once it succeeded, for the next open
+/// (best effort: without it an open only takes longer).
 fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result<Shards> {
     use crate::shard::index_file::{self, ShardIndex, ShardKey};
     let shards_dir = dir.join(SHARDS_DIR);
