@@ -198,7 +198,7 @@ impl ShardSet {
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
         let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
-        if emptied.is_empty() {
+        if obsolete.is_empty() {
             let extra = sorted(self.extra.iter().copied().chain(new).collect());
             let set = ShardSet {
                 files,
@@ -278,6 +278,23 @@ mod tests {
         assert_eq!(next.position(loc(3, 8)), Some(pos(1, 0)));
         // The old set is unchanged (a snapshot may still read it).
         assert_eq!(set.position(loc(2, 8)), Some(pos(0, 1)));
+    }
+
+    #[test]
+    fn a_publication_without_obsolete_files_adds_its_rows_beside_the_base() {
+        let set = ShardSet::new(Vec::new(), [(loc(1, 8), pos(0, 0)), (loc(2, 8), pos(0, 1))]);
+        let (next, _) = set.published(&[], Vec::new(), [(loc(3, 8), pos(1, 0)), (loc(1, 16), pos(1, 1))]);
+        assert!(Arc::ptr_eq(&set.base, &next.base), "the base table is shared, not copied");
+        assert_eq!((next.base.len(), next.undescribed_rows()), (2, 2));
+        for (l, p) in [(loc(1, 8), pos(0, 0)), (loc(2, 8), pos(0, 1)), (loc(3, 8), pos(1, 0)), (loc(1, 16), pos(1, 1))] {
+            assert_eq!(next.position(l), Some(p));
+        }
+        // A collection of shard 0 then makes one table of what is left.
+        let (last, _) = next.published(&[0], Vec::new(), [(loc(1, 8), pos(2, 0))]);
+        assert_eq!((last.base.len(), last.undescribed_rows()), (3, 0));
+        assert_eq!(last.position(loc(1, 8)), Some(pos(2, 0)));
+        assert_eq!(last.position(loc(2, 8)), None);
+        assert_eq!(last.position(loc(1, 16)), Some(pos(1, 1)));
     }
 
     #[test]
