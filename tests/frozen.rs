@@ -313,3 +313,43 @@ fn a_thaw_at_the_open_applies_the_later_rows_in_log_order() {
     assert_same(&snap.get("t0-1").unwrap().unwrap(), &r);
     assert_eq!(snap.index_layers().frozen_calls, 0, "s0 thawed at the open");
 }
+
+/// A merge of the small generations compacted since the shard index file
+/// was written leaves the file as it is (it describes none of them); the
+/// store reads the same, with and without it.
+#[test]
+fn a_merge_of_files_the_index_file_does_not_describe_keeps_it() {
+    let dir = tempdir();
+    let all = chained_calls(40, 6);
+    let trace_ids: Vec<String> = all.iter().map(|c| c.trace_id.clone()).collect();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    let opts = CompactOptions::default().merge_fanout(Some(2));
+    for c in &all[..36 * 6] {
+        store.append(c.clone()).unwrap();
+    }
+    for s in 0..36 {
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    store.compact(&opts).unwrap();
+    let index = dir.path().join("shards").join("index.tsi");
+    let first = std::fs::read(&index).unwrap();
+    for s in 36..39 {
+        for c in &all[s * 6..s * 6 + 6] {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&format!("s{s}")).unwrap();
+        store.compact(&opts).unwrap();
+        assert!(std::fs::read(&index).unwrap() == first, "kept after the compaction of s{s}");
+        let report = trajlog::verify::verify_dir(dir.path()).unwrap();
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+    }
+    // The third small compaction merged the two before it with its own.
+    let rows: Vec<u64> = generation_rows(dir.path()).into_values().collect();
+    assert_eq!(rows, [216, 18], "{:?}", generation_rows(dir.path()));
+    assert_all(&store, &all[..39 * 6]);
+    let want = fingerprint(&store.snapshot(), &trace_ids);
+    store.close().unwrap();
+    let store = reopen_matches(dir.path(), &want, &trace_ids);
+    assert_eq!(store.snapshot().index_layers().index_file_bytes, first.len() as u64);
+    assert_all(&store, &all[..39 * 6]);
+}

@@ -180,9 +180,10 @@ impl ShardSet {
     /// This set after a publication: the slots `obsolete` emptied (their
     /// rows dropped) and `added` appended, with their rows. The files are
     /// given back emptied, for the caller to pin while snapshots read them.
-    /// Without obsolete files the base table (and the shard index file
-    /// describing it) is kept and the new rows join `extra`; else every
-    /// row is copied into one table, described by no file.
+    /// When no obsolete file has rows in the base table, the base table
+    /// (and the shard index file describing it) is kept and the new rows
+    /// join `extra`; else every row is copied into one table, described by
+    /// no file.
     pub fn published(
         &self,
         obsolete: &[u32],
@@ -198,8 +199,14 @@ impl ShardSet {
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
         let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
-        if obsolete.is_empty() {
-            let extra = sorted(self.extra.iter().copied().chain(new).collect());
+        // The base table stays when no obsolete file has rows in it (a merge
+        // of files added since the shard index file was written).
+        let described = self.described_slots();
+        let base_kept = obsolete.is_empty() || (self.index.is_some() && !obsolete.iter().any(|s| described.contains(s)));
+        if base_kept {
+            let gone: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
+            let kept = self.extra.iter().filter(|p| !gone.contains(&p.shard)).copied();
+            let extra = sorted(kept.chain(new).collect());
             let set = ShardSet {
                 files,
                 base: self.base.clone(),

@@ -155,26 +155,24 @@ fn prepare(
         }
     }
     drop(rows);
-    // The file is written anew for the first shards, when a collection took
-    // files it describes away, or when the files it does not describe hold
+    let mut shard_traces = base.shard_traces.changed(gone_traces, new_traces);
+    let mut shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
+    let (mut shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
+    // The file is written anew for the first shards, when a collection
+    // takes away files it describes (the shard set is one table again then,
+    // `ShardSet::published`), or when the files it does not describe hold
     // more than 1/INDEX_REWRITE_DIVISOR of its rows: each row is rewritten
-    // O(1) times on average, and an open decodes that fraction at most.
+    // O(1) times on average, and an open decodes that fraction at most. A
+    // merge of files added since (the usual small merge) leaves it.
     let write_index = match &base_index {
         _ if base.view.shards.files().next().is_none() => true,
         None => false,
         Some(ix) => {
-            let undescribed = base.view.shards.undescribed_rows() + placements.len();
-            let described: std::collections::HashSet<u32> = base.view.shards.described_slots().into_iter().collect();
-            obsolete.shard_ids.iter().any(|s| described.contains(s))
-                || undescribed.saturating_mul(crate::limits::INDEX_REWRITE_DIVISOR) > ix.placements().len()
+            shards.index_file().is_none()
+                || shards.undescribed_rows().saturating_mul(crate::limits::INDEX_REWRITE_DIVISOR)
+                    > ix.placements().len()
         }
     };
-    if !write_index {
-        new_rows = Vec::new();
-    }
-    let mut shard_traces = base.shard_traces.changed(gone_traces, new_traces);
-    let mut shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
-    let (mut shards, emptied) = base.view.shards.published(&obsolete.shard_ids, files, placements);
     if write_index {
         // Best effort: without the file the next open decodes the shards.
         if let Some(ix) =
@@ -184,6 +182,8 @@ fn prepare(
             shard_sessions = RowCounts::from_sorted(ix.session_hashes());
             shards = shards.with_index(Arc::new(ix));
         }
+    } else {
+        drop(new_rows);
     }
     // The frozen layer's calls are all compacted: none is in segments.
     let base_traces = base.view.index.hot_calls().clone();
