@@ -353,3 +353,28 @@ fn a_merge_of_files_the_index_file_does_not_describe_keeps_it() {
     assert_eq!(store.snapshot().index_layers().index_file_bytes, first.len() as u64);
     assert_all(&store, &all[..39 * 6]);
 }
+
+/// A session sealed and compacted is frozen at the next open and still
+/// refuses appends (the append path asks the open's index, not a copied
+/// set of names); a deletion then a new seal are seen in order.
+#[test]
+fn a_frozen_sealed_session_refuses_appends_until_deleted() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.snapshot().index_layers().frozen_calls, 48, "s0..s7 frozen");
+    let mut c = all[0].clone();
+    c.trace_id = "new-0".into();
+    let err = store.append(c.clone()).err().expect("s0 is sealed");
+    assert!(err.to_string().contains("sealed"), "{err}");
+    // s3 is frozen too, but not sealed.
+    let mut d = all[18].clone();
+    d.trace_id = "new-1".into();
+    store.append(d).unwrap();
+    assert_eq!(store.delete_session("s0").unwrap(), 6);
+    store.append(c.clone()).unwrap();
+    store.seal_session("s0").unwrap();
+    c.trace_id = "new-2".into();
+    assert!(store.append(c).is_err(), "sealed again");
+    store.close().unwrap();
+}

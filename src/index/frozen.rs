@@ -326,11 +326,6 @@ impl Frozen {
         }
     }
 
-    /// Every sealed frozen session.
-    pub fn sealed_sessions(&self) -> impl Iterator<Item = u32> + '_ {
-        self.sealed.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i as u32)
-    }
-
     /// The index of a frozen session's first row.
     pub fn first_row(&self, session: u32) -> Option<u32> {
         self.sessions.get(session as usize).map(|s| s.first_row)

@@ -579,13 +579,6 @@ impl Index {
             || self.frozen_session(session).is_some_and(|i| self.frozen.is_sealed(i))
     }
 
-    /// Every sealed session: the maps' (an entry each), then the frozen
-    /// layer's (a flag each).
-    pub fn sealed_sessions(&self) -> impl Iterator<Item = &str> + '_ {
-        let frozen = self.frozen.sealed_sessions().filter(|i| self.is_frozen(*i)).map(|i| self.frozen.session_name(i));
-        self.sessions.iter().filter(|(_, e)| e.sealed).map(|(k, _)| &**k).chain(frozen)
-    }
-
     /// A reward set in the maps (after the open) wins over the frozen
     /// layer's (replayed at the open).
     pub fn session_reward(&self, session: &str) -> Option<f64> {

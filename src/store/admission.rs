@@ -13,7 +13,8 @@ pub(super) type InFlightCall = (u64, Arc<[Arc<str>]>);
 pub(super) struct SendState {
     pub(super) next_seq: u64,
     /// Sealed sessions: appends to them are refused at the boundary.
-    pub(super) sealed: HashSet<String>,
+    /// Which sessions are sealed, in sequence order (see [`Sealed`]).
+    pub(super) sealed: Sealed,
     /// Appends not yet durable (so not yet in the published view), by trace id:
     /// their sequence number and sessions. Checked with the view for the trace
     /// id rule; pruned once durable.
@@ -94,8 +95,44 @@ impl ChatCache {
     }
 }
 
+/// Which sessions are sealed, as appends in sequence order see them: the
+/// seals of the open (its index: the frozen layer's flags and the maps'
+/// entries, shared with the index, not copied) and the seals and deletions
+/// appended since. Before, a set of every sealed session's name was built
+/// at each writable open (~90 MB and a string per session at 1.25M sealed
+/// sessions).
+#[derive(Default)]
+pub(super) struct Sealed {
+    at_open: crate::index::Index,
+    /// Session → sealed, for the seals and deletions appended since.
+    since: std::collections::HashMap<String, bool>,
+}
+
+impl Sealed {
+    pub(super) fn new(at_open: crate::index::Index) -> Self {
+        Sealed { at_open, since: std::collections::HashMap::new() }
+    }
+
+    pub(super) fn contains(&self, session: &str) -> bool {
+        match self.since.get(session) {
+            Some(sealed) => *sealed,
+            None => self.at_open.is_sealed(session),
+        }
+    }
+
+    /// A seal appended.
+    pub(super) fn insert(&mut self, session: String) {
+        self.since.insert(session, true);
+    }
+
+    /// A deletion appended.
+    pub(super) fn remove(&mut self, session: &str) {
+        self.since.insert(session.to_owned(), false);
+    }
+}
+
 impl SendState {
-    pub(super) fn new(sealed: HashSet<String>, chat_bytes: u64) -> Self {
+    pub(super) fn new(sealed: Sealed, chat_bytes: u64) -> Self {
         Self {
             next_seq: 0,
             sealed,
@@ -126,7 +163,7 @@ impl SendState {
 /// The trace id rule (format-spec/record.md §6): trace ids are unique per store.
 /// Re-appending a live trace id replaces that call only within the same session
 /// (`session_id`), and never takes it out of a sealed session.
-pub(super) fn check_trace_id(call: &Call, current: &[Arc<str>], sealed: &HashSet<String>) -> Result<()> {
+pub(super) fn check_trace_id(call: &Call, current: &[Arc<str>], sealed: &Sealed) -> Result<()> {
     let Some(primary) = current.first() else { return Ok(()) };
     if **primary != *call.session_id {
         return Err(Error::invalid(
@@ -138,7 +175,7 @@ pub(super) fn check_trace_id(call: &Call, current: &[Arc<str>], sealed: &HashSet
         ));
     }
     for s in current.iter().skip(1) {
-        if sealed.contains(&**s) && !call.session_uids.iter().any(|u| u == &**s) {
+        if sealed.contains(s) && !call.session_uids.iter().any(|u| u == &**s) {
             return Err(Error::invalid(
                 "session_uids",
                 format!(

@@ -176,7 +176,7 @@ impl Store {
         if let Some(w) = loaded.index_to_write.take() {
             w.write(&dir, &mut loaded, &options.faults);
         }
-        let sealed: HashSet<String> = loaded.index.sealed_sessions().map(str::to_owned).collect();
+        let sealed = admission::Sealed::new(loaded.index.clone());
         let mut segments = loaded.segments.clone();
         segments
             .insert(active.id, SegmentRef::new(active.id, active.path.clone(), active.map.clone(), active.len, false));
@@ -248,7 +248,7 @@ impl Store {
             options: Options::default().recovery(recovery),
             tx: None,
             queue: Arc::new(Queue::new(1, 1)),
-            send: Mutex::new(SendState::new(HashSet::new(), 0)),
+            send: Mutex::new(SendState::new(admission::Sealed::default(), 0)),
             durable: Mutex::new(Durable { seq: 0, poisoned: None, closed: true }),
             durable_cv: Condvar::new(),
             durable_seq: AtomicU64::new(0),
