@@ -254,6 +254,18 @@ pub(crate) fn write(shards_dir: &Path, shards: &[ShardKey], c: &Contents<'_>, fa
     Ok(len)
 }
 
+/// [`write`] the file, then open it back: `None` unless it now describes
+/// exactly `shards` (best effort: the caller does without it).
+pub(crate) fn write_and_open(
+    shards_dir: &Path,
+    shards: &[ShardKey],
+    c: &Contents<'_>,
+    faults: &Faults,
+) -> Option<ShardIndex> {
+    write(shards_dir, shards, c, faults).ok()?;
+    ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == shards)
+}
+
 /// A section's place in the file.
 #[derive(Debug, Clone, Copy, Default)]
 struct Section {

@@ -131,6 +131,11 @@ impl RowCounts {
         RowCounts { base: Arc::new(hashes), extra: Arc::default() }
     }
 
+    /// The rows per trace id and per session a shard index file stores.
+    pub(crate) fn of_index(ix: &crate::shard::index_file::ShardIndex) -> (RowCounts, RowCounts) {
+        (Self::from_sorted(ix.trace_hashes()), Self::from_sorted(ix.session_hashes()))
+    }
+
     /// These counts with `hashes` (any order) counted too, in `extra`.
     pub(crate) fn with(&self, mut hashes: Vec<u64>) -> RowCounts {
         hashes.sort_unstable();

@@ -178,8 +178,7 @@ fn prepare(
         if let Some(ix) =
             write_index_file(&shards_dir, &base.view.shards, base_index.as_deref(), obsolete, &shards, new_rows, faults)
         {
-            shard_traces = RowCounts::from_sorted(ix.trace_hashes());
-            shard_sessions = RowCounts::from_sorted(ix.session_hashes());
+            (shard_traces, shard_sessions) = RowCounts::of_index(&ix);
             shards = shards.with_index(Arc::new(ix));
         }
     } else {
@@ -223,7 +222,7 @@ fn write_index_file(
     mut new_rows: Vec<ShardRow>,
     faults: &crate::storage::fault::Faults,
 ) -> Option<crate::shard::index_file::ShardIndex> {
-    use crate::shard::index_file::{ShardIndex, ShardKey};
+    use crate::shard::index_file::ShardKey;
     // The file numbers the files present in order: a slot's number is its
     // place among the present slots of the published set.
     let present: Vec<u32> = published.present_slots().collect();
@@ -241,39 +240,34 @@ fn write_index_file(
     for r in undescribed.iter_mut().chain(new_rows.iter_mut()) {
         r.pos.shard = number(r.pos.shard)?;
     }
-    let written = if base_index.is_none() && undescribed.is_empty() {
+    if base_index.is_none() && undescribed.is_empty() {
         // The first shards: built from their decoded rows, no second copy.
         new_rows.sort_by_key(|r| r.loc);
-        write_built(shards_dir, &keys, &new_rows, faults)
-    } else {
-        let mut rows = match base_index {
-            Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
-            None => Vec::new(),
-        };
-        rows.extend(undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from));
-        rows.sort_by_key(|r| r.loc);
-        write_built(shards_dir, &keys, &rows, faults)
+        return write_built(shards_dir, &keys, &new_rows, faults);
+    }
+    let mut rows = match base_index {
+        Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
+        None => Vec::new(),
     };
-    drop(new_rows);
-    drop(undescribed);
-    written?;
-    ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == keys)
+    rows.extend(undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from));
+    rows.sort_by_key(|r| r.loc);
+    write_built(shards_dir, &keys, &rows, faults)
 }
 
-/// Build and write the shard index file of `rows`, sorted by log position.
+/// Build and write the shard index file of `rows`, sorted by log position,
+/// and open it back.
 fn write_built<R: crate::index::frozen::AsRow>(
     shards_dir: &Path,
     keys: &[crate::shard::index_file::ShardKey],
     rows: &[R],
     faults: &crate::storage::fault::Faults,
-) -> Option<()> {
+) -> Option<crate::shard::index_file::ShardIndex> {
     use crate::shard::index_file;
     let built = index_file::build(rows, true)?;
     let hot = built.hot_rows(rows);
-    let contents = built.contents(&hot);
-    index_file::write(shards_dir, keys, &contents, faults).ok()?;
-    Some(())
+    index_file::write_and_open(shards_dir, keys, &built.contents(&hot), faults)
 }
+
 /// What a trace id's call counts for in [`Prepared::in_segments`].
 fn in_segments_of(meta: Option<&Arc<CallMeta>>, shards: &ShardSet) -> Option<Arc<str>> {
     meta.filter(|m| !shards.is_compacted(m.loc)).and_then(|m| m.sessions.first().cloned())

@@ -373,7 +373,7 @@ impl IndexToWrite {
     /// and row counts then read the file (best effort: on failure the next
     /// open decodes the shards again).
     pub(super) fn write(self, dir: &Path, loaded: &mut Loaded, faults: &Faults) {
-        use crate::shard::index_file::{self, ShardIndex};
+        use crate::shard::index_file;
         let shards_dir = dir.join(SHARDS_DIR);
         let hot: Vec<RowRef<'_>> = self.hot.iter().map(RowRef::from).collect();
         let contents = index_file::Contents {
@@ -383,15 +383,9 @@ impl IndexToWrite {
             trace_hashes: loaded.shard_traces.base(),
             session_hashes: loaded.shard_sessions.base(),
         };
-        if index_file::write(&shards_dir, &self.keys, &contents, faults).is_err() {
-            return;
-        }
-        if let Ok(Some(ix)) = ShardIndex::open(&shards_dir) {
-            if ix.shards() == self.keys {
-                loaded.shard_traces = RowCounts::from_sorted(ix.trace_hashes());
-                loaded.shard_sessions = RowCounts::from_sorted(ix.session_hashes());
-                loaded.shards = loaded.shards.with_index(Arc::new(ix));
-            }
+        if let Some(ix) = index_file::write_and_open(&shards_dir, &self.keys, &contents, faults) {
+            (loaded.shard_traces, loaded.shard_sessions) = RowCounts::of_index(&ix);
+            loaded.shards = loaded.shards.with_index(Arc::new(ix));
         }
     }
 }
@@ -410,10 +404,10 @@ fn from_index_file(
     let later = shard_rows(files.get(ix.shards().len()..).unwrap_or_default())?;
     let (mut shard_traces, mut shard_sessions) = (RowCounts::default(), RowCounts::default());
     if writable {
-        shard_traces = RowCounts::from_sorted(ix.trace_hashes())
-            .with(later.iter().map(|r| RowCounts::hash(&r.trace_id)).collect());
-        shard_sessions = RowCounts::from_sorted(ix.session_hashes())
-            .with(later.iter().flat_map(|r| r.sessions.iter().map(|s| RowCounts::hash(s))).collect());
+        let (traces, sessions) = RowCounts::of_index(&ix);
+        shard_traces = traces.with(later.iter().map(|r| RowCounts::hash(&r.trace_id)).collect());
+        shard_sessions =
+            sessions.with(later.iter().flat_map(|r| r.sessions.iter().map(|s| RowCounts::hash(s))).collect());
     }
     let shards = crate::shard::set::ShardSet::from_index(files, ix.clone(), later.iter().map(|r| (r.loc, r.pos)));
     let mut rows: Vec<ShardRow> = ix.hot_rows().to_vec();
