@@ -164,18 +164,39 @@ impl Writer {
         if retire.is_empty() {
             return Ok(retire);
         }
-        // Carry current rewards and seals forward (deduplicated by target).
+        // Carry current rewards and seals forward (deduplicated by target),
+        // in the order of their targets' id hashes: the order of the frozen
+        // layer's tables (index/frozen.rs), so that an open replaying them
+        // looks its sessions and trace ids up in one sequential pass rather
+        // than at random (10M calls in 1.25M sessions: ~0.7 s of an open's
+        // ~1.3 s went to those lookups' cache misses). Annotations of
+        // distinct targets commute, so the order changes no replay.
         let mut seen: HashSet<(u8, &str)> = HashSet::new();
-        let mut carried_count = 0;
-        for ann in &annotations {
+        let mut order: Vec<(u64, u8, usize)> = Vec::new();
+        for (i, ann) in annotations.iter().enumerate() {
             let target = match ann {
                 Annotation::Reward { target: Target::Trace(t), .. } => (0, t.as_str()),
                 Annotation::Reward { target: Target::Session(s), .. } => (1, s.as_str()),
                 Annotation::Seal { session_id } => (2, session_id.as_str()),
                 Annotation::DeleteSession { .. } => continue,
             };
-            let carried = if seen.insert(target) { self.current(ann) } else { None };
-            if let Some(a) = carried {
+            if seen.insert(target) {
+                order.push((crate::index::frozen::id_hash(target.1), target.0, i));
+            }
+        }
+        drop(seen);
+        order.sort_unstable();
+        if !order.is_empty() {
+            // The carried annotations go into segments of their own (sealed
+            // below): in the active segment, behind calls, an open would
+            // read them into memory (a writer also keeps their footer
+            // entries: ~100 MB for a 64 MiB segment of them), and the next
+            // retirement of those calls would carry them again.
+            self.roll()?;
+        }
+        let mut carried_count = 0;
+        for ann in order.into_iter().filter_map(|(_, _, i)| annotations.get(i)) {
+            if let Some(a) = self.current(ann) {
                 self.append_annotation(&a)?;
                 carried_count += 1;
                 if self.buf.len() >= super::writer::BATCH_BYTES_MAX {
@@ -184,18 +205,18 @@ impl Writer {
                 }
             }
         }
-        drop(seen);
         drop(annotations);
         self.write_buf()?;
         self.active()?.sync()?;
         self.unsynced_since = None;
         self.last_sync = Instant::now();
-        // Carried annotations alone in the active segment (no append came
-        // in meanwhile): seal it, so that they stay apart from later calls
-        // and are not carried again when those are compacted. (A crash
-        // before the manifest write below leaves them twice; replaying a
-        // copy of a current annotation changes nothing.)
-        if carried_count > 0 && self.active()?.entries.len() == carried_count {
+        // Carried annotations alone in the active segment (it was sealed
+        // before them, and no append comes in meanwhile: the writer thread
+        // does this): seal it, so that they stay apart from later calls and
+        // are not carried again when those are compacted. (A crash before
+        // the manifest write below leaves them twice; replaying a copy of a
+        // current annotation changes nothing.)
+        if carried_count > 0 {
             self.roll()?;
         }
         self.manifest.segments.retain(|s| !retire.contains(&s.id));
