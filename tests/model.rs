@@ -1,5 +1,6 @@
 //! Model-based test: random sequences of append / replace / seal / delete /
-//! reward / roll / reopen / read against a plain in-memory model.
+//! reward / roll / reopen / read against a plain in-memory model, read by
+//! the writer and by a read-only store refreshed beside it.
 
 mod common;
 
@@ -117,6 +118,9 @@ proptest! {
     fn store_matches_model(ops in prop::collection::vec(op(), 1..60), durability in prop_oneof![Just(Durability::Buffered), Just(Durability::Group), Just(Durability::Sync)]) {
         let dir = tempdir();
         let mut store = Store::open(dir.path(), opts(durability)).unwrap();
+        // A reader beside the writer for the whole run, refreshed at each
+        // read: incremental after appends, a whole load after compactions.
+        let reader = Store::open_read_only(dir.path()).unwrap();
         let mut model = Model::default();
         for op in ops {
             match op {
@@ -212,6 +216,8 @@ proptest! {
                 Op::Read => {
                     store.flush().unwrap();
                     check(&store, &model);
+                    reader.refresh().unwrap();
+                    check(&reader, &model);
                 }
             }
         }

@@ -170,6 +170,32 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
             store.set_reward(0.5, trace_id="never")
 
 
+def test_a_read_only_store_refreshes_beside_a_writer(tmp_path):
+    path = tmp_path / "s"
+    with trajlog.Store(path) as store:
+        store.append(trace_id="a0", session_id="a", prompt_token_ids=[1, 2], completion_token_ids=[3], logprobs=[-0.5])
+        store.flush()
+        ro = trajlog.Store(path, read_only=True)
+        assert [c.trace_id for c in ro.session("a")] == ["a0"]
+        # Appends only: the refresh replays the new records.
+        store.append(trace_id="a1", session_id="a", prompt_token_ids=[1, 2, 3, 4], completion_token_ids=[5], logprobs=[-0.25], timestamp=1.0)
+        store.set_reward(2.0, session_id="a")
+        store.seal("a")
+        store.flush()
+        assert ro.get("a1") is None
+        ro.refresh()
+        call = ro.get("a1")
+        assert call.prompt_token_ids.tolist() == [1, 2, 3, 4] and bits(call.logprobs) == bits(np.array([-0.25], dtype=np.float32))
+        listed = {s["session_id"]: s for s in ro.sessions()}
+        assert listed["a"]["reward"] == 2.0 and listed["a"]["sealed"] and listed["a"]["trace_count"] == 2
+        # A compaction: the refresh loads the store again and reads the shards.
+        store.compact()
+        ro.refresh()
+        assert ro.get("a1").is_compacted
+        assert ro.get("a1").prompt_token_ids.tolist() == [1, 2, 3, 4]
+        ro.close()
+
+
 def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
     with trajlog.Store(tmp_path / "s") as store:
         store.append(trace_id="s0", session_id="straggler", prompt_token_ids=[1], completion_token_ids=[2], timestamp=0.0)

@@ -469,6 +469,10 @@ class Store:
         self._native.flush()
 
     def refresh(self) -> None:
+        """Read-only stores: see what the writer flushed since the open or the
+        last refresh. After appends only, it replays just the new records
+        (O(what was appended)); after a compaction it loads the store again.
+        A no-op on a writable store."""
         self._native.refresh()
 
     def seal(self, session_id: str) -> None:

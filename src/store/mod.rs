@@ -29,6 +29,7 @@ mod queue;
 mod receipt;
 mod recovery;
 mod recovery_report;
+mod refresh;
 mod retire;
 mod rewards;
 #[cfg(test)]
@@ -88,6 +89,9 @@ pub struct Store {
     read_only: bool,
     /// What the open (read-only: the last refresh) found and did.
     recovery: Mutex<Arc<RecoveryReport>>,
+    /// Read-only stores: the manifest the view reflects, for an incremental
+    /// [`Store::refresh`] (the lock also makes refreshes take turns).
+    read_point: Mutex<Option<Manifest>>,
     _lock: Option<crate::storage::lock::HeldLock>,
 }
 
@@ -227,7 +231,14 @@ impl Store {
             .name("trajlog-writer".into())
             .spawn(move || writer.run(rx))
             .map_err(|e| Error::io("spawn the writer thread", e))?;
-        Ok(Store { inner, writer: Some(handle), read_only: false, recovery: report, _lock: Some(lock_file) })
+        Ok(Store {
+            inner,
+            writer: Some(handle),
+            read_only: false,
+            recovery: report,
+            read_point: Mutex::new(None),
+            _lock: Some(lock_file),
+        })
     }
 
     /// Open a store read-only: no lock, no writer thread. It sees everything
@@ -242,7 +253,7 @@ impl Store {
     /// is only left out of its view, a torn tail is left out and not reported.
     pub fn open_read_only_with(dir: impl AsRef<Path>, recovery: RecoveryMode) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let (view, report) = load_read_only(&dir, recovery)?;
+        let (view, report, manifest) = load_read_only(&dir, recovery)?;
         let inner = Arc::new(Inner {
             dir,
             options: Options::default().recovery(recovery),
@@ -256,16 +267,46 @@ impl Store {
             view: Mutex::new(Arc::new(view)),
             compacting: Mutex::new(()),
         });
-        Ok(Store { inner, writer: None, read_only: true, recovery: Mutex::new(Arc::new(report)), _lock: None })
+        Ok(Store {
+            inner,
+            writer: None,
+            read_only: true,
+            recovery: Mutex::new(Arc::new(report)),
+            read_point: Mutex::new(Some(manifest)),
+            _lock: None,
+        })
     }
 
-    /// Read-only stores: reload what the writer has flushed since. Writable
+    /// Read-only stores: load what the writer has flushed since. Writable
     /// stores always see their own acknowledged writes; this is a no-op there.
+    ///
+    /// When the writer has only appended since (no compaction published,
+    /// no segment retired), this replays just the new records onto the
+    /// current index: its work is what was appended plus one read of the
+    /// active segment's written part, not the store's history. Otherwise it
+    /// loads the store again, as [`Store::open_read_only`] does.
     pub fn refresh(&self) -> Result<()> {
-        if self.read_only {
-            let (view, report) = load_read_only(&self.inner.dir, self.inner.options.recovery)?;
-            *lock(&self.inner.view) = Arc::new(view);
-            *lock(&self.recovery) = Arc::new(report);
+        if !self.read_only {
+            return Ok(());
+        }
+        let mut point = lock(&self.read_point);
+        let recovery = self.inner.options.recovery;
+        let view = lock(&self.inner.view).clone();
+        let step = match point.as_ref() {
+            Some(before) => refresh::refresh_view(&self.inner.dir, recovery, before, &view)?,
+            None => None,
+        };
+        match step {
+            Some((view, manifest)) => {
+                *lock(&self.inner.view) = Arc::new(view);
+                *point = Some(manifest);
+            }
+            None => {
+                let (view, report, manifest) = load_read_only(&self.inner.dir, recovery)?;
+                *lock(&self.inner.view) = Arc::new(view);
+                *lock(&self.recovery) = Arc::new(report);
+                *point = Some(manifest);
+            }
         }
         Ok(())
     }

@@ -659,7 +659,8 @@ pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, 
 
 /// A read-only load in `recovery` mode: nothing is written; a torn tail is
 /// left out of the view (and not reported: it may be a write in progress).
-pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View, RecoveryReport)> {
+/// Also returns the manifest the view reflects (for [`super::refresh`]).
+pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View, RecoveryReport, Manifest)> {
     // The writer may replace the manifest (and, later, retire segments) while we
     // read; retry a few times on a vanished file.
     let mut last_err = None;
@@ -691,7 +692,7 @@ pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View
                     shards: Arc::new(loaded.shards),
                     damage: Arc::new(loaded.damage),
                 };
-                return Ok((view, loaded.report));
+                return Ok((view, loaded.report, loaded.manifest));
             }
             Err(e) if e.kind() == &ErrorKind::NotFound => last_err = Some(e),
             Err(e) => return Err(e),
