@@ -22,7 +22,6 @@ use crate::storage::mmap::Mapping;
 use crate::storage::table::Table;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -294,24 +293,14 @@ fn le_u64(b: &[u8], at: usize) -> Option<u64> {
     b.get(at..at + 8)?.try_into().ok().map(u64::from_le_bytes)
 }
 
-/// The crc32 of `len` bytes at `offset` of `file`, read through the page
-/// cache rather than the mapping, so that the check leaves no pages
-/// resident in this process.
-fn crc_of(file: &File, offset: u64, len: u64) -> std::io::Result<u32> {
-    let mut h = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut done = 0u64;
-    while done < len {
-        let n = (len - done).min(buf.len() as u64) as usize;
-        let chunk = buf.get_mut(..n).unwrap_or_default();
-        file.read_exact_at(chunk, offset + done)?;
-        h.update(chunk);
-        done += n as u64;
-    }
-    Ok(h.finalize())
-}
-
 impl ShardIndex {
+    /// Give back this process's resident pages of the file (see
+    /// [`Mapping::release_pages`]): what an open touched while it replayed
+    /// the log over the frozen tables. Lookups fault pages in again.
+    pub(crate) fn release_pages(&self) {
+        self.map.release_pages();
+    }
+
     /// Open and check the file in `shards_dir`: `Ok(None)` when there is
     /// none, `Err(what)` when it is damaged or of another version (the
     /// caller then does without it).
@@ -349,7 +338,8 @@ impl ShardIndex {
             if offset % 8 != 0 || offset.checked_add(slen).is_none_or(|end| end > len) {
                 return Err(format!("section {kind} ({slen} bytes at {offset}) is misaligned or past the end"));
             }
-            if crc_of(&file, offset, slen).map_err(|e| format!("read {}: {e}", path.display()))? != crc {
+            let range = usize::try_from(offset).ok().zip(usize::try_from(slen).ok()).map(|(o, l)| o..o + l);
+            if range.and_then(|r| map.crc32_transient(r)) != Some(crc) {
                 return Err(format!("section {kind} ({slen} bytes at {offset}) fails its crc32"));
             }
             let (Ok(offset), Ok(slen), Ok(n)) = (usize::try_from(offset), usize::try_from(slen), usize::try_from(n))

@@ -63,6 +63,34 @@ impl Mapping {
         }
     }
 
+    /// [`Mapping::release_pages`] for the pages of `range` (bytes of the
+    /// mapping) only.
+    pub(crate) fn release_range(&self, range: std::ops::Range<usize>) {
+        if let Some(map) = &self.map {
+            let start = range.start - range.start % page_size();
+            let end = range.end.min(map.len());
+            if start < end {
+                // SAFETY: as in `release_pages`.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+            }
+        }
+    }
+
+    /// The crc32 of `range` of the mapping (`None` past its end), reading
+    /// it through the mapping in 64 MiB steps and giving each step's pages
+    /// back after it: no copy, and the check leaves nothing resident.
+    pub(crate) fn crc32_transient(&self, range: std::ops::Range<usize>) -> Option<u32> {
+        const STEP: usize = 64 << 20;
+        let bytes = self.bytes().get(range.clone())?;
+        let mut h = crc32fast::Hasher::new();
+        for (i, chunk) in bytes.chunks(STEP).enumerate() {
+            h.update(chunk);
+            let at = range.start + i * STEP;
+            self.release_range(at..at + chunk.len());
+        }
+        Some(h.finalize())
+    }
+
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
@@ -74,6 +102,13 @@ impl Mapping {
         let start = b.as_ptr() as usize;
         start..start + b.len()
     }
+}
+
+/// The system's page size (4096 where it cannot be asked).
+fn page_size() -> usize {
+    // SAFETY: `sysconf` reads a constant of the system; no memory is touched.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).ok().filter(|n| *n > 0).unwrap_or(4096)
 }
 
 /// Give the heap's free pages back to the system (glibc's `malloc_trim`).
