@@ -83,11 +83,29 @@ pub struct ShardSpace {
     pub live_rows: u64,
 }
 
-/// A store's bytes: per segment, per `steps` shard, and in total.
+/// The store directory's other files: derived from the shards or
+/// bookkeeping, not live data.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct OtherFiles {
+    /// `shards/trajectories/*.parquet`: one row per chain, with the chain's
+    /// tokens again, for the trainer (format-spec/shard.md §3).
+    pub trajectories_bytes: u64,
+    /// `shards/index.tsi`, the shard index file (a cache of the `steps`
+    /// shards' index columns, format-spec/shard-index.md).
+    pub index_file_bytes: u64,
+    /// Everything else: the manifest, the rewards side table, the lock,
+    /// files a crash left (staged shards, temporary files), segments
+    /// retired but not deleted yet.
+    pub other_bytes: u64,
+}
+
+/// A store's bytes: per segment, per `steps` shard, the other files, and
+/// in total.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct SpaceReport {
     pub segments: Vec<SegmentSpace>,
     pub shards: Vec<ShardSpace>,
+    pub other: OtherFiles,
 }
 
 impl SpaceReport {
@@ -99,6 +117,36 @@ impl SpaceReport {
     /// Bytes of every `steps` shard file.
     pub fn shard_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.file_bytes).sum()
+    }
+
+    /// Bytes of every file in the store directory (the active segment
+    /// counted up to its written part, as in [`SegmentSpace::file_bytes`]).
+    pub fn total_bytes(&self) -> u64 {
+        self.segment_bytes()
+            + self.shard_bytes()
+            + self.other.trajectories_bytes
+            + self.other.index_file_bytes
+            + self.other.other_bytes
+    }
+
+    /// What `trajlog space --json` and Python's `Store.space()` report:
+    /// the totals, the two ratios to the live data, the segments, shards
+    /// and other files, and the index's layers.
+    pub fn to_json(&self, index: &crate::snapshot::IndexLayers) -> serde_json::Value {
+        let (live, logged, total) = (self.live_bytes(), self.segment_bytes() + self.shard_bytes(), self.total_bytes());
+        let over_live = |bytes: u64| (live > 0).then(|| bytes as f64 / live as f64);
+        serde_json::json!({
+            "segment_bytes": self.segment_bytes(),
+            "shard_bytes": self.shard_bytes(),
+            "live_bytes": live,
+            "disk_over_live": over_live(logged),
+            "total_bytes": total,
+            "total_over_live": over_live(total),
+            "other": self.other,
+            "segments": self.segments,
+            "shards": self.shards,
+            "index": index,
+        })
     }
 
     /// The live data: frames of live calls still in segments, the live
@@ -243,5 +291,44 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
         let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         report.shards.push(ShardSpace { path, file_bytes, rows, live_rows });
     }
+    if let Some(dir) = view.segments.values().next().and_then(|s| s.path.parent().map(std::path::Path::to_path_buf)) {
+        report.other = other_files(&dir, &report);
+    }
     Ok(report)
+}
+
+/// The bytes of every file under `dir`, recursively, except the segments
+/// and `steps` shards `report` counts; a file that cannot be read as it
+/// is listed (one removed meanwhile) counts 0.
+fn other_files(dir: &std::path::Path, report: &SpaceReport) -> OtherFiles {
+    let counted: std::collections::HashSet<&std::path::Path> = report
+        .segments
+        .iter()
+        .map(|s| s.path.as_path())
+        .chain(report.shards.iter().map(|s| s.path.as_path()))
+        .collect();
+    let shards = dir.join(crate::storage::SHARDS_DIR);
+    let index_file = shards.join(crate::shard::index_file::INDEX_FILE_NAME);
+    let trajectories = shards.join("trajectories");
+    let mut other = OtherFiles::default();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let path = e.path();
+            let Ok(meta) = e.metadata() else { continue };
+            if meta.is_dir() {
+                stack.push(path);
+            } else if !counted.contains(path.as_path()) {
+                if path == index_file {
+                    other.index_file_bytes += meta.len();
+                } else if path.starts_with(&trajectories) {
+                    other.trajectories_bytes += meta.len();
+                } else {
+                    other.other_bytes += meta.len();
+                }
+            }
+        }
+    }
+    other
 }

@@ -1093,6 +1093,25 @@ fn space_accounts_every_frame_and_names_what_keeps_a_segment() {
     assert_eq!(r.shards.iter().map(|s| s.rows).sum::<u64>(), compacted);
     assert_eq!(r.shards.iter().map(|s| s.live_rows).sum::<u64>(), compacted);
     assert!(r.live_bytes() > 0 && r.live_bytes() < r.segment_bytes() + r.shard_bytes());
+    // The other files, each counted once: every file in the directory is
+    // a segment, a `steps` shard or one of them.
+    let len = |p: std::path::PathBuf| std::fs::metadata(p).unwrap().len();
+    assert_eq!(r.other.index_file_bytes, len(dir.path().join("shards/index.tsi")));
+    let trajectories: u64 = std::fs::read_dir(dir.path().join("shards/trajectories"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(trajectories > 0);
+    assert_eq!(r.other.trajectories_bytes, trajectories);
+    let manifest = len(dir.path().join("MANIFEST"));
+    assert!(r.other.other_bytes >= manifest, "{:?}", r.other);
+    assert_eq!(
+        r.total_bytes(),
+        r.segment_bytes() + r.shard_bytes() + trajectories + r.other.index_file_bytes + r.other.other_bytes
+    );
+    let json = r.to_json(&store.snapshot().index_layers());
+    assert_eq!(json["total_bytes"], r.total_bytes());
+    assert_eq!(json["other"]["index_file_bytes"], r.other.index_file_bytes);
 
     // A deleted compacted session: its rows are dead until a collection.
     assert_eq!(store.delete_session(&rest[0].session_id).unwrap(), 4);

@@ -919,18 +919,7 @@ impl NativeStore {
         let store = self.get()?;
         let snap = store.snapshot();
         let report = py.detach(|| trajlog::space::space(&snap)).map_err(to_py)?;
-        let layers = snap.index_layers();
-        let doc = serde_json::json!({
-            "segment_bytes": report.segment_bytes(),
-            "shard_bytes": report.shard_bytes(),
-            "live_bytes": report.live_bytes(),
-            "disk_over_live": (report.live_bytes() > 0)
-                .then(|| (report.segment_bytes() + report.shard_bytes()) as f64 / report.live_bytes() as f64),
-            "segments": report.segments,
-            "shards": report.shards,
-            "index": layers,
-        });
-        Ok(doc.to_string())
+        Ok(report.to_json(&snap.index_layers()).to_string())
     }
 
     /// Segment files of the current snapshot (paths), for diagnostics.

@@ -209,6 +209,10 @@ def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
         assert kept[0]["kept_by"] == [{"session_id": "straggler", "calls": 1, "bytes": kept[0]["live_bytes"], "sealed": False}]
         assert kept[0]["compacted_calls"] == 3
         assert [(s["rows"], s["live_rows"]) for s in space["shards"]] == [(3, 3)]
+        other = space["other"]
+        assert other["index_file_bytes"] == (tmp_path / "s" / "shards" / "index.tsi").stat().st_size
+        assert space["total_bytes"] == space["segment_bytes"] + space["shard_bytes"] + other["trajectories_bytes"] + other["index_file_bytes"] + other["other_bytes"]
+        assert space["total_over_live"] > space["disk_over_live"]
         assert 0 < space["live_bytes"] < space["segment_bytes"] + space["shard_bytes"]
         # Compacted in this process: the index still holds them in its maps.
         assert (space["index"]["live_calls"], space["index"]["frozen_calls"]) == (4, 0)

@@ -591,7 +591,11 @@ class Store:
         served from it, `compacted_bytes`, `dead_bytes`, `annotation_bytes`,
         and `kept_by`, the sessions whose live calls keep it, with `sealed`),
         `shards` (per `steps` file: `rows`, `live_rows`, `file_bytes`), and
-        the totals `segment_bytes`, `shard_bytes`, `live_bytes`; `index`:
+        the totals `segment_bytes`, `shard_bytes`, `live_bytes` and
+        `disk_over_live` (segments and `steps` shards over the live data);
+        `other`: the directory's other files (`trajectories_bytes`,
+        `index_file_bytes`, `other_bytes`), and `total_bytes` /
+        `total_over_live` for everything in the directory; `index`:
         `live_calls`, and how many of them the index holds in its frozen
         layer (`frozen_calls`, `frozen_bytes`: compacted sessions untouched
         since the store was opened) and `index_file_bytes`, the size of the

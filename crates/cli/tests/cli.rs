@@ -486,6 +486,7 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     // task-2:0's compacted call is also in session "outer": a call of
     // several sessions stays in the index's maps, never frozen.
     assert!(text.contains("index: 3 live calls, 0 of them in the frozen layer"), "{text}");
+    assert!(text.contains("everything in the directory") && text.contains("shard index file"), "{text}");
     let out = trajlog(&["space", "--store", s(&store), "--json"], "");
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let segs = doc["segments"].as_array().unwrap();
@@ -493,5 +494,12 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     assert_eq!(live, 2);
     assert_eq!(doc["shards"][0]["live_rows"], 1);
     assert!(doc["disk_over_live"].as_f64().unwrap() > 1.0);
+    // Everything in the directory: the trajectories, the index file, the manifest too.
+    let (total, logged) = (
+        doc["total_bytes"].as_u64().unwrap(),
+        doc["segment_bytes"].as_u64().unwrap() + doc["shard_bytes"].as_u64().unwrap(),
+    );
+    assert!(total > logged && doc["other"]["trajectories_bytes"].as_u64().unwrap() > 0, "{doc}");
+    assert!(doc["total_over_live"].as_f64().unwrap() > doc["disk_over_live"].as_f64().unwrap());
     assert_eq!((doc["index"]["live_calls"].as_u64(), doc["index"]["frozen_calls"].as_u64()), (Some(3), Some(0)));
 }

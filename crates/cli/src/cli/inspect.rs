@@ -103,16 +103,7 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     let ratio = if live == 0 { None } else { Some((segments + shards) as f64 / live as f64) };
     let layers = snap.index_layers();
     if json {
-        let doc = serde_json::json!({
-            "segments": r.segments,
-            "shards": r.shards,
-            "segment_bytes": segments,
-            "shard_bytes": shards,
-            "live_bytes": live,
-            "disk_over_live": ratio,
-            "index": layers,
-        });
-        println!("{doc}");
+        println!("{}", r.to_json(&layers));
         return Ok(0);
     }
     println!(
@@ -166,6 +157,15 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         ),
         None => println!("live data 0 B; segments and steps shards {}", hb(segments + shards)),
     }
+    let total = r.total_bytes();
+    println!(
+        "everything in the directory {}{}: trajectories shards {}, shard index file {}, other files {}",
+        hb(total),
+        if live == 0 { String::new() } else { format!(" ({:.2}× the live data)", total as f64 / live as f64) },
+        hb(r.other.trajectories_bytes),
+        hb(r.other.index_file_bytes),
+        hb(r.other.other_bytes)
+    );
     let file = match layers.index_file_bytes {
         0 => "no shard index file: the open decoded the shards".to_owned(),
         n => format!("shard index file {}, mapped", hb(n)),
