@@ -5,8 +5,11 @@
 # the index, not the payload), then time and measure peak RSS (GNU time) of:
 #   open + list (`trajlog ls`, read-only) before and after compaction,
 #   the first compaction (everything), a second one after 50 new sessions,
-#   reading one session (`trajlog show`, from the shards), and the two
+#   reading one session (`trajlog show`, from the shards), the two
 #   whole-store scans (`trajlog export` of every call, `trajlog audit`),
+#   the library's open, read-only and writable, with VmRSS right after it,
+#   and a read-only store's refresh after 1,000 appends
+#   (examples/open_cost.rs),
 # and report bytes on disk. One markdown table, one row per size. Each store
 # starts with one straggler: a session of one call, never sealed, so never
 # compacted (as an agent that crashed mid-rollout leaves it); "on disk" and
@@ -21,7 +24,8 @@
 #   SHAPE=gateway bash benches/scale.sh 20000   # the rLLM gateway's realistic
 #        traces (chat history, raw request and response) at the default sizes
 #
-# Needs the release binary (cargo build --release) and /usr/bin/time. The
+# Needs the release binaries (cargo build --release; cargo build --release
+# --example open_cost) and /usr/bin/time. The
 # stores go under SCALE_DIR (default: a temporary directory), removed at the
 # end unless KEEP=1. About 1 GB of disk and ~1 minute per 200,000 calls here.
 set -euo pipefail
@@ -29,6 +33,8 @@ cd "$(dirname "$0")/.."
 bin="${TRAJLOG:-target/release/trajlog}"
 [ -x "$bin" ] || { echo "error: $bin not found; run cargo build --release (or set TRAJLOG)" >&2; exit 1; }
 [ -x /usr/bin/time ] || { echo "error: /usr/bin/time (GNU time) not found" >&2; exit 1; }
+oc="${OPEN_COST:-target/release/examples/open_cost}"
+[ -x "$oc" ] || { echo "error: $oc not found; run cargo build --release --example open_cost (or set OPEN_COST)" >&2; exit 1; }
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(200000 1000000)
 base="${SCALE_DIR:-$(mktemp -d)}"
@@ -49,6 +55,12 @@ measure() {
     local s kb
     read -r s kb <"$t"
     printf -v "m_$label" '%s s, %d MB' "$s" "$((kb / 1024))"
+}
+
+# open_cost DIR [--writable]: "S s, M MB" (the open's wall time, VmRSS after it).
+open_cost() {
+    "$oc" "$@" | sed -n 's/^open ([a-z-]*): \([0-9.]*\) s;.*VmRSS \([0-9]*\) kB.*/\1 \2/p' |
+        awk '{ printf "%s s, %d MB", $1, $2 / 1024 }'
 }
 
 call_shape=(--steps 8 --prompt-tokens 100 --shape lean)
@@ -73,13 +85,19 @@ for calls in "${sizes[@]}"; do
     measure show "$bin" show --store "$dir" "task-$((sessions / 8 / 2)):0"
     measure export "$bin" export --store "$dir"
     measure audit "$bin" audit --store "$dir"
+    # The library's open, read-only and writable (wall time, VmRSS right
+    # after it), then a read-only store's refresh after 1,000 appends
+    # (which stay in the store: measured last).
+    open_ro=$(open_cost "$dir")
+    open_w=$(open_cost "$dir" --writable)
+    refresh=$("$oc" "$dir" --refresh 1000 | sed -n 's/^refresh after 1000 appends: \([0-9.]*\) ms.*/\1 ms/p')
     disk=$(du -sm "$dir" | cut -f1)
     shards=$(du -sm "$dir/shards" | cut -f1)
     segs=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' | wc -l)
     segs_mb=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' -exec du -cm {} + | tail -1 | cut -f1)
-    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $m_export | $m_audit | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
+    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $m_export | $m_audit | $open_ro | $open_w | $refresh | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
 done
 echo
-echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | export all | audit | on disk | segments left |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | export all | audit | open read-only (VmRSS after) | open writable | refresh after 1,000 appends | on disk | segments left |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
