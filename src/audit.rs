@@ -109,7 +109,16 @@ pub struct AuditReport {
     pub histories_rewritten: usize,
     /// Calls whose history keeps the parent's but not its response byte for byte.
     pub responses_reserialized: usize,
+    /// The first sessions audited, at most
+    /// [`crate::limits::AUDIT_SESSIONS_LISTED_MAX`]; the counts above cover
+    /// every session.
     pub sessions: Vec<SessionAudit>,
+    /// Sessions audited but not listed in `sessions` (past its bound).
+    pub sessions_not_listed: usize,
+    /// Divergences counted above whose details were not kept in `sessions`
+    /// (past [`crate::limits::AUDIT_DETAILS_MAX`] in all, or of a session
+    /// not listed).
+    pub details_not_kept: usize,
     /// Sessions that could not be audited because a call of theirs is damaged
     /// (session id, the error naming file and offset); the others were.
     pub sessions_damaged: Vec<(String, String)>,
@@ -135,11 +144,18 @@ pub fn audit_with_progress(snapshot: &Snapshot, progress: &mut dyn FnMut(u64, u6
     snap.decode_whole_row_groups();
     let sessions = snapshot.sessions();
     let total = sessions.len() as u64;
+    // Details kept so far, against AUDIT_DETAILS_MAX.
+    let mut details = 0usize;
     for (done, info) in sessions.into_iter().enumerate() {
         snap.bound_decoded(crate::limits::SCAN_DECODED_BYTES_MAX);
+        if done % 4096 == 4095 {
+            // The mapped pages the reads touched (segments, the shard
+            // index file's tables) need not stay resident either.
+            snap.release_pages();
+        }
         match audit_session(&snap, &info.session_id) {
             Ok(None) => {}
-            Ok(Some(s)) => {
+            Ok(Some(mut s)) => {
                 report.sessions_checked += 1;
                 report.calls_checked += s.calls;
                 report.breaks += s.breaks;
@@ -150,7 +166,19 @@ pub fn audit_with_progress(snapshot: &Snapshot, progress: &mut dyn FnMut(u64, u6
                 if s.breaks > 0 {
                     report.sessions_with_breaks += 1;
                 }
-                report.sessions.push(s);
+                let found = s.divergences.len() + s.history_divergences.len();
+                if report.sessions.len() < crate::limits::AUDIT_SESSIONS_LISTED_MAX {
+                    let room = crate::limits::AUDIT_DETAILS_MAX.saturating_sub(details);
+                    s.divergences.truncate(room);
+                    s.history_divergences.truncate(room - s.divergences.len());
+                    let kept = s.divergences.len() + s.history_divergences.len();
+                    details += kept;
+                    report.details_not_kept += found - kept;
+                    report.sessions.push(s);
+                } else {
+                    report.sessions_not_listed += 1;
+                    report.details_not_kept += found;
+                }
             }
             // Damage stays confined to the session it touches.
             Err(e) => report.sessions_damaged.push((info.session_id.clone(), e.to_string())),

@@ -72,6 +72,15 @@ pub const RELEASE_PAGES_EVERY_BYTES: u64 = 64 * 1024 * 1024;
 /// shard row groups they decoded once these hold more than this many bytes,
 /// so that their memory does not grow with the store (`Snapshot::bound_decoded`).
 pub const SCAN_DECODED_BYTES_MAX: usize = 256 * 1024 * 1024;
+/// The audit's report lists at most this many sessions (the first audited,
+/// each with its per-call results); the counts cover every session.
+pub const AUDIT_SESSIONS_LISTED_MAX: usize = 100_000;
+/// ... and keeps the details (ids or text around the divergence) of at most
+/// this many divergences in all (TI/TO breaks, earlier divergences, chat
+/// histories rewritten); the counts cover every one. Without these bounds a
+/// store whose every call is flagged (10M calls: ~3 GB) made the audit's
+/// memory grow with the store.
+pub const AUDIT_DETAILS_MAX: usize = 10_000;
 
 /// A publication writes the shard index file anew (format-spec/shard-index.md
 /// §1) once the `steps` files it does not describe hold more than 1/this of

@@ -397,11 +397,15 @@ impl Snapshot {
         Ok(cache.batches.insert(key, Box::new(d)))
     }
 
-    /// Give the resident pages of every segment mapping back (long reads of
-    /// whole segments call it now and then; see `Mapping::release_pages`).
+    /// Give the resident pages of every segment mapping and of the shard
+    /// index file back (long reads of whole segments or of every session
+    /// call it now and then; see `Mapping::release_pages`).
     pub(crate) fn release_pages(&self) {
         for seg in self.view.segments.values() {
             seg.release_pages();
+        }
+        if let Some(ix) = self.view.shards.index_file() {
+            ix.release_pages();
         }
     }
 

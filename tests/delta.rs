@@ -220,3 +220,35 @@ fn long_chains_are_cut_by_checkpoints() {
     assert_eq!(snap.session_calls(&calls[0].session_id, None, None).unwrap(), calls);
     assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
 }
+
+/// The audit's report keeps the details of at most `AUDIT_DETAILS_MAX`
+/// divergences (and lists at most `AUDIT_SESSIONS_LISTED_MAX` sessions),
+/// whatever the store's size, and still counts every one: lean calls carry
+/// a one-line `messages` each, so every call after a session's first
+/// "rewrites its history".
+#[test]
+fn the_audit_report_keeps_bounded_details_and_complete_counts() {
+    use trajlog::limits::AUDIT_DETAILS_MAX;
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default().durability(trajlog::Durability::Buffered)).unwrap();
+    let sessions = AUDIT_DETAILS_MAX / 4 + 100;
+    let batch = simulate(&SimConfig { sessions, steps: 5, shape: trajlog_sim::Shape::Lean, ..SimConfig::default() });
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+    }
+    store.flush().unwrap();
+    let report = trajlog::audit::audit(&store.snapshot()).unwrap();
+    assert_eq!(report.sessions_checked, sessions);
+    assert_eq!(report.sessions.len(), sessions, "fewer sessions than AUDIT_SESSIONS_LISTED_MAX: all listed");
+    assert_eq!(report.sessions_not_listed, 0);
+    let found = report.breaks + report.diverges_earlier + report.histories_rewritten;
+    assert!(found > AUDIT_DETAILS_MAX, "the test needs more divergences than the bound: {found}");
+    let kept: usize = report.sessions.iter().map(|s| s.divergences.len() + s.history_divergences.len()).sum();
+    assert_eq!(kept, AUDIT_DETAILS_MAX);
+    assert_eq!(kept + report.details_not_kept, found);
+    // Per session, the counts stay whole.
+    let rewritten: usize = report.sessions.iter().map(|s| s.histories_rewritten).sum();
+    assert_eq!(rewritten, report.histories_rewritten);
+}

@@ -149,6 +149,15 @@ pub fn audit(dir: &Path, json: bool, strict: bool) -> trajlog::Result<i32> {
             "chat histories: {} calls whose messages do not start with their parent's (re-rendered, edited, or not a cumulative history); {} that keep it but re-serialize the parent's response_message",
             report.histories_rewritten, report.responses_reserialized
         );
+        if report.details_not_kept > 0 || report.sessions_not_listed > 0 {
+            println!(
+                "(the counts cover every session; the details above cover the first {} sessions and at most {} divergences: {} more divergences in {} more sessions are counted, not shown)",
+                trajlog::limits::AUDIT_SESSIONS_LISTED_MAX,
+                trajlog::limits::AUDIT_DETAILS_MAX,
+                report.details_not_kept,
+                report.sessions_not_listed
+            );
+        }
     }
     for (session, why) in &report.sessions_damaged {
         eprintln!("trajlog audit: session {session:?} not audited, a call of it is damaged: {why}");
