@@ -627,10 +627,49 @@ impl Snapshot {
     /// id, path, rows, and rows that are the live call of their trace id.
     /// O(live calls).
     pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, u64, u64)> {
+        let (shards, index) = (&self.view.shards, &self.view.index);
         let mut live: HashMap<u32, u64> = HashMap::new();
-        for call in self.view.index.live_calls() {
-            if let Some(pos) = self.view.shards.position(call.loc()) {
-                *live.entry(pos.shard).or_default() += 1;
+        let same_file =
+            shards.index_file().is_some_and(|ix| index.frozen().is_in(ix.mapping()) && shards.base_is_in(ix.mapping()));
+        if same_file {
+            // The frozen layer and the placements are the same file's: a
+            // frozen row not thawed is a live call, its placement names its
+            // file. One pass over the placements instead of a binary
+            // search per call (10M compacted calls: ~3 s of a compaction).
+            let thawed = index.thawed_rows();
+            let is_thawed = |row: u32| {
+                !thawed.is_empty()
+                    && thawed
+                        .binary_search_by(|r| {
+                            if r.end <= row {
+                                std::cmp::Ordering::Less
+                            } else if r.start > row {
+                                std::cmp::Ordering::Greater
+                            } else {
+                                std::cmp::Ordering::Equal
+                            }
+                        })
+                        .is_ok()
+            };
+            let mut per_slot = vec![0u64; shards.slots()];
+            for (slot, row) in shards.frozen_placements() {
+                if !is_thawed(row) {
+                    if let Some(n) = per_slot.get_mut(slot as usize) {
+                        *n += 1;
+                    }
+                }
+            }
+            live.extend(per_slot.into_iter().enumerate().filter(|(_, n)| *n > 0).map(|(s, n)| (s as u32, n)));
+            for m in index.hot_calls().values() {
+                if let Some(pos) = shards.position(m.loc) {
+                    *live.entry(pos.shard).or_default() += 1;
+                }
+            }
+        } else {
+            for call in index.live_calls() {
+                if let Some(pos) = shards.position(call.loc()) {
+                    *live.entry(pos.shard).or_default() += 1;
+                }
             }
         }
         self.view

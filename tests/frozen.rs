@@ -182,6 +182,12 @@ fn a_write_naming_a_frozen_session_thaws_it_first() {
     assert_eq!(snap.trace_reward("t3-0"), Some(1.5));
     assert_eq!(snap.session_info("s4").unwrap().reward, Some(-2.0));
     assert!(snap.is_sealed("s5"));
+    // The shard rows that are live calls (what a collection and `space`
+    // count, from the frozen rows not thawed and the calls in the maps):
+    // the 48 compacted, less s2's 6 deleted and t7-2's replaced row.
+    let space = trajlog::space::space(&snap).unwrap();
+    let (rows, live) = space.shards.iter().fold((0, 0), |(r, l), s| (r + s.rows, l + s.live_rows));
+    assert_eq!((rows, live), (48, 48 - 6 - 1), "{:?}", space.shards);
     let want = fingerprint(&snap, &trace_ids);
     drop(snap);
     store.close().unwrap();

@@ -286,6 +286,18 @@ impl Frozen {
         &self.rows
     }
 
+    /// Whether its tables are the ones of the mapped file `map`.
+    pub fn is_in(&self, map: &Arc<crate::storage::mmap::Mapping>) -> bool {
+        self.rows.is_in(map)
+    }
+
+    /// The range of frozen rows of session `session` (empty past the end).
+    pub fn row_range(&self, session: u32) -> std::ops::Range<u32> {
+        let i = session as usize;
+        let end = self.sessions.get(i + 1).map_or(self.rows.len() as u32, |n| n.first_row);
+        self.sessions.get(i).map_or(0..0, |s| s.first_row..end)
+    }
+
     /// The frozen session named `name`.
     pub fn session(&self, name: &str) -> Option<u32> {
         let h = id_hash(name);

@@ -484,6 +484,14 @@ impl Index {
         hot.chain(frozen)
     }
 
+    /// The frozen rows of thawed sessions (their calls are in the maps
+    /// now), as sorted ranges of row numbers.
+    pub(crate) fn thawed_rows(&self) -> Vec<std::ops::Range<u32>> {
+        let mut ranges: Vec<std::ops::Range<u32>> = self.thawed.iter().map(|s| self.frozen.row_range(*s)).collect();
+        ranges.sort_unstable_by_key(|r| r.start);
+        ranges
+    }
+
     /// The calls in the maps (the frozen layer's are all compacted).
     pub(crate) fn hot_calls(&self) -> &OrdMap<Arc<str>, Arc<CallMeta>> {
         &self.traces

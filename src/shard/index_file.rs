@@ -453,6 +453,11 @@ impl ShardIndex {
         self.frozen_tables().unwrap_or_default()
     }
 
+    /// The file's mapping (to tell whether a table comes from this file).
+    pub(crate) fn mapping(&self) -> &Arc<Mapping> {
+        &self.map
+    }
+
     /// The `steps` shards the file was written for, in order.
     pub(crate) fn shards(&self) -> &[ShardKey] {
         &self.shards

@@ -36,6 +36,11 @@ impl<T: Pod> Table<T> {
         }
     }
 
+    /// Whether this table lies in `map` (the same mapping object).
+    pub(crate) fn is_in(&self, map: &Arc<Mapping>) -> bool {
+        matches!(self, Table::Mapped { map: m, .. } if Arc::ptr_eq(m, map))
+    }
+
     /// Bytes of the heap this table holds (a mapped one holds none).
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {

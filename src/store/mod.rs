@@ -292,10 +292,11 @@ impl Store {
         let mut point = lock(&self.read_point);
         let recovery = self.inner.options.recovery;
         let view = lock(&self.inner.view).clone();
-        let step = match point.as_ref() {
-            Some(before) => refresh::refresh_view(&self.inner.dir, recovery, before, &view)?,
-            None => None,
-        };
+        // Anything the incremental step cannot read makes a whole load,
+        // which reports it if it persists.
+        let step = point
+            .as_ref()
+            .and_then(|before| refresh::refresh_view(&self.inner.dir, recovery, before, &view).ok().flatten());
         match step {
             Some((view, manifest)) => {
                 *lock(&self.inner.view) = Arc::new(view);
