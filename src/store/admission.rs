@@ -96,38 +96,72 @@ impl ChatCache {
 }
 
 /// Which sessions are sealed, as appends in sequence order see them: the
-/// seals of the open (its index: the frozen layer's flags and the maps'
-/// entries, shared with the index, not copied) and the seals and deletions
-/// appended since. Before, a set of every sealed session's name was built
-/// at each writable open (~90 MB and a string per session at 1.25M sealed
-/// sessions).
-#[derive(Default)]
+/// seals of a published view (its index: the frozen layer's flags and the
+/// maps' entries, shared with the index, not copied) and the seals and
+/// deletions appended after it. Before, a set of every sealed session's
+/// name was built at each writable open (~90 MB and a string per session
+/// at 1.25M sealed sessions).
+///
+/// The view is the open's at first; once the seals and deletions appended
+/// since pass `rebase_at`, it is a later published view, and those the view
+/// reflects are forgotten ([`Sealed::rebase`]): a long-lived writer holds
+/// neither every seal it appended nor its open's index for ever.
 pub(super) struct Sealed {
-    at_open: crate::index::Index,
-    /// Session → sealed, for the seals and deletions appended since.
-    since: std::collections::HashMap<String, bool>,
+    base: crate::index::Index,
+    /// Session → (sealed, sequence number), for the seals and deletions
+    /// appended after `base`: the last one of each session.
+    since: std::collections::HashMap<String, (bool, u64)>,
+    rebase_at: usize,
+}
+
+impl Default for Sealed {
+    fn default() -> Self {
+        Sealed::new(crate::index::Index::default())
+    }
 }
 
 impl Sealed {
     pub(super) fn new(at_open: crate::index::Index) -> Self {
-        Sealed { at_open, since: std::collections::HashMap::new() }
+        Sealed { base: at_open, since: std::collections::HashMap::new(), rebase_at: 1024 }
     }
 
     pub(super) fn contains(&self, session: &str) -> bool {
         match self.since.get(session) {
-            Some(sealed) => *sealed,
-            None => self.at_open.is_sealed(session),
+            Some((sealed, _)) => *sealed,
+            None => self.base.is_sealed(session),
         }
     }
 
-    /// A seal appended.
-    pub(super) fn insert(&mut self, session: String) {
-        self.since.insert(session, true);
+    /// A seal appended, as record `seq`.
+    pub(super) fn insert(&mut self, session: String, seq: u64) {
+        self.since.insert(session, (true, seq));
     }
 
-    /// A deletion appended.
-    pub(super) fn remove(&mut self, session: &str) {
-        self.since.insert(session.to_owned(), false);
+    /// A deletion appended, as record `seq`.
+    pub(super) fn remove(&mut self, session: &str, seq: u64) {
+        self.since.insert(session.to_owned(), (false, seq));
+    }
+
+    /// The seals and deletions held since the base.
+    #[cfg(test)]
+    pub(super) fn since_len(&self) -> usize {
+        self.since.len()
+    }
+
+    /// Whether enough seals and deletions were appended since the base for
+    /// a [`Sealed::rebase`] (amortized O(1) per seal).
+    pub(super) fn wants_rebase(&self) -> bool {
+        self.since.len() > self.rebase_at
+    }
+
+    /// Take `view` — the index of a published view that reflects every
+    /// record up to `durable_seq` — as the base, and forget the seals and
+    /// deletions it reflects: a session's last one at or before
+    /// `durable_seq` is what `view` says of it.
+    pub(super) fn rebase(&mut self, view: crate::index::Index, durable_seq: u64) {
+        self.base = view;
+        self.since.retain(|_, (_, seq)| *seq > durable_seq);
+        self.rebase_at = (2 * self.since.len()).max(1024);
     }
 }
 

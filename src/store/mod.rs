@@ -388,6 +388,11 @@ impl Store {
         }
         let durable_seq = self.inner.durable_seq.load(Ordering::Acquire);
         s.prune(durable_seq);
+        if s.sealed.wants_rebase() {
+            // The view published is at least as new as `durable_seq`.
+            let view = lock(&self.inner.view).clone();
+            s.sealed.rebase(view.index.clone(), durable_seq);
+        }
         let current: Option<Arc<[Arc<str>]>> = match s.calls_in_flight.get(call.trace_id.as_str()) {
             Some((seq, sessions)) if *seq > durable_seq => {
                 (!sessions.first().is_some_and(|p| s.deleted_after(p, *seq))).then(|| sessions.clone())
@@ -422,19 +427,19 @@ impl Store {
         self.writable()?;
         let permit = self.inner.queue.acquire(annotation_bytes(&ann))?;
         let mut s = lock(&self.inner.send);
+        s.next_seq += 1;
+        let seq = s.next_seq;
         match &ann {
             Annotation::Seal { session_id } => {
-                s.sealed.insert(session_id.clone());
+                s.sealed.insert(session_id.clone(), seq);
                 s.chat.remove(session_id);
             }
             Annotation::DeleteSession { session_id } => {
-                s.sealed.remove(session_id);
+                s.sealed.remove(session_id, seq);
                 s.chat.remove(session_id);
             }
             Annotation::Reward { .. } => {}
         }
-        s.next_seq += 1;
-        let seq = s.next_seq;
         if let Annotation::DeleteSession { session_id } = &ann {
             s.deletes_in_flight.push((seq, session_id.clone()));
         }
