@@ -523,6 +523,11 @@ pub(crate) fn run_with(
         report.shard_bytes += std::fs::metadata(&path).map_or(0, |m| m.len());
         report.shards.push(path);
     }
+    // What the compaction decoded and built (and, after a publication that
+    // wrote the shard index file, the writer's index it replaced) is freed
+    // by now, in small blocks glibc keeps resident on its own: a long-lived
+    // writer that merged 800k rows kept ~300 MB more heap without this.
+    crate::storage::mmap::trim_heap();
     report.elapsed = started.elapsed();
     Ok(report)
 }

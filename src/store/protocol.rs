@@ -183,6 +183,11 @@ pub(super) struct Prepared {
     /// files taken out, the new `steps` shards (opened and checked, at
     /// their final paths) added, with the placement of every row.
     pub(super) shards: crate::snapshot::ShardSlots,
+    /// When the publication wrote the shard index file: the index an open
+    /// would build over it, replayed through the base view's sealed
+    /// segments, and the last of them (the writer replays the later ones
+    /// and takes it).
+    pub(super) rebuilt: Option<(super::recovery::Rebuilt, u64)>,
     /// The base view's shards: a publication applies only to them.
     pub(super) base_shards: crate::snapshot::ShardSlots,
     /// The obsolete files taken out, for the writer to pin before it

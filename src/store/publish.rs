@@ -12,6 +12,7 @@
 //! deletion made meanwhile wins by itself: the new entry's log position has
 //! no row.
 
+use super::recovery::Rebuilt;
 use super::*;
 use crate::shard::set::ShardSet;
 
@@ -184,6 +185,14 @@ fn prepare(
     } else {
         drop(new_rows);
     }
+    let shards = Arc::new(shards);
+    // With the file written for every `steps` file, the writer takes an
+    // index replayed over it, as an open would build it, instead of its
+    // own (recovery.rs `Rebuilt`): what this and earlier compactions moved
+    // into shards leaves its maps for the file's frozen layer. The base
+    // view's sealed segments are replayed here, off the writer's thread;
+    // the writer replays the records written since.
+    let rebuilt = if write_index { rebuild_base(dir, &shards, &base.view) } else { None };
     // The frozen layer's calls are all compacted: none is in segments.
     let base_traces = base.view.index.hot_calls().clone();
     let base_shards = base.view.shards.clone();
@@ -196,7 +205,8 @@ fn prepare(
     }
     Ok(Prepared {
         token: base.token,
-        shards: Arc::new(shards),
+        shards,
+        rebuilt,
         base_shards,
         emptied,
         base_traces,
@@ -205,6 +215,21 @@ fn prepare(
         obsolete: obsolete.clone(),
         in_segments,
     })
+}
+
+/// [`Rebuilt`] over `shards` (whose index file a publication just wrote)
+/// through the records of `base`'s sealed segments, with the last one's
+/// id; `None` when one of them does not read cleanly.
+fn rebuild_base(dir: &Path, shards: &crate::snapshot::ShardSlots, base: &View) -> Option<(Rebuilt, u64)> {
+    let mut rebuilt = Rebuilt::new(shards)?;
+    let mut through = 0;
+    for (id, seg) in base.segments.iter().filter(|(_, s)| s.sealed) {
+        if !rebuilt.extend_sealed(dir, seg) {
+            return None;
+        }
+        through = *id;
+    }
+    Some((rebuilt, through))
 }
 
 /// Write the shard index file of `published` (the set a publication makes
@@ -314,6 +339,29 @@ impl Writer {
                 "internal: this publication does not belong to the compaction under way; nothing was published, compact again",
             )),
         }
+    }
+
+    /// Take `rebuilt` (a publication's, see [`Rebuilt`]) as the index once
+    /// it has replayed the records written since its base: those of the
+    /// segments after `through`, the active one's included. Whether it did:
+    /// not when the writer is poisoned or has frames not yet written, or a
+    /// segment does not read cleanly; the index then stays as it is.
+    pub(super) fn adopt_rebuilt(&mut self, mut rebuilt: Rebuilt, through: u64) -> bool {
+        if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() {
+            return false;
+        }
+        for (_, seg) in self.sealed_segments.range(through + 1..) {
+            if !rebuilt.extend_sealed(&self.dir, seg) {
+                return false;
+            }
+        }
+        let Some(a) = self.active.as_ref() else { return false };
+        if a.id > through {
+            let seg = SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false);
+            rebuilt.extend(&seg, &a.entries);
+        }
+        self.index = rebuilt.finish();
+        true
     }
 
     /// Note that the live call of `trace_id` changed, if a compaction is under way.

@@ -310,15 +310,7 @@ fn replay(
             ));
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
-        for e in &seg.entries {
-            let loc = Loc { segment: seg.id, offset: e.frame_offset };
-            feed.apply(&mut index, |at| at < loc);
-            // A compacted call: its shard row stands for its record.
-            if feed.apply(&mut index, |at| at == loc) || (e.kind == KIND_CALL && feed.is_compacted(&shards, loc)) {
-                continue;
-            }
-            apply_entry(&mut index, &r, e, &mut damage, &mut rewards, &keep);
-        }
+        feed.replay_segment(&mut index, &shards, &r, &seg.entries, &mut damage, &mut rewards, &keep);
         if !seg.sealed {
             active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
         }
@@ -536,6 +528,90 @@ impl RowFeed {
     /// give (a frozen row, when the rows came from a shard index file).
     fn is_compacted(&self, shards: &crate::shard::set::ShardSet, loc: Loc) -> bool {
         self.mapped && shards.is_compacted(loc)
+    }
+
+    /// Replay the records of segment `seg` (its footer entries, in log
+    /// order) with the shard rows at their positions among them.
+    #[allow(clippy::too_many_arguments)]
+    fn replay_segment(
+        &mut self,
+        index: &mut Index,
+        shards: &crate::shard::set::ShardSet,
+        seg: &SegmentRef,
+        entries: &[FooterEntry],
+        damage: &mut Vec<Problem>,
+        rewards: &mut Vec<(Loc, Target)>,
+        keep: &dyn Fn(Loc) -> bool,
+    ) {
+        for e in entries {
+            let loc = Loc { segment: seg.id, offset: e.frame_offset };
+            self.apply(index, |at| at < loc);
+            // A compacted call: its shard row stands for its record.
+            if self.apply(index, |at| at == loc) || (e.kind == KIND_CALL && self.is_compacted(shards, loc)) {
+                continue;
+            }
+            apply_entry(index, seg, e, damage, rewards, keep);
+        }
+    }
+}
+
+/// An index replayed as an open of the store would build it, over the
+/// shard index file `ix` that a publication has just written for every
+/// `steps` file of `shards` (its frozen layer mapped, the rows it keeps
+/// hot replayed at their positions), through the records of `segments`
+/// (each with its footer entries, in log order); then [`Rebuilt::extend`]
+/// replays later records. A writer whose compacted calls stay in its maps
+/// until it reopens (~0.4 KB a call) takes it instead of its own index
+/// after a publication (store/publish.rs): a long-lived writer's memory
+/// then does not grow with what it compacted.
+pub(super) struct Rebuilt {
+    index: Index,
+    feed: RowFeed,
+    shards: crate::snapshot::ShardSlots,
+}
+
+impl Rebuilt {
+    /// `None` unless `shards` reads every row from its index file.
+    pub(super) fn new(shards: &crate::snapshot::ShardSlots) -> Option<Rebuilt> {
+        let ix = shards.index_file()?;
+        if shards.undescribed_rows() > 0 {
+            return None;
+        }
+        let mut index = Index::with_frozen(ix.frozen());
+        index.record_thaws(true);
+        let mut rows: Vec<ShardRow> = ix.hot_rows().to_vec();
+        rows.sort_by_key(|r| r.loc);
+        let feed = RowFeed { rows: rows.into_iter().map(|r| (r, None)).collect(), mapped: true, ..RowFeed::default() };
+        Some(Rebuilt { index, feed, shards: shards.clone() })
+    }
+
+    /// Replay sealed segment `seg` from its footer, read again from disk;
+    /// `false` (nothing replayed) when it does not read cleanly (damage an
+    /// open confined, a footer it rebuilt): the caller then keeps its own
+    /// index.
+    pub(super) fn extend_sealed(&mut self, dir: &Path, seg: &SegmentRef) -> bool {
+        match crate::segment::recovery::load_segment(dir, seg.id, true, OnDamage::Refuse) {
+            Ok(l) if l.events.is_empty() && l.applied_from_footer.is_empty() => {
+                self.extend(seg, &l.entries);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Replay the records of `seg`, which follow those replayed so far.
+    pub(super) fn extend(&mut self, seg: &SegmentRef, entries: &[FooterEntry]) {
+        let (mut damage, mut rewards) = (Vec::new(), Vec::new());
+        // Damage was found and reported by the open that first replayed
+        // these records; the rewards side table is the writer's own.
+        self.feed.replay_segment(&mut self.index, &self.shards, seg, entries, &mut damage, &mut rewards, &|_| false);
+    }
+
+    /// The index, once every record was replayed.
+    pub(super) fn finish(mut self) -> Index {
+        self.feed.apply(&mut self.index, |_| true);
+        self.index.record_thaws(false);
+        self.index
     }
 }
 

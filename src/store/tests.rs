@@ -461,3 +461,138 @@ fn released_pages_read_back_the_same_bytes() {
     }
     store.close().unwrap();
 }
+
+/// Everything a reader can ask of `store`, as text to compare: sessions
+/// (calls, seal, reward), every call's ids, tokens, logprob bits and reward,
+/// and each of `trace_ids`' live call.
+fn answers(store: &Store, trace_ids: &[String]) -> Vec<String> {
+    let snap = store.snapshot();
+    let mut out: Vec<String> = snap
+        .sessions()
+        .iter()
+        .map(|s| {
+            let ids: Vec<String> = snap
+                .session(&s.session_id, None, None)
+                .expect("read")
+                .iter()
+                .map(|c| c.trace_id().to_owned())
+                .collect();
+            format!("session {} {} {} {:?} {ids:?}", s.session_id, s.calls, s.sealed, s.reward.map(f64::to_bits))
+        })
+        .collect();
+    snap.for_each_call(|c| {
+        let lp: Vec<u32> = c.logprobs().unwrap_or_default().iter().map(|x| x.to_bits()).collect();
+        let reward = snap.trace_reward(c.trace_id()).map(f64::to_bits);
+        out.push(format!(
+            "call {} {} {:?} {:?} {lp:?} {reward:?}",
+            c.trace_id(),
+            c.session_id(),
+            c.prompt()?,
+            c.completion_token_ids()
+        ));
+        Ok(())
+    })
+    .expect("every call reads");
+    for t in trace_ids {
+        let live = snap.get(t).expect("read").map(|c| (c.session_id().to_owned(), c.is_compacted()));
+        out.push(format!("{t}: {live:?}"));
+    }
+    out.sort();
+    out.push(format!("count {}", snap.call_count()));
+    out
+}
+
+#[test]
+fn a_publication_that_writes_the_shard_index_file_freezes_what_the_writer_compacted() {
+    // A long-lived writer kept every call it compacted in its maps (~0.4 KB
+    // each) until it reopened. A publication that writes the shard index
+    // file hands it an index replayed over the file, as an open builds it
+    // (store/recovery.rs `Rebuilt`), with the records written meanwhile.
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default().segment_bytes(64 << 10)).expect("open");
+    let sessions = ["a", "b", "c", "d", "e", "f"];
+    for s in sessions {
+        for n in 0..4 {
+            store.append(call(s, n)).expect("append");
+        }
+    }
+    store.set_reward(Target::Session("a".into()), 1.0).expect("reward");
+    store.set_reward(Target::Trace("b/1".into()), -2.0).expect("reward");
+    for s in ["a", "b", "c", "d", "e"] {
+        store.seal_session(s).expect("seal");
+    }
+    let mut ids: Vec<String> = sessions.iter().flat_map(|s| (0..6).map(move |n| format!("{s}/{n}"))).collect();
+    ids.push("x/0".into());
+    // The first compaction writes the file (the store had no shards).
+    // Meanwhile: a reward and a seal on sessions being compacted, a
+    // deletion of one, a new session, a call of f (not compacted) and a
+    // replacement of e/2 (out of its sealed session: refused).
+    let opts = crate::compact::CompactOptions::default();
+    let report = crate::compact::run_with(&store, &opts, &mut || {
+        store.set_reward(Target::Session("c".into()), 3.5).expect("reward meanwhile");
+        store.set_reward(Target::Trace("d/3".into()), 0.5).expect("reward meanwhile");
+        assert_eq!(store.delete_session("e").expect("delete meanwhile"), 4);
+        store.append(call("x", 0)).expect("append meanwhile");
+        store.append(call("f", 4)).expect("append meanwhile");
+        store.flush().expect("flush");
+    })
+    .expect("compact");
+    assert_eq!(report.sessions, 5);
+    let layers = store.snapshot().index_layers();
+    assert!(layers.index_file_bytes > 0, "{layers:?}");
+    // a, b, c, d: 16 calls in the frozen layer. e was deleted (its rows are
+    // dead), f and x are in segments.
+    assert_eq!((layers.calls, layers.frozen_calls), (16 + 5 + 1, 16), "{layers:?}");
+    let want = answers(&store, &ids);
+    assert!(want
+        .iter()
+        .any(|l| l.starts_with("session c 4 true") && l.contains(&format!("{:?}", Some(3.5f64.to_bits())))));
+    let fresh = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(answers(&fresh, &ids), want, "the writer answers as a fresh open");
+    // Writes naming a frozen session thaw it, as after an open.
+    store.set_reward(Target::Session("a".into()), 9.0).expect("reward");
+    assert_eq!(store.delete_session("b").expect("delete"), 4);
+    assert!(store.append(call("a", 9)).is_err(), "a is sealed");
+    store.seal_session("f").expect("seal");
+    store.flush().expect("flush");
+    let want = answers(&store, &ids);
+    fresh.refresh().expect("refresh");
+    assert_eq!(answers(&fresh, &ids), want);
+    // A second compaction adds files the file does not describe (kept):
+    // the writer's index is its own; the answers stay those of an open.
+    store.compact(&opts).expect("compact again");
+    let want = answers(&store, &ids);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default()).expect("reopen");
+    assert_eq!(answers(&reopened, &ids), want);
+    reopened.close().expect("close");
+}
+
+#[test]
+fn seals_and_deletions_since_a_rebased_view_still_refuse_and_admit_appends() {
+    // The append boundary's sealed set forgets, past 1024 entries, the seals
+    // and deletions a published view reflects (admission.rs `Sealed`).
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for i in 0..3000 {
+        let s = format!("s{i}");
+        store.append(call(&s, 0)).expect("append");
+        store.seal_session(&s).expect("seal");
+        if i % 3 == 0 {
+            store.delete_session(&s).expect("delete");
+        }
+        if i % 500 == 0 {
+            store.flush().expect("flush");
+        }
+    }
+    assert!(lock(&store.inner.send).sealed.since_len() < 3000, "rebased at least once");
+    for i in 0..3000 {
+        let s = format!("s{i}");
+        let result = store.append(call(&s, 1));
+        assert_eq!(result.is_ok(), i % 3 == 0, "{s}: sealed unless deleted after");
+    }
+    store.flush().expect("flush");
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), 2000 + 1000);
+    store.close().expect("close");
+}

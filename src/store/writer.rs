@@ -204,6 +204,12 @@ impl Writer {
                     }),
                 };
                 self.commit(true);
+                if let (Ok(_), Some((rebuilt, through))) = (&result, prepared.rebuilt.take()) {
+                    if self.adopt_rebuilt(rebuilt, through) {
+                        // Published with the next view.
+                        self.commit(true);
+                    }
+                }
                 // The side table follows the publication, once the log is
                 // durable: it never reflects a reward the log could lose. A
                 // failure leaves the previous table and is reported, without
