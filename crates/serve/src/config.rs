@@ -116,6 +116,14 @@ pub struct Config {
     pub response_bytes_max: usize,
     /// The store's queue budget (back-pressure beyond it), in bytes.
     pub store_queue_bytes: Option<u64>,
+    /// Compact the store every this many seconds (None: only on `POST
+    /// /admin/compact`). A gateway left running then keeps its disk and
+    /// memory to what is not compacted yet.
+    pub compact_every_s: Option<f64>,
+    /// What the periodic compaction takes: None, sealed sessions; else
+    /// sessions whose last call is older than this many seconds (sealed or
+    /// not), as `trajlog compact --older-than`.
+    pub compact_older_than_s: Option<f64>,
     /// error, warn, info, debug or trace.
     pub log_level: String,
 }
@@ -139,6 +147,8 @@ impl Default for Config {
             request_bytes_max: 64 << 20,
             response_bytes_max: 256 << 20,
             store_queue_bytes: None,
+            compact_every_s: None,
+            compact_older_than_s: None,
             log_level: "info".into(),
         }
     }
@@ -174,6 +184,8 @@ pub struct Settings {
     pub request_bytes_max: Option<usize>,
     pub response_bytes_max: Option<usize>,
     pub store_queue_bytes: Option<u64>,
+    pub compact_every_s: Option<f64>,
+    pub compact_older_than_s: Option<f64>,
     // ---- rLLM's, mapped, ignored or refused (module docs)
     /// The store directory when `store` names none.
     pub db_path: Option<String>,
@@ -267,6 +279,8 @@ impl Source {
             Source::Flags => match key {
                 "workers" => "--worker".into(),
                 "upstream_timeout_s" => "--upstream-timeout".into(),
+                "compact_every_s" => "--compact-every".into(),
+                "compact_older_than_s" => "--compact-older-than".into(),
                 _ => format!("--{}", key.replace('_', "-")),
             },
         }
@@ -439,6 +453,18 @@ pub fn resolve(layers: &[(Source, Settings)]) -> Result<Resolved, String> {
                 return Err(format!("{}: must be at least 1 byte", name("store_queue_bytes")));
             }
             c.store_queue_bytes = Some(v);
+        }
+        if let Some(v) = s.compact_every_s {
+            c.compact_every_s = Some(positive_seconds(name("compact_every_s"), v)?);
+        }
+        if let Some(v) = s.compact_older_than_s {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!(
+                    "{}: {v} is not a finite, non-negative number of seconds",
+                    name("compact_older_than_s")
+                ));
+            }
+            c.compact_older_than_s = Some(v);
         }
         // The store: `store` is a directory or a kind; `store_worker` a kind; `db_path` a directory.
         let (store_dir, store_kind) = match s.store.as_deref() {

@@ -23,6 +23,10 @@ pub struct Metrics {
     pub upstream_connect_retries: AtomicU64,
     /// Traces handed to the store and not yet acknowledged.
     pub queue_depth: AtomicI64,
+    /// Compactions run (periodic or asked for), by result; calls compacted.
+    pub compactions_ok: AtomicU64,
+    pub compactions_failed: AtomicU64,
+    pub compacted_calls: AtomicU64,
     latency_buckets: [AtomicU64; 14],
     latency_count: AtomicU64,
     latency_sum_us: AtomicU64,
@@ -68,6 +72,17 @@ impl Metrics {
         );
         let _ = writeln!(out, "# TYPE trajlog_serve_upstream_connect_retries_total counter");
         let _ = writeln!(out, "trajlog_serve_upstream_connect_retries_total {}", g(&self.upstream_connect_retries));
+        let _ = writeln!(
+            out,
+            "# HELP trajlog_serve_compactions_total Compactions of the store (periodic or asked for), by result."
+        );
+        let _ = writeln!(out, "# TYPE trajlog_serve_compactions_total counter");
+        let _ = writeln!(out, "trajlog_serve_compactions_total{{result=\"ok\"}} {}", g(&self.compactions_ok));
+        let _ = writeln!(out, "trajlog_serve_compactions_total{{result=\"failed\"}} {}", g(&self.compactions_failed));
+        let _ =
+            writeln!(out, "# HELP trajlog_serve_compacted_calls_total Calls moved from the log into Parquet shards.");
+        let _ = writeln!(out, "# TYPE trajlog_serve_compacted_calls_total counter");
+        let _ = writeln!(out, "trajlog_serve_compacted_calls_total {}", g(&self.compacted_calls));
         let _ = writeln!(out, "# HELP trajlog_serve_queue_depth Traces handed to the store and not yet acknowledged.");
         let _ = writeln!(out, "# TYPE trajlog_serve_queue_depth gauge");
         let _ = writeln!(out, "trajlog_serve_queue_depth {}", self.queue_depth.load(Ordering::Relaxed));

@@ -133,6 +133,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
     if !app.router.list().is_empty() {
         start_health_checks(&app);
     }
+    start_periodic_compaction(&app);
     let (tx, rx) = oneshot::channel::<()>();
     let service = axum::Router::new().fallback(dispatch).with_state(app.clone());
     let done = tokio::spawn(async move {
@@ -763,9 +764,55 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
     }
 }
 
-async fn compact(app: &Arc<App>) -> Response {
+/// Compact the store (one compaction at a time: the store's own lock), with
+/// the selection the configuration names, and count it in the metrics.
+async fn run_compaction(app: &Arc<App>) -> Result<trajlog::CompactReport, String> {
     let store = app.store.clone();
-    match blocking(move || store.compact(&trajlog::CompactOptions::default())).await {
+    let selection = match app.config.compact_older_than_s {
+        Some(s) => trajlog::Selection::OlderThan(s),
+        None => trajlog::Selection::SealedOnly,
+    };
+    let result = blocking(move || store.compact(&trajlog::CompactOptions::default().selection(selection))).await;
+    match &result {
+        Ok(r) => {
+            app.metrics.compactions_ok.fetch_add(1, Ordering::Relaxed);
+            app.metrics.compacted_calls.fetch_add(r.calls, Ordering::Relaxed);
+        }
+        Err(_) => {
+            app.metrics.compactions_failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    result
+}
+
+/// `compact_every_s`: compact in the background at that interval (from the
+/// end of one compaction to the start of the next) while the gateway runs.
+fn start_periodic_compaction(app: &Arc<App>) {
+    let Some(every) = app.config.compact_every_s else { return };
+    let weak = Arc::downgrade(app);
+    let interval = Duration::from_secs_f64(every.clamp(0.05, 86_400.0 * 365.0));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let Some(app) = weak.upgrade() else { return };
+            match run_compaction(&app).await {
+                Ok(r) if r.calls > 0 || r.retired_segments > 0 || r.moved_calls > 0 => tracing::info!(
+                    sessions = r.sessions,
+                    calls = r.calls,
+                    shards = r.shards.len(),
+                    retired_segments = r.retired_segments,
+                    elapsed_ms = r.elapsed.as_millis() as u64,
+                    "periodic compaction"
+                ),
+                Ok(_) => tracing::debug!("periodic compaction: nothing to compact"),
+                Err(e) => tracing::warn!(error = %e, "periodic compaction failed; trying again at the next interval"),
+            }
+        }
+    });
+}
+
+async fn compact(app: &Arc<App>) -> Response {
+    match run_compaction(app).await {
         Ok(r) => ok_json(format!(
             "{{\"sessions\":{},\"calls\":{},\"shards\":{},\"shard_bytes\":{},\"retired_segments\":{}}}",
             r.sessions,

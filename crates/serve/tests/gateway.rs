@@ -336,6 +336,66 @@ async fn sessions_crud_and_trace_windows() {
     assert_eq!((s, t.as_str()), (200, "{\"deleted\":1}"));
 }
 
+/// The `trajlog_serve_compactions_total{result="ok"}` count of `/metrics`.
+async fn compactions_ok(e: &Env) -> u64 {
+    let (_, text) = e.get("/metrics").await;
+    let line = text.lines().find(|l| l.starts_with("trajlog_serve_compactions_total{result=\"ok\"}")).expect("metric");
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("count")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_compaction_moves_sealed_sessions_into_shards() {
+    let mut e = env_with(|c| c.compact_every_s = Some(0.05)).await;
+    for i in 0..3 {
+        for sid in ["done", "open"] {
+            let (s, _) = e.post(&format!("/sessions/{sid}/v1/chat/completions"), &chat(&format!("turn {i}"), 3)).await;
+            assert_eq!(s, 200);
+        }
+    }
+    let before = e.traces_text("done").await;
+    let (s, t) = e.post("/sessions/done/seal", &Value::Null).await;
+    assert_eq!(s, 200, "{t}");
+    // Wait until a compaction has run after the seal was durable (each
+    // compaction starts after the last one ended; the guard only stops a hang).
+    let seen = compactions_ok(&e).await;
+    let guard = std::time::Instant::now();
+    while compactions_ok(&e).await < seen + 2 {
+        assert!(guard.elapsed() < Duration::from_secs(120), "no periodic compaction ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    e.shutdown().await;
+    let store = trajlog::Store::open_read_only(e.dir.path().join("store")).expect("open");
+    let snap = store.snapshot();
+    let done = snap.session("done", None, None).expect("read");
+    let open = snap.session("open", None, None).expect("read");
+    assert_eq!((done.len(), open.len()), (3, 3));
+    assert!(done.iter().all(|c| c.is_compacted()), "the sealed session is in the shards");
+    assert!(open.iter().all(|c| !c.is_compacted()), "the open one stays in the log");
+    assert!(e.dir.path().join("store/shards/steps").read_dir().expect("steps").next().is_some());
+    drop(snap);
+    drop(store);
+    // And the gateway reads it back the same from the shards.
+    let mut e2 = env_with(|c| c.store = e.dir.path().join("store")).await;
+    assert_eq!(e2.traces_text("done").await, before);
+    e2.shutdown().await;
+}
+
+#[test]
+fn compaction_settings_are_checked() {
+    use trajlog_serve::config::{resolve, Settings, Source};
+    let ok = |s: Settings| resolve(&[(Source::Flags, s)]);
+    let base = || Settings { store: Some("/tmp/x".into()), ..Settings::default() };
+    let r = ok(Settings { compact_every_s: Some(30.0), compact_older_than_s: Some(600.0), ..base() }).expect("valid");
+    assert_eq!((r.config.compact_every_s, r.config.compact_older_than_s), (Some(30.0), Some(600.0)));
+    let err = ok(Settings { compact_every_s: Some(0.0), ..base() }).expect_err("refused");
+    assert!(err.contains("--compact-every") && err.contains("positive"), "{err}");
+    let err = ok(Settings { compact_older_than_s: Some(f64::NAN), ..base() }).expect_err("refused");
+    assert!(err.contains("--compact-older-than"), "{err}");
+    let toml = "store = \"/tmp/x\"\ncompact_every_s = 60\n";
+    let file = Settings::from_toml(toml).expect("toml");
+    assert_eq!(resolve(&[(Source::Env, file)]).expect("valid").config.compact_every_s, Some(60.0));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_durability_flush_is_a_barrier() {
     let e = env_with(|c| c.durability = DurabilityMode::Async).await;

@@ -336,6 +336,12 @@ enum Command {
         /// Retries of a call whose connection to a worker failed (nothing sent yet) [default: 2].
         #[arg(long, value_name = "N")]
         upstream_connect_retries: Option<u32>,
+        /// Compact the store every SECONDS (sealed sessions, or those of --compact-older-than); default: only on POST /admin/compact.
+        #[arg(long, value_name = "SECONDS")]
+        compact_every: Option<f64>,
+        /// With --compact-every: compact sessions whose last call is older than SECONDS, sealed or not [default: sealed sessions only].
+        #[arg(long, value_name = "SECONDS")]
+        compact_older_than: Option<f64>,
         /// error | warn | info | debug | trace, any case (logs go to stderr) [default: info].
         #[arg(long)]
         log_level: Option<String>,
@@ -429,6 +435,8 @@ pub fn main() -> i32 {
             model,
             upstream_timeout,
             upstream_connect_retries,
+            compact_every,
+            compact_older_than,
             log_level,
             cumulative_token_mode,
             renderer_family,
@@ -443,6 +451,8 @@ pub fn main() -> i32 {
             model,
             upstream_timeout_s: upstream_timeout,
             upstream_connect_retries,
+            compact_every_s: compact_every,
+            compact_older_than_s: compact_older_than,
             log_level,
             cumulative_token_mode,
             renderer_family,
