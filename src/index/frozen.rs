@@ -48,6 +48,33 @@ impl FrozenRow {
     pub fn loc(&self) -> Loc {
         Loc { segment: self.segment, offset: self.offset }
     }
+
+    /// A row of session `session` whose trace id is `text[trace..trace + trace_len]`.
+    pub(crate) fn new(loc: Loc, timestamp: f64, trace: u64, trace_len: u32, session: u32) -> FrozenRow {
+        FrozenRow { segment: loc.segment, offset: loc.offset, timestamp, trace, trace_len, session }
+    }
+}
+
+impl FrozenSession {
+    /// A session whose name hashes to `hash`, is `text[name..name + name_len]`
+    /// and whose rows start at `first_row`.
+    pub(crate) fn new(hash: u64, name: u64, name_len: u32, first_row: u32) -> FrozenSession {
+        FrozenSession { hash, name, name_len, first_row }
+    }
+}
+
+impl TraceEntry {
+    pub(crate) fn new(hash: u64, row: u32) -> TraceEntry {
+        TraceEntry { hash, row, reserved: 0 }
+    }
+
+    pub(crate) fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    pub(crate) fn row(&self) -> u32 {
+        self.row
+    }
 }
 
 /// A frozen session: its calls are `rows[first_row..]` up to the next
@@ -296,6 +323,22 @@ impl Frozen {
         let i = session as usize;
         let end = self.sessions.get(i + 1).map_or(self.rows.len() as u32, |n| n.first_row);
         self.sessions.get(i).map_or(0..0, |s| s.first_row..end)
+    }
+
+    /// The hash of frozen session `session`'s name ([`id_hash`]).
+    pub fn session_hash(&self, session: u32) -> u64 {
+        self.sessions.get(session as usize).map_or(0, |s| s.hash)
+    }
+
+    /// The (trace id hash, row) table, sorted.
+    pub fn by_trace(&self) -> &[TraceEntry] {
+        &self.by_trace
+    }
+
+    /// The rows whose trace id hashes to `hash`.
+    pub fn rows_with_trace_hash(&self, hash: u64) -> impl Iterator<Item = u32> + '_ {
+        let at = self.by_trace.partition_point(|e| e.hash < hash);
+        self.by_trace.get(at..).unwrap_or_default().iter().take_while(move |e| e.hash == hash).map(|e| e.row)
     }
 
     /// The frozen session named `name`.

@@ -36,15 +36,15 @@ const HEADER_LEN: usize = 24;
 const DIR_ENTRY_LEN: usize = 32;
 
 /// Section kinds, in the order written (format-spec/shard-index.md §2).
-const SHARDS: u32 = 1;
-const PLACEMENTS: u32 = 2;
-const FROZEN_ROWS: u32 = 3;
-const FROZEN_SESSIONS: u32 = 4;
-const TRACE_TABLE: u32 = 5;
-const TEXT: u32 = 6;
-const HOT_ROWS: u32 = 7;
-const TRACE_HASHES: u32 = 8;
-const SESSION_HASHES: u32 = 9;
+pub(crate) const SHARDS: u32 = 1;
+pub(crate) const PLACEMENTS: u32 = 2;
+pub(crate) const FROZEN_ROWS: u32 = 3;
+pub(crate) const FROZEN_SESSIONS: u32 = 4;
+pub(crate) const TRACE_TABLE: u32 = 5;
+pub(crate) const TEXT: u32 = 6;
+pub(crate) const HOT_ROWS: u32 = 7;
+pub(crate) const TRACE_HASHES: u32 = 8;
+pub(crate) const SESSION_HASHES: u32 = 9;
 const SECTIONS: [u32; 9] =
     [SHARDS, PLACEMENTS, FROZEN_ROWS, FROZEN_SESSIONS, TRACE_TABLE, TEXT, HOT_ROWS, TRACE_HASHES, SESSION_HASHES];
 /// "Not a frozen row", in a placement's `frozen_row`.
@@ -115,7 +115,7 @@ fn pad8(n: usize) -> usize {
     n.div_ceil(8) * 8
 }
 
-fn encode_shards(shards: &[ShardKey]) -> Vec<u8> {
+pub(crate) fn encode_shards(shards: &[ShardKey]) -> Vec<u8> {
     let mut out = Vec::new();
     for s in shards {
         out.extend_from_slice(&s.len.to_le_bytes());
@@ -127,7 +127,7 @@ fn encode_shards(shards: &[ShardKey]) -> Vec<u8> {
     out
 }
 
-fn encode_hot(hot: &[RowRef<'_>]) -> Vec<u8> {
+pub(crate) fn encode_hot(hot: &[RowRef<'_>]) -> Vec<u8> {
     let mut out = Vec::new();
     for r in hot {
         for v in [r.loc.segment, r.loc.offset, r.timestamp.to_bits()] {
@@ -206,51 +206,125 @@ fn sections<'a>(
 /// replacing any: a temporary file, fsynced, renamed, the directory
 /// fsynced. Returns its size.
 pub(crate) fn write(shards_dir: &Path, shards: &[ShardKey], c: &Contents<'_>, faults: &Faults) -> Result<u64> {
-    let dst = shards_dir.join(INDEX_FILE_NAME);
-    let tmp = shards_dir.join(TMP_NAME);
-    fault::check(faults, Op::Replace { path: &dst }).map_err(|e| io(&dst, "replace", e))?;
     let (shards_bytes, hot_bytes) = (encode_shards(shards), encode_hot(c.hot));
-    let sections = sections(shards, c, &shards_bytes, &hot_bytes);
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(|e| io(&tmp, "create", e))?;
-    let mut w = BufWriter::with_capacity(1 << 20, file);
-    let mut directory = Vec::with_capacity(sections.len() * DIR_ENTRY_LEN);
-    let mut at = HEADER_LEN + sections.len() * DIR_ENTRY_LEN;
-    for (kind, bytes, count) in &sections {
-        directory.extend_from_slice(&kind.to_le_bytes());
-        directory.extend_from_slice(&crc32fast::hash(bytes).to_le_bytes());
-        directory.extend_from_slice(&(at as u64).to_le_bytes());
-        directory.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        directory.extend_from_slice(&count.to_le_bytes());
-        at = pad8(at + bytes.len());
+    let mut w = FileWriter::create(shards_dir, faults)?;
+    for (kind, bytes, count) in sections(shards, c, &shards_bytes, &hot_bytes) {
+        w.section(kind, |out| {
+            out.put(bytes)?;
+            Ok(count)
+        })?;
     }
-    let mut header = Vec::with_capacity(HEADER_LEN);
-    header.extend_from_slice(&MAGIC);
-    header.extend_from_slice(&INDEX_FILE_VERSION.to_le_bytes());
-    header.extend_from_slice(&(sections.len() as u32).to_le_bytes());
-    header.extend_from_slice(&crc32fast::hash(&directory).to_le_bytes());
-    header.extend_from_slice(&0u32.to_le_bytes());
-    let written = (|| {
-        w.write_all(&header)?;
-        w.write_all(&directory)?;
-        for (_, bytes, _) in &sections {
-            w.write_all(bytes)?;
-            w.write_all([0u8; 8].get(..pad8(bytes.len()) - bytes.len()).unwrap_or_default())?;
+    w.finish(shards_dir, faults)
+}
+
+/// A section being written: its bytes go to the file through a running
+/// crc32.
+pub(crate) struct SectionSink<'a> {
+    w: &'a mut BufWriter<File>,
+    crc: crc32fast::Hasher,
+    len: u64,
+}
+
+impl SectionSink<'_> {
+    pub(crate) fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.crc.update(bytes);
+        self.len += bytes.len() as u64;
+        self.w.write_all(bytes)
+    }
+
+    /// Fixed-width entries, as their bytes.
+    pub(crate) fn put_all<T: bytemuck::Pod>(&mut self, entries: &[T]) -> std::io::Result<()> {
+        self.put(bytemuck::cast_slice(entries))
+    }
+}
+
+/// Writes the file (format-spec/shard-index.md §2) section after section
+/// in the order of [`SECTIONS`], each streamed through a [`SectionSink`],
+/// so that no section needs to be in memory whole; the header and the
+/// directory, which come first, are written last, once every section's
+/// place, length and crc32 are known. Into a temporary file that
+/// [`FileWriter::finish`] fsyncs and renames over the file.
+pub(crate) struct FileWriter {
+    w: BufWriter<File>,
+    tmp: std::path::PathBuf,
+    directory: Vec<u8>,
+    sections: u32,
+    at: u64,
+}
+
+impl FileWriter {
+    pub(crate) fn create(shards_dir: &Path, faults: &Faults) -> Result<FileWriter> {
+        let dst = shards_dir.join(INDEX_FILE_NAME);
+        let tmp = shards_dir.join(TMP_NAME);
+        fault::check(faults, Op::Replace { path: &dst }).map_err(|e| io(&dst, "replace", e))?;
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(|e| io(&tmp, "create", e))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        // Room for the header and the directory, written at the end.
+        let at = HEADER_LEN + SECTIONS.len() * DIR_ENTRY_LEN;
+        w.write_all(&vec![0u8; at]).map_err(|e| io(&tmp, "write", e))?;
+        Ok(FileWriter { w, tmp, directory: Vec::with_capacity(SECTIONS.len() * DIR_ENTRY_LEN), sections: 0, at: at as u64 })
+    }
+
+    /// Write section `kind` (the next of [`SECTIONS`]): `body` puts its
+    /// bytes and returns its entry count.
+    pub(crate) fn section(
+        &mut self,
+        kind: u32,
+        body: impl FnOnce(&mut SectionSink<'_>) -> std::io::Result<u64>,
+    ) -> Result<()> {
+        if SECTIONS.get(self.sections as usize) != Some(&kind) {
+            return Err(Error::new(crate::ErrorKind::Io, format!("internal: shard index section {kind} out of order")));
         }
-        w.flush()
-    })();
-    written.map_err(|e| io(&tmp, "write", e))?;
-    let mut file = w.into_inner().map_err(|e| io(&tmp, "write", e.into_error()))?;
-    let len = file.seek(SeekFrom::End(0)).map_err(|e| io(&tmp, "write", e))?;
-    file.sync_all().map_err(|e| io(&tmp, "fsync", e))?;
-    drop(file);
-    std::fs::rename(&tmp, &dst).map_err(|e| io(&dst, "rename over", e))?;
-    crate::storage::sync_dir(shards_dir, faults)?;
-    Ok(len)
+        let mut sink = SectionSink { w: &mut self.w, crc: crc32fast::Hasher::new(), len: 0 };
+        let written = body(&mut sink).and_then(|count| {
+            let pad = (pad8(sink.len as usize) as u64 - sink.len) as usize;
+            sink.w.write_all([0u8; 8].get(..pad).unwrap_or_default())?;
+            Ok(count)
+        });
+        let count = written.map_err(|e| io(&self.tmp, "write", e))?;
+        let (crc, len) = (sink.crc.finalize(), sink.len);
+        self.directory.extend_from_slice(&kind.to_le_bytes());
+        self.directory.extend_from_slice(&crc.to_le_bytes());
+        self.directory.extend_from_slice(&self.at.to_le_bytes());
+        self.directory.extend_from_slice(&len.to_le_bytes());
+        self.directory.extend_from_slice(&count.to_le_bytes());
+        self.at = pad8((self.at + len) as usize) as u64;
+        self.sections += 1;
+        Ok(())
+    }
+
+    /// Write the header and the directory, fsync, rename over the file,
+    /// fsync the directory; the file's size.
+    pub(crate) fn finish(self, shards_dir: &Path, faults: &Faults) -> Result<u64> {
+        let FileWriter { w, tmp, directory, sections, at } = self;
+        if sections as usize != SECTIONS.len() {
+            return Err(Error::new(crate::ErrorKind::Io, "internal: a shard index section was not written"));
+        }
+        let mut header = Vec::with_capacity(HEADER_LEN);
+        header.extend_from_slice(&MAGIC);
+        header.extend_from_slice(&INDEX_FILE_VERSION.to_le_bytes());
+        header.extend_from_slice(&sections.to_le_bytes());
+        header.extend_from_slice(&crc32fast::hash(&directory).to_le_bytes());
+        header.extend_from_slice(&0u32.to_le_bytes());
+        let mut file = w.into_inner().map_err(|e| io(&tmp, "write", e.into_error()))?;
+        let written = (|| {
+            file.seek(SeekFrom::Start(0))?;
+            file.write_all(&header)?;
+            file.write_all(&directory)?;
+            file.sync_all()
+        })();
+        written.map_err(|e| io(&tmp, "write", e))?;
+        drop(file);
+        let dst = shards_dir.join(INDEX_FILE_NAME);
+        std::fs::rename(&tmp, &dst).map_err(|e| io(&dst, "rename over", e))?;
+        crate::storage::sync_dir(shards_dir, faults)?;
+        Ok(at)
+    }
 }
 
 /// [`write`] the file, then open it back: `None` unless it now describes
@@ -493,6 +567,15 @@ impl ShardIndex {
             }
         }
         Ok(())
+    }
+
+    /// The first section whose bytes or count differ from `other`'s, if any.
+    #[cfg(test)]
+    pub(crate) fn first_difference(&self, other: &ShardIndex) -> Option<u32> {
+        SECTIONS
+            .iter()
+            .copied()
+            .find(|k| self.bytes_of(*k) != other.bytes_of(*k) || self.section(*k).count != other.section(*k).count)
     }
 
     /// The file's size in bytes.

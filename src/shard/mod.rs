@@ -5,6 +5,7 @@
 
 pub mod extra;
 pub(crate) mod index_file;
+pub(crate) mod index_merge;
 pub mod reader;
 pub mod schema;
 pub mod set;

@@ -255,7 +255,6 @@ fn write_index_file(
     let keys: Vec<ShardKey> =
         present.iter().filter_map(|s| published.file(*s)).map(|f| ShardKey::of(f, shards_dir)).collect();
     let gone: HashSet<u32> = obsolete.shard_ids.iter().copied().collect();
-    let frozen = base_index.map(|ix| ix.frozen()).unwrap_or_default();
     // The rows of the base's files the base's file does not describe.
     let described: HashSet<u32> = base.described_slots().into_iter().collect();
     let mut undescribed = Vec::new();
@@ -270,6 +269,24 @@ fn write_index_file(
         new_rows.sort_by_key(|r| r.loc);
         return write_built(shards_dir, &keys, &new_rows, faults);
     }
+    if let Some(ix) = base_index {
+        // From the file it replaces, streamed (shard/index_merge.rs): the
+        // same bytes as a build from every row, in memory O(the rows added).
+        let renumber = |k: u32| base.slot(k).filter(|s| !gone.contains(s)).and_then(number);
+        let added: Vec<crate::index::frozen::RowRef<'_>> =
+            undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from).collect();
+        match crate::shard::index_merge::write_merged(shards_dir, &keys, ix, &renumber, &added, faults) {
+            Ok(true) => {
+                return crate::shard::index_file::ShardIndex::open(shards_dir)
+                    .ok()
+                    .flatten()
+                    .filter(|ix| ix.shards() == keys.as_slice());
+            }
+            Ok(false) => {}
+            Err(_) => return None,
+        }
+    }
+    let frozen = base_index.map(|ix| ix.frozen()).unwrap_or_default();
     let mut rows = match base_index {
         Some(ix) => ix.rows(&frozen, |k| base.slot(k).filter(|s| !gone.contains(s)).and_then(number)),
         None => Vec::new(),
