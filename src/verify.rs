@@ -65,6 +65,33 @@ pub struct ByteSplit {
     pub other_bytes: u64,
 }
 
+/// The call records a read can reach: the live calls still in segments and
+/// their prefix-delta ancestors (`parents`: each record's position and its
+/// parent's). Retirement may drop the parent of a record nothing reads — a
+/// call deleted or replaced, whose record a kept segment still holds
+/// (format-spec/shard.md §6) — so only these must find their parents.
+/// Which calls are live comes from a read-only open; `None` (check every
+/// record) when the store does not open.
+fn records_a_read_reaches(dir: &Path, parents: &[(PathBuf, Loc, Loc)]) -> Option<HashSet<Loc>> {
+    let store = crate::Store::open_read_only_with(dir, crate::RecoveryMode::SkipCorrupted).ok()?;
+    let snap = store.snapshot();
+    let parent_of: std::collections::HashMap<Loc, Loc> = parents.iter().map(|(_, loc, p)| (*loc, *p)).collect();
+    let mut needed = HashSet::new();
+    for (_, meta) in snap.view.index.hot_calls().iter() {
+        if snap.view.shards.is_compacted(meta.loc) {
+            continue;
+        }
+        let mut at = Some(meta.loc);
+        while let Some(loc) = at {
+            if !needed.insert(loc) {
+                break;
+            }
+            at = parent_of.get(&loc).copied();
+        }
+    }
+    Some(needed)
+}
+
 /// Verify the store in `dir`.
 pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     let manifest_path = dir.join("MANIFEST");
@@ -316,8 +343,9 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
             }),
         }
     }
+    let needed = records_a_read_reaches(dir, &parents);
     for (path, loc, parent) in parents {
-        if compacted.contains(&loc) {
+        if compacted.contains(&loc) || needed.as_ref().is_some_and(|n| !n.contains(&loc)) {
             continue;
         }
         if parent >= loc || !frames.contains(&parent) {
