@@ -186,23 +186,33 @@ fn prepare(
         drop(new_rows);
     }
     let shards = Arc::new(shards);
+    // The frozen layer's calls are all compacted: none is in segments.
+    let base_traces = base.view.index.hot_calls().clone();
+    let base_shards = base.view.shards.clone();
+    let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
+    let mut staying = 0usize;
+    for (_, meta) in base_traces.iter() {
+        if let Some(s) = in_segments_of(Some(meta), &shards) {
+            *in_segments.entry(s).or_default() += 1;
+            staying += 1;
+        }
+    }
     // With the file written for every `steps` file, the writer takes an
     // index replayed over it, as an open would build it, instead of its
     // own (recovery.rs `Rebuilt`): what this and earlier compactions moved
     // into shards leaves its maps for the file's frozen layer. The base
     // view's sealed segments are replayed here, off the writer's thread;
-    // the writer replays the records written since.
-    let rebuilt = if write_index { rebuild_base(dir, &shards, &base.view) } else { None };
-    // The frozen layer's calls are all compacted: none is in segments.
-    let base_traces = base.view.index.hot_calls().clone();
-    let base_shards = base.view.shards.clone();
+    // the writer replays the records written since. The replay holds a
+    // second copy of the calls that stay in segments until the writer
+    // drops its own: it is done when they are at most a quarter of the
+    // maps' calls (a compaction then at least frees three times what it
+    // copies; one that compacts little of a large backlog does not).
+    let rebuilt = if write_index && staying.saturating_mul(REBUILD_STAYING_DIVISOR) <= base_traces.len() {
+        rebuild_base(dir, &shards, &base.view)
+    } else {
+        None
+    };
     drop(base.view);
-    let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
-    for (_, meta) in base_traces.iter() {
-        if let Some(s) = in_segments_of(Some(meta), &shards) {
-            *in_segments.entry(s).or_default() += 1;
-        }
-    }
     Ok(Prepared {
         token: base.token,
         shards,
@@ -216,6 +226,10 @@ fn prepare(
         in_segments,
     })
 }
+
+/// A publication rebuilds the writer's index when the calls that stay in
+/// segments are at most 1/this of the maps' calls (see [`prepare`]).
+const REBUILD_STAYING_DIVISOR: usize = 4;
 
 /// [`Rebuilt`] over `shards` (whose index file a publication just wrote)
 /// through the records of `base`'s sealed segments, with the last one's

@@ -483,6 +483,11 @@ struct RowFeed {
     thawed: std::collections::BinaryHeap<std::cmp::Reverse<(Loc, u32)>>,
     /// From a shard index file: `rows` are not every shard row.
     mapped: bool,
+    /// Every shard row's placement, when the replay asks about positions
+    /// in increasing order only (a [`Rebuilt`]), with how far it has read:
+    /// whether a call is compacted is then a step forward, not a binary
+    /// search of the whole table (10M rows: seconds of a rebuild).
+    ordered: Option<(crate::storage::table::Table<crate::shard::set::Placement>, usize)>,
 }
 
 impl RowFeed {
@@ -526,8 +531,18 @@ impl RowFeed {
 
     /// Whether the call at `loc` was compacted into a row this feed does not
     /// give (a frozen row, when the rows came from a shard index file).
-    fn is_compacted(&self, shards: &crate::shard::set::ShardSet, loc: Loc) -> bool {
-        self.mapped && shards.is_compacted(loc)
+    fn is_compacted(&mut self, shards: &crate::shard::set::ShardSet, loc: Loc) -> bool {
+        if !self.mapped {
+            return false;
+        }
+        match &mut self.ordered {
+            Some((placements, at)) => {
+                let rest = placements.get(*at..).unwrap_or_default();
+                *at += rest.iter().take_while(|p| p.loc() < loc).count();
+                placements.get(*at).is_some_and(|p| p.loc() == loc)
+            }
+            None => shards.is_compacted(loc),
+        }
     }
 
     /// Replay the records of segment `seg` (its footer entries, in log
@@ -581,7 +596,15 @@ impl Rebuilt {
         index.record_thaws(true);
         let mut rows: Vec<ShardRow> = ix.hot_rows().to_vec();
         rows.sort_by_key(|r| r.loc);
-        let feed = RowFeed { rows: rows.into_iter().map(|r| (r, None)).collect(), mapped: true, ..RowFeed::default() };
+        // Every placement is of a file of `shards` (the file was written
+        // for them), and the replay goes forward in log order.
+        let ordered = Some((ix.placements(), 0));
+        let feed = RowFeed {
+            rows: rows.into_iter().map(|r| (r, None)).collect(),
+            mapped: true,
+            ordered,
+            ..RowFeed::default()
+        };
         Some(Rebuilt { index, feed, shards: shards.clone() })
     }
 

@@ -596,3 +596,30 @@ fn seals_and_deletions_since_a_rebased_view_still_refuse_and_admit_appends() {
     assert_eq!(snap.call_count(), 2000 + 1000);
     store.close().expect("close");
 }
+
+#[test]
+fn a_publication_that_compacts_little_of_a_large_backlog_keeps_the_writers_index() {
+    // The rebuilt index would copy the calls that stay in segments while
+    // the writer's own still holds them: not done when they are more than
+    // a quarter of the maps' calls (publish.rs `REBUILD_STAYING_DIVISOR`).
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for s in 0..10 {
+        for n in 0..4 {
+            store.append(call(&format!("s{s}"), n)).expect("append");
+        }
+    }
+    store.seal_session("s0").expect("seal");
+    let report = store.compact(&crate::compact::CompactOptions::default()).expect("compact");
+    assert_eq!(report.calls, 4);
+    let layers = store.snapshot().index_layers();
+    assert!(layers.index_file_bytes > 0, "the first shards' file was written: {layers:?}");
+    assert_eq!((layers.calls, layers.frozen_calls), (40, 0), "36 of 40 calls stay: not rebuilt");
+    let ids: Vec<String> = (0..10).flat_map(|s| (0..4).map(move |n| format!("s{s}/{n}"))).collect();
+    let want = answers(&store, &ids);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default()).expect("reopen");
+    assert_eq!(reopened.snapshot().index_layers().frozen_calls, 4, "an open freezes them");
+    assert_eq!(answers(&reopened, &ids), want);
+    reopened.close().expect("close");
+}
