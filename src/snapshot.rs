@@ -545,6 +545,14 @@ impl Snapshot {
         self.view.index.session_summary(session_id).map(|s| Self::info(session_id, s))
     }
 
+    /// Every session of the index's maps with at least one live call, with
+    /// its summary: every session with a call in segments is there (a
+    /// frozen session's calls are all compacted). O(sessions in the maps),
+    /// not O(every session), for a compaction's selection.
+    pub(crate) fn for_each_session_in_maps(&self, mut f: impl FnMut(SessionInfo)) {
+        self.view.index.for_each_session_in_maps(|id, s| f(Self::info(id, s)));
+    }
+
     /// Whether a live call whose primary session is `session_id` is still
     /// served from segments (not compacted). From the index alone: nothing is
     /// read or decoded.
@@ -636,26 +644,21 @@ impl Snapshot {
             // frozen row not thawed is a live call, its placement names its
             // file. One pass over the placements instead of a binary
             // search per call (10M compacted calls: ~3 s of a compaction).
-            let thawed = index.thawed_rows();
-            let is_thawed = |row: u32| {
-                !thawed.is_empty()
-                    && thawed
-                        .binary_search_by(|r| {
-                            if r.end <= row {
-                                std::cmp::Ordering::Less
-                            } else if r.start > row {
-                                std::cmp::Ordering::Greater
-                            } else {
-                                std::cmp::Ordering::Equal
-                            }
-                        })
-                        .is_ok()
-            };
+            // The file's frozen rows per shard (counted once per file),
+            // less the rows of the sessions thawed since the open.
             let mut per_slot = vec![0u64; shards.slots()];
-            for (slot, row) in shards.frozen_placements() {
-                if !is_thawed(row) {
-                    if let Some(n) = per_slot.get_mut(slot as usize) {
-                        *n += 1;
+            if let Some(ix) = shards.index_file() {
+                for (shard, n) in ix.frozen_rows_per_shard().iter().enumerate() {
+                    if let Some(c) = shards.slot(shard as u32).and_then(|s| per_slot.get_mut(s as usize)) {
+                        *c += n;
+                    }
+                }
+            }
+            let frozen = index.frozen();
+            for range in index.thawed_rows() {
+                for r in range.filter_map(|r| frozen.rows().get(r as usize)) {
+                    if let Some(c) = shards.position(r.loc()).and_then(|p| per_slot.get_mut(p.shard as usize)) {
+                        *c = c.saturating_sub(1);
                     }
                 }
             }

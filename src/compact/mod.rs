@@ -472,19 +472,20 @@ pub(crate) fn run_with(
     let compaction = store.begin_compaction()?;
     let snap = compaction.snapshot()?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    let selected: Vec<String> = snap
-        .sessions()
-        .into_iter()
-        .filter(|s| match opts.selection {
+    // Only sessions of the index's maps can have calls in segments: those
+    // compacted before (frozen, or not written to since) are left out from
+    // the index alone, so a compaction's work is what is new and nothing
+    // already compacted is listed, read or decoded again.
+    let mut selected: Vec<String> = Vec::new();
+    snap.for_each_session_in_maps(|s| {
+        let chosen = match opts.selection {
             Selection::SealedOnly => s.sealed,
             Selection::OlderThan(secs) => s.last_timestamp < now - secs,
-        })
-        // Sessions compacted before (and not written to since) are left out
-        // from the index alone: a compaction's work is what is new, and
-        // nothing already compacted is read or decoded again.
-        .filter(|s| snap.has_calls_in_segments(&s.session_id))
-        .map(|s| s.session_id)
-        .collect();
+        };
+        if chosen && snap.has_calls_in_segments(&s.session_id) {
+            selected.push(s.session_id);
+        }
+    });
     let generation = compaction.generation();
     let shards_dir = store.dir().join(SHARDS_DIR);
     // A generation a damaged row keeps from being collected is left out and

@@ -565,14 +565,20 @@ impl Index {
         })
     }
 
-    /// Every session with a live call, with its summary: the maps' (by
-    /// name), then the frozen ones.
-    pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
+    /// Every session of the maps with a live call (by name), with its
+    /// summary; not the frozen ones.
+    pub fn for_each_session_in_maps(&self, mut f: impl FnMut(&str, SessionSummary)) {
         for (name, e) in self.sessions.iter() {
             if let Some(s) = Self::mapped_summary(e) {
                 f(name, s);
             }
         }
+    }
+
+    /// Every session with a live call, with its summary: the maps' (by
+    /// name), then the frozen ones.
+    pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
+        self.for_each_session_in_maps(&mut f);
         for i in (0..self.frozen.session_count()).filter(|i| self.is_frozen(*i)) {
             let name = self.frozen.session_name(i);
             if let Some(s) = self.frozen_summary(i, self.sessions.get(name)) {

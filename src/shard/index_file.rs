@@ -357,6 +357,9 @@ pub(crate) struct ShardIndex {
     /// replacements not yet collected), sorted by log position.
     hot: Vec<ShardRow>,
     len: u64,
+    /// Per shard (the file's numbering), its frozen rows: counted once, by
+    /// the first compaction that asks ([`ShardIndex::frozen_rows_per_shard`]).
+    frozen_per_shard: std::sync::OnceLock<Vec<u64>>,
 }
 
 fn le_u32(b: &[u8], at: usize) -> Option<u32> {
@@ -428,7 +431,14 @@ impl ShardIndex {
         if let Some(k) = SECTIONS.iter().find(|k| !seen.get(**k as usize).copied().unwrap_or(false)) {
             return Err(format!("section {k} is missing"));
         }
-        let mut ix = ShardIndex { map, shards: Vec::new(), sections, hot: Vec::new(), len };
+        let mut ix = ShardIndex {
+            map,
+            shards: Vec::new(),
+            sections,
+            hot: Vec::new(),
+            len,
+            frozen_per_shard: std::sync::OnceLock::new(),
+        };
         ix.shards = ix.parse_shards().ok_or("the shard list is malformed")?;
         ix.hot = ix.parse_hot().ok_or("the rows not frozen are malformed")?;
         // Every fixed-width table must fit its section.
@@ -545,6 +555,25 @@ impl ShardIndex {
     /// The rows not frozen, sorted by log position.
     pub(crate) fn hot_rows(&self) -> &[ShardRow] {
         &self.hot
+    }
+
+    /// How many frozen rows each shard of the file holds (indexed by the
+    /// file's shard numbers): one pass over the placements the first time,
+    /// whose pages are then given back; the same answer after. A
+    /// compaction's collection plan asks it (`Snapshot::shard_liveness`),
+    /// so that a long-lived writer's compactions do not each read every
+    /// placement.
+    pub(crate) fn frozen_rows_per_shard(&self) -> &[u64] {
+        self.frozen_per_shard.get_or_init(|| {
+            let mut counts = vec![0u64; self.shards.len()];
+            for p in self.placements().iter().filter(|p| p.frozen_row != NOT_FROZEN) {
+                if let Some(n) = counts.get_mut(p.shard as usize) {
+                    *n += 1;
+                }
+            }
+            self.release_pages();
+            counts
+        })
     }
 
     /// Every row's trace id hash, sorted.

@@ -259,15 +259,6 @@ impl ShardSet {
         self.base.is_in(map)
     }
 
-    /// The placements of frozen rows of the shard index file: (slot of its
-    /// file, frozen row number), in log order.
-    pub(crate) fn frozen_placements(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
-        self.base
-            .iter()
-            .filter(|p| p.frozen_row != NOT_FROZEN)
-            .filter_map(|p| Some((self.slot(p.shard)?, p.frozen_row)))
-    }
-
     /// Whether the call record at `loc` is served from a shard.
     pub fn is_compacted(&self, loc: Loc) -> bool {
         self.position(loc).is_some()
