@@ -376,9 +376,15 @@ impl Writer {
     /// it has replayed the records written since its base: those of the
     /// segments after `through`, the active one's included. Whether it did:
     /// not when the writer is poisoned or has frames not yet written, or a
-    /// segment does not read cleanly; the index then stays as it is.
-    pub(super) fn adopt_rebuilt(&mut self, mut rebuilt: Rebuilt, through: u64) -> bool {
-        if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() {
+    /// segment does not read cleanly, or the publication retired a segment
+    /// after `through` (`retired`): its records would never reach the rebuilt
+    /// index, which replayed the base's retired segments before they went (a
+    /// deletion appended during the compaction, in a segment sealed since,
+    /// of a session whose calls were all in retired base segments, would
+    /// bring the session back). The index then stays as it is.
+    pub(super) fn adopt_rebuilt(&mut self, mut rebuilt: Rebuilt, through: u64, retired: &[u64]) -> bool {
+        if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() || retired.iter().any(|&id| id > through)
+        {
             return false;
         }
         for (_, seg) in self.sealed_segments.range(through + 1..) {

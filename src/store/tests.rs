@@ -623,3 +623,49 @@ fn a_publication_that_compacts_little_of_a_large_backlog_keeps_the_writers_index
     assert_eq!(answers(&reopened, &ids), want);
     reopened.close().expect("close");
 }
+
+#[test]
+fn a_deletion_retired_by_the_publication_stays_deleted_in_the_rebuilt_index() {
+    // S's only call is in segment 1 with A's; S is deleted while A's
+    // compaction runs, and the deletion's segment is sealed before the
+    // publication, which retires both segments (nothing in them is live).
+    // The rebuilt index replayed segment 1 (the base view) but would never
+    // see the deletion: the writer keeps its own index then (found in
+    // review: S was listed again, its call pointing into a retired segment).
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for n in 0..8 {
+        store.append(call("a", n)).expect("append");
+    }
+    store.append(call("s", 0)).expect("append");
+    store.seal_session("a").expect("seal");
+    store.flush().expect("flush");
+    let opts = crate::compact::CompactOptions::default();
+    let report = crate::compact::run_with(&store, &opts, &mut || {
+        assert_eq!(store.delete_session("s").expect("delete meanwhile"), 1);
+        store.roll().expect("roll");
+        store.flush().expect("flush");
+    })
+    .expect("compact");
+    assert_eq!(report.calls, 8);
+    assert!(report.retired_segments >= 2, "segment 1 and the deletion's segment retire: {report:?}");
+    let snap = store.snapshot();
+    assert!(snap.session_info("s").is_none(), "a deleted session is visible again in the writer");
+    assert_eq!(snap.call_count(), 8);
+    assert!(snap.get("s/0").expect("get").is_none());
+    // Its trace id is free again, as after an open.
+    let mut c = call("t", 0);
+    c.trace_id = "s/0".into();
+    store.append(c).expect("the deleted call's id is free");
+    drop(snap);
+    let fresh = Store::open_read_only(dir.path()).expect("open read-only");
+    assert!(fresh.snapshot().session_info("s").is_none());
+    drop(fresh);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default()).expect("reopen");
+    let ids: Vec<String> = (0..8).map(|n| format!("a/{n}")).chain(["s/0".to_owned()]).collect();
+    let got = answers(&reopened, &ids);
+    assert!(got.iter().any(|l| l.starts_with("session t 1")), "{got:?}");
+    assert!(got.iter().all(|l| !l.starts_with("session s ")), "{got:?}");
+    reopened.close().expect("close");
+}

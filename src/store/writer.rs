@@ -204,8 +204,8 @@ impl Writer {
                     }),
                 };
                 self.commit(true);
-                if let (Ok(_), Some((rebuilt, through))) = (&result, prepared.rebuilt.take()) {
-                    if self.adopt_rebuilt(rebuilt, through) {
+                if let (Ok(outcome), Some((rebuilt, through))) = (&result, prepared.rebuilt.take()) {
+                    if self.adopt_rebuilt(rebuilt, through, &outcome.retired_segments) {
                         // Published with the next view.
                         self.commit(true);
                     }
