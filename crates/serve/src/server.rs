@@ -40,6 +40,26 @@ struct App {
     weight_version: Mutex<Option<i64>>,
     metrics: Metrics,
     health_started: AtomicBool,
+    /// Set once the gateway stops serving: the background tasks (health
+    /// checks, periodic compaction) return at their next wait.
+    stop: tokio::sync::watch::Sender<bool>,
+    /// The background tasks, awaited by the shutdown before it closes the
+    /// store (a compaction under way holds the store: it is finished first).
+    background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl App {
+    /// Run `task` in the background until the gateway stops: it is awaited
+    /// by the shutdown, so it must watch `stop`.
+    fn spawn_background(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        lock(&self.background).push(tokio::spawn(task));
+    }
+}
+
+/// Resolves once `stop` is set (at once if it is already).
+async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
+    // An error means the sender is gone: the gateway is gone too.
+    let _ = stop.wait_for(|s| *s).await;
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -59,7 +79,10 @@ pub struct Server {
 }
 
 impl Server {
-    /// Stop accepting, drain in-flight calls, flush and close the store.
+    /// Stop accepting, drain in-flight calls, stop the background tasks (a
+    /// periodic compaction under way is finished first), flush and close
+    /// the store: once this returns, the store's directory is free for
+    /// another writer.
     pub async fn shutdown(mut self) -> Result<(), String> {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
@@ -129,6 +152,8 @@ pub async fn start(config: Config) -> Result<Server, String> {
         weight_version: Mutex::new(None),
         metrics: Metrics::default(),
         health_started: AtomicBool::new(false),
+        stop: tokio::sync::watch::Sender::new(false),
+        background: Mutex::new(Vec::new()),
     });
     if !app.router.list().is_empty() {
         start_health_checks(&app);
@@ -143,13 +168,33 @@ pub async fn start(config: Config) -> Result<Server, String> {
             })
             .await
             .map_err(|e| format!("server error: {e}"));
-        tracing::info!("draining done; flushing the store");
+        tracing::info!("draining done; stopping the background tasks");
+        app.stop.send_replace(true);
+        // A task started while these are awaited sees `stop` set at once.
+        loop {
+            let tasks = std::mem::take(&mut *lock(&app.background));
+            if tasks.is_empty() {
+                break;
+            }
+            for task in tasks {
+                if let Err(e) = task.await {
+                    tracing::warn!(error = %e, "a background task failed");
+                }
+            }
+        }
+        tracing::info!("flushing and closing the store");
         let store = app.store.clone();
-        let flushed = tokio::task::spawn_blocking(move || store.flush())
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("final flush failed: {e}"));
-        served.and(flushed)
+        drop(app);
+        let closed = tokio::task::spawn_blocking(move || match Arc::try_unwrap(store) {
+            Ok(store) => store.close(),
+            // Still held elsewhere (a request's task not yet dropped): flushed
+            // now, closed when the last holder lets go.
+            Err(store) => store.flush(),
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("final flush and close failed: {e}"));
+        served.and(closed)
     });
     tracing::info!(%addr, "trajlog serve listening");
     Ok(Server { addr, shutdown: Some(tx), done })
@@ -184,16 +229,22 @@ fn start_health_checks(app: &Arc<App>) {
     }
     let weak = Arc::downgrade(app);
     let interval = Duration::from_secs_f64(app.config.health_check_interval_s.clamp(0.05, 86_400.0));
-    tokio::spawn(async move {
+    let stop = app.stop.subscribe();
+    app.spawn_background(async move {
         loop {
-            tokio::time::sleep(interval).await;
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stopped(stop.clone()) => return,
+            }
             let Some(app) = weak.upgrade() else { return };
             for w in app.router.list() {
                 let url = format!("{}/health", w.url.trim_end_matches('/'));
-                let ok = matches!(
-                    app.client.get(&url).timeout(Duration::from_secs(5)).send().await,
-                    Ok(r) if r.status() == StatusCode::OK
-                );
+                let ok = tokio::select! {
+                    r = app.client.get(&url).timeout(Duration::from_secs(5)).send() => {
+                        matches!(r, Ok(r) if r.status() == StatusCode::OK)
+                    }
+                    _ = stopped(stop.clone()) => return,
+                };
                 if !ok {
                     tracing::warn!(worker = %w.url, "health check failed");
                 }
@@ -786,14 +837,23 @@ async fn run_compaction(app: &Arc<App>) -> Result<trajlog::CompactReport, String
 }
 
 /// `compact_every_s`: compact in the background at that interval (from the
-/// end of one compaction to the start of the next) while the gateway runs.
+/// end of one compaction to the start of the next) while the gateway runs;
+/// a shutdown waits for a compaction under way and starts none.
 fn start_periodic_compaction(app: &Arc<App>) {
     let Some(every) = app.config.compact_every_s else { return };
     let weak = Arc::downgrade(app);
     let interval = Duration::from_secs_f64(every.clamp(0.05, 86_400.0 * 365.0));
-    tokio::spawn(async move {
+    let stop = app.stop.subscribe();
+    app.spawn_background(async move {
         loop {
-            tokio::time::sleep(interval).await;
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = stopped(stop.clone()) => return,
+            }
+            // Both may have been ready: none starts once the gateway stops.
+            if *stop.borrow() {
+                return;
+            }
             let Some(app) = weak.upgrade() else { return };
             match run_compaction(&app).await {
                 Ok(r) if r.calls > 0 || r.retired_segments > 0 || r.moved_calls > 0 => tracing::info!(

@@ -380,6 +380,54 @@ async fn periodic_compaction_moves_sealed_sessions_into_shards() {
     e2.shutdown().await;
 }
 
+/// Fill `dir` with `sessions` sealed sessions of 20 calls each (named
+/// `{tag}-N`) through the library, then close it.
+fn fill_sealed(dir: &std::path::Path, tag: &str, sessions: usize) {
+    let store = trajlog::Store::open(dir, trajlog::Options::default()).expect("open");
+    for s in 0..sessions {
+        let sid = format!("{tag}-{s}");
+        for n in 0..20u32 {
+            let call = trajlog::Call {
+                trace_id: format!("{sid}/{n}"),
+                session_id: sid.clone(),
+                timestamp: f64::from(n),
+                prompt_token_ids: (0..64 + 16 * n).collect(),
+                completion_token_ids: vec![n; 16],
+                logprobs: Some(vec![-0.5; 16]),
+                ..Default::default()
+            };
+            store.append(call).expect("append");
+        }
+        store.seal_session(&sid).expect("seal");
+    }
+    store.close().expect("close");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_periodic_compaction_and_frees_the_store() {
+    // A compaction under way holds the store: the shutdown waits for it
+    // and closes the store, so the directory is free for a writer as soon
+    // as shutdown() returns (before, the background task could still hold
+    // it, and a writable open failed with "locked"). The pauses only vary
+    // where the shutdown falls; the verdict does not depend on them.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store_dir = dir.path().join("store");
+    for (round, pause_ms) in [0u64, 30, 120].into_iter().enumerate() {
+        fill_sealed(&store_dir, &format!("r{round}"), 150);
+        let mut e = env_with(|c| {
+            c.store = store_dir.clone();
+            c.compact_every_s = Some(0.05);
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(pause_ms)).await;
+        e.shutdown().await;
+        let store = trajlog::Store::open(&store_dir, trajlog::Options::default())
+            .expect("the store is free once shutdown returned");
+        assert_eq!(store.snapshot().call_count(), 20 * 150 * (round + 1), "round {round}");
+        store.close().expect("close");
+    }
+}
+
 #[test]
 fn compaction_settings_are_checked() {
     use trajlog_serve::config::{resolve, Settings, Source};
