@@ -1,6 +1,8 @@
 //! Model-based test: random sequences of append / replace / seal / delete /
-//! reward / roll / reopen / read against a plain in-memory model, read by
-//! the writer and by a read-only store refreshed beside it.
+//! reward / roll / compact / reopen / read against a plain in-memory model,
+//! read by the writer and by a read-only store refreshed beside it. A
+//! compaction also runs a few of those operations while it is under way
+//! (between staging its shards and publishing them).
 
 mod common;
 
@@ -27,22 +29,35 @@ enum Op {
     TraceReward(u8, i8),
     Roll,
     /// Compact sealed sessions (false) or every session (true), collecting
-    /// earlier shards with any dead row (0), a quarter dead (1), or never (2).
-    Compact(bool, u8, bool),
+    /// earlier shards with any dead row (0), a quarter dead (1), or never (2),
+    /// merging or not; the operations (appends, seals, deletes, rewards,
+    /// rolls) run while it is under way.
+    Compact(bool, u8, bool, Vec<Op>),
     Reopen,
     Read,
 }
 
-fn op() -> impl Strategy<Value = Op> {
+/// The operations that change the store without compacting or reopening
+/// it, appends, deletions and rolls weighted as given (the others 1 each).
+fn change(append: u32, delete: u32, roll: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => (0u8..4, 0u8..24, any::<bool>(), prop::collection::vec(any::<u32>(), 0..40), any::<u8>())
+        append => (0u8..4, 0u8..24, any::<bool>(), prop::collection::vec(any::<u32>(), 0..40), any::<u8>())
             .prop_map(|(s, t, extend, completion, ts)| Op::Append { s, t, extend, completion, ts }),
         1 => (0u8..4).prop_map(Op::Seal),
-        1 => (0u8..4).prop_map(Op::Delete),
+        delete => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
         1 => (0u8..24, any::<i8>()).prop_map(|(t, r)| Op::TraceReward(t, r)),
-        1 => Just(Op::Roll),
-        1 => (any::<bool>(), 0u8..3, any::<bool>()).prop_map(|(all, collect, merge)| Op::Compact(all, collect, merge)),
+        roll => Just(Op::Roll),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        15 => change(10, 1, 1),
+        // While a compaction runs, deletions and rolls are likelier: what
+        // its publication retires then may hold records written meanwhile.
+        1 => (any::<bool>(), 0u8..3, any::<bool>(), prop::collection::vec(change(3, 2, 2), 0..5))
+            .prop_map(|(all, collect, merge, meanwhile)| Op::Compact(all, collect, merge, meanwhile)),
         1 => Just(Op::Reopen),
         2 => Just(Op::Read),
     ]
@@ -111,6 +126,76 @@ fn opts(durability: Durability) -> Options {
     Options::default().durability(durability).segment_bytes(64 * 1024).queue_depth(8)
 }
 
+/// Apply a change (`change()`) to the store and the model, checking the
+/// store's answer against the model's.
+fn apply(store: &Store, model: &mut Model, op: &Op) {
+    match op.clone() {
+        Op::Append { s, t, extend, completion, ts } => {
+            let sid = format!("s{s}");
+            let ctx = model.contexts.get(&sid).cloned().unwrap_or_default();
+            let mut prompt = if extend { ctx } else { ctx.iter().take(ctx.len() / 2).copied().chain([7, 7]).collect() };
+            prompt.push(u32::from(t));
+            let call = Call {
+                trace_id: format!("t{t}"),
+                session_id: sid.clone(),
+                timestamp: f64::from(ts),
+                prompt_token_ids: prompt.clone(),
+                logprobs: Some(completion.iter().map(|&x| f32::from_bits(x)).collect()),
+                completion_token_ids: completion.clone(),
+                ..Default::default()
+            };
+            let result = store.append(call.clone());
+            // Trace ids are unique per store: one live in another
+            // session is refused, like an append to a sealed session.
+            let elsewhere = model.calls.get(&call.trace_id).is_some_and(|(_, c)| c.session_id != sid);
+            if model.sealed.contains(&sid) || elsewhere {
+                let err =
+                    result.err().expect("append to a sealed session or of a trace id of another session is refused");
+                let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
+                assert!(invalid, "{}", err);
+            } else {
+                result.unwrap();
+                model.order += 1;
+                model.calls.insert(call.trace_id.clone(), (model.order, call));
+                prompt.extend_from_slice(&completion);
+                model.contexts.insert(sid, prompt);
+            }
+        }
+        Op::Seal(s) => {
+            store.seal_session(&format!("s{s}")).unwrap();
+            model.sealed.insert(format!("s{s}"));
+        }
+        Op::Delete(s) => {
+            let sid = format!("s{s}");
+            let n = store.delete_session(&sid).unwrap();
+            let before = model.calls.len();
+            model.calls.retain(|_, (_, c)| c.session_id != sid);
+            assert_eq!(n as usize, before - model.calls.len());
+            model.trace_rewards.retain(|t, _| model.calls.contains_key(t));
+            model.sealed.remove(&sid);
+            model.rewards.remove(&sid);
+            model.contexts.remove(&sid);
+        }
+        Op::Reward(s, r) => {
+            store.set_reward(Target::Session(format!("s{s}")), f64::from(r)).unwrap();
+            model.rewards.insert(format!("s{s}"), f64::from(r));
+        }
+        Op::TraceReward(t, r) => {
+            let tid = format!("t{t}");
+            let result = store.set_reward(Target::Trace(tid.clone()), f64::from(r));
+            if model.calls.contains_key(&tid) {
+                result.unwrap();
+                model.trace_rewards.insert(tid, f64::from(r));
+            } else {
+                let err = result.expect_err("a reward on a trace id with no live call is refused");
+                assert!(matches!(err.kind(), ErrorKind::NotFound), "{}", err);
+            }
+        }
+        Op::Roll => store.roll().unwrap(),
+        Op::Compact(..) | Op::Reopen | Op::Read => unreachable!("not a change: {op:?}"),
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
@@ -124,73 +209,16 @@ proptest! {
         let mut model = Model::default();
         for op in ops {
             match op {
-                Op::Append { s, t, extend, completion, ts } => {
-                    let sid = format!("s{s}");
-                    let ctx = model.contexts.get(&sid).cloned().unwrap_or_default();
-                    let mut prompt = if extend { ctx } else { ctx.iter().take(ctx.len() / 2).copied().chain([7, 7]).collect() };
-                    prompt.push(u32::from(t));
-                    let call = Call {
-                        trace_id: format!("t{t}"),
-                        session_id: sid.clone(),
-                        timestamp: f64::from(ts),
-                        prompt_token_ids: prompt.clone(),
-                        logprobs: Some(completion.iter().map(|&x| f32::from_bits(x)).collect()),
-                        completion_token_ids: completion.clone(),
-                        ..Default::default()
-                    };
-                    let result = store.append(call.clone());
-                    // Trace ids are unique per store: one live in another
-                    // session is refused, like an append to a sealed session.
-                    let elsewhere = model.calls.get(&call.trace_id).is_some_and(|(_, c)| c.session_id != sid);
-                    if model.sealed.contains(&sid) || elsewhere {
-                        let err = result.err().expect("append to a sealed session or of a trace id of another session is refused");
-                        let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
-                        prop_assert!(invalid, "{}", err);
-                    } else {
-                        result.unwrap();
-                        model.order += 1;
-                        model.calls.insert(call.trace_id.clone(), (model.order, call));
-                        prompt.extend_from_slice(&completion);
-                        model.contexts.insert(sid, prompt);
-                    }
+                Op::Append { .. } | Op::Seal(_) | Op::Delete(_) | Op::Reward(..) | Op::TraceReward(..) | Op::Roll => {
+                    apply(&store, &mut model, &op);
                 }
-                Op::Seal(s) => {
-                    store.seal_session(&format!("s{s}")).unwrap();
-                    model.sealed.insert(format!("s{s}"));
-                }
-                Op::Delete(s) => {
-                    let sid = format!("s{s}");
-                    let n = store.delete_session(&sid).unwrap();
-                    let before = model.calls.len();
-                    model.calls.retain(|_, (_, c)| c.session_id != sid);
-                    prop_assert_eq!(n as usize, before - model.calls.len());
-                    model.trace_rewards.retain(|t, _| model.calls.contains_key(t));
-                    model.sealed.remove(&sid);
-                    model.rewards.remove(&sid);
-                    model.contexts.remove(&sid);
-                }
-                Op::Reward(s, r) => {
-                    store.set_reward(Target::Session(format!("s{s}")), f64::from(r)).unwrap();
-                    model.rewards.insert(format!("s{s}"), f64::from(r));
-                }
-                Op::TraceReward(t, r) => {
-                    let tid = format!("t{t}");
-                    let result = store.set_reward(Target::Trace(tid.clone()), f64::from(r));
-                    if model.calls.contains_key(&tid) {
-                        result.unwrap();
-                        model.trace_rewards.insert(tid, f64::from(r));
-                    } else {
-                        let err = result.expect_err("a reward on a trace id with no live call is refused");
-                        prop_assert!(matches!(err.kind(), ErrorKind::NotFound), "{}", err);
-                    }
-                }
-                Op::Roll => store.roll().unwrap(),
-                Op::Compact(all, collect, merge) => {
+                Op::Compact(all, collect, merge, meanwhile) => {
                     let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
                     let fraction = [Some(0.0), Some(0.25), None][usize::from(collect)];
                     let fanout = merge.then_some(2);
                     let opts = CompactOptions::default().selection(selection).steps_row_group_rows(3).merge_fanout(fanout);
-                    store.compact(&opts.collect_dead_fraction(fraction)).unwrap();
+                    let opts = opts.collect_dead_fraction(fraction);
+                    store.compact_with_meanwhile(&opts, &mut || meanwhile.iter().for_each(|o| apply(&store, &mut model, o))).unwrap();
                     // The writer answers as before (a publication that wrote
                     // the shard index file handed it an index rebuilt over
                     // it), and the file, rewritten as a streamed merge, is
@@ -206,9 +234,10 @@ proptest! {
                         let tiers = generations_per_tier(dir.path(), 2);
                         prop_assert!(tiers.iter().all(|(t, n)| t.is_none() || *n <= 2), "{:?}", tiers);
                     }
-                    if fraction == Some(0.0) {
+                    if fraction == Some(0.0) && meanwhile.is_empty() {
                         // Every dead row was dropped: the published `steps`
-                        // rows are exactly the live compacted calls.
+                        // rows are exactly the live compacted calls (unless
+                        // some died during this compaction, in its own files).
                         let m = trajlog::format::manifest::decode_manifest(&std::fs::read(dir.path().join("MANIFEST")).unwrap()).unwrap();
                         let rows: u64 = m.shards.iter().filter(|s| s.path.starts_with("steps/")).map(|s| s.rows).sum();
                         let snap = store.snapshot();

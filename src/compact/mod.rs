@@ -297,6 +297,22 @@ impl Store {
     }
 }
 
+impl Store {
+    /// [`Store::compact`], calling `meanwhile` once the shards are staged,
+    /// before they are published: what the store is given then is what a
+    /// compaction meets from other threads (the model test, tests/model.rs,
+    /// appends, seals, deletes, rewards and rolls there). Not part of the API.
+    #[doc(hidden)]
+    pub fn compact_with_meanwhile(
+        &self,
+        options: &CompactOptions,
+        meanwhile: &mut dyn FnMut(),
+    ) -> Result<CompactReport> {
+        let _one_at_a_time = self.compaction_guard();
+        run_with(self, options, meanwhile)
+    }
+}
+
 fn run(store: &Store, opts: &CompactOptions) -> Result<CompactReport> {
     run_with(store, opts, &mut || {})
 }
