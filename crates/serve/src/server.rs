@@ -62,6 +62,16 @@ async fn stopped(mut stop: tokio::sync::watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
+/// Sleep `interval` unless the gateway stops first: whether to go on (not
+/// once `stop` is set, even when both were ready).
+async fn sleep_unless_stopped(interval: Duration, stop: &tokio::sync::watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(interval) => {}
+        _ = stopped(stop.clone()) => return false,
+    }
+    !*stop.borrow()
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -231,11 +241,7 @@ fn start_health_checks(app: &Arc<App>) {
     let interval = Duration::from_secs_f64(app.config.health_check_interval_s.clamp(0.05, 86_400.0));
     let stop = app.stop.subscribe();
     app.spawn_background(async move {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stopped(stop.clone()) => return,
-            }
+        while sleep_unless_stopped(interval, &stop).await {
             let Some(app) = weak.upgrade() else { return };
             for w in app.router.list() {
                 let url = format!("{}/health", w.url.trim_end_matches('/'));
@@ -845,15 +851,8 @@ fn start_periodic_compaction(app: &Arc<App>) {
     let interval = Duration::from_secs_f64(every.clamp(0.05, 86_400.0 * 365.0));
     let stop = app.stop.subscribe();
     app.spawn_background(async move {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stopped(stop.clone()) => return,
-            }
-            // Both may have been ready: none starts once the gateway stops.
-            if *stop.borrow() {
-                return;
-            }
+        // None starts once the gateway stops.
+        while sleep_unless_stopped(interval, &stop).await {
             let Some(app) = weak.upgrade() else { return };
             match run_compaction(&app).await {
                 Ok(r) if r.calls > 0 || r.retired_segments > 0 || r.moved_calls > 0 => tracing::info!(
