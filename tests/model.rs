@@ -14,13 +14,15 @@ use trajlog::{Call, CompactOptions, Durability, ErrorKind, Options, Selection, S
 #[derive(Debug, Clone)]
 enum Op {
     /// Append to session `s` a call with trace id `t`; its prompt extends the
-    /// session's previous context when `extend`.
+    /// session's previous context when `extend`; `uid`: a second session of
+    /// the call (`session_uids`).
     Append {
         s: u8,
         t: u8,
         extend: bool,
         completion: Vec<u32>,
         ts: u8,
+        uid: Option<u8>,
     },
     Seal(u8),
     Delete(u8),
@@ -41,8 +43,15 @@ enum Op {
 /// it, appends, deletions and rolls weighted as given (the others 1 each).
 fn change(append: u32, delete: u32, roll: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
-        append => (0u8..4, 0u8..24, any::<bool>(), prop::collection::vec(any::<u32>(), 0..40), any::<u8>())
-            .prop_map(|(s, t, extend, completion, ts)| Op::Append { s, t, extend, completion, ts }),
+        append => (
+            0u8..4,
+            0u8..24,
+            any::<bool>(),
+            prop::collection::vec(any::<u32>(), 0..40),
+            any::<u8>(),
+            prop::option::weighted(0.2, 0u8..4),
+        )
+            .prop_map(|(s, t, extend, completion, ts, uid)| Op::Append { s, t, extend, completion, ts, uid }),
         1 => (0u8..4).prop_map(Op::Seal),
         delete => (0u8..4).prop_map(Op::Delete),
         1 => (0u8..4, any::<i8>()).prop_map(|(s, r)| Op::Reward(s, r)),
@@ -76,7 +85,8 @@ struct Model {
 
 impl Model {
     fn session(&self, s: &str) -> Vec<&Call> {
-        let mut v: Vec<&(u64, Call)> = self.calls.values().filter(|(_, c)| c.session_id == s).collect();
+        let mut v: Vec<&(u64, Call)> =
+            self.calls.values().filter(|(_, c)| c.session_id == s || c.session_uids.iter().any(|u| u == s)).collect();
         v.sort_by(|a, b| a.1.timestamp.total_cmp(&b.1.timestamp).then(a.0.cmp(&b.0)));
         v.into_iter().map(|(_, c)| c).collect()
     }
@@ -110,8 +120,9 @@ fn check(store: &Store, model: &Model) {
         let tid = format!("t{t}");
         assert_eq!(snap.trace_reward(&tid), model.trace_rewards.get(&tid).copied(), "trace {tid}");
     }
+    // A call is listed in each of its sessions.
     let listed: usize = snap.sessions().iter().map(|s| s.calls).sum();
-    assert_eq!(listed, model.calls.len());
+    assert_eq!(listed, (0..4).map(|s| model.session(&format!("s{s}")).len()).sum::<usize>());
     let mut scanned: Vec<String> = Vec::new();
     snap.for_each_call(|c| {
         scanned.push(c.trace_id().to_owned());
@@ -130,8 +141,9 @@ fn opts(durability: Durability) -> Options {
 /// store's answer against the model's.
 fn apply(store: &Store, model: &mut Model, op: &Op) {
     match op.clone() {
-        Op::Append { s, t, extend, completion, ts } => {
+        Op::Append { s, t, extend, completion, ts, uid } => {
             let sid = format!("s{s}");
+            let uids: Vec<String> = uid.filter(|u| *u != s).map(|u| format!("s{u}")).into_iter().collect();
             let ctx = model.contexts.get(&sid).cloned().unwrap_or_default();
             let mut prompt = if extend { ctx } else { ctx.iter().take(ctx.len() / 2).copied().chain([7, 7]).collect() };
             prompt.push(u32::from(t));
@@ -142,13 +154,21 @@ fn apply(store: &Store, model: &mut Model, op: &Op) {
                 prompt_token_ids: prompt.clone(),
                 logprobs: Some(completion.iter().map(|&x| f32::from_bits(x)).collect()),
                 completion_token_ids: completion.clone(),
+                session_uids: uids.clone(),
                 ..Default::default()
             };
             let result = store.append(call.clone());
             // Trace ids are unique per store: one live in another
-            // session is refused, like an append to a sealed session.
+            // session is refused, like an append to a sealed session (its
+            // own or one of its uids), or a replacement that takes the call
+            // out of a sealed session among the old call's uids.
             let elsewhere = model.calls.get(&call.trace_id).is_some_and(|(_, c)| c.session_id != sid);
-            if model.sealed.contains(&sid) || elsewhere {
+            let out_of_sealed = model
+                .calls
+                .get(&call.trace_id)
+                .is_some_and(|(_, c)| c.session_uids.iter().any(|u| model.sealed.contains(u) && !uids.contains(u)));
+            let sealed = model.sealed.contains(&sid) || uids.iter().any(|u| model.sealed.contains(u));
+            if sealed || elsewhere || out_of_sealed {
                 let err =
                     result.err().expect("append to a sealed session or of a trace id of another session is refused");
                 let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
@@ -169,7 +189,7 @@ fn apply(store: &Store, model: &mut Model, op: &Op) {
             let sid = format!("s{s}");
             let n = store.delete_session(&sid).unwrap();
             let before = model.calls.len();
-            model.calls.retain(|_, (_, c)| c.session_id != sid);
+            model.calls.retain(|_, (_, c)| c.session_id != sid && !c.session_uids.contains(&sid));
             assert_eq!(n as usize, before - model.calls.len());
             model.trace_rewards.retain(|t, _| model.calls.contains_key(t));
             model.sealed.remove(&sid);

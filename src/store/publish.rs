@@ -376,15 +376,27 @@ impl Writer {
     /// it has replayed the records written since its base: those of the
     /// segments after `through`, the active one's included. Whether it did:
     /// not when the writer is poisoned or has frames not yet written, or a
-    /// segment does not read cleanly, or the publication retired a segment
-    /// after `through` (`retired`): its records would never reach the rebuilt
-    /// index, which replayed the base's retired segments before they went (a
-    /// deletion appended during the compaction, in a segment sealed since,
-    /// of a session whose calls were all in retired base segments, would
-    /// bring the session back). The index then stays as it is.
-    pub(super) fn adopt_rebuilt(&mut self, mut rebuilt: Rebuilt, through: u64, retired: &[u64]) -> bool {
-        if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() || retired.iter().any(|&id| id > through)
-        {
+    /// segment does not read cleanly. Nor when the publication retired
+    /// segments (`retired`) whose records the rebuilt index may hold while a
+    /// fresh open would not, as it replayed the base's segments before they
+    /// went: a segment after `through` (its records never reach the rebuilt
+    /// index: a deletion appended during the compaction, in a segment sealed
+    /// since, of a session whose calls were all in retired base segments,
+    /// brought the session back), or any segment when the publication also
+    /// took rows out of the shards (`rows_removed`, a collection or merge: a
+    /// dead row dropped can be what replaced a call of a retired segment; a
+    /// call replaced by one with another session among its uids, that
+    /// session deleted, then the dead row collected, came back). Both found
+    /// in review. The index then stays as it is.
+    pub(super) fn adopt_rebuilt(
+        &mut self,
+        mut rebuilt: Rebuilt,
+        through: u64,
+        retired: &[u64],
+        rows_removed: bool,
+    ) -> bool {
+        let diverges = retired.iter().any(|&id| id > through) || (rows_removed && !retired.is_empty());
+        if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() || diverges {
             return false;
         }
         for (_, seg) in self.sealed_segments.range(through + 1..) {

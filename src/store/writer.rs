@@ -205,7 +205,8 @@ impl Writer {
                 };
                 self.commit(true);
                 if let (Ok(outcome), Some((rebuilt, through))) = (&result, prepared.rebuilt.take()) {
-                    if self.adopt_rebuilt(rebuilt, through, &outcome.retired_segments) {
+                    let rows_removed = !prepared.obsolete.shard_ids.is_empty();
+                    if self.adopt_rebuilt(rebuilt, through, &outcome.retired_segments, rows_removed) {
                         // Published with the next view.
                         self.commit(true);
                     }
