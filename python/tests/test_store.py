@@ -229,7 +229,10 @@ def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
 def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):
     """A process forked while the store is open for writing (a torch
     DataLoader worker, a multiprocessing worker) does not hold its LOCK once
-    the parent closed it: the parent reopens at once."""
+    the parent closed it: the parent reopens at once. The child's fork
+    handler lets go of the lock when the child first runs, so the parent
+    waits for the child to have run (else the verdict would depend on the
+    scheduler: src/storage/lock.rs)."""
     import os
 
     path = tmp_path / "s"
@@ -237,16 +240,19 @@ def test_a_forked_child_does_not_keep_the_store_locked(tmp_path):
     store.append(trace_id="t", session_id="s", prompt_token_ids=[1, 2], completion_token_ids=[3], timestamp=1.0)
     store.flush()
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child waits for the parent, then leaves at once
+    if pid == 0:  # the child says it runs, waits for the parent, then leaves
+        os.write(ready_w, b"r")
         os.read(r, 1)
         os._exit(0)
     try:
+        assert os.read(ready_r, 1) == b"r"
         store.close()
         with trajlog.Store(path) as again:
             assert again.get("t") is not None
     finally:
         os.write(w, b"x")
         os.waitpid(pid, 0)
-        os.close(r)
-        os.close(w)
+        for fd in (r, w, ready_r, ready_w):
+            os.close(fd)
