@@ -206,12 +206,20 @@ fn prepare(
     // second copy of the calls that stay in segments until the writer
     // drops its own: it is done when they are at most a quarter of the
     // maps' calls (a compaction then at least frees three times what it
-    // copies; one that compacts little of a large backlog does not).
-    let rebuilt = if write_index && staying.saturating_mul(REBUILD_STAYING_DIVISOR) <= base_traces.len() {
-        rebuild_base(dir, &shards, &base.view)
-    } else {
-        None
-    };
+    // copies; one that compacts little of a large backlog does not). Not
+    // when this publication takes rows out of the shards (a collection or
+    // merge) either: the replay holds the base's segments, and with the
+    // segments the publication retires, a dead row dropped can be what
+    // replaced one of their calls, which would come back (a call replaced
+    // by one with another session among its uids, that session deleted,
+    // the dead row collected; found in review).
+    let rows_removed = !obsolete.shard_ids.is_empty();
+    let rebuilt =
+        if write_index && !rows_removed && staying.saturating_mul(REBUILD_STAYING_DIVISOR) <= base_traces.len() {
+            rebuild_base(dir, &shards, &base.view)
+        } else {
+            None
+        };
     drop(base.view);
     Ok(Prepared {
         token: base.token,
@@ -376,26 +384,16 @@ impl Writer {
     /// it has replayed the records written since its base: those of the
     /// segments after `through`, the active one's included. Whether it did:
     /// not when the writer is poisoned or has frames not yet written, or a
-    /// segment does not read cleanly. Nor when the publication retired
-    /// segments (`retired`) whose records the rebuilt index may hold while a
-    /// fresh open would not, as it replayed the base's segments before they
-    /// went: a segment after `through` (its records never reach the rebuilt
-    /// index: a deletion appended during the compaction, in a segment sealed
-    /// since, of a session whose calls were all in retired base segments,
-    /// brought the session back), or any segment when the publication also
-    /// took rows out of the shards (`rows_removed`, a collection or merge: a
-    /// dead row dropped can be what replaced a call of a retired segment; a
-    /// call replaced by one with another session among its uids, that
-    /// session deleted, then the dead row collected, came back). Both found
-    /// in review. The index then stays as it is.
-    pub(super) fn adopt_rebuilt(
-        &mut self,
-        mut rebuilt: Rebuilt,
-        through: u64,
-        retired: &[u64],
-        rows_removed: bool,
-    ) -> bool {
-        let diverges = retired.iter().any(|&id| id > through) || (rows_removed && !retired.is_empty());
+    /// segment does not read cleanly. Nor when the publication retired a
+    /// segment after `through` (`retired`): its records never reach the
+    /// rebuilt index, which replayed the base's segments before they went (a
+    /// deletion appended during the compaction, in a segment sealed since,
+    /// of a session whose calls were all in retired base segments, brought
+    /// the session back; found in review). (A publication that takes rows
+    /// out of the shards prepares no rebuilt index: `prepare`.) The index
+    /// then stays as it is.
+    pub(super) fn adopt_rebuilt(&mut self, mut rebuilt: Rebuilt, through: u64, retired: &[u64]) -> bool {
+        let diverges = retired.iter().any(|&id| id > through);
         if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() || diverges {
             return false;
         }

@@ -205,8 +205,7 @@ impl Writer {
                 };
                 self.commit(true);
                 if let (Ok(outcome), Some((rebuilt, through))) = (&result, prepared.rebuilt.take()) {
-                    let rows_removed = !prepared.obsolete.shard_ids.is_empty();
-                    if self.adopt_rebuilt(rebuilt, through, &outcome.retired_segments, rows_removed) {
+                    if self.adopt_rebuilt(rebuilt, through, &outcome.retired_segments) {
                         // Published with the next view.
                         self.commit(true);
                     }
