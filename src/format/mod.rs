@@ -67,6 +67,11 @@ impl<'a> Cursor<'a> {
         self.pos
     }
 
+    /// The whole buffer this cursor reads.
+    pub(crate) fn buf(&self) -> &'a [u8] {
+        self.buf
+    }
+
     pub(crate) fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8], DecodeError> {
         let end = self.pos.checked_add(n).filter(|&end| end <= self.buf.len()).ok_or_else(|| {
             DecodeError::new(

@@ -155,6 +155,174 @@ pub fn decode_trailer(tail: &[u8], file_len: u64) -> Option<Trailer> {
 
 /// Decode and check the footer that `trailer` points at.
 pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>, DecodeError> {
+    Ok(check_footer(file, trailer)?.iter().map(|e| e.to_owned()).collect())
+}
+
+/// A footer entry read in place from a footer [`check_footer`] passed: the
+/// fields of [`FooterEntry`], its strings borrowed from the segment's bytes.
+/// An open replays a footer through these, so that the millions of seals
+/// and rewards a large store carries cost no allocation each
+/// (store/recovery.rs).
+#[derive(Debug, Clone, Copy)]
+pub struct FooterEntryRef<'a> {
+    pub frame_offset: u64,
+    pub body_len: u32,
+    pub kind: u8,
+    pub reward_target: u8,
+    pub timestamp: f64,
+    pub id: &'a str,
+    pub session_id: &'a str,
+    pub session_uids: Uids<'a>,
+}
+
+/// The session uids of a [`FooterEntryRef`].
+#[derive(Debug, Clone, Copy)]
+pub enum Uids<'a> {
+    /// `count` u16-length-prefixed strings in a checked footer.
+    InFooter { bytes: &'a [u8], count: u16 },
+    /// Those of an owned entry.
+    Owned(&'a [String]),
+}
+
+impl<'a> Uids<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            Uids::InFooter { count, .. } => usize::from(*count),
+            Uids::Owned(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The uids, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &'a str> + 'a {
+        let (mut footer, owned) = match *self {
+            Uids::InFooter { bytes, count } => (Some((Cursor::new(bytes), count)), None),
+            Uids::Owned(v) => (None, Some(v.iter().map(String::as_str))),
+        };
+        // A checked footer parses again (a failure, which cannot happen,
+        // ends the list early).
+        let in_footer = std::iter::from_fn(move || {
+            let (c, left) = footer.as_mut()?;
+            if *left == 0 {
+                return None;
+            }
+            *left -= 1;
+            c.str16("entry session uid").ok()
+        });
+        in_footer.chain(owned.into_iter().flatten())
+    }
+}
+
+impl FooterEntryRef<'_> {
+    pub fn to_owned(&self) -> FooterEntry {
+        FooterEntry {
+            frame_offset: self.frame_offset,
+            body_len: self.body_len,
+            kind: self.kind,
+            reward_target: self.reward_target,
+            timestamp: self.timestamp,
+            id: self.id.to_owned(),
+            session_id: self.session_id.to_owned(),
+            session_uids: self.session_uids.iter().map(str::to_owned).collect(),
+        }
+    }
+}
+
+impl FooterEntry {
+    /// This entry as a [`FooterEntryRef`].
+    pub fn as_ref(&self) -> FooterEntryRef<'_> {
+        FooterEntryRef {
+            frame_offset: self.frame_offset,
+            body_len: self.body_len,
+            kind: self.kind,
+            reward_target: self.reward_target,
+            timestamp: self.timestamp,
+            id: &self.id,
+            session_id: &self.session_id,
+            session_uids: Uids::Owned(&self.session_uids),
+        }
+    }
+}
+
+/// A footer that passed [`check_footer`]: its entries are read in place.
+#[derive(Debug, Clone)]
+pub struct CheckedFooter<'a> {
+    /// The entries, after the footer's magic, count and reserved word.
+    entries: &'a [u8],
+    /// Where they start in the segment.
+    offset: usize,
+    count: u32,
+    /// Whether an entry holds a reward's target and value (segment format
+    /// 4 and later write them).
+    pub has_reward_targets: bool,
+    /// The regions between frames that no entry indexes (offset, length):
+    /// damage an earlier skip-corrupted open left out (segment.md §6).
+    pub gaps: Vec<(u64, u64)>,
+}
+
+impl<'a> CheckedFooter<'a> {
+    /// The footer whose entries are the `count` at `range` of `file`, which
+    /// [`check_footer`] passed before (as [`CheckedFooter::range`] said).
+    /// Entries that do not parse (not a checked footer) end the iteration.
+    pub fn checked_before(file: &'a [u8], range: std::ops::Range<usize>, count: u32) -> CheckedFooter<'a> {
+        let offset = range.start;
+        let entries = file.get(range).unwrap_or_default();
+        CheckedFooter { entries, offset, count, has_reward_targets: false, gaps: Vec::new() }
+    }
+
+    /// Where its entries lie in the segment.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.entries.len()
+    }
+
+    /// How many entries it holds.
+    pub fn entry_count(&self) -> u32 {
+        self.count
+    }
+
+    /// The entries, in frame order, without allocating.
+    pub fn iter(&self) -> impl Iterator<Item = FooterEntryRef<'a>> + 'a {
+        let mut c = Cursor::new(self.entries);
+        let mut left = self.count;
+        // The footer was checked whole: a parse failure (which cannot
+        // happen) ends the iteration.
+        std::iter::from_fn(move || {
+            if left == 0 {
+                return None;
+            }
+            left -= 1;
+            parse_entry(&mut c).ok()
+        })
+    }
+}
+
+/// One entry at the cursor; its uids are skipped over (checked) and kept
+/// as the bytes they lie in.
+fn parse_entry<'a>(c: &mut Cursor<'a>) -> Result<FooterEntryRef<'a>, DecodeError> {
+    let frame_offset = c.u64("entry frame offset")?;
+    let body_len = c.u32("entry body length")?;
+    let kind = c.u8("entry kind")?;
+    let reward_target = c.u8("entry reward target")?;
+    let n_uids = c.u16("entry uid count")?;
+    let timestamp = c.f64("entry timestamp")?;
+    let id = c.str16("entry id")?;
+    let session_id = c.str16("entry session id")?;
+    let uids_start = c.pos();
+    for _ in 0..n_uids {
+        c.str16("entry session uid")?;
+    }
+    let bytes = c.buf().get(uids_start..c.pos()).unwrap_or_default();
+    let session_uids = Uids::InFooter { bytes, count: n_uids };
+    Ok(FooterEntryRef { frame_offset, body_len, kind, reward_target, timestamp, id, session_id, session_uids })
+}
+
+/// Check the footer that `trailer` points at — its crc32, magic, every
+/// entry (in frame order, frames not overlapping, below the footer) and
+/// that nothing trails them — without decoding it into owned entries.
+pub fn check_footer<'a>(file: &'a [u8], trailer: &Trailer) -> Result<CheckedFooter<'a>, DecodeError> {
     let start = usize::try_from(trailer.footer_offset).map_err(|_| DecodeError::new(0, "footer offset overflows"))?;
     let end = start
         .checked_add(trailer.footer_len as usize)
@@ -172,29 +340,21 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
     }
     let count = c.u32("footer entry count").map_err(rebase)?;
     let _reserved = c.u32("reserved").map_err(rebase)?;
-    // Each entry takes at least 28 bytes: bound the allocation by the input.
-    let mut entries = Vec::with_capacity((count as usize).min(body.len() / 28));
+    let entries_at = c.pos();
     let mut last_end = HEADER_BYTES;
+    let mut has_reward_targets = false;
+    let mut gaps = Vec::new();
     for _ in 0..count {
         let at = c.pos();
-        let frame_offset = c.u64("entry frame offset").map_err(rebase)?;
-        let body_len = c.u32("entry body length").map_err(rebase)?;
-        let kind = c.u8("entry kind").map_err(rebase)?;
-        let reward_target = c.u8("entry reward target").map_err(rebase)?;
-        if reward_target > 2 || (reward_target != 0 && kind != crate::format::record::KIND_REWARD) {
+        let e = parse_entry(&mut c).map_err(rebase)?;
+        if e.reward_target > 2 || (e.reward_target != 0 && e.kind != crate::format::record::KIND_REWARD) {
             return Err(DecodeError::new(start + at + 13, "bad footer entry reward target"));
         }
-        let n_uids = c.u16("entry uid count").map_err(rebase)?;
-        let timestamp = c.f64("entry timestamp").map_err(rebase)?;
-        if reward_target != 0 && timestamp.is_nan() {
+        if e.reward_target != 0 && e.timestamp.is_nan() {
             return Err(DecodeError::new(start + at + 16, "footer entry reward value is NaN"));
         }
-        let id = c.str16("entry id").map_err(rebase)?.to_owned();
-        let session_id = c.str16("entry session id").map_err(rebase)?.to_owned();
-        let mut session_uids = Vec::with_capacity(usize::from(n_uids).min(64));
-        for _ in 0..n_uids {
-            session_uids.push(c.str16("entry session uid").map_err(rebase)?.to_owned());
-        }
+        has_reward_targets |= e.reward_target != 0;
+        let frame_offset = e.frame_offset;
         // Entries are in frame order and frames do not overlap. A gap between
         // two entries is a damaged region a skip-corrupted recovery left out
         // of the index (format-spec/segment.md §4, §6).
@@ -206,8 +366,10 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
                 ),
             ));
         }
-        last_end = frame_offset.saturating_add(super::frame::frame_bytes(u64::from(body_len)));
-        entries.push(FooterEntry { frame_offset, body_len, kind, reward_target, timestamp, id, session_id, session_uids });
+        if frame_offset > last_end {
+            gaps.push((last_end, frame_offset - last_end));
+        }
+        last_end = frame_offset.saturating_add(super::frame::frame_bytes(u64::from(e.body_len)));
     }
     if align8(c.pos() as u64) != body.len() as u64 {
         return Err(DecodeError::new(start + c.pos(), "footer has trailing bytes"));
@@ -218,7 +380,8 @@ pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>,
             format!("footer entries end at {last_end}, footer starts at {}", trailer.footer_offset),
         ));
     }
-    Ok(entries)
+    let entries = body.get(entries_at..c.pos()).unwrap_or_default();
+    Ok(CheckedFooter { entries, offset: start + entries_at, count, has_reward_targets, gaps })
 }
 
 /// The header this build writes for a new segment.
@@ -279,6 +442,15 @@ mod tests {
         encode_footer(&mut file, 152, &entries, crate::format::FORMAT_VERSION);
         let trailer = read_trailer(&file).unwrap();
         assert_eq!(decode_footer(&file, &trailer).unwrap(), entries);
+        // Read in place: the same entries, borrowed; and again through the
+        // range a load keeps.
+        let checked = check_footer(&file, &trailer).unwrap();
+        assert!(checked.has_reward_targets && checked.gaps.is_empty());
+        assert_eq!(checked.iter().map(|e| e.to_owned()).collect::<Vec<_>>(), entries);
+        let again = CheckedFooter::checked_before(&file, checked.range(), checked.entry_count());
+        assert_eq!(again.iter().map(|e| e.to_owned()).collect::<Vec<_>>(), entries);
+        assert_eq!(entries.iter().map(|e| e.as_ref().to_owned()).collect::<Vec<_>>(), entries);
+        assert_eq!(checked.iter().next().map(|e| e.session_uids.iter().collect::<Vec<_>>()), Some(vec!["u"]));
         for cut in 0..file.len() {
             if let Some(t) = read_trailer(&file[..cut]) {
                 let _ = decode_footer(&file[..cut], &t);
@@ -310,6 +482,11 @@ mod tests {
         };
         let gap = [entry(64, 10), entry(120, 10)];
         assert_eq!(decode(&gap).expect("a gap decodes"), gap);
+        let mut file = vec![0u8; 144];
+        encode_footer(&mut file, 144, &gap, crate::format::FORMAT_VERSION);
+        let checked = check_footer(&file, &read_trailer(&file).expect("trailer")).expect("checks");
+        assert_eq!(checked.gaps, vec![(88, 32)]);
+        assert!(!checked.has_reward_targets);
         assert!(decode(&[entry(64, 10), entry(80, 10)]).is_err(), "overlap");
         assert!(decode(&[entry(64, 10), entry(124, 10)]).is_err(), "misaligned");
         assert!(decode(&[entry(64, 10), entry(120, 30)]).is_err(), "runs into the footer");

@@ -297,7 +297,7 @@ impl Index {
             entry.sealed |= sealed;
             entry.reward = entry.reward.or(reward);
         }
-        let sessions = self.sessions_of(name, &[]);
+        let sessions = self.sessions_of::<&str>(name, &[]);
         for r in rows.iter().filter(|r| r.loc() < before) {
             let meta = CallMeta { loc: r.loc(), timestamp: r.timestamp, sessions: sessions.clone() };
             // Its trace id is in no other layer (a record naming it thaws
@@ -614,9 +614,9 @@ impl Index {
     /// [`sessions_of`], sharing what the index already holds: a session's
     /// name, and the whole list of a call in one session alone (most calls).
     /// A call's index entry then costs no allocation for its sessions.
-    pub fn sessions_of(&self, session_id: &str, uids: &[String]) -> Arc<[Arc<str>]> {
+    pub fn sessions_of<U: AsRef<str>>(&self, session_id: &str, uids: &[U]) -> Arc<[Arc<str>]> {
         let known = self.sessions.get_key_value(session_id);
-        if uids.is_empty() || uids.iter().all(|u| u == session_id) {
+        if uids.is_empty() || uids.iter().all(|u| u.as_ref() == session_id) {
             if let Some(solo) = known.and_then(|(_, e)| e.solo.clone()) {
                 return solo;
             }
@@ -624,8 +624,8 @@ impl Index {
         let name = |s: &str| self.sessions.get_key_value(s).map_or_else(|| Arc::from(s), |(k, _)| k.clone());
         let mut out: Vec<Arc<str>> = Vec::with_capacity(1 + uids.len());
         out.push(known.map_or_else(|| Arc::from(session_id), |(k, _)| k.clone()));
-        for u in uids {
-            if !out.iter().any(|s| &**s == u.as_str()) {
+        for u in uids.iter().map(AsRef::as_ref) {
+            if !out.iter().any(|s| &**s == u) {
                 out.push(name(u));
             }
         }

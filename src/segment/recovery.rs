@@ -11,7 +11,10 @@
 use crate::error::{Error, Result};
 use crate::format::frame::{frame_bytes, read_frame, FrameRead};
 use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_REWARD, KIND_SEAL};
-use crate::format::segment::{decode_footer, decode_header, decode_trailer, FooterEntry, HEADER_BYTES, TRAILER_BYTES};
+use crate::format::segment::{
+    check_footer, decode_footer, decode_header, decode_trailer, FooterEntry, FooterEntryRef, HEADER_BYTES,
+    TRAILER_BYTES,
+};
 use crate::format::{DecodeError, FORMAT_VERSION, FORMAT_VERSION_MIN};
 use crate::record::{Annotation, Target};
 use crate::storage::mmap::Mapping;
@@ -59,11 +62,17 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
 /// the footer carries (since segment format 4, format-spec/segment.md §4).
 /// `None` for calls and for rewards of older footers (read their record).
 pub fn annotation_of_entry(e: &FooterEntry) -> Option<Annotation> {
+    annotation_of_entry_ref(&e.as_ref())
+}
+
+/// [`annotation_of_entry`] of an entry read in place.
+pub fn annotation_of_entry_ref(e: &FooterEntryRef<'_>) -> Option<Annotation> {
+    let id = || e.id.to_owned();
     match (e.kind, e.reward_target) {
-        (KIND_SEAL, _) => Some(Annotation::Seal { session_id: e.id.clone() }),
-        (KIND_DELETE_SESSION, _) => Some(Annotation::DeleteSession { session_id: e.id.clone() }),
-        (KIND_REWARD, 1) => Some(Annotation::Reward { target: Target::Trace(e.id.clone()), value: e.timestamp }),
-        (KIND_REWARD, 2) => Some(Annotation::Reward { target: Target::Session(e.id.clone()), value: e.timestamp }),
+        (KIND_SEAL, _) => Some(Annotation::Seal { session_id: id() }),
+        (KIND_DELETE_SESSION, _) => Some(Annotation::DeleteSession { session_id: id() }),
+        (KIND_REWARD, 1) => Some(Annotation::Reward { target: Target::Trace(id()), value: e.timestamp }),
+        (KIND_REWARD, 2) => Some(Annotation::Reward { target: Target::Session(id()), value: e.timestamp }),
         _ => None,
     }
 }
@@ -220,8 +229,13 @@ pub struct LoadedSegment {
     pub id: u64,
     pub path: Arc<PathBuf>,
     pub map: Arc<Mapping>,
-    /// Index entries of the valid frames (skipped ones left out).
+    /// Index entries of the valid frames (skipped ones left out); empty
+    /// when they are left in the footer ([`LoadedSegment::in_footer`]).
     pub entries: Vec<FooterEntry>,
+    /// A sealed segment loaded with [`load_segment_in_place`] whose footer
+    /// passed its checks: where its entries lie in `map`, and how many.
+    /// [`LoadedSegment::entry_refs`] reads them.
+    pub in_footer: Option<(std::ops::Range<usize>, u32)>,
     /// End of the last valid frame.
     pub data_end: u64,
     pub sealed: bool,
@@ -234,6 +248,17 @@ pub struct LoadedSegment {
 }
 
 impl LoadedSegment {
+    /// Its entries, in frame order: those of `entries`, or read in place
+    /// from the footer.
+    pub fn entry_refs(&self) -> Box<dyn Iterator<Item = FooterEntryRef<'_>> + '_> {
+        match &self.in_footer {
+            Some((range, count)) => {
+                Box::new(crate::format::segment::CheckedFooter::checked_before(self.map.bytes(), range.clone(), *count).iter())
+            }
+            None => Box::new(self.entries.iter().map(FooterEntry::as_ref)),
+        }
+    }
+
     /// Did this load skip damaged regions of an unsealed segment? Its index
     /// then has gaps, which only a sealed segment's footer can record: the
     /// writer seals it before appending (format-spec/segment.md §6).
@@ -335,6 +360,17 @@ pub fn footer_gaps(entries: &[FooterEntry]) -> Vec<(u64, u64)> {
         end = e.frame_offset.saturating_add(frame_bytes(u64::from(e.body_len)));
     }
     gaps
+}
+
+/// Events for the regions an earlier skip-corrupted open left out of a
+/// footer (`gaps`, from [`footer_gaps`]).
+fn skipped_earlier(gaps: Vec<(u64, u64)>) -> impl Iterator<Item = SegmentEvent> {
+    gaps.into_iter().map(|(offset, len)| SegmentEvent {
+        kind: RecoveryEventKind::SkippedEarlier,
+        offset,
+        len,
+        what: "left out of the footer by an earlier skip-corrupted open; the bytes are still in the file".into(),
+    })
 }
 
 /// What [`check_footer_frames`] keeps, skips and applies from entries.
@@ -442,6 +478,26 @@ pub(crate) fn read_aligned(file: &File, len: u64, path: &Path) -> Result<Vec<u64
 /// Damaged regions before that point are never cut (a skip-corrupted writer
 /// seals the segment with them in place).
 pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDamage) -> Result<LoadedSegment> {
+    load_segment_with(dir, id, must_be_sealed, on_damage, false)
+}
+
+/// [`load_segment`], but a sealed segment whose footer passes every check
+/// keeps its entries in the footer ([`LoadedSegment::in_footer`]) instead
+/// of decoding them into `entries`: an open replays them in place, with no
+/// allocation per entry (a large store's open replays millions of carried
+/// seals and rewards). Only with [`OnDamage::Refuse`]; anything else loads
+/// as [`load_segment`] does.
+pub fn load_segment_in_place(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDamage) -> Result<LoadedSegment> {
+    load_segment_with(dir, id, must_be_sealed, on_damage, on_damage == OnDamage::Refuse)
+}
+
+fn load_segment_with(
+    dir: &Path,
+    id: u64,
+    must_be_sealed: bool,
+    on_damage: OnDamage,
+    in_place: bool,
+) -> Result<LoadedSegment> {
     let path = crate::storage::segment_path(dir, id);
     let file = File::open(&path).map_err(|e| Error::io(format!("open segment {}", path.display()), e))?;
     let len = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
@@ -484,6 +540,29 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
             len: len - footer_offset,
             what,
         };
+        if in_place {
+            let old_format = header.format_version < crate::format::FORMAT_REWARDS_IN_FOOTER;
+            match check_footer(map.bytes(), &trailer) {
+                // A footer with reward targets its format has not: decoded
+                // below, which says so and rebuilds it.
+                Ok(f) if !(old_format && f.has_reward_targets) => {
+                    let events = skipped_earlier(f.gaps.clone()).collect();
+                    let in_footer = Some((f.range(), f.entry_count()));
+                    return Ok(LoadedSegment {
+                        id,
+                        path: Arc::new(path),
+                        map: map.clone(),
+                        entries: Vec::new(),
+                        in_footer,
+                        data_end: footer_offset,
+                        sealed: true,
+                        events,
+                        applied_from_footer: Vec::new(),
+                    });
+                }
+                _ => {}
+            }
+        }
         let footer = decode_footer(map.bytes(), &trailer).map_err(|e| (e.offset, e.what)).and_then(|entries| {
             // Rewards' targets and values are in footers since segment format 4.
             match entries.iter().find(|e| e.reward_target != 0) {
@@ -507,18 +586,7 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
         };
         let (entries, events, applied_from_footer) = match checked {
             Ok((entries, skipped, applied)) => {
-                let mut events: Vec<SegmentEvent> = gaps
-                    .into_iter()
-                    .map(|(offset, len)| SegmentEvent {
-                        kind: RecoveryEventKind::SkippedEarlier,
-                        offset,
-                        len,
-                        what:
-                            "left out of the footer by an earlier skip-corrupted open; the bytes are still in the file"
-                                .into(),
-                    })
-                    .chain(skipped)
-                    .collect();
+                let mut events: Vec<SegmentEvent> = skipped_earlier(gaps).chain(skipped).collect();
                 events.sort_by_key(|e| e.offset);
                 (entries, events, applied)
             }
@@ -532,7 +600,7 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
         };
         let path = Arc::new(path);
         let data_end = footer_offset;
-        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events, applied_from_footer });
+        return Ok(LoadedSegment { id, path, map, entries, in_footer: None, data_end, sealed: true, events, applied_from_footer });
     }
     if must_be_sealed {
         // The manifest says sealed, but the trailer is damaged: the frames are
@@ -544,7 +612,17 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
             SegmentEvent { kind: RecoveryEventKind::FooterRebuilt, offset: data_end, len: len - data_end, what };
         let events = std::iter::once(start).chain(damaged).collect();
         let path = Arc::new(path);
-        return Ok(LoadedSegment { id, path, map, entries, data_end, sealed: true, events, applied_from_footer: Vec::new() });
+        return Ok(LoadedSegment {
+            id,
+            path,
+            map,
+            entries,
+            in_footer: None,
+            data_end,
+            sealed: true,
+            events,
+            applied_from_footer: Vec::new(),
+        });
     }
     // Only the written part is read: past the end of the file's last data
     // region (a preallocated active segment is a sparse file) every byte
@@ -575,6 +653,7 @@ pub fn load_segment(dir: &Path, id: u64, must_be_sealed: bool, on_damage: OnDama
         path: Arc::new(path),
         map,
         entries: scan.entries,
+        in_footer: None,
         data_end: scan.valid_end,
         applied_from_footer: Vec::new(),
         sealed: false,

@@ -3,6 +3,7 @@
 //! (format-spec/segment.md §6, shard.md §4), read-only loads.
 
 use super::*;
+use crate::format::segment::FooterEntryRef;
 use crate::index::frozen::RowRef;
 use crate::segment::recovery::LoadedSegment;
 use crate::storage::fault::Faults;
@@ -59,7 +60,7 @@ pub(super) struct Loaded {
 pub(super) fn apply_entry(
     index: &mut Index,
     seg: &SegmentRef,
-    e: &FooterEntry,
+    e: &FooterEntryRef<'_>,
     damage: &mut Vec<Problem>,
     rewards: &mut Vec<(Loc, Target)>,
     keep_reward: &dyn Fn(Loc) -> bool,
@@ -69,20 +70,24 @@ pub(super) fn apply_entry(
     // their target: an open replays one of each per compacted session.
     match (e.kind, e.reward_target) {
         (crate::format::record::KIND_SEAL, _) => {
-            index.seal(&e.id);
+            index.seal(e.id);
             return;
         }
         (crate::format::record::KIND_REWARD, 2) if !keep_reward(loc) => {
-            index.set_session_reward(&e.id, e.timestamp);
+            index.set_session_reward(e.id, e.timestamp);
             return;
         }
         _ => {}
     }
-    let ann = match crate::segment::recovery::annotation_of_entry(e) {
+    let ann = match crate::segment::recovery::annotation_of_entry_ref(e) {
         Some(ann) => ann,
         None if e.kind == KIND_CALL => {
-            let sessions = index.sessions_of(&e.session_id, &e.session_uids);
-            index.apply_call(Arc::from(e.id.as_str()), CallMeta { loc, timestamp: e.timestamp, sessions });
+            let sessions = if e.session_uids.is_empty() {
+                index.sessions_of::<&str>(e.session_id, &[])
+            } else {
+                index.sessions_of(e.session_id, &e.session_uids.iter().collect::<Vec<_>>())
+            };
+            index.apply_call(Arc::from(e.id), CallMeta { loc, timestamp: e.timestamp, sessions });
             return;
         }
         None => {
@@ -225,12 +230,17 @@ pub(super) fn load_dir(
             for ms in &listed {
                 let path = crate::storage::segment_path(dir, ms.id);
                 let seg = if path.exists() {
-                    load_segment(dir, ms.id, ms.state == SegmentState::Sealed, on_damage)
+                    crate::segment::recovery::load_segment_in_place(
+                        dir,
+                        ms.id,
+                        ms.state == SegmentState::Sealed,
+                        on_damage,
+                    )
                 } else {
                     Err(missing_listed_file(dir, &path))
                 };
                 if let Ok(seg) = &seg {
-                    if seg.sealed {
+                    if seg.sealed && seg.in_footer.is_none() {
                         // Its footer is decoded: the replay reads no more
                         // of it (a read of a record faults its pages in).
                         seg.map.release_pages();
@@ -310,7 +320,11 @@ fn replay(
             ));
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
-        feed.replay_segment(&mut index, &shards, &r, &seg.entries, &mut damage, &mut rewards, &keep);
+        feed.replay_segment(&mut index, &shards, &r, seg.entry_refs(), &mut damage, &mut rewards, &keep);
+        if seg.in_footer.is_some() {
+            // Its footer was read in place: the replay reads no more of it.
+            seg.map.release_pages();
+        }
         if !seg.sealed {
             active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
         }
@@ -518,8 +532,11 @@ impl RowFeed {
                         let frozen = index.frozen();
                         let Some(r) = frozen.rows().get(i as usize) else { continue };
                         let (trace, name) = (Arc::from(frozen.trace_id(r)), frozen.session_name(r.session).to_owned());
-                        let meta =
-                            CallMeta { loc: r.loc(), timestamp: r.timestamp, sessions: index.sessions_of(&name, &[]) };
+                        let meta = CallMeta {
+                            loc: r.loc(),
+                            timestamp: r.timestamp,
+                            sessions: index.sessions_of::<&str>(&name, &[]),
+                        };
                         index.apply_call(trace, meta);
                     }
                 }
@@ -548,12 +565,12 @@ impl RowFeed {
     /// Replay the records of segment `seg` (its footer entries, in log
     /// order) with the shard rows at their positions among them.
     #[allow(clippy::too_many_arguments)]
-    fn replay_segment(
+    fn replay_segment<'e>(
         &mut self,
         index: &mut Index,
         shards: &crate::shard::set::ShardSet,
         seg: &SegmentRef,
-        entries: &[FooterEntry],
+        entries: impl IntoIterator<Item = FooterEntryRef<'e>>,
         damage: &mut Vec<Problem>,
         rewards: &mut Vec<(Loc, Target)>,
         keep: &dyn Fn(Loc) -> bool,
@@ -565,7 +582,7 @@ impl RowFeed {
             if self.apply(index, |at| at == loc) || (e.kind == KIND_CALL && self.is_compacted(shards, loc)) {
                 continue;
             }
-            apply_entry(index, seg, e, damage, rewards, keep);
+            apply_entry(index, seg, &e, damage, rewards, keep);
         }
     }
 }
@@ -627,6 +644,7 @@ impl Rebuilt {
         let (mut damage, mut rewards) = (Vec::new(), Vec::new());
         // Damage was found and reported by the open that first replayed
         // these records; the rewards side table is the writer's own.
+        let entries = entries.iter().map(FooterEntry::as_ref);
         self.feed.replay_segment(&mut self.index, &self.shards, seg, entries, &mut damage, &mut rewards, &|_| false);
     }
 
