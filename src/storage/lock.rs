@@ -12,10 +12,12 @@
 //! longer references the lock's file description, and its copy of the store
 //! closes `/dev/null` harmlessly. The handler runs when the child first
 //! runs: until the scheduler gets to it, the child still shares the lock's
-//! description (on a busy machine, a close and reopen right after a fork can
-//! meet that moment). (A child started by `posix_spawn`, as
-//! `std::process::Command` does, runs no fork handlers; close-on-exec drops
-//! the descriptor at its `exec` a moment later.)
+//! description. So a lock is also released explicitly (`flock(LOCK_UN)`, on
+//! the description) when it is dropped, before its descriptor is closed: a
+//! close and reopen right after a fork never waits for the child to run.
+//! (A child started by `posix_spawn`, as `std::process::Command` does, runs
+//! no fork handlers; close-on-exec drops the descriptor at its `exec` a
+//! moment later.)
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
@@ -80,5 +82,42 @@ impl Drop for HeldLock {
         if let Some(slot) = self.slot {
             slot.store(-1, Ordering::Release);
         }
+        // The lock belongs to the open file description, which a forked
+        // child whose fork handler has not run yet still shares: closing
+        // this descriptor would leave it locked until the child runs.
+        // Unlocking the description releases it now. (An error leaves the
+        // close to release it, as before.)
+        let _ = self._file.unlock();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeldLock;
+    use std::fs::{File, OpenOptions};
+    use std::os::fd::AsRawFd;
+
+    fn lock(path: &std::path::Path) -> Option<HeldLock> {
+        let file: File = OpenOptions::new().create(true).truncate(false).write(true).open(path).expect("open LOCK");
+        file.try_lock().ok().map(|()| HeldLock::new(file))
+    }
+
+    /// A second descriptor of the lock's file description stands for a
+    /// forked child that has not run yet: a reopen after the close must not
+    /// wait for it.
+    #[test]
+    fn a_dropped_lock_is_released_though_its_description_is_shared() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("LOCK");
+        let held = lock(&path).expect("first lock");
+        // SAFETY: dup of a descriptor `held` owns and keeps open here.
+        let child_copy = unsafe { libc::dup(held._file.as_raw_fd()) };
+        assert!(child_copy >= 0);
+        assert!(lock(&path).is_none(), "held");
+        drop(held);
+        let again = lock(&path);
+        // SAFETY: closes the descriptor dup'ed above, used by nothing else.
+        unsafe { libc::close(child_copy) };
+        assert!(again.is_some(), "the reopen waited for the shared description");
     }
 }
