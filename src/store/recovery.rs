@@ -630,9 +630,9 @@ impl Rebuilt {
     /// open confined, a footer it rebuilt): the caller then keeps its own
     /// index.
     pub(super) fn extend_sealed(&mut self, dir: &Path, seg: &SegmentRef) -> bool {
-        match crate::segment::recovery::load_segment(dir, seg.id, true, OnDamage::Refuse) {
+        match crate::segment::recovery::load_segment_in_place(dir, seg.id, true, OnDamage::Refuse) {
             Ok(l) if l.events.is_empty() && l.applied_from_footer.is_empty() => {
-                self.extend(seg, &l.entries);
+                self.extend_refs(seg, l.entry_refs());
                 true
             }
             _ => false,
@@ -641,10 +641,13 @@ impl Rebuilt {
 
     /// Replay the records of `seg`, which follow those replayed so far.
     pub(super) fn extend(&mut self, seg: &SegmentRef, entries: &[FooterEntry]) {
+        self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref));
+    }
+
+    fn extend_refs<'e>(&mut self, seg: &SegmentRef, entries: impl IntoIterator<Item = FooterEntryRef<'e>>) {
         let (mut damage, mut rewards) = (Vec::new(), Vec::new());
         // Damage was found and reported by the open that first replayed
         // these records; the rewards side table is the writer's own.
-        let entries = entries.iter().map(FooterEntry::as_ref);
         self.feed.replay_segment(&mut self.index, &self.shards, seg, entries, &mut damage, &mut rewards, &|_| false);
     }
 
