@@ -1270,3 +1270,86 @@ fn verify_accepts_a_dead_record_whose_parent_was_retired() {
     let missing = format!("prefix-delta parent (segment {}, offset {}) is missing", u0.segment, u0.offset);
     assert!(v.problems.iter().any(|p| p.what == missing && p.offset == u1.offset), "{:?}", v.problems);
 }
+
+/// `max_calls`: one compaction takes whole sessions, oldest first, up to the
+/// limit (a session over it alone), reports what it left, and compactions
+/// one after another end where a single one would: every call in a shard,
+/// read back the same.
+#[test]
+fn max_calls_takes_whole_sessions_oldest_first_until_none_is_left() {
+    // Session i has SIZES[i] calls; its first call is at FIRST[i] (the
+    // oldest is s4, and name order is not age order).
+    const SIZES: [usize; 6] = [3, 2, 4, 1, 7, 2];
+    const FIRST: [f64; 6] = [50.0, 40.0, 30.0, 20.0, 10.0, 60.0];
+    let calls: Vec<Call> = (0..6)
+        .flat_map(|i| {
+            (0..SIZES[i]).map(move |j| Call {
+                trace_id: format!("t{i}-{j}"),
+                session_id: format!("s{i}"),
+                timestamp: FIRST[i] + j as f64,
+                prompt_token_ids: vec![i as u32, j as u32],
+                completion_token_ids: vec![7, j as u32],
+                ..Default::default()
+            })
+        })
+        .collect();
+    let fill = |dir: &Path| {
+        let store = Store::open(dir, Options::default()).unwrap();
+        for c in &calls {
+            store.append(c.clone()).unwrap();
+        }
+        for i in 0..6 {
+            store.seal_session(&format!("s{i}")).unwrap();
+        }
+        store
+    };
+    let (batched, whole) = (tempdir(), tempdir());
+    let store = fill(batched.path());
+    let err = store.compact(&CompactOptions::default().max_calls(Some(0))).unwrap_err();
+    assert!(err.to_string().contains("max_calls"), "{err}");
+    // s4 (7 calls) is the oldest and over the limit: alone.
+    let limit = CompactOptions::default().max_calls(Some(5));
+    let r = store.compact(&limit).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (1, 7, 5));
+    // Then s3 (1), s2 (4): 5 calls; s1 would pass the limit.
+    let r = store.compact(&limit).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (2, 5, 3));
+    let snap = store.snapshot();
+    for (i, compacted) in [(2, true), (3, true), (1, false), (0, false), (5, false)] {
+        let call = snap.get(&format!("t{i}-0")).unwrap().unwrap();
+        assert_eq!(call.is_compacted(), compacted, "s{i}");
+    }
+    drop(snap);
+    // s1 (2) and s0 (3); then s5 (2).
+    let r = store.compact(&limit).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (2, 5, 1));
+    let r = store.compact(&limit).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (1, 2, 0));
+    let r = store.compact(&limit).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (0, 0, 0));
+    // The same as one compaction without a limit.
+    let one = fill(whole.path());
+    let r = one.compact(&CompactOptions::default()).unwrap();
+    assert_eq!((r.sessions, r.calls, r.sessions_left), (6, 19, 0));
+    for s in [&store, &one] {
+        let snap = s.snapshot();
+        for c in &calls {
+            let got = snap.get(&c.trace_id).unwrap().unwrap();
+            assert!(got.is_compacted());
+            assert_same(&got, c);
+        }
+    }
+    let trace_ids = |dir: &Path| {
+        let mut ids: Vec<String> = read_table(dir, "steps")
+            .iter()
+            .flat_map(|b| {
+                let col = b.column_by_name("trace_id").unwrap().as_string::<i32>().clone();
+                (0..col.len()).map(move |i| col.value(i).to_owned()).collect::<Vec<_>>()
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(trace_ids(batched.path()), trace_ids(whole.path()));
+    assert_eq!(trace_ids(whole.path()).len(), 19);
+}

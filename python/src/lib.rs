@@ -873,6 +873,7 @@ impl NativeStore {
         older_than = None,
         collect_dead = Some(trajlog::DEFAULT_COLLECT_DEAD_FRACTION),
         merge_fanout = Some(trajlog::DEFAULT_MERGE_FANOUT),
+        max_calls = None,
     ))]
     fn compact<'py>(
         &self,
@@ -880,12 +881,14 @@ impl NativeStore {
         older_than: Option<f64>,
         collect_dead: Option<f64>,
         merge_fanout: Option<u32>,
+        max_calls: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
         let options = CompactOptions::default()
             .selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
             .collect_dead_fraction(collect_dead)
-            .merge_fanout(merge_fanout);
+            .merge_fanout(merge_fanout)
+            .max_calls(max_calls);
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;
@@ -904,6 +907,8 @@ impl NativeStore {
         d.set_item("dropped_rows", r.dropped_rows)?;
         d.set_item("collected_bytes", r.collected_bytes)?;
         d.set_item("collect_skipped", r.collect_skipped)?;
+        // Selected sessions `max_calls` left for a later compaction.
+        d.set_item("sessions_left", r.sessions_left)?;
         Ok(d)
     }
 

@@ -170,6 +170,24 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
             store.set_reward(0.5, trace_id="never")
 
 
+def test_compact_in_batches_of_max_calls(tmp_path):
+    """`max_calls`: whole sessions, oldest first, until none is left."""
+    with trajlog.Store(tmp_path / "s") as store:
+        for s, (first, n) in {"x": (3.0, 2), "y": (1.0, 3), "z": (2.0, 1)}.items():
+            for i in range(n):
+                store.append(trace_id=f"{s}{i}", session_id=s, prompt_token_ids=[i], completion_token_ids=[1], timestamp=first + i / 10)
+            store.seal(s)
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(trajlog.InvalidInputError, match="max_calls"):
+                store.compact(max_calls=bad)
+        first = store.compact(max_calls=4)
+        assert (first["sessions"], first["calls"], first["sessions_left"]) == (2, 4, 1)
+        assert store.get("y0").is_compacted and store.get("z0").is_compacted and not store.get("x0").is_compacted
+        second = store.compact(max_calls=4)
+        assert (second["sessions"], second["calls"], second["sessions_left"]) == (1, 2, 0)
+        assert store.compact()["sessions_left"] == 0
+
+
 def test_a_read_only_store_refreshes_beside_a_writer(tmp_path):
     path = tmp_path / "s"
     with trajlog.Store(path) as store:

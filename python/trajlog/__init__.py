@@ -558,9 +558,16 @@ class Store:
         older_than: Optional[float] = None,
         collect_dead: Optional[float] = 0.2,
         merge_fanout: Optional[int] = 8,
+        max_calls: Optional[int] = None,
     ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.
+
+        `max_calls` limits one compaction to about that many calls: whole
+        sessions, oldest first (one larger than the limit goes alone); the
+        result's `sessions_left` says how many selected sessions are left
+        for the next call. A large backlog compacted in several such calls
+        peaks lower in memory than in one.
 
         Earlier compactions whose rows are at least `collect_dead` dead
         (deleted or replaced calls; any with no live row left) are rewritten
@@ -579,7 +586,14 @@ class Store:
                 raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not an integer")
             if not 2 <= merge_fanout <= 2**32 - 1:
                 raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not between 2 and 4294967295")
-        return self._native.compact(_finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout)
+        if max_calls is not None:
+            if isinstance(max_calls, bool) or not isinstance(max_calls, int):
+                raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not an integer")
+            if not 1 <= max_calls <= 2**64 - 1:
+                raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not between 1 and 18446744073709551615")
+        return self._native.compact(
+            _finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout, max_calls
+        )
 
     def audit(self) -> dict:
         """The TI/TO audit (see `trajlog audit`)."""

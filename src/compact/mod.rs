@@ -88,6 +88,15 @@ pub struct CompactOptions {
     /// compactions of 400 rows leave 16 files instead of 128 for 1.9 rows
     /// written per row compacted; fanout 4 leaves 8 for 2.7).
     pub merge_fanout: Option<u32>,
+    /// At most about this many calls per compaction: whole sessions, oldest
+    /// first (by their first call's timestamp), until the next one would
+    /// pass the limit (a session larger than the limit goes alone). What is
+    /// left is reported ([`CompactReport::sessions_left`]) for the next
+    /// compaction. A compaction's own memory (the rows it builds, what its
+    /// publication adds to the index) grows with what it compacts, so a
+    /// large backlog compacted in several of these peaks lower than in one
+    /// (`trajlog compact --batch-calls`). `None` (the default): no limit.
+    pub max_calls: Option<u64>,
 }
 
 impl std::fmt::Debug for CompactOptions {
@@ -102,6 +111,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("progress", &self.progress.is_some())
             .field("collect_dead_fraction", &self.collect_dead_fraction)
             .field("merge_fanout", &self.merge_fanout)
+            .field("max_calls", &self.max_calls)
             .finish()
     }
 }
@@ -118,6 +128,7 @@ impl Default for CompactOptions {
             progress: None,
             collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
             merge_fanout: Some(DEFAULT_MERGE_FANOUT),
+            max_calls: None,
         }
     }
 }
@@ -182,6 +193,14 @@ impl CompactOptions {
         self.merge_fanout = v;
         self
     }
+    /// At most about this many calls per compaction (whole sessions, oldest
+    /// first); `None`: no limit.
+    #[must_use]
+    pub fn max_calls(mut self, v: Option<u64>) -> Self {
+        self.max_calls = v;
+        self
+    }
+
     /// Called after each session with (sessions done, sessions selected, calls).
     #[must_use]
     pub fn progress(mut self, f: impl Fn(u64, u64, u64) + Send + Sync + 'static) -> Self {
@@ -223,6 +242,9 @@ pub struct CompactReport {
     /// Generations that could not be collected because a row of theirs is
     /// damaged (generation, the error); their files stay.
     pub collect_skipped: Vec<(u64, String)>,
+    /// Sessions the selection chose that [`CompactOptions::max_calls`] left
+    /// for a later compaction (0 without a limit).
+    pub sessions_left: usize,
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
@@ -454,6 +476,32 @@ fn write_shards(
     }
 }
 
+/// The sessions one compaction takes of those chosen ((first timestamp,
+/// calls, session)) and how many it leaves: all without a limit, else
+/// whole sessions oldest first (ties by id) until the next would pass
+/// `max_calls`, at least one; returned by id.
+fn take_up_to(mut chosen: Vec<(f64, u64, String)>, max_calls: Option<u64>) -> (Vec<String>, usize) {
+    let Some(max) = max_calls else {
+        return (chosen.into_iter().map(|(_, _, s)| s).collect(), 0);
+    };
+    chosen.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.2.cmp(&b.2)));
+    let mut calls = 0u64;
+    let mut taken = 0;
+    for (_, n, _) in &chosen {
+        if taken > 0 && calls.saturating_add(*n) > max {
+            break;
+        }
+        calls = calls.saturating_add(*n);
+        taken += 1;
+    }
+    let left = chosen.len() - taken;
+    chosen.truncate(taken);
+    // In the order an unlimited compaction takes them (the maps' order).
+    let mut taken: Vec<String> = chosen.into_iter().map(|(_, _, s)| s).collect();
+    taken.sort_unstable();
+    (taken, left)
+}
+
 /// [`run`], calling `before_publish` once the shards are staged, before they
 /// are published (tests use it to change the store meanwhile).
 pub(crate) fn run_with(
@@ -477,6 +525,9 @@ pub(crate) fn run_with(
             return Err(Error::invalid("merge_fanout", format!("{f} is under 2 (a merge needs two generations)")));
         }
     }
+    if opts.max_calls == Some(0) {
+        return Err(Error::invalid("max_calls", "must be at least 1 (None: no limit)"));
+    }
     if let Selection::OlderThan(s) = opts.selection {
         if !s.is_finite() || s < 0.0 {
             return Err(Error::invalid("older_than", format!("{s} is not a finite, non-negative number of seconds")));
@@ -492,16 +543,18 @@ pub(crate) fn run_with(
     // compacted before (frozen, or not written to since) are left out from
     // the index alone, so a compaction's work is what is new and nothing
     // already compacted is listed, read or decoded again.
-    let mut selected: Vec<String> = Vec::new();
+    // (first call's timestamp, live calls, session)
+    let mut chosen_sessions: Vec<(f64, u64, String)> = Vec::new();
     snap.for_each_session_in_maps(|s| {
         let chosen = match opts.selection {
             Selection::SealedOnly => s.sealed,
             Selection::OlderThan(secs) => s.last_timestamp < now - secs,
         };
         if chosen && snap.has_calls_in_segments(&s.session_id) {
-            selected.push(s.session_id);
+            chosen_sessions.push((s.first_timestamp, s.calls as u64, s.session_id));
         }
     });
+    let (selected, sessions_left) = take_up_to(chosen_sessions, opts.max_calls);
     let generation = compaction.generation();
     let shards_dir = store.dir().join(SHARDS_DIR);
     // A generation a damaged row keeps from being collected is left out and
@@ -524,6 +577,7 @@ pub(crate) fn run_with(
         }
     };
     report.collect_skipped = skipped;
+    report.sessions_left = sessions_left;
     report.collected_generations = plan.generations.iter().filter(|g| !plan.merged.contains(g)).copied().collect();
     report.merged_generations = plan.merged.clone();
     report.dropped_rows = plan.dead_rows;

@@ -127,6 +127,36 @@ proptest! {
 }
 
 #[test]
+fn compact_in_batches() {
+    let dir = common::tempdir();
+    let store = dir.path().join("s");
+    // Three sessions of 2, 1 and 2 calls, oldest first: a, b, c.
+    let input = r#"{"trace_id":"a0","session_id":"a","timestamp":1.0,"prompt_token_ids":[1],"completion_token_ids":[2]}
+{"trace_id":"a1","session_id":"a","timestamp":2.0,"prompt_token_ids":[1,2,3],"completion_token_ids":[4]}
+{"trace_id":"b0","session_id":"b","timestamp":3.0,"prompt_token_ids":[5],"completion_token_ids":[6]}
+{"trace_id":"c0","session_id":"c","timestamp":4.0,"prompt_token_ids":[7],"completion_token_ids":[8]}
+{"trace_id":"c1","session_id":"c","timestamp":5.0,"prompt_token_ids":[7,8,9],"completion_token_ids":[10]}
+"#;
+    assert!(trajlog(&["ingest", "--store", s(&store)], input).status.success());
+    let zero = trajlog(&["compact", "--store", s(&store), "--older-than", "0", "--batch-calls", "0"], "");
+    assert_eq!(zero.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&zero.stderr).contains("--batch-calls"),
+        "{}",
+        String::from_utf8_lossy(&zero.stderr)
+    );
+    let out = trajlog(&["compact", "--store", s(&store), "--older-than", "0", "--batch-calls", "3"], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("batch 1: compacted 2 sessions, 3 calls"), "{text}");
+    assert!(text.contains("batch 2: compacted 1 sessions, 2 calls"), "{text}");
+    assert!(!text.contains("batch 3"), "{text}");
+    assert!(text.contains("compacted 3 sessions, 5 calls in 2 batches"), "{text}");
+    let export = trajlog(&["export", "--store", s(&store)], "");
+    assert_eq!(String::from_utf8_lossy(&export.stdout).lines().count(), 5);
+}
+
+#[test]
 fn compact_and_audit_commands() {
     let dir = common::tempdir();
     let store = dir.path().join("s");

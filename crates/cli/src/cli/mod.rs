@@ -181,6 +181,13 @@ enum Command {
         /// Never merge earlier shards (one more set of files per compaction).
         #[arg(long)]
         no_merge: bool,
+        /// Compact in batches of about this many calls (whole sessions,
+        /// oldest first), one compaction after another until none is left:
+        /// a large backlog then peaks lower in memory than in one
+        /// compaction (what a compaction builds grows with what it
+        /// compacts). Each batch prints its line. Default: one compaction.
+        #[arg(long, value_name = "CALLS", value_parser = clap::value_parser!(u64).range(1..))]
+        batch_calls: Option<u64>,
     },
     /// Fill a store with simulated multi-turn rollouts (sealed), streaming one session at a time.
     Generate {
@@ -395,6 +402,7 @@ pub fn main() -> i32 {
             no_collect,
             merge_fanout,
             no_merge,
+            batch_calls,
         } => shards::compact(
             &store,
             &shards::CompactArgs {
@@ -405,6 +413,7 @@ pub fn main() -> i32 {
                 compression,
                 collect_dead: (!no_collect).then_some(collect_dead),
                 merge_fanout: (!no_merge).then_some(merge_fanout),
+                batch_calls,
             },
         ),
         Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json, shape } => {

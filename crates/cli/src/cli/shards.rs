@@ -24,6 +24,9 @@ pub struct CompactArgs {
     pub collect_dead: Option<f64>,
     /// `--merge-fanout` (`None`: `--no-merge`).
     pub merge_fanout: Option<u32>,
+    /// `--batch-calls`: one compaction after another, each of about this
+    /// many calls (`None`: one compaction of everything selected).
+    pub batch_calls: Option<u64>,
 }
 
 pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
@@ -37,10 +40,52 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
             .collect_dead_fraction(args.collect_dead)
-            .merge_fanout(args.merge_fanout),
+            .merge_fanout(args.merge_fanout)
+            .max_calls(args.batch_calls),
     );
-    let r = store.compact(&options)?;
+    // Sessions with damaged calls, each once (a later batch chooses them again).
+    let mut damaged = std::collections::BTreeSet::new();
+    let (mut batches, mut sessions, mut calls) = (0u64, 0u64, 0u64);
+    let started = std::time::Instant::now();
+    loop {
+        let r = store.compact(&options)?;
+        batches += 1;
+        sessions += r.sessions as u64;
+        calls += r.calls;
+        if args.batch_calls.is_some() {
+            print!("batch {batches}: ");
+        }
+        print_report(&r);
+        damaged.extend(r.sessions_damaged.iter().map(|(s, _)| s.clone()));
+        // Sessions with damaged calls stay selected: a batch that compacted
+        // nothing would choose them again.
+        if r.sessions_left == 0 || r.sessions == 0 {
+            if r.sessions_left > 0 {
+                eprintln!("trajlog compact: {} selected sessions left in the log", r.sessions_left);
+            }
+            break;
+        }
+    }
     store.close()?;
+    if args.batch_calls.is_some() {
+        println!(
+            "compacted {sessions} sessions, {calls} calls in {batches} batches in {:.2} s; peak RSS {}",
+            started.elapsed().as_secs_f64(),
+            proc_status_bytes("VmHWM:").map_or("unknown".to_owned(), human_bytes),
+        );
+    }
+    if !damaged.is_empty() {
+        eprintln!(
+            "trajlog compact: {} sessions with damaged calls were not compacted (`trajlog verify` lists the damage)",
+            damaged.len()
+        );
+        return Ok(1);
+    }
+    Ok(0)
+}
+
+/// Print what one compaction did.
+fn print_report(r: &trajlog::CompactReport) {
     let secs = r.elapsed.as_secs_f64().max(1e-9);
     println!(
         "compacted {} sessions, {} calls, {} trajectories: {} of token payload into {} shard files ({}) in {:.2} s ({:.0} MB/s); retired {} segments; peak RSS {}",
@@ -76,14 +121,6 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
     for (session, why) in &r.sessions_damaged {
         eprintln!("trajlog compact: session {session:?} left in the log, a call of it is damaged: {why}");
     }
-    if !r.sessions_damaged.is_empty() {
-        eprintln!(
-            "trajlog compact: {} sessions with damaged calls were not compacted (`trajlog verify` lists the damage)",
-            r.sessions_damaged.len()
-        );
-        return Ok(1);
-    }
-    Ok(0)
 }
 
 /// History divergences printed per session (all of them are in `--json`).
