@@ -1353,3 +1353,45 @@ fn max_calls_takes_whole_sessions_oldest_first_until_none_is_left() {
     assert_eq!(trace_ids(batched.path()), trace_ids(whole.path()));
     assert_eq!(trace_ids(whole.path()).len(), 19);
 }
+
+/// A call replaced by one that also names a second session, that session
+/// deleted: the dead replacement's segment must not retire while an earlier
+/// segment, kept by another live call, holds the first record of the trace
+/// id, or the next open finds that record live again. (Found by the
+/// model test's aggressive shape; before the fix a fresh open listed `t`
+/// in session b again.)
+#[test]
+fn a_dead_replacement_is_not_retired_from_under_an_earlier_record_of_its_trace() {
+    let dir = tempdir();
+    let call = |session: &str, trace: &str, uids: Vec<String>| Call {
+        trace_id: trace.into(),
+        session_id: session.into(),
+        session_uids: uids,
+        timestamp: 1.0,
+        prompt_token_ids: vec![1, 2],
+        completion_token_ids: vec![3],
+        ..Default::default()
+    };
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    store.append(call("a", "u", vec![])).unwrap(); // keeps segment 1 alive
+    store.append(call("b", "t", vec![])).unwrap();
+    store.compact(&CompactOptions::default()).unwrap(); // nothing sealed: rolls the segment
+    store.append(call("b", "t", vec!["c".into()])).unwrap(); // replaces t, now also in session c
+    assert_eq!(store.delete_session("c").unwrap(), 1);
+    store.compact(&CompactOptions::default()).unwrap();
+    let ids = |snap: &trajlog::Snapshot| {
+        let mut v: Vec<String> = snap.sessions().into_iter().map(|s| s.session_id).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(ids(&store.snapshot()), ["a"]);
+    assert!(store.snapshot().get("t").unwrap().is_none());
+    let fresh = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ids(&fresh.snapshot()), ["a"], "the deleted call came back at the open");
+    assert!(fresh.snapshot().get("t").unwrap().is_none());
+    drop(fresh);
+    store.close().unwrap();
+    let again = Store::open(dir.path(), Options::default()).unwrap();
+    assert!(again.snapshot().get("t").unwrap().is_none());
+    assert_eq!(again.snapshot().call_count(), 1);
+}

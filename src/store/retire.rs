@@ -52,9 +52,10 @@ impl Writer {
     /// call can use it as a prefix-delta parent), no dead call record keeps
     /// a shard row dead, and no session deletion in it concerns compacted
     /// rows. A segment kept for these reasons does not keep the later ones:
-    /// they retire too unless one of their deletions could bring back a
-    /// record of the kept ones (its session has a call, a seal or a reward
-    /// in a kept segment before it). So a straggler session — never
+    /// they retire too unless one of their records could bring back a
+    /// record of the kept ones: a deletion whose session has a call, a seal
+    /// or a reward in a kept segment before it, or a dead call record whose
+    /// trace id has a call record there. So a straggler session — never
     /// finished, never compacted — keeps only the segments that hold its
     /// records. Rewards and seals of retired segments are re-appended with
     /// their current values first, so that they outlive their segment.
@@ -70,6 +71,11 @@ impl Writer {
         // records, seals and session rewards): a deletion after them that is
         // retired must not uncover any of it.
         let mut kept_sessions: HashSet<String> = HashSet::new();
+        // The trace ids of the call records of the kept segments walked so
+        // far: a dead call record after one of them must stay, or the
+        // replay would find the earlier record live again (a call replaced
+        // by one of another session, that session deleted since).
+        let mut kept_traces: HashSet<String> = HashSet::new();
         // Sealed segments that hold only current annotations (most often the
         // seals and rewards an earlier retirement carried forward): retiring
         // one would only write its records again, so each compaction would
@@ -106,6 +112,14 @@ impl Writer {
                         needed = true;
                         break;
                     }
+                    // A dead call record that replaced one of a kept segment:
+                    // it (or what killed it, kept with it) keeps that one dead.
+                    // (A live one here is compacted: its shard row stands at
+                    // its position and supersedes the earlier record.)
+                    if !live && kept_traces.contains(e.id.as_str()) {
+                        needed = true;
+                        break;
+                    }
                 } else if e.kind == KIND_DELETE_SESSION {
                     if self.shard_sessions.contains(e.id.as_str()) || kept_sessions.contains(e.id.as_str()) {
                         needed = true;
@@ -136,6 +150,7 @@ impl Writer {
                 if e.kind == KIND_CALL {
                     kept_sessions.insert(e.session_id.clone());
                     kept_sessions.extend(e.session_uids.iter().cloned());
+                    kept_traces.insert(e.id.clone());
                     continue;
                 }
                 // A record of a kept segment that cannot be read (a damaged
