@@ -156,6 +156,49 @@ fn compact_in_batches() {
     assert_eq!(String::from_utf8_lossy(&export.stdout).lines().count(), 5);
 }
 
+/// A session whose call is damaged is never compacted and stays the oldest
+/// selected one: the batches go on past it (a batch that took only it takes
+/// more the next time), and the run says so with exit code 1.
+#[test]
+fn compact_in_batches_goes_past_a_damaged_oldest_session() {
+    use trajlog::{Call, Options, Store};
+    let dir = common::tempdir();
+    let call = |s: &str, ts: f64| Call {
+        trace_id: format!("{s}0"),
+        session_id: s.into(),
+        timestamp: ts,
+        prompt_token_ids: (0..300).map(|i| i * 7 + 1).collect(),
+        completion_token_ids: vec![3],
+        ..Default::default()
+    };
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    for (s, ts) in [("d", 1.0), ("e", 2.0), ("f", 3.0)] {
+        store.append(call(s, ts)).unwrap();
+        store.seal_session(s).unwrap();
+    }
+    store.flush().unwrap();
+    let loc = store.snapshot().get("d0").unwrap().unwrap().loc;
+    store.roll().unwrap();
+    store.close().unwrap();
+    // One bit of d0's tokens flipped in its sealed segment.
+    let seg = trajlog::storage::segment_path(dir.path(), loc.segment);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    bytes[loc.offset as usize + 200] ^= 0x04;
+    std::fs::write(&seg, &bytes).unwrap();
+    let out = trajlog(&["compact", "--store", s(dir.path()), "--batch-calls", "1"], "");
+    let (text, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{text}{err}");
+    assert!(text.contains("compacted 2 sessions, 2 calls in"), "{text}");
+    assert!(err.contains("1 sessions with damaged calls were not compacted"), "{err}");
+    let store = Store::open_read_only(dir.path()).unwrap();
+    let snap = store.snapshot();
+    for t in ["e0", "f0"] {
+        assert!(snap.get(t).unwrap().unwrap().is_compacted(), "{t}");
+    }
+    // d0 stays in its segment, and its read names the damage.
+    assert!(snap.get("d0").is_err());
+}
+
 #[test]
 fn compact_and_audit_commands() {
     let dir = common::tempdir();

@@ -40,15 +40,15 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
             .collect_dead_fraction(args.collect_dead)
-            .merge_fanout(args.merge_fanout)
-            .max_calls(args.batch_calls),
+            .merge_fanout(args.merge_fanout),
     );
     // Sessions with damaged calls, each once (a later batch chooses them again).
     let mut damaged = std::collections::BTreeSet::new();
     let (mut batches, mut sessions, mut calls) = (0u64, 0u64, 0u64);
     let started = std::time::Instant::now();
+    let mut limit = args.batch_calls;
     loop {
-        let r = store.compact(&options)?;
+        let r = store.compact(&options.clone().max_calls(limit))?;
         batches += 1;
         sessions += r.sessions as u64;
         calls += r.calls;
@@ -57,14 +57,14 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         }
         print_report(&r);
         damaged.extend(r.sessions_damaged.iter().map(|(s, _)| s.clone()));
-        // Sessions with damaged calls stay selected: a batch that compacted
-        // nothing would choose them again.
-        if r.sessions_left == 0 || r.sessions == 0 {
-            if r.sessions_left > 0 {
-                eprintln!("trajlog compact: {} selected sessions left in the log", r.sessions_left);
-            }
+        if r.sessions_left == 0 {
             break;
         }
+        // Sessions with damaged calls are never compacted and stay selected,
+        // oldest first: a batch that took only those compacted nothing. The
+        // next takes twice as many calls, until a batch compacts something
+        // or takes every session left (then `sessions_left` is 0).
+        limit = if r.sessions == 0 { limit.map(|n| n.saturating_mul(2)) } else { args.batch_calls };
     }
     store.close()?;
     if args.batch_calls.is_some() {
