@@ -155,7 +155,7 @@ pub fn decode_trailer(tail: &[u8], file_len: u64) -> Option<Trailer> {
 
 /// Decode and check the footer that `trailer` points at.
 pub fn decode_footer(file: &[u8], trailer: &Trailer) -> Result<Vec<FooterEntry>, DecodeError> {
-    Ok(check_footer(file, trailer)?.iter().map(|e| e.to_owned()).collect())
+    Ok(check_footer(file, trailer)?.iter().map(FooterEntryRef::into_entry).collect())
 }
 
 /// A footer entry read in place from a footer [`check_footer`] passed: the
@@ -217,7 +217,8 @@ impl<'a> Uids<'a> {
 }
 
 impl FooterEntryRef<'_> {
-    pub fn to_owned(&self) -> FooterEntry {
+    /// The owned entry, strings copied.
+    pub fn into_entry(self) -> FooterEntry {
         FooterEntry {
             frame_offset: self.frame_offset,
             body_len: self.body_len,
@@ -446,10 +447,10 @@ mod tests {
         // range a load keeps.
         let checked = check_footer(&file, &trailer).unwrap();
         assert!(checked.has_reward_targets && checked.gaps.is_empty());
-        assert_eq!(checked.iter().map(|e| e.to_owned()).collect::<Vec<_>>(), entries);
+        assert_eq!(checked.iter().map(FooterEntryRef::into_entry).collect::<Vec<_>>(), entries);
         let again = CheckedFooter::checked_before(&file, checked.range(), checked.entry_count());
-        assert_eq!(again.iter().map(|e| e.to_owned()).collect::<Vec<_>>(), entries);
-        assert_eq!(entries.iter().map(|e| e.as_ref().to_owned()).collect::<Vec<_>>(), entries);
+        assert_eq!(again.iter().map(FooterEntryRef::into_entry).collect::<Vec<_>>(), entries);
+        assert_eq!(entries.iter().map(|e| e.as_ref().into_entry()).collect::<Vec<_>>(), entries);
         assert_eq!(checked.iter().next().map(|e| e.session_uids.iter().collect::<Vec<_>>()), Some(vec!["u"]));
         for cut in 0..file.len() {
             if let Some(t) = read_trailer(&file[..cut]) {
