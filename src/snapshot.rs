@@ -682,6 +682,72 @@ impl Snapshot {
             .collect()
     }
 
+    /// For collection (format-spec/shard.md §6.1): the shards among `ids`
+    /// (`steps` files a collection or merge would rewrite, dropping their
+    /// dead rows) holding a dead row that must not be dropped yet. Such a
+    /// row's trace id has no live call, and another record of it stays
+    /// once the row is gone — a row outside `ids` (`rows_of_trace` counts
+    /// the store's rows of a trace id; another id of its hash counts too),
+    /// or a call record at another position in a sealed segment. Dropping
+    /// the row would let the next open replay that other record as live
+    /// when the record that killed the row does not also kill it (a call
+    /// replaced by one naming other sessions, one of those deleted). A
+    /// later live call of the trace id supersedes every record, so its
+    /// replaced rows are dropped as before. Conservative: a shard whose rows
+    /// cannot be read, or a damaged footer, holds every such row back.
+    pub(crate) fn shards_holding_undroppable_dead_rows(
+        &self,
+        ids: &std::collections::HashSet<u32>,
+        rows_of_trace: &dyn Fn(&str) -> usize,
+    ) -> std::collections::HashSet<u32> {
+        let index = &self.view.index;
+        let mut held = std::collections::HashSet::new();
+        // The rows of `ids` per trace id, and the dead rows of trace ids
+        // with no live call: (trace id, position, shard).
+        let mut in_ids: HashMap<Arc<str>, usize> = HashMap::new();
+        let mut candidates: Vec<(Arc<str>, Loc, u32)> = Vec::new();
+        for f in self.view.shards.files().filter(|f| ids.contains(&f.id)) {
+            let mut rows = Vec::new();
+            if f.index_rows(&mut rows).is_err() {
+                held.insert(f.id);
+                continue;
+            }
+            for r in rows {
+                *in_ids.entry(r.trace_id.clone()).or_default() += 1;
+                if index.live(&r.trace_id).is_none() {
+                    candidates.push((r.trace_id, r.loc, f.id));
+                }
+            }
+        }
+        let mut by_trace: HashMap<Arc<str>, Vec<(Loc, u32)>> = HashMap::new();
+        for (trace, loc, shard) in candidates {
+            if rows_of_trace(&trace) > in_ids.get(&trace).copied().unwrap_or(0) {
+                held.insert(shard);
+            } else {
+                by_trace.entry(trace).or_default().push((loc, shard));
+            }
+        }
+        if by_trace.is_empty() {
+            return held;
+        }
+        for seg in self.view.segments.values().filter(|s| s.sealed) {
+            let bytes = seg.mapped_bytes();
+            let footer = crate::format::segment::read_trailer(bytes)
+                .and_then(|t| crate::format::segment::check_footer(bytes, &t).ok());
+            let Some(footer) = footer else {
+                // Its records are unknown: hold every candidate back.
+                held.extend(by_trace.values().flatten().map(|(_, shard)| *shard));
+                return held;
+            };
+            for e in footer.iter().filter(|e| e.kind == crate::format::record::KIND_CALL) {
+                let Some(rows) = by_trace.get(e.id) else { continue };
+                let at = Loc { segment: seg.id, offset: e.frame_offset };
+                held.extend(rows.iter().filter(|(loc, _)| *loc != at).map(|(_, shard)| *shard));
+            }
+        }
+        held
+    }
+
     /// The primary sessions of the live calls served from the shards `ids`,
     /// each with the shard ids it has live calls in. O(live calls).
     pub(crate) fn sessions_in_shards(

@@ -907,6 +907,8 @@ impl NativeStore {
         d.set_item("dropped_rows", r.dropped_rows)?;
         d.set_item("collected_bytes", r.collected_bytes)?;
         d.set_item("collect_skipped", r.collect_skipped)?;
+        // Generations left for a later collection: a dead row of theirs keeps another record of its trace id dead.
+        d.set_item("collect_deferred", r.collect_deferred)?;
         // Selected sessions `max_calls` left for a later compaction.
         d.set_item("sessions_left", r.sessions_left)?;
         Ok(d)

@@ -245,6 +245,11 @@ pub struct CompactReport {
     /// Sessions the selection chose that [`CompactOptions::max_calls`] left
     /// for a later compaction (0 without a limit).
     pub sessions_left: usize,
+    /// Generations a collection or merge would have rewritten but left for
+    /// later: a dead row of theirs is what keeps another record of its
+    /// trace id dead (format-spec/shard.md §6.1). They are rewritten once
+    /// that record is gone.
+    pub collect_deferred: Vec<u64>,
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
@@ -562,8 +567,21 @@ pub(crate) fn run_with(
     // written up to the damage).
     let mut excluded = std::collections::HashSet::new();
     let mut skipped = Vec::new();
+    // Generations a dead row of which must stay for now (see
+    // `Snapshot::shards_holding_undroppable_dead_rows`).
+    let mut deferred = std::collections::BTreeSet::new();
     let (mut report, plan, compacted, mut staged) = loop {
-        let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &excluded);
+        let plan = loop {
+            let not_now: std::collections::HashSet<u64> = excluded.iter().chain(&deferred).copied().collect();
+            let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now);
+            let held =
+                snap.shards_holding_undroppable_dead_rows(&plan.shard_ids, &|t| compaction.shard_rows_of_trace(t));
+            let before = deferred.len();
+            deferred.extend(held.iter().filter_map(|s| plan.generation_of_shard.get(s).copied()));
+            if deferred.len() == before {
+                break plan;
+            }
+        };
         let mut report = CompactReport::default();
         match write_shards(&snap, opts, generation, &shards_dir, &selected, &plan, &mut report)? {
             Written::Done { compacted, staged } => break (report, plan, compacted, staged),
@@ -577,6 +595,7 @@ pub(crate) fn run_with(
         }
     };
     report.collect_skipped = skipped;
+    report.collect_deferred = deferred.into_iter().collect();
     report.sessions_left = sessions_left;
     report.collected_generations = plan.generations.iter().filter(|g| !plan.merged.contains(g)).copied().collect();
     report.merged_generations = plan.merged.clone();

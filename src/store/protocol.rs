@@ -148,6 +148,13 @@ impl RowCounts {
     }
 
     /// Whether a row of `id` exists (or of an id of the same hash).
+    /// How many rows carry `id` (or another id of its hash: conservative).
+    pub(crate) fn count(&self, id: &str) -> usize {
+        let h = Self::hash(id);
+        let n = |s: &[u64]| s.partition_point(|x| *x <= h) - s.partition_point(|x| *x < h);
+        n(&self.base) + n(&self.extra)
+    }
+
     pub(crate) fn contains(&self, id: &str) -> bool {
         let h = Self::hash(id);
         self.extra.binary_search(&h).is_ok() || self.base.binary_search(&h).is_ok()

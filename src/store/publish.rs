@@ -30,6 +30,12 @@ impl Compaction {
         self.base.as_ref().map_or(0, |b| b.generation)
     }
 
+    /// How many shard rows carried trace id `trace` when the compaction
+    /// began (or another id of its hash); `usize::MAX` without a base.
+    pub(crate) fn shard_rows_of_trace(&self, trace: &str) -> usize {
+        self.base.as_ref().map_or(usize::MAX, |b| b.shard_traces.count(trace))
+    }
+
     /// What the compaction reads: everything durable when it began, with the
     /// active segment sealed.
     pub(crate) fn snapshot(&self) -> Result<Snapshot> {

@@ -113,6 +113,12 @@ fn print_report(r: &trajlog::CompactReport) {
     for s in &r.shards {
         println!("  {}", s.display());
     }
+    if !r.collect_deferred.is_empty() {
+        println!(
+            "left {} earlier compactions for a later collection: a dead row of theirs keeps another record of its call dead (format-spec/shard.md §6.1)",
+            r.collect_deferred.len()
+        );
+    }
     for (generation, why) in &r.collect_skipped {
         eprintln!(
             "trajlog compact: compaction {generation}'s shards were not rewritten, a row of them is damaged: {why}"
