@@ -688,7 +688,8 @@ impl Snapshot {
     /// row's trace id has no live call, and another record of it stays
     /// once the row is gone — a row outside `ids` (`rows_of_trace` counts
     /// the store's rows of a trace id; another id of its hash counts too),
-    /// or a call record at another position in a sealed segment. Dropping
+    /// or a call record at another position in a sealed segment that does
+    /// not name every session of the row. Dropping
     /// the row would let the next open replay that other record as live
     /// when the record that killed the row does not also kill it (a call
     /// replaced by one naming other sessions, one of those deleted). A
@@ -705,7 +706,9 @@ impl Snapshot {
         // The rows of `ids` per trace id, and the dead rows of trace ids
         // with no live call: (trace id, position, shard).
         let mut in_ids: HashMap<Arc<str>, usize> = HashMap::new();
-        let mut candidates: Vec<(Arc<str>, Loc, u32)> = Vec::new();
+        // (trace id, position, shard, sessions)
+        type Row = (Arc<str>, Loc, u32, Arc<[Arc<str>]>);
+        let mut candidates: Vec<Row> = Vec::new();
         for f in self.view.shards.files().filter(|f| ids.contains(&f.id)) {
             let mut rows = Vec::new();
             if f.index_rows(&mut rows).is_err() {
@@ -715,16 +718,17 @@ impl Snapshot {
             for r in rows {
                 *in_ids.entry(r.trace_id.clone()).or_default() += 1;
                 if index.live(&r.trace_id).is_none() {
-                    candidates.push((r.trace_id, r.loc, f.id));
+                    candidates.push((r.trace_id, r.loc, f.id, r.sessions));
                 }
             }
         }
-        let mut by_trace: HashMap<Arc<str>, Vec<(Loc, u32)>> = HashMap::new();
-        for (trace, loc, shard) in candidates {
+        type Rows = Vec<(Loc, u32, Arc<[Arc<str>]>)>;
+        let mut by_trace: HashMap<Arc<str>, Rows> = HashMap::new();
+        for (trace, loc, shard, sessions) in candidates {
             if rows_of_trace(&trace) > in_ids.get(&trace).copied().unwrap_or(0) {
                 held.insert(shard);
             } else {
-                by_trace.entry(trace).or_default().push((loc, shard));
+                by_trace.entry(trace).or_default().push((loc, shard, sessions));
             }
         }
         if by_trace.is_empty() {
@@ -736,13 +740,22 @@ impl Snapshot {
                 .and_then(|t| crate::format::segment::check_footer(bytes, &t).ok());
             let Some(footer) = footer else {
                 // Its records are unknown: hold every candidate back.
-                held.extend(by_trace.values().flatten().map(|(_, shard)| *shard));
+                held.extend(by_trace.values().flatten().map(|(_, shard, _)| *shard));
                 return held;
             };
             for e in footer.iter().filter(|e| e.kind == crate::format::record::KIND_CALL) {
                 let Some(rows) = by_trace.get(e.id) else { continue };
                 let at = Loc { segment: seg.id, offset: e.frame_offset };
-                held.extend(rows.iter().filter(|(loc, _)| *loc != at).map(|(_, shard)| *shard));
+                // A record naming every session of the row dies with it: the
+                // deletion that killed the row names one of them, and
+                // retirement keeps it while a kept segment holds a record
+                // of that session (§6).
+                let names = |s: &str| e.session_id == s || e.session_uids.iter().any(|u| u == s);
+                held.extend(
+                    rows.iter()
+                        .filter(|(loc, _, sessions)| *loc != at && !sessions.iter().all(|s| names(s)))
+                        .map(|(_, shard, _)| *shard),
+                );
             }
         }
         held

@@ -1484,3 +1484,29 @@ fn collection_keeps_a_dead_replacement_row_an_earlier_shard_row_needs() {
     assert_eq!(session_ids(&fresh.snapshot()), ["x"]);
     assert!(fresh.snapshot().get("t").unwrap().is_none());
 }
+
+/// A call replaced in its own session before compaction, the session then
+/// deleted: the first record (kept in its segment by another live call)
+/// names every session of the dead row, so the deletion that killed the row
+/// kills it too, and the collection drops the row as before.
+#[test]
+fn collection_drops_a_dead_row_whose_earlier_record_dies_with_it() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    store.append(uid_call("a", "u", &[])).unwrap(); // keeps segment 1
+    store.append(uid_call("b", "t", &[])).unwrap(); // first record of t
+    store.roll().unwrap();
+    store.append(uid_call("b", "t", &[])).unwrap(); // replaced in b
+    store.seal_session("b").unwrap();
+    store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(store.delete_session("b").unwrap(), 1);
+    let r = store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!((r.collected_generations.len(), r.dropped_rows, r.collect_deferred.len()), (1, 1, 0), "{r:?}");
+    let fresh = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(session_ids(&fresh.snapshot()), ["a"]);
+    assert!(fresh.snapshot().get("t").unwrap().is_none());
+    drop(fresh);
+    store.close().unwrap();
+    let again = Store::open(dir.path(), Options::default()).unwrap();
+    assert_eq!(session_ids(&again.snapshot()), ["a"]);
+}
