@@ -715,11 +715,11 @@ impl Snapshot {
                 held.insert(f.id);
                 continue;
             }
-            for r in rows {
+            // (Every row of a trace id with no live call is a candidate, so
+            // the candidates' count per trace id is the files' count.)
+            for r in rows.into_iter().filter(|r| index.live(&r.trace_id).is_none()) {
                 *in_ids.entry(r.trace_id.clone()).or_default() += 1;
-                if index.live(&r.trace_id).is_none() {
-                    candidates.push((r.trace_id, r.loc, f.id, r.sessions));
-                }
+                candidates.push((r.trace_id, r.loc, f.id, r.sessions));
             }
         }
         type Rows = Vec<(Loc, u32, Arc<[Arc<str>]>)>;

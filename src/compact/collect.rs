@@ -35,6 +35,8 @@ pub(super) struct Plan {
     pub moved: BTreeMap<String, Vec<u32>>,
     /// Dead rows in the generations replaced.
     pub dead_rows: u64,
+    /// The `steps` files (of every generation) with a dead row.
+    pub with_dead_rows: HashSet<u32>,
 }
 
 /// Generations of at least this many `steps` rows are never merged: their
@@ -67,14 +69,18 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
     }
     // generation → (rows, live rows, its steps shard ids)
     let mut per_generation: BTreeMap<u64, (u64, u64, Vec<u32>)> = BTreeMap::new();
+    let mut with_dead_rows = HashSet::new();
     for (id, path, rows, live) in snap.shard_liveness() {
+        if live < rows {
+            with_dead_rows.insert(id);
+        }
         let Some(g) = path.file_name().and_then(|n| n.to_str()).and_then(generation_of) else { continue };
         let e = per_generation.entry(g).or_default();
         e.0 += rows;
         e.1 += live.min(rows);
         e.2.push(id);
     }
-    let mut plan = Plan::default();
+    let mut plan = Plan { with_dead_rows, ..Plan::default() };
     // merge tier → the generations in it not collected for dead rows
     let mut tiers: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
     for (&g, (rows, live, _)) in &per_generation {

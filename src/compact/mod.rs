@@ -574,8 +574,11 @@ pub(crate) fn run_with(
         let plan = loop {
             let not_now: std::collections::HashSet<u64> = excluded.iter().chain(&deferred).copied().collect();
             let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now);
-            let held =
-                snap.shards_holding_undroppable_dead_rows(&plan.shard_ids, &|t| compaction.shard_rows_of_trace(t));
+            // Only files with a dead row can hold one back (a merge of
+            // live rows reads nothing here).
+            let dead: std::collections::HashSet<u32> =
+                plan.shard_ids.intersection(&plan.with_dead_rows).copied().collect();
+            let held = snap.shards_holding_undroppable_dead_rows(&dead, &|t| compaction.shard_rows_of_trace(t));
             let before = deferred.len();
             deferred.extend(held.iter().filter_map(|s| plan.generation_of_shard.get(s).copied()));
             if deferred.len() == before {

@@ -75,7 +75,8 @@ impl Writer {
         // far: a dead call record after one of them must stay, or the
         // replay would find the earlier record live again (a call replaced
         // by one of another session, that session deleted since).
-        let mut kept_traces: HashSet<String> = HashSet::new();
+        // (Their id hashes: two ids of one hash only keep a segment more.)
+        let mut kept_traces: HashSet<u64> = HashSet::new();
         // Sealed segments that hold only current annotations (most often the
         // seals and rewards an earlier retirement carried forward): retiring
         // one would only write its records again, so each compaction would
@@ -116,7 +117,7 @@ impl Writer {
                     // it (or what killed it, kept with it) keeps that one dead.
                     // (A live one here is compacted: its shard row stands at
                     // its position and supersedes the earlier record.)
-                    if !live && kept_traces.contains(e.id.as_str()) {
+                    if !live && kept_traces.contains(&crate::index::frozen::id_hash(&e.id)) {
                         needed = true;
                         break;
                     }
@@ -150,7 +151,7 @@ impl Writer {
                 if e.kind == KIND_CALL {
                     kept_sessions.insert(e.session_id.clone());
                     kept_sessions.extend(e.session_uids.iter().cloned());
-                    kept_traces.insert(e.id.clone());
+                    kept_traces.insert(crate::index::frozen::id_hash(&e.id));
                     continue;
                 }
                 // A record of a kept segment that cannot be read (a damaged
