@@ -689,9 +689,9 @@ impl Snapshot {
     /// once the row is gone — a row outside `ids` (`rows_of_trace` counts
     /// the store's rows of a trace id; another id of its hash counts too),
     /// or a call record at another position in a sealed segment that does
-    /// not name every session of the row. Dropping
-    /// the row would let the next open replay that other record as live
-    /// when the record that killed the row does not also kill it (a call
+    /// not name every session of the row. Dropping the row would let the
+    /// next open replay that other record as live when the record that
+    /// killed the row does not also kill it (a call
     /// replaced by one naming other sessions, one of those deleted). A
     /// later live call of the trace id supersedes every record, so its
     /// replaced rows are dropped as before. Conservative: a shard whose rows
@@ -703,34 +703,29 @@ impl Snapshot {
     ) -> std::collections::HashSet<u32> {
         let index = &self.view.index;
         let mut held = std::collections::HashSet::new();
-        // The rows of `ids` per trace id, and the dead rows of trace ids
-        // with no live call: (trace id, position, shard).
-        let mut in_ids: HashMap<Arc<str>, usize> = HashMap::new();
-        // (trace id, position, shard, sessions)
-        type Row = (Arc<str>, Loc, u32, Arc<[Arc<str>]>);
-        let mut candidates: Vec<Row> = Vec::new();
+        // The dead rows of trace ids with no live call, by trace id:
+        // (position, shard, sessions). Every row of such a trace id in
+        // `ids` is one, so a list's length is the files' rows of it.
+        type Rows = Vec<(Loc, u32, Arc<[Arc<str>]>)>;
+        let mut by_trace: HashMap<Arc<str>, Rows> = HashMap::new();
         for f in self.view.shards.files().filter(|f| ids.contains(&f.id)) {
             let mut rows = Vec::new();
             if f.index_rows(&mut rows).is_err() {
                 held.insert(f.id);
                 continue;
             }
-            // (Every row of a trace id with no live call is a candidate, so
-            // the candidates' count per trace id is the files' count.)
             for r in rows.into_iter().filter(|r| index.live(&r.trace_id).is_none()) {
-                *in_ids.entry(r.trace_id.clone()).or_default() += 1;
-                candidates.push((r.trace_id, r.loc, f.id, r.sessions));
+                by_trace.entry(r.trace_id).or_default().push((r.loc, f.id, r.sessions));
             }
         }
-        type Rows = Vec<(Loc, u32, Arc<[Arc<str>]>)>;
-        let mut by_trace: HashMap<Arc<str>, Rows> = HashMap::new();
-        for (trace, loc, shard, sessions) in candidates {
-            if rows_of_trace(&trace) > in_ids.get(&trace).copied().unwrap_or(0) {
-                held.insert(shard);
-            } else {
-                by_trace.entry(trace).or_default().push((loc, shard, sessions));
+        // A row of the trace id outside `ids` holds them all back.
+        by_trace.retain(|trace, rows| {
+            let outside = rows_of_trace(trace) > rows.len();
+            if outside {
+                held.extend(rows.iter().map(|(_, shard, _)| *shard));
             }
-        }
+            !outside
+        });
         if by_trace.is_empty() {
             return held;
         }

@@ -147,7 +147,6 @@ impl RowCounts {
         self.base.as_slice()
     }
 
-    /// Whether a row of `id` exists (or of an id of the same hash).
     /// How many rows carry `id` (or another id of its hash: conservative).
     pub(crate) fn count(&self, id: &str) -> usize {
         let h = Self::hash(id);
@@ -155,6 +154,7 @@ impl RowCounts {
         n(&self.base) + n(&self.extra)
     }
 
+    /// Whether a row of `id` exists (or of an id of the same hash).
     pub(crate) fn contains(&self, id: &str) -> bool {
         let h = Self::hash(id);
         self.extra.binary_search(&h).is_ok() || self.base.binary_search(&h).is_ok()
