@@ -104,6 +104,10 @@ pub struct IndexLayers {
     /// placements and frozen layer from, mapped (0: none; the open decoded
     /// the shards). format-spec/shard-index.md.
     pub index_file_bytes: u64,
+    /// Annotation-only segments whose seals and rewards the open took from
+    /// the annotation cache instead of replaying their records
+    /// (format-spec/shard-index.md §7); 0: none.
+    pub cached_annotation_segments: usize,
 }
 
 /// Summary of one session.
@@ -613,7 +617,13 @@ impl Snapshot {
     pub fn index_layers(&self) -> IndexLayers {
         let (frozen_calls, frozen_bytes) = self.view.index.frozen_stats();
         let index_file_bytes = self.view.shards.index_file().map_or(0, |ix| ix.file_len());
-        IndexLayers { calls: self.call_count(), frozen_calls, frozen_bytes, index_file_bytes }
+        IndexLayers {
+            calls: self.call_count(),
+            frozen_calls,
+            frozen_bytes,
+            index_file_bytes,
+            cached_annotation_segments: self.view.index.cached_segments(),
+        }
     }
 
     /// Segments of this snapshot, oldest first.

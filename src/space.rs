@@ -91,7 +91,8 @@ pub struct OtherFiles {
     /// tokens again, for the trainer (format-spec/shard.md §3).
     pub trajectories_bytes: u64,
     /// `shards/index.tsi`, the shard index file (a cache of the `steps`
-    /// shards' index columns, format-spec/shard-index.md).
+    /// shards' index columns, format-spec/shard-index.md), and
+    /// `shards/index.tsa`, its annotation cache (§7).
     pub index_file_bytes: u64,
     /// Everything else: the manifest, the rewards side table, the lock,
     /// files a crash left (staged shards, temporary files), segments
@@ -309,6 +310,7 @@ fn other_files(dir: &std::path::Path, report: &SpaceReport) -> OtherFiles {
         .collect();
     let shards = dir.join(crate::storage::SHARDS_DIR);
     let index_file = shards.join(crate::shard::index_file::INDEX_FILE_NAME);
+    let annotation_cache = shards.join(crate::store::ANNOTATION_CACHE_FILE);
     let trajectories = shards.join("trajectories");
     let mut other = OtherFiles::default();
     let mut stack = vec![dir.to_path_buf()];
@@ -320,7 +322,7 @@ fn other_files(dir: &std::path::Path, report: &SpaceReport) -> OtherFiles {
             if meta.is_dir() {
                 stack.push(path);
             } else if !counted.contains(path.as_path()) {
-                if path == index_file {
+                if path == index_file || path == annotation_cache {
                     other.index_file_bytes += meta.len();
                 } else if path.starts_with(&trajectories) {
                     other.trajectories_bytes += meta.len();

@@ -327,8 +327,19 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         }
     }
     if all_steps_read {
-        if let Some(p) = check_index_file(&shards_dir, &keys, steps_rows) {
-            report.problems.push(p);
+        match check_index_file(&shards_dir, &keys, steps_rows) {
+            Some(p) => report.problems.push(p),
+            // The annotation cache over it (format-spec/shard-index.md §7),
+            // against what its listed segments hold.
+            None => {
+                if let Some(what) = crate::store::check_annotation_cache(dir, &manifest) {
+                    report.problems.push(Problem {
+                        path: shards_dir.join(crate::store::ANNOTATION_CACHE_FILE),
+                        offset: 0,
+                        what: format!("annotation cache: {what}; delete it (it holds nothing the segments do not) and the next writable open writes it anew"),
+                    });
+                }
+            }
         }
     }
     // The rewards side table (format-spec/shard.md §8), if there is one.

@@ -1096,7 +1096,9 @@ fn space_accounts_every_frame_and_names_what_keeps_a_segment() {
     // The other files, each counted once: every file in the directory is
     // a segment, a `steps` shard or one of them.
     let len = |p: std::path::PathBuf| std::fs::metadata(p).unwrap().len();
-    assert_eq!(r.other.index_file_bytes, len(dir.path().join("shards/index.tsi")));
+    // The shard index file and its annotation cache.
+    let caches = len(dir.path().join("shards/index.tsi")) + len(dir.path().join("shards/index.tsa"));
+    assert_eq!(r.other.index_file_bytes, caches);
     let trajectories: u64 = std::fs::read_dir(dir.path().join("shards/trajectories"))
         .unwrap()
         .map(|e| e.unwrap().metadata().unwrap().len())

@@ -971,3 +971,91 @@ fn reads_the_v11_fixture_through_its_shard_index_file() {
     Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
     assert_eq!(std::fs::read(copy.path().join("shards/index.tsi")).unwrap(), index);
 }
+
+fn fixture_v12_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v12")
+}
+
+/// The call of session `z` the v12 fixture adds to the v3 content.
+fn fixture_v12_z() -> Call {
+    Call {
+        trace_id: "z/0".into(),
+        session_id: "z".into(),
+        timestamp: 300.0,
+        prompt_token_ids: vec![1, 2, 3],
+        completion_token_ids: vec![4, 5],
+        logprobs: Some(vec![-0.5, f32::NEG_INFINITY]),
+        ..Default::default()
+    }
+}
+
+/// Store format 12: the v11 content and a session `z` of one call, both
+/// compacted (`z` frozen: no uid); then, in a segment of their own
+/// (sealed), a trace reward on `z/0` and a new session reward of `z`. A
+/// writable open (the compaction's cache removed) wrote the annotation
+/// cache `shards/index.tsa`
+/// (format-spec/shard-index.md §7), which lists that segment.
+fn write_fixture_v12() {
+    let dir = fixture_v12_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls().into_iter().chain([fixture_v12_z()]) {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.set_reward(Target::Session("z".into()), 2.5).unwrap();
+    store.seal_session("z").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
+    assert_eq!(r.sessions, 2, "{r:?}");
+    store.set_reward(Target::Trace("z/0".into()), -0.25).unwrap();
+    store.set_reward(Target::Session("z".into()), 3.5).unwrap();
+    store.roll().unwrap();
+    store.close().unwrap();
+    // The compaction's cache lists nothing (the segment came after it): a
+    // writable open without one writes it.
+    std::fs::remove_file(dir.join("shards/index.tsa")).unwrap();
+    Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap().close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    assert!(dir.join("shards/index.tsa").exists());
+}
+
+/// What the v12 fixture reads as, with or without its cache.
+fn check_fixture_v12(dir: &std::path::Path) -> trajlog::Snapshot {
+    let snap = Store::open_read_only(dir).expect("fixture opens").snapshot();
+    let calls: Vec<Call> = fixture_calls().into_iter().chain([fixture_v12_z()]).collect();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "task-1:0" || c.session_id == "z", "{}", c.trace_id);
+        assert_exact(&v, c);
+    }
+    assert!(snap.is_sealed("task-1:0") && snap.is_sealed("z"));
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    assert_eq!(snap.session_reward("z"), Some(3.5));
+    assert_eq!(snap.trace_reward("z/0").map(f64::to_bits), Some((-0.25f64).to_bits()));
+    snap
+}
+
+#[test]
+fn reads_the_v12_fixture_through_its_annotation_cache() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v12_dir().exists() {
+        write_fixture_v12();
+    }
+    let dir = fixture_v12_dir();
+    let cache = std::fs::read(dir.join("shards/index.tsa")).expect("the fixture has an annotation cache");
+    let snap = check_fixture_v12(&dir);
+    assert_eq!(snap.index_layers().cached_annotation_segments, 1, "{:?}", snap.index_layers());
+    drop(snap);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    // Without the cache the same answers; a writer writes it back as it was.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    std::fs::remove_file(copy.path().join("shards/index.tsa")).unwrap();
+    let snap = check_fixture_v12(copy.path());
+    assert_eq!(snap.index_layers().cached_annotation_segments, 0);
+    drop(snap);
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    assert_eq!(std::fs::read(copy.path().join("shards/index.tsa")).unwrap(), cache);
+}

@@ -399,14 +399,16 @@ impl Frozen {
 
     /// The frozen call with trace id `trace_id`.
     pub fn trace(&self, trace_id: &str) -> Option<&FrozenRow> {
+        self.trace_row(trace_id).and_then(|i| self.rows.get(i as usize))
+    }
+
+    /// The row number of the frozen call with trace id `trace_id`.
+    pub fn trace_row(&self, trace_id: &str) -> Option<u32> {
         let h = id_hash(trace_id);
         let at = self.by_trace.partition_point(|e| e.hash < h);
-        self.by_trace
-            .get(at..)?
-            .iter()
-            .take_while(|e| e.hash == h)
-            .filter_map(|e| self.rows.get(e.row as usize))
-            .find(|r| self.bytes_at(r.trace, r.trace_len) == trace_id.as_bytes())
+        self.by_trace.get(at..)?.iter().take_while(|e| e.hash == h).map(|e| e.row).find(|i| {
+            self.rows.get(*i as usize).is_some_and(|r| self.bytes_at(r.trace, r.trace_len) == trace_id.as_bytes())
+        })
     }
 
     /// Freeze the rows `cold` marks of `rows` (each of one session alone, no

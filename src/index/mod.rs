@@ -224,6 +224,9 @@ pub struct Index {
     thawed: imbl::OrdSet<u32>,
     /// Their calls, in all.
     thawed_rows: usize,
+    /// Segments whose seals and rewards the open took from the annotation
+    /// cache (store/annotation_cache.rs) instead of replaying them.
+    cached_segments: usize,
     /// While an open replays the log over a mapped frozen layer: each thaw
     /// (session, the position of the record that thawed it), for the open
     /// to apply the session's later rows as the replay reaches them.
@@ -432,6 +435,41 @@ impl Index {
         self.sessions.entry(Arc::from(session)).or_default().reward = Some(value);
     }
 
+    /// Set the frozen sessions' seals and session rewards (`session` gives
+    /// each one's) and the trace rewards of frozen rows (row, value bits),
+    /// as an open's replay of the records they come from would (the
+    /// annotation cache, store/annotation_cache.rs), before that replay.
+    /// `false` (nothing set) when the layer is shared or has another number
+    /// of sessions.
+    pub(crate) fn apply_cached(
+        &mut self,
+        segments: usize,
+        sessions: u32,
+        session: impl Fn(u32) -> (bool, Option<f64>),
+        trace_rewards: &[(u32, u64)],
+    ) -> bool {
+        let Some(frozen) = Arc::get_mut(&mut self.frozen) else { return false };
+        if frozen.session_count() != sessions {
+            return false;
+        }
+        for s in 0..sessions {
+            let (sealed, reward) = session(s);
+            if sealed {
+                frozen.seal(s);
+            }
+            if let Some(r) = reward {
+                frozen.set_reward(s, r);
+            }
+        }
+        for (row, bits) in trace_rewards {
+            if let Some(r) = self.frozen.rows().get(*row as usize) {
+                self.trace_rewards.insert(Arc::from(self.frozen.trace_id(r)), f64::from_bits(*bits));
+            }
+        }
+        self.cached_segments = segments;
+        true
+    }
+
     /// Set the reward of `trace`'s live call, by a record at `at`; a trace
     /// id with no live call there (never appended, or deleted with its
     /// session) takes none, so a reward never outlives its call
@@ -607,6 +645,12 @@ impl Index {
     }
 
     /// The frozen layer's calls and heap bytes (0, 0 without one).
+    /// How many segments' seals and rewards the open took from the
+    /// annotation cache.
+    pub(crate) fn cached_segments(&self) -> usize {
+        self.cached_segments
+    }
+
     pub fn frozen_stats(&self) -> (usize, usize) {
         (self.frozen.len().saturating_sub(self.thawed_rows), self.frozen.heap_bytes())
     }

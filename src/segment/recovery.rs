@@ -491,6 +491,27 @@ pub fn load_segment_in_place(dir: &Path, id: u64, must_be_sealed: bool, on_damag
     load_segment_with(dir, id, must_be_sealed, on_damage, on_damage == OnDamage::Refuse)
 }
 
+/// A sealed segment mapped without reading its footer, for an open that
+/// has what the footer says elsewhere (the annotation cache, which checked
+/// the trailer): no entries; `footer_offset` is where its frames end.
+pub fn map_sealed_unread(dir: &Path, id: u64, footer_offset: u64) -> Result<LoadedSegment> {
+    let path = crate::storage::segment_path(dir, id);
+    let file = File::open(&path).map_err(|e| Error::io(format!("open segment {}", path.display()), e))?;
+    let len = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?.len();
+    let map = Arc::new(Mapping::map(&file, len, &path)?);
+    Ok(LoadedSegment {
+        id,
+        path: Arc::new(path),
+        map,
+        entries: Vec::new(),
+        in_footer: None,
+        data_end: footer_offset.min(len),
+        sealed: true,
+        events: Vec::new(),
+        applied_from_footer: Vec::new(),
+    })
+}
+
 fn load_segment_with(
     dir: &Path,
     id: u64,

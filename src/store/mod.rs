@@ -22,6 +22,7 @@
 //! and valid however long it is held, while the writer appends, seals and rolls.
 
 mod admission;
+mod annotation_cache;
 mod options;
 mod protocol;
 mod publish;
@@ -36,6 +37,7 @@ mod rewards;
 mod tests;
 mod writer;
 
+pub(crate) use annotation_cache::{check as check_annotation_cache, CACHE_FILE_NAME as ANNOTATION_CACHE_FILE};
 pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
 pub(crate) use publish::Obsolete;
@@ -149,6 +151,8 @@ impl Store {
         // A shard index file a crash left half written (never read).
         recovery::remove_if_present(&dir.join(SHARDS_DIR).join(crate::shard::index_file::TMP_NAME))
             .map_err(|e| Error::io("remove a half-written shard index file", e))?;
+        recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_TMP_NAME))
+            .map_err(|e| Error::io("remove a half-written annotation cache", e))?;
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
         // that no manifest ever lists two active segments.
@@ -179,6 +183,13 @@ impl Store {
         loaded.segments.remove(&active.id);
         if let Some(w) = loaded.index_to_write.take() {
             w.write(&dir, &mut loaded, &options.faults);
+        }
+        // The annotation cache, when the open could not use one (a cache
+        // of a conflicting replay would be the same: not written).
+        if loaded.annotation_cache == recovery::CacheUse::NotUsed {
+            if let Some(ix) = loaded.shards.index_file() {
+                annotation_cache::write(&dir, &loaded.manifest, ix, &options.faults);
+            }
         }
         let sealed = admission::Sealed::new(loaded.index.clone());
         let mut segments = loaded.segments.clone();

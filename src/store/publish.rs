@@ -95,8 +95,26 @@ impl Store {
         let (tx, rx) = bounded(1);
         self.inner.send(Cmd::Publish { staged, sessions, prepared: Box::new(prepared), reply: tx })?;
         // The writer hands back what it did not keep, to be freed here.
-        let (outcome, _leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
+        let (outcome, leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
+        drop(leftovers);
+        if outcome.is_ok() {
+            self.write_annotation_cache();
+        }
         outcome
+    }
+
+    /// Write the annotation cache (store/annotation_cache.rs) for the store
+    /// as it stands after a publication, which may have retired listed
+    /// segments, carried annotations into new ones or rewritten the shard
+    /// index file: here, in the compacting thread (one footer read per
+    /// sealed segment), while no other publication can run. Best effort:
+    /// without it, opens replay the annotation segments.
+    fn write_annotation_cache(&self) {
+        let view = lock(&self.inner.view).clone();
+        let Some(ix) = view.shards.index_file() else { return };
+        if let Ok(Some(manifest)) = super::recovery::read_manifest(&self.inner.dir) {
+            super::annotation_cache::write(&self.inner.dir, &manifest, ix, &self.inner.options.faults);
+        }
     }
 }
 

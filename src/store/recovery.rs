@@ -2,6 +2,7 @@
 //! loading segments and shards and replaying them into the indexes
 //! (format-spec/segment.md §6, shard.md §4), read-only loads.
 
+use super::annotation_cache::{self, AnnotationCache};
 use super::*;
 use crate::format::segment::FooterEntryRef;
 use crate::index::frozen::RowRef;
@@ -47,6 +48,20 @@ pub(super) struct Loaded {
     /// The shard index file to write once the open succeeded, if it has
     /// none that describes its shards.
     pub(super) index_to_write: Option<IndexToWrite>,
+    /// Whether the open used the annotation cache.
+    pub(super) annotation_cache: CacheUse,
+}
+
+/// What an open did with the annotation cache (store/annotation_cache.rs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CacheUse {
+    /// It took the listed segments' seals and rewards from it.
+    Used,
+    /// There was none it could use (none, stale, or a skip-corrupted open).
+    NotUsed,
+    /// It had one, but a record replayed before a listed one that concerns
+    /// the same session made it replay everything again without it.
+    Conflict,
 }
 
 /// Apply one footer entry to `index`.
@@ -211,6 +226,37 @@ pub(super) fn load_dir(
     writable: bool,
     keep_reward: &dyn Fn(Loc) -> bool,
 ) -> Result<Loaded> {
+    // A skip-corrupted open checks every frame of every segment: it reads
+    // the listed ones too.
+    let cache = match recovery {
+        RecoveryMode::SkipCorrupted => None,
+        _ => annotation_cache::usable(dir, &manifest, keep_reward),
+    };
+    let mut used = CacheUse::NotUsed;
+    if let Some(cache) = cache {
+        match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(Arc::new(cache)))? {
+            Some(loaded) => return Ok(loaded),
+            None => used = CacheUse::Conflict,
+        }
+    }
+    let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, None)?
+        .ok_or_else(|| Error::new(ErrorKind::Io, "internal: an open without the annotation cache stopped"))?;
+    loaded.annotation_cache = used;
+    Ok(loaded)
+}
+
+/// [`load_dir`], with the annotation cache `cache` if given: `None` when
+/// a record replayed before a listed one concerns a session the cache sets
+/// something on (or the shards were not loaded from the index file the
+/// cache is keyed to): the open must then replay without it.
+fn load_dir_with(
+    dir: &Path,
+    manifest: Manifest,
+    recovery: RecoveryMode,
+    writable: bool,
+    keep_reward: &dyn Fn(Loc) -> bool,
+    cache: Option<Arc<AnnotationCache>>,
+) -> Result<Option<Loaded>> {
     let on_damage = match recovery {
         RecoveryMode::SkipCorrupted => OnDamage::Skip,
         // Absolute consistency checked the whole store before (check_absolute).
@@ -224,12 +270,17 @@ pub(super) fn load_dir(
     // the order a sequential open meets them; if the replay stops early,
     // the helper's next send fails and it stops too.
     let listed = manifest.segments.clone();
+    let cached = cache.clone();
     std::thread::scope(|scope| {
         let (ahead, read_ahead) = crossbeam_channel::bounded::<Result<LoadedSegment>>(1);
         scope.spawn(move || {
             for ms in &listed {
                 let path = crate::storage::segment_path(dir, ms.id);
-                let seg = if path.exists() {
+                let in_cache = cached.as_ref().and_then(|c| c.listed.iter().find(|l| l.id == ms.id));
+                let seg = if let Some(l) = in_cache {
+                    // What its footer says is in the cache.
+                    crate::segment::recovery::map_sealed_unread(dir, ms.id, l.footer_offset)
+                } else if path.exists() {
                     crate::segment::recovery::load_segment_in_place(
                         dir,
                         ms.id,
@@ -252,7 +303,7 @@ pub(super) fn load_dir(
                 }
             }
         });
-        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead)
+        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead, cache)
     })
 }
 
@@ -265,13 +316,29 @@ fn replay(
     recovery: RecoveryMode,
     keep_reward: &dyn Fn(Loc) -> bool,
     read_ahead: &crossbeam_channel::Receiver<Result<LoadedSegment>>,
-) -> Result<Loaded> {
+    cache: Option<Arc<AnnotationCache>>,
+) -> Result<Option<Loaded>> {
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
     let files = open_shards(&steps_shard_paths(dir, &manifest))?;
     let any_shards = !files.is_empty();
     let Shards { shards, mut index, mut feed, shard_traces, shard_sessions, to_write } =
         load_shards(dir, files, writable)?;
+    let annotation_cache = match cache {
+        Some(c) => {
+            // The frozen layer must be the one of the file it was built on.
+            let same_file = shards.index_file().and_then(|ix| annotation_cache::key_of(ix)) == Some(c.index);
+            // One that lists nothing (no segment qualified) changes nothing.
+            let applied = c.listed.is_empty()
+                || index.apply_cached(c.listed.len(), c.sessions, |s| c.session(s), &c.trace_rewards);
+            if !same_file || !applied {
+                return Ok(None);
+            }
+            feed.guard = Some(c);
+            CacheUse::Used
+        }
+        None => CacheUse::NotUsed,
+    };
     // Rewards matter to the side table only once some session is in a shard.
     let keep = |loc: Loc| any_shards && keep_reward(loc);
     let last = manifest.segments.last().map(|s| s.id);
@@ -321,6 +388,9 @@ fn replay(
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
         feed.replay_segment(&mut index, &shards, &r, seg.entry_refs(), &mut damage, &mut rewards, &keep);
+        if feed.conflict {
+            return Ok(None);
+        }
         if seg.in_footer.is_some() {
             // Its footer was read in place: the replay reads no more of it.
             seg.map.release_pages();
@@ -331,6 +401,9 @@ fn replay(
         segments.insert(seg.id, r);
     }
     feed.apply(&mut index, |_| true);
+    if feed.conflict {
+        return Ok(None);
+    }
     index.record_thaws(false);
     drop(feed);
     if any_shards {
@@ -343,7 +416,7 @@ fn replay(
             ix.release_pages();
         }
     }
-    Ok(Loaded {
+    Ok(Some(Loaded {
         manifest,
         index,
         segments,
@@ -356,7 +429,8 @@ fn replay(
         report,
         rewards,
         index_to_write: to_write,
-    })
+        annotation_cache,
+    }))
 }
 
 /// What an open takes from the `steps` shards: their set, the index with
@@ -502,6 +576,71 @@ struct RowFeed {
     /// whether a call is compacted is then a step forward, not a binary
     /// search of the whole table (10M rows: seconds of a rebuild).
     ordered: Option<(crate::storage::table::Table<crate::shard::set::Placement>, usize)>,
+    /// The annotation cache an open took its listed segments' seals and
+    /// rewards from: each record and row it applies before the last listed
+    /// segment is checked against it.
+    guard: Option<Arc<AnnotationCache>>,
+    /// One of them concerned a session the cache sets something on, before
+    /// a listed record of it: the open stops and replays without the cache.
+    conflict: bool,
+}
+
+/// Whether a record or row at `loc` that names sessions `sessions` and
+/// trace id `trace` concerns a frozen session before a listed record of it
+/// (store/annotation_cache.rs).
+fn conflicts<'a>(
+    c: &AnnotationCache,
+    frozen: &crate::index::frozen::Frozen,
+    loc: Loc,
+    trace: Option<&str>,
+    mut sessions: impl Iterator<Item = &'a str>,
+) -> bool {
+    if c.last_listed().is_none_or(|last| loc.segment >= last) {
+        return false;
+    }
+    trace.and_then(|t| frozen.trace(t)).is_some_and(|r| c.conflicts(r.session, loc))
+        || sessions.any(|s| frozen.session(s).is_some_and(|i| c.conflicts(i, loc)))
+}
+
+/// What an open from the annotation cache does with a footer entry.
+#[derive(PartialEq)]
+enum Check {
+    Apply,
+    /// A session reward a listed one overwrites later: not applied.
+    Skip,
+    /// It breaks the cache's rule: replay without the cache.
+    Conflict,
+}
+
+/// [`conflicts`] for a footer entry about to be applied: seals commute
+/// with the listed records; a session reward followed by a listed one is
+/// skipped (its value would be overwritten, and a deletion between them
+/// conflicts on its own); a reward whose target is only in its record
+/// (segment format < 4), or a kind this build does not know, conflicts.
+fn check_entry(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, e: &FooterEntryRef<'_>, loc: Loc) -> Check {
+    use crate::format::record::{KIND_DELETE_SESSION, KIND_REWARD, KIND_SEAL};
+    if c.last_listed().is_none_or(|last| loc.segment >= last) {
+        return Check::Apply;
+    }
+    let conflict = match (e.kind, e.reward_target) {
+        (KIND_SEAL, _) => false,
+        (KIND_CALL, _) => {
+            conflicts(c, frozen, loc, Some(e.id), std::iter::once(e.session_id).chain(e.session_uids.iter()))
+        }
+        (KIND_REWARD, 2) => match frozen.session(e.id) {
+            Some(s) if c.reward_superseded(s, loc) => return Check::Skip,
+            Some(s) => c.conflicts(s, loc),
+            None => false,
+        },
+        (KIND_DELETE_SESSION, _) => conflicts(c, frozen, loc, None, std::iter::once(e.id)),
+        (KIND_REWARD, 1) => conflicts(c, frozen, loc, Some(e.id), std::iter::empty()),
+        _ => true,
+    };
+    if conflict {
+        Check::Conflict
+    } else {
+        Check::Apply
+    }
 }
 
 impl RowFeed {
@@ -523,6 +662,13 @@ impl RowFeed {
             let next_thawed = self.thawed.peek().map(|std::cmp::Reverse((loc, _))| *loc);
             match (next_row, next_thawed) {
                 (Some(a), b) if b.is_none_or(|b| a <= b) && upto(a) => {
+                    if let (Some(c), Some((row, _))) = (&self.guard, self.rows.front()) {
+                        let names = row.sessions.iter().map(|s| &**s);
+                        if conflicts(c, index.frozen(), row.loc, Some(&row.trace_id), names) {
+                            self.conflict = true;
+                            return any;
+                        }
+                    }
                     if let Some((row, frozen)) = self.rows.pop_front() {
                         apply_shard_row(index, &row, frozen);
                     }
@@ -582,7 +728,17 @@ impl RowFeed {
             if self.apply(index, |at| at == loc) || (e.kind == KIND_CALL && self.is_compacted(shards, loc)) {
                 continue;
             }
-            apply_entry(index, seg, &e, damage, rewards, keep);
+            if self.conflict {
+                return;
+            }
+            match self.guard.as_ref().map(|c| check_entry(c, index.frozen(), &e, loc)) {
+                Some(Check::Conflict) => {
+                    self.conflict = true;
+                    return;
+                }
+                Some(Check::Skip) => continue,
+                Some(Check::Apply) | None => apply_entry(index, seg, &e, damage, rewards, keep),
+            }
         }
     }
 }

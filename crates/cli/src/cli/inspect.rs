@@ -159,7 +159,7 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     }
     let total = r.total_bytes();
     println!(
-        "everything in the directory {}{}: trajectories shards {}, shard index file {}, other files {}",
+        "everything in the directory {}{}: trajectories shards {}, shard index files {}, other files {}",
         hb(total),
         if live == 0 { String::new() } else { format!(" ({:.2}× the live data)", total as f64 / live as f64) },
         hb(r.other.trajectories_bytes),
@@ -169,6 +169,10 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     let file = match layers.index_file_bytes {
         0 => "no shard index file: the open decoded the shards".to_owned(),
         n => format!("shard index file {}, mapped", hb(n)),
+    };
+    let file = match layers.cached_annotation_segments {
+        0 => file,
+        n => format!("{file}; the seals and rewards of {n} annotation segments from its cache (shards/index.tsa)"),
     };
     println!(
         "index: {} live calls, {} of them in the frozen layer ({} of heap; compacted sessions untouched since the open); {file}",

@@ -1,0 +1,513 @@
+//! The annotation cache, `DIR/shards/index.tsa` (format-spec/shard-index.md
+//! §7): the seals and rewards that the annotation-only segments of the log
+//! set on the frozen sessions of the shard index file, so that an open
+//! takes them in one pass over a few flat tables instead of parsing and
+//! looking up every carried record (a compacted store carries one seal and
+//! one reward per compacted session forward at each retirement: at 14.5M
+//! calls, most of an open's time).
+//!
+//! Like the index file, it is a cache of a pure function of what it names:
+//! the index file (its directory crc32 and length) and the *listed*
+//! segments (id, footer position and footer crc32), each holding only
+//! seals and rewards of frozen targets. Its values are those a replay of
+//! the listed segments alone, in log order, leaves on a fresh frozen layer.
+//! Losing it, or finding it stale, costs time at the next open, never data:
+//! the listed segments stay the truth and are replayed as before.
+//!
+//! An open that uses it skips the listed segments' footers and sets the
+//! values before its replay. For a frozen session, that is the replay's
+//! result unless a record outside the listed segments changes it (a
+//! deletion, a session or trace reward, a call or shard row that names it
+//! or one of its trace ids, any of which thaws it) *before* the last
+//! listed record that concerns it: up to that record only listed records
+//! (and seals, which commute with them) touch it, so its state there is
+//! the cache's, and what comes after sees that state either way. The
+//! cache keeps, per session, the last listed segment that concerns it; the
+//! replay checks each record it applies before the last listed segment,
+//! and on such a record stops: the open then replays everything again
+//! without the cache. (A session deleted after its seal was carried does
+//! not conflict; one deleted, appended to again, sealed and compacted,
+//! with that seal carried after the deletion, does, until the deletion is
+//! retired.)
+
+use super::*;
+use crate::format::segment::{read_trailer, FooterEntryRef};
+use crate::index::frozen::Frozen;
+use crate::shard::index_file::ShardIndex;
+use crate::storage::fault::Faults;
+
+/// The cache's file name, in `DIR/shards/`.
+pub(crate) const CACHE_FILE_NAME: &str = "index.tsa";
+/// What [`crate::storage::write_atomic`] leaves behind on a crash.
+pub(crate) const CACHE_TMP_NAME: &str = "index.tsa.tmp";
+const MAGIC: &[u8; 8] = b"TRJLSAN1";
+/// The version written and read here.
+pub(crate) const CACHE_VERSION: u32 = 1;
+const HEADER_LEN: usize = 40;
+const LISTED_LEN: usize = 24;
+
+/// A segment the cache reflects, as its trailer names its footer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Listed {
+    pub id: u64,
+    pub footer_offset: u64,
+    pub footer_crc32: u32,
+}
+
+/// The identity of a shard index file: the crc32 of its directory (which
+/// holds every section's crc32) and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IndexKey {
+    pub dir_crc32: u32,
+    pub len: u64,
+}
+
+/// The cache's contents.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct AnnotationCache {
+    pub index: IndexKey,
+    pub listed: Vec<Listed>,
+    /// Frozen sessions of the index file.
+    pub sessions: u32,
+    /// Per frozen session, 0 when no listed record concerns it (a seal, a
+    /// session reward, a trace reward of one of its rows), else 1 + the
+    /// index in `listed` of the last segment with one that does.
+    last: Vec<u32>,
+    /// Likewise for the last listed segment with a session reward of it.
+    last_reward: Vec<u32>,
+    /// Bit sets over the frozen sessions: those sealed, those with a
+    /// session reward.
+    sealed: Vec<u64>,
+    has_reward: Vec<u64>,
+    /// Per frozen session, its reward's bits (0 where it has none).
+    rewards: Vec<u64>,
+    /// (frozen row, reward bits) of the trace rewards set, sorted by row.
+    pub trace_rewards: Vec<(u32, u64)>,
+}
+
+fn bit(set: &[u64], i: u32) -> bool {
+    set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
+}
+
+fn set_bit(set: &mut [u64], i: u32) {
+    if let Some(w) = set.get_mut((i / 64) as usize) {
+        *w |= 1 << (i % 64);
+    }
+}
+
+fn le_u32(b: &[u8], at: usize) -> Option<u32> {
+    b.get(at..at + 4).and_then(|s| s.try_into().ok()).map(u32::from_le_bytes)
+}
+
+fn le_u64(b: &[u8], at: usize) -> Option<u64> {
+    b.get(at..at + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes)
+}
+
+/// The key of the index file in `shards_dir`, from its header (24 bytes
+/// read, nothing checked: the open checks the file it uses).
+pub(crate) fn index_key_on_disk(shards_dir: &Path) -> Option<IndexKey> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(shards_dir.join(crate::shard::index_file::INDEX_FILE_NAME)).ok()?;
+    let len = f.metadata().ok()?.len();
+    let mut head = [0u8; 24];
+    f.read_exact_at(&mut head, 0).ok()?;
+    Some(IndexKey { dir_crc32: le_u32(&head, 16)?, len })
+}
+
+/// The key of an open index file.
+pub(crate) fn key_of(ix: &ShardIndex) -> Option<IndexKey> {
+    let b = ix.mapping().bytes();
+    Some(IndexKey { dir_crc32: le_u32(b, 16)?, len: b.len() as u64 })
+}
+
+impl AnnotationCache {
+    fn empty(index: IndexKey, sessions: u32) -> AnnotationCache {
+        let words = (sessions as usize).div_ceil(64);
+        AnnotationCache {
+            index,
+            listed: Vec::new(),
+            sessions,
+            last: vec![0; sessions as usize],
+            last_reward: vec![0; sessions as usize],
+            sealed: vec![0; words],
+            has_reward: vec![0; words],
+            rewards: vec![0; sessions as usize],
+            trace_rewards: Vec::new(),
+        }
+    }
+
+    /// The last listed segment with a record that concerns frozen session
+    /// `session`, if any.
+    pub fn last_naming(&self, session: u32) -> Option<u64> {
+        let i = self.last.get(session as usize)?.checked_sub(1)?;
+        self.listed.get(i as usize).map(|l| l.id)
+    }
+
+    /// Whether a record at `loc`, outside the listed segments, that changes
+    /// frozen session `session` (or thaws it) is replayed before one of its
+    /// listed records: replaying it after the cache's values would not
+    /// give what the replay gives.
+    pub fn conflicts(&self, session: u32, loc: Loc) -> bool {
+        self.last_naming(session).is_some_and(|last| loc.segment < last)
+    }
+
+    /// Frozen session `session`'s seal and reward as the listed records
+    /// leave them.
+    pub fn session(&self, session: u32) -> (bool, Option<f64>) {
+        let reward = bit(&self.has_reward, session)
+            .then(|| self.rewards.get(session as usize).map(|b| f64::from_bits(*b)))
+            .flatten();
+        (bit(&self.sealed, session), reward)
+    }
+
+    /// Whether a session reward of frozen session `session` at `loc`,
+    /// outside the listed segments, is followed by a listed one: the replay
+    /// would overwrite its value, so an open from the cache skips it.
+    pub fn reward_superseded(&self, session: u32, loc: Loc) -> bool {
+        let last = self.last_reward.get(session as usize).and_then(|i| i.checked_sub(1));
+        last.and_then(|i| self.listed.get(i as usize)).is_some_and(|l| loc.segment < l.id)
+    }
+
+    /// The id of the last listed segment (records before it are checked).
+    pub fn last_listed(&self) -> Option<u64> {
+        self.listed.iter().map(|l| l.id).max()
+    }
+
+    /// Whether segment `id` is listed.
+    pub fn lists(&self, id: u64) -> bool {
+        self.listed.iter().any(|l| l.id == id)
+    }
+
+    /// The file's bytes (format-spec/shard-index.md §7).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(
+            HEADER_LEN
+                + self.listed.len() * LISTED_LEN
+                + self.last.len() * 8
+                + (self.sealed.len() * 2 + self.rewards.len()) * 8
+                + self.trace_rewards.len() * 16
+                + 8,
+        );
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&CACHE_VERSION.to_le_bytes());
+        b.extend_from_slice(&(self.listed.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.index.dir_crc32.to_le_bytes());
+        b.extend_from_slice(&self.sessions.to_le_bytes());
+        b.extend_from_slice(&self.index.len.to_le_bytes());
+        b.extend_from_slice(&(self.trace_rewards.len() as u64).to_le_bytes());
+        for l in &self.listed {
+            b.extend_from_slice(&l.id.to_le_bytes());
+            b.extend_from_slice(&l.footer_offset.to_le_bytes());
+            b.extend_from_slice(&l.footer_crc32.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+        }
+        for table in [&self.last, &self.last_reward] {
+            for l in table {
+                b.extend_from_slice(&l.to_le_bytes());
+            }
+            if table.len() % 2 == 1 {
+                b.extend_from_slice(&0u32.to_le_bytes());
+            }
+        }
+        for w in self.sealed.iter().chain(&self.has_reward).chain(&self.rewards) {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        for (row, bits) in &self.trace_rewards {
+            b.extend_from_slice(&row.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&bits.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b
+    }
+
+    /// Decode and check a file's bytes; what is wrong otherwise.
+    pub fn decode(b: &[u8]) -> std::result::Result<AnnotationCache, String> {
+        if b.get(..8) != Some(&MAGIC[..]) {
+            return Err("not an annotation cache (bad magic)".into());
+        }
+        let version = le_u32(b, 8).unwrap_or(0);
+        if version != CACHE_VERSION {
+            return Err(format!("annotation cache version {version}, this build reads {CACHE_VERSION}"));
+        }
+        let short = || "the file is shorter than its header says".to_owned();
+        let listed_n = le_u32(b, 12).ok_or_else(short)? as usize;
+        let index = IndexKey { dir_crc32: le_u32(b, 16).ok_or_else(short)?, len: le_u64(b, 24).ok_or_else(short)? };
+        let sessions = le_u32(b, 20).ok_or_else(short)?;
+        let traces_n = usize::try_from(le_u64(b, 32).ok_or_else(short)?).map_err(|_| short())?;
+        let words = (sessions as usize).div_ceil(64);
+        let body = listed_n
+            .checked_mul(LISTED_LEN)
+            .and_then(|l| l.checked_add((sessions as usize).div_ceil(2).checked_mul(16)?))
+            .and_then(|l| l.checked_add(words.checked_mul(16)?))
+            .and_then(|l| l.checked_add((sessions as usize).checked_mul(8)?))
+            .and_then(|l| l.checked_add(traces_n.checked_mul(16)?))
+            .and_then(|l| l.checked_add(HEADER_LEN))
+            .ok_or_else(short)?;
+        if b.len() != body + 8 {
+            return Err(format!("{} bytes, its header says {}", b.len(), body + 8));
+        }
+        if le_u32(b, body) != Some(crc32fast::hash(b.get(..body).unwrap_or_default())) || le_u32(b, body + 4) != Some(0)
+        {
+            return Err("the file fails its crc32".into());
+        }
+        let mut at = HEADER_LEN;
+        let mut listed = Vec::with_capacity(listed_n);
+        for _ in 0..listed_n {
+            listed.push(Listed {
+                id: le_u64(b, at).ok_or_else(short)?,
+                footer_offset: le_u64(b, at + 8).ok_or_else(short)?,
+                footer_crc32: le_u32(b, at + 16).ok_or_else(short)?,
+            });
+            at += LISTED_LEN;
+        }
+        let mut segment_table = || -> std::result::Result<Vec<u32>, String> {
+            let t = (0..sessions as usize).map(|i| le_u32(b, at + i * 4)).collect::<Option<Vec<u32>>>();
+            let t = t.ok_or_else(short)?;
+            at += (sessions as usize).div_ceil(2) * 8;
+            if t.iter().any(|l| *l as usize > listed.len()) {
+                return Err("a session names a segment the file does not list".into());
+            }
+            Ok(t)
+        };
+        let last = segment_table()?;
+        let last_reward = segment_table()?;
+        let mut words_of = |n: usize| -> std::result::Result<Vec<u64>, String> {
+            let v = (0..n).map(|i| le_u64(b, at + i * 8)).collect::<Option<Vec<u64>>>().ok_or_else(short)?;
+            at += n * 8;
+            Ok(v)
+        };
+        let sealed = words_of(words)?;
+        let has_reward = words_of(words)?;
+        let rewards = words_of(sessions as usize)?;
+        let mut trace_rewards = Vec::with_capacity(traces_n);
+        for i in 0..traces_n {
+            let p = at + i * 16;
+            trace_rewards.push((le_u32(b, p).ok_or_else(short)?, le_u64(b, p + 8).ok_or_else(short)?));
+        }
+        if !trace_rewards.windows(2).all(|w| matches!(w, [a, b] if a.0 < b.0)) {
+            return Err("the trace rewards are not sorted by row".into());
+        }
+        Ok(AnnotationCache { index, listed, sessions, last, last_reward, sealed, has_reward, rewards, trace_rewards })
+    }
+}
+
+/// What one record of a listed segment does.
+enum Op {
+    Seal(u32),
+    SessionReward(u32, f64),
+    /// (row, its session, value, whether the row's call is before the
+    /// record: a reward before its call sets nothing, as at a replay).
+    TraceReward(u32, u32, f64, bool),
+}
+
+/// The ops of a segment's records, or `None` when one of them is not a seal
+/// or reward of a frozen target (the segment is then not listed).
+fn ops_of<'e>(frozen: &Frozen, id: u64, entries: impl Iterator<Item = FooterEntryRef<'e>>) -> Option<Vec<Op>> {
+    use crate::format::record::{KIND_REWARD, KIND_SEAL};
+    let mut ops = Vec::new();
+    for e in entries {
+        ops.push(match (e.kind, e.reward_target) {
+            (KIND_SEAL, _) => Op::Seal(frozen.session(e.id)?),
+            (KIND_REWARD, 2) => Op::SessionReward(frozen.session(e.id)?, e.timestamp),
+            (KIND_REWARD, 1) => {
+                let row = frozen.trace_row(e.id)?;
+                let r = frozen.rows().get(row as usize)?;
+                Op::TraceReward(row, r.session, e.timestamp, r.loc() < Loc { segment: id, offset: e.frame_offset })
+            }
+            _ => return None,
+        });
+    }
+    Some(ops)
+}
+
+/// Build the cache of the sealed segments of `manifest` over index file
+/// `ix` (whose key is `key`): every segment that loads cleanly and holds
+/// only seals and rewards of its frozen targets is listed. When none is,
+/// the cache lists nothing and has no session tables (S = 0): an open
+/// that finds it has nothing to do, and a writable open does not look for
+/// segments to list again.
+pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: IndexKey) -> AnnotationCache {
+    let frozen = ix.frozen();
+    let mut c = AnnotationCache::empty(key, frozen.session_count());
+    let mut traces: std::collections::BTreeMap<u32, u64> = Default::default();
+    for ms in manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed) {
+        let Ok(seg) = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, OnDamage::Refuse) else {
+            continue;
+        };
+        if seg.in_footer.is_none() || !seg.events.is_empty() || !seg.applied_from_footer.is_empty() {
+            continue;
+        }
+        let Some(trailer) = read_trailer(seg.map.bytes()) else { continue };
+        let Some(ops) = ops_of(&frozen, ms.id, seg.entry_refs()) else { continue };
+        seg.map.release_pages();
+        let n = c.listed.len() as u32 + 1;
+        for op in ops {
+            match op {
+                Op::Seal(s) => {
+                    if let Some(l) = c.last.get_mut(s as usize) {
+                        *l = n;
+                    }
+                    set_bit(&mut c.sealed, s);
+                }
+                Op::SessionReward(s, v) => {
+                    if let Some(l) = c.last.get_mut(s as usize) {
+                        *l = n;
+                    }
+                    if let Some(l) = c.last_reward.get_mut(s as usize) {
+                        *l = n;
+                    }
+                    set_bit(&mut c.has_reward, s);
+                    if let Some(r) = c.rewards.get_mut(s as usize) {
+                        *r = v.to_bits();
+                    }
+                }
+                Op::TraceReward(row, s, v, after_call) => {
+                    if let Some(l) = c.last.get_mut(s as usize) {
+                        *l = n;
+                    }
+                    if after_call {
+                        traces.insert(row, v.to_bits());
+                    }
+                }
+            }
+        }
+        c.listed.push(Listed { id: ms.id, footer_offset: trailer.footer_offset, footer_crc32: trailer.footer_crc });
+    }
+    c.trace_rewards = traces.into_iter().collect();
+    if c.listed.is_empty() {
+        return AnnotationCache::empty(key, 0);
+    }
+    c
+}
+
+/// Build and write the cache for the store in `dir` as `manifest` and the
+/// index file `ix` stand (best effort: on failure the next open replays
+/// the segments, and a stale file is only not used).
+pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &Faults) {
+    let Some(key) = key_of(ix) else { return };
+    let c = build(dir, manifest, ix, key);
+    let _ = crate::storage::write_atomic(&dir.join(SHARDS_DIR), CACHE_FILE_NAME, &c.encode(), faults);
+}
+
+/// The cache an open can use: read and checked, keyed to the index file on
+/// disk, each listed segment listed sealed in `manifest` with the footer the
+/// cache names, and (a writable open) no listed reward the rewards side
+/// table may not reflect (`keep_reward`). `None` otherwise.
+pub(crate) fn usable(dir: &Path, manifest: &Manifest, keep_reward: &dyn Fn(Loc) -> bool) -> Option<AnnotationCache> {
+    use std::os::unix::fs::FileExt;
+    let shards_dir = dir.join(SHARDS_DIR);
+    let bytes = fs::read(shards_dir.join(CACHE_FILE_NAME)).ok()?;
+    let c = AnnotationCache::decode(&bytes).ok()?;
+    if index_key_on_disk(&shards_dir)? != c.index {
+        return None;
+    }
+    for l in &c.listed {
+        let listed_sealed = manifest.segments.iter().any(|s| s.id == l.id && s.state == SegmentState::Sealed);
+        if !listed_sealed || keep_reward(Loc { segment: l.id, offset: u64::MAX }) {
+            return None;
+        }
+        let f = File::open(crate::storage::segment_path(dir, l.id)).ok()?;
+        let len = f.metadata().ok()?.len();
+        let mut tail = [0u8; crate::format::segment::TRAILER_BYTES as usize];
+        let at = len.checked_sub(tail.len() as u64)?;
+        f.read_exact_at(&mut tail, at).ok()?;
+        let t = crate::format::segment::decode_trailer(&tail, len)?;
+        if (t.footer_offset, t.footer_crc) != (l.footer_offset, l.footer_crc32) {
+            return None;
+        }
+    }
+    Some(c)
+}
+
+/// The file, checked for `trajlog verify`: `None` when there is none, or
+/// one that is stale (keyed to another index file, or naming a segment the
+/// manifest does not list sealed: an open does not use it); else what is
+/// wrong with it, if anything: its own checks, or values other than those
+/// the listed segments make.
+pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
+    let shards_dir = dir.join(SHARDS_DIR);
+    let bytes = fs::read(shards_dir.join(CACHE_FILE_NAME)).ok()?;
+    let c = match AnnotationCache::decode(&bytes) {
+        Ok(c) => c,
+        Err(what) => return Some(what),
+    };
+    let c = usable(dir, manifest, &|_| false).filter(|u| *u == c)?;
+    let ix = ShardIndex::open(&shards_dir).ok().flatten()?;
+    let frozen = ix.frozen();
+    if !c.listed.is_empty() && frozen.session_count() != c.sessions {
+        return Some(format!("{} frozen sessions, the index file has {}", c.sessions, frozen.session_count()));
+    }
+    // The listed segments alone, as `build` reads them.
+    let mut alone = manifest.clone();
+    alone.segments.retain(|s| c.lists(s.id));
+    let b = build(dir, &alone, &ix, c.index);
+    if b == c {
+        None
+    } else if b.listed != c.listed {
+        Some("a listed segment holds a record other than a seal or reward of a frozen target".into())
+    } else {
+        Some("its seals and rewards are not those of the listed segments".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AnnotationCache {
+        let mut c = AnnotationCache::empty(IndexKey { dir_crc32: 0xdead_beef, len: 1 << 33 }, 67);
+        c.listed = vec![
+            Listed { id: 3, footer_offset: 4096, footer_crc32: 7 },
+            Listed { id: 9, footer_offset: 64, footer_crc32: 0xffff_ffff },
+        ];
+        for s in [0u32, 5, 63, 64, 66] {
+            set_bit(&mut c.sealed, s);
+            c.last[s as usize] = 1 + s % 2;
+        }
+        set_bit(&mut c.has_reward, 64);
+        c.last_reward[64] = 2;
+        c.rewards[64] = (-0.0f64).to_bits();
+        c.trace_rewards = vec![(2, 1.5f64.to_bits()), (40, f64::MIN_POSITIVE.to_bits())];
+        c
+    }
+
+    #[test]
+    fn encode_decode_round_trips_bit_for_bit() {
+        let c = sample();
+        let b = c.encode();
+        let d = AnnotationCache::decode(&b).expect("decodes");
+        assert_eq!(d, c);
+        assert_eq!(d.session(64), (true, Some(-0.0)));
+        assert_eq!(d.session(64).1.map(f64::to_bits), Some((-0.0f64).to_bits()));
+        assert_eq!(d.session(1), (false, None));
+        assert_eq!((d.last_naming(5), d.last_naming(0), d.last_naming(1)), (Some(9), Some(3), None));
+        assert!(d.conflicts(5, Loc { segment: 8, offset: 0 }));
+        assert!(!d.conflicts(5, Loc { segment: 10, offset: 0 }));
+        assert!(!d.conflicts(1, Loc { segment: 0, offset: 0 }));
+        assert!(d.reward_superseded(64, Loc { segment: 8, offset: 0 }));
+        assert!(!d.reward_superseded(64, Loc { segment: 9, offset: 0 }));
+        assert!(!d.reward_superseded(5, Loc { segment: 0, offset: 0 }));
+        assert_eq!(d.encode(), b);
+    }
+
+    #[test]
+    fn every_truncation_and_flipped_byte_is_refused_without_a_panic() {
+        let b = sample().encode();
+        for n in 0..b.len() {
+            assert!(AnnotationCache::decode(&b[..n]).is_err(), "cut at {n}");
+        }
+        for at in 0..b.len() {
+            for mask in [0x01u8, 0x80] {
+                let mut bad = b.clone();
+                bad[at] ^= mask;
+                assert!(AnnotationCache::decode(&bad).is_err(), "byte {at} ^ {mask:#x}");
+            }
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(AnnotationCache::decode(&longer).is_err());
+    }
+}
