@@ -409,14 +409,22 @@ impl ShardIndex {
         }
         let mut sections = [Section::default(); 10];
         let mut seen = [false; 10];
+        let mut ranges = Vec::with_capacity(count);
         for e in directory.chunks_exact(DIR_ENTRY_LEN) {
-            let (kind, crc) = (le_u32(e, 0).unwrap_or(0), le_u32(e, 4).unwrap_or(0));
-            let (offset, slen, n) = (le_u64(e, 8).unwrap_or(0), le_u64(e, 16).unwrap_or(0), le_u64(e, 24).unwrap_or(0));
+            let kind = le_u32(e, 0).unwrap_or(0);
+            let (offset, slen) = (le_u64(e, 8).unwrap_or(0), le_u64(e, 16).unwrap_or(0));
             if offset % 8 != 0 || offset.checked_add(slen).is_none_or(|end| end > len) {
                 return Err(format!("section {kind} ({slen} bytes at {offset}) is misaligned or past the end"));
             }
             let range = usize::try_from(offset).ok().zip(usize::try_from(slen).ok()).map(|(o, l)| o..o + l);
-            if range.and_then(|r| map.crc32_transient(r)) != Some(crc) {
+            ranges.push(range.ok_or("a section does not fit in memory")?);
+        }
+        // Every section's crc32 (two threads on a large file).
+        let crcs = map.crc32s_transient(&ranges);
+        for (e, got) in directory.chunks_exact(DIR_ENTRY_LEN).zip(crcs) {
+            let (kind, crc) = (le_u32(e, 0).unwrap_or(0), le_u32(e, 4).unwrap_or(0));
+            let (offset, slen, n) = (le_u64(e, 8).unwrap_or(0), le_u64(e, 16).unwrap_or(0), le_u64(e, 24).unwrap_or(0));
+            if got != Some(crc) {
                 return Err(format!("section {kind} ({slen} bytes at {offset}) fails its crc32"));
             }
             let (Ok(offset), Ok(slen), Ok(n)) = (usize::try_from(offset), usize::try_from(slen), usize::try_from(n))
