@@ -16,19 +16,18 @@
 //!
 //! An open that uses it skips the listed segments' footers and sets the
 //! values before its replay. For a frozen session, that is the replay's
-//! result unless a record outside the listed segments changes it (a
-//! deletion, a session or trace reward, a call or shard row that names it
-//! or one of its trace ids, any of which thaws it) *before* the last
-//! listed record that concerns it: up to that record only listed records
-//! (and seals, which commute with them) touch it, so its state there is
-//! the cache's, and what comes after sees that state either way. The
-//! cache keeps, per session, the last listed segment that concerns it; the
-//! replay checks each record it applies before the last listed segment,
-//! and on such a record stops: the open then replays everything again
-//! without the cache. (A session deleted after its seal was carried does
-//! not conflict; one deleted, appended to again, sealed and compacted,
-//! with that seal carried after the deletion, does, until the deletion is
-//! retired.)
+//! result unless a record outside the listed segments *changes* it (a
+//! deletion, a session or trace reward, a call or shard row replacing one
+//! of its trace ids) *before* the last listed record that concerns it: up
+//! to that record only listed records (and seals, which commute with
+//! them, and calls that merely thaw it, copying the cache's values) touch
+//! it, so its state there is the cache's, and what comes after sees that
+//! state either way. The cache keeps, per session, the last listed
+//! segment that concerns it; the replay checks each record it applies
+//! before the last listed segment, and on such a record stops: the open
+//! then replays everything again without the cache. A session reward
+//! before a listed one of the same session is skipped instead (the replay
+//! would overwrite it). format-spec/shard-index.md §7 has the whole rule.
 
 use super::*;
 use crate::format::segment::{read_trailer, FooterEntryRef};

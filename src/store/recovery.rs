@@ -245,6 +245,15 @@ pub(super) fn load_dir(
     Ok(loaded)
 }
 
+/// What loading a segment does about damage in `recovery` mode.
+fn on_damage_of(recovery: RecoveryMode) -> OnDamage {
+    match recovery {
+        RecoveryMode::SkipCorrupted => OnDamage::Skip,
+        // Absolute consistency checked the whole store before (check_absolute).
+        RecoveryMode::TolerateTornTail | RecoveryMode::AbsoluteConsistency => OnDamage::Refuse,
+    }
+}
+
 /// [`load_dir`], with the annotation cache `cache` if given: `None` when
 /// a record replayed before a listed one concerns a session the cache sets
 /// something on (or the shards were not loaded from the index file the
@@ -257,11 +266,7 @@ fn load_dir_with(
     keep_reward: &dyn Fn(Loc) -> bool,
     cache: Option<Arc<AnnotationCache>>,
 ) -> Result<Option<Loaded>> {
-    let on_damage = match recovery {
-        RecoveryMode::SkipCorrupted => OnDamage::Skip,
-        // Absolute consistency checked the whole store before (check_absolute).
-        RecoveryMode::TolerateTornTail | RecoveryMode::AbsoluteConsistency => OnDamage::Refuse,
-    };
+    let on_damage = on_damage_of(recovery);
     // A helper thread reads the segments and decodes their footers, one
     // segment ahead of the replay, while this thread loads the shards (the
     // shard index file's checksums) and then replays: the two halves of an
@@ -324,18 +329,22 @@ fn replay(
     let any_shards = !files.is_empty();
     let Shards { shards, mut index, mut feed, shard_traces, shard_sessions, to_write } =
         load_shards(dir, files, writable)?;
+    // The segments the helper thread mapped without reading their footers.
+    let unread = cache.clone();
     let annotation_cache = match cache {
+        // One that lists nothing (no segment qualified) changes nothing.
+        Some(c) if c.listed.is_empty() => CacheUse::Used,
         Some(c) => {
-            // The frozen layer must be the one of the file it was built on.
+            // The frozen layer must be the one of the file it was built on
+            // (the open may have decoded the shards instead: the file does
+            // not describe them); else the listed segments are read here.
             let same_file = shards.index_file().and_then(|ix| annotation_cache::key_of(ix)) == Some(c.index);
-            // One that lists nothing (no segment qualified) changes nothing.
-            let applied = c.listed.is_empty()
-                || index.apply_cached(c.listed.len(), c.sessions, |s| c.session(s), &c.trace_rewards);
-            if !same_file || !applied {
-                return Ok(None);
+            if same_file && index.apply_cached(c.listed.len(), c.sessions, |s| c.session(s), &c.trace_rewards) {
+                feed.guard = Some(c);
+                CacheUse::Used
+            } else {
+                CacheUse::NotUsed
             }
-            feed.guard = Some(c);
-            CacheUse::Used
         }
         None => CacheUse::NotUsed,
     };
@@ -347,9 +356,12 @@ fn replay(
     let mut report = RecoveryReport { mode: recovery, read_only: !writable, events: Vec::new() };
     let mut active_skipped = false;
     for ms in &manifest.segments {
-        let seg = read_ahead
+        let mut seg = read_ahead
             .recv()
             .map_err(|_| Error::new(ErrorKind::Io, "internal: the segment reader stopped early"))??;
+        if annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id)) {
+            seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
+        }
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
             let what = format!("damaged annotation record, applied from its footer entry: {what}");
@@ -585,21 +597,14 @@ struct RowFeed {
     conflict: bool,
 }
 
-/// Whether a record or row at `loc` that names sessions `sessions` and
-/// trace id `trace` concerns a frozen session before a listed record of it
-/// (store/annotation_cache.rs).
-fn conflicts<'a>(
-    c: &AnnotationCache,
-    frozen: &crate::index::frozen::Frozen,
-    loc: Loc,
-    trace: Option<&str>,
-    mut sessions: impl Iterator<Item = &'a str>,
-) -> bool {
-    if c.last_listed().is_none_or(|last| loc.segment >= last) {
-        return false;
-    }
-    trace.and_then(|t| frozen.trace(t)).is_some_and(|r| c.conflicts(r.session, loc))
-        || sessions.any(|s| frozen.session(s).is_some_and(|i| c.conflicts(i, loc)))
+/// Whether a record or row at `loc` that replaces trace id `trace`, or
+/// sets its reward, concerns a frozen session (the one with that trace id)
+/// before a listed record of it (store/annotation_cache.rs). A call that
+/// only names a frozen session thaws it with the cache's values, which the
+/// listed records after it would have set on the thawed session anyway.
+fn trace_conflicts(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, loc: Loc, trace: &str) -> bool {
+    c.last_listed().is_some_and(|last| loc.segment < last)
+        && frozen.trace(trace).is_some_and(|r| c.conflicts(r.session, loc))
 }
 
 /// What an open from the annotation cache does with a footer entry.
@@ -612,11 +617,15 @@ enum Check {
     Conflict,
 }
 
-/// [`conflicts`] for a footer entry about to be applied: seals commute
-/// with the listed records; a session reward followed by a listed one is
-/// skipped (its value would be overwritten, and a deletion between them
-/// conflicts on its own); a reward whose target is only in its record
-/// (segment format < 4), or a kind this build does not know, conflicts.
+/// What to do with a footer entry about to be applied before the last
+/// listed segment: a call replacing a frozen trace id or a trace reward of
+/// one ([`trace_conflicts`]), or a deletion of a frozen session, before a
+/// listed record of that session conflicts; a session reward followed by
+/// a listed one is skipped (its value would be overwritten, and a deletion
+/// between them conflicts on its own), one that is not conflicts like a
+/// deletion; seals and calls that only name a session commute with the
+/// listed records; a reward whose target is only in its record (segment
+/// format < 4), or a kind this build does not know, conflicts.
 fn check_entry(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, e: &FooterEntryRef<'_>, loc: Loc) -> Check {
     use crate::format::record::{KIND_DELETE_SESSION, KIND_REWARD, KIND_SEAL};
     if c.last_listed().is_none_or(|last| loc.segment >= last) {
@@ -624,16 +633,13 @@ fn check_entry(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, e: &F
     }
     let conflict = match (e.kind, e.reward_target) {
         (KIND_SEAL, _) => false,
-        (KIND_CALL, _) => {
-            conflicts(c, frozen, loc, Some(e.id), std::iter::once(e.session_id).chain(e.session_uids.iter()))
-        }
+        (KIND_CALL, _) | (KIND_REWARD, 1) => trace_conflicts(c, frozen, loc, e.id),
         (KIND_REWARD, 2) => match frozen.session(e.id) {
             Some(s) if c.reward_superseded(s, loc) => return Check::Skip,
             Some(s) => c.conflicts(s, loc),
             None => false,
         },
-        (KIND_DELETE_SESSION, _) => conflicts(c, frozen, loc, None, std::iter::once(e.id)),
-        (KIND_REWARD, 1) => conflicts(c, frozen, loc, Some(e.id), std::iter::empty()),
+        (KIND_DELETE_SESSION, _) => frozen.session(e.id).is_some_and(|s| c.conflicts(s, loc)),
         _ => true,
     };
     if conflict {
@@ -663,8 +669,7 @@ impl RowFeed {
             match (next_row, next_thawed) {
                 (Some(a), b) if b.is_none_or(|b| a <= b) && upto(a) => {
                     if let (Some(c), Some((row, _))) = (&self.guard, self.rows.front()) {
-                        let names = row.sessions.iter().map(|s| &**s);
-                        if conflicts(c, index.frozen(), row.loc, Some(&row.trace_id), names) {
+                        if trace_conflicts(c, index.frozen(), row.loc, &row.trace_id) {
                             self.conflict = true;
                             return any;
                         }
