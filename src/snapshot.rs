@@ -704,15 +704,17 @@ impl Snapshot {
     /// killed the row does not also kill it (a call
     /// replaced by one naming other sessions, one of those deleted). A
     /// later live call of the trace id supersedes every record, so its
-    /// replaced rows are dropped as before. Conservative: a shard whose rows
-    /// cannot be read, or a damaged footer, holds every such row back.
+    /// replaced rows are dropped as before. Conservative: a damaged footer
+    /// holds every such row back. A shard whose index columns cannot be
+    /// read is returned apart, with the error: it cannot be rewritten.
     pub(crate) fn shards_holding_undroppable_dead_rows(
         &self,
         ids: &std::collections::HashSet<u32>,
         rows_of_trace: &dyn Fn(&str) -> usize,
-    ) -> std::collections::HashSet<u32> {
+    ) -> (std::collections::HashSet<u32>, Vec<(u32, String)>) {
         let index = &self.view.index;
         let mut held = std::collections::HashSet::new();
+        let mut unreadable = Vec::new();
         // The dead rows of trace ids with no live call, by trace id:
         // (position, shard, sessions). Every row of such a trace id in
         // `ids` is one, so a list's length is the files' rows of it.
@@ -720,8 +722,8 @@ impl Snapshot {
         let mut by_trace: HashMap<Arc<str>, Rows> = HashMap::new();
         for f in self.view.shards.files().filter(|f| ids.contains(&f.id)) {
             let mut rows = Vec::new();
-            if f.index_rows(&mut rows).is_err() {
-                held.insert(f.id);
+            if let Err(e) = f.index_rows(&mut rows) {
+                unreadable.push((f.id, e.message().to_owned()));
                 continue;
             }
             for r in rows.into_iter().filter(|r| index.live(&r.trace_id).is_none()) {
@@ -737,7 +739,7 @@ impl Snapshot {
             !outside
         });
         if by_trace.is_empty() {
-            return held;
+            return (held, unreadable);
         }
         for seg in self.view.segments.values().filter(|s| s.sealed) {
             let bytes = seg.mapped_bytes();
@@ -746,7 +748,7 @@ impl Snapshot {
             let Some(footer) = footer else {
                 // Its records are unknown: hold every candidate back.
                 held.extend(by_trace.values().flatten().map(|(_, shard, _)| *shard));
-                return held;
+                return (held, unreadable);
             };
             for e in footer.iter().filter(|e| e.kind == crate::format::record::KIND_CALL) {
                 let Some(rows) = by_trace.get(e.id) else { continue };
@@ -763,7 +765,7 @@ impl Snapshot {
                 );
             }
         }
-        held
+        (held, unreadable)
     }
 
     /// The primary sessions of the live calls served from the shards `ids`,

@@ -563,12 +563,18 @@ fn concurrent_compactions_never_duplicate_rows() {
 /// Damage a shard: flip a byte in the middle of each `completion_ids`
 /// column chunk (which an open does not read). Returns how many.
 fn flip_completion_chunks(path: &Path) -> usize {
+    flip_column_chunks(path, "completion_ids")
+}
+
+/// Flip a byte in the middle of every column chunk of the columns whose
+/// path starts with `column`; how many.
+fn flip_column_chunks(path: &Path, column: &str) -> usize {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let mut bytes = std::fs::read(path).unwrap();
     let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
     let mut flipped = 0;
     for rg in reader.metadata().row_groups() {
-        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with("completion_ids")) {
+        for col in rg.columns().iter().filter(|c| c.column_path().string().starts_with(column)) {
             let (start, len) = col.byte_range();
             bytes[(start + len / 2) as usize] ^= 0x10;
             flipped += 1;
@@ -790,6 +796,27 @@ fn a_damaged_generation_is_left_as_it_is() {
     assert!(r.collect_skipped[0].1.contains("part-000001-0000"), "names the file: {}", r.collect_skipped[0].1);
     assert_eq!(generations(dir.path()), [1].into());
     assert_eq!(store.snapshot().call_count(), 9);
+}
+
+/// A generation with a dead row whose index columns cannot be read (the
+/// collection check reads them) is skipped with the error, like a damaged
+/// live row: not reported as deferred, which says nothing is wrong.
+#[test]
+fn a_generation_whose_index_columns_are_damaged_is_skipped_with_the_error() {
+    let dir = tempdir();
+    let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
+    let store = compacted_store(dir.path(), &batch);
+    store.delete_session(&batch[0].session_id).unwrap();
+    let paths = store.snapshot().shard_paths();
+    store.close().unwrap();
+    assert!(flip_column_chunks(&paths[0], "trace_id") > 0);
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert!(r.collected_generations.is_empty() && r.collect_deferred.is_empty(), "{r:?}");
+    assert_eq!(r.collect_skipped.len(), 1, "{r:?}");
+    assert_eq!(r.collect_skipped[0].0, 1);
+    assert!(r.collect_skipped[0].1.contains("part-000001-0000"), "names the file: {}", r.collect_skipped[0].1);
+    assert_eq!(generations(dir.path()), [1].into());
 }
 
 /// The crash states a collection adds: decided (the new files pending, the

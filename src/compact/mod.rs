@@ -578,10 +578,20 @@ pub(crate) fn run_with(
             // live rows reads nothing here).
             let dead: std::collections::HashSet<u32> =
                 plan.shard_ids.intersection(&plan.with_dead_rows).copied().collect();
-            let held = snap.shards_holding_undroppable_dead_rows(&dead, &|t| compaction.shard_rows_of_trace(t));
-            let before = deferred.len();
+            let (held, unreadable) =
+                snap.shards_holding_undroppable_dead_rows(&dead, &|t| compaction.shard_rows_of_trace(t));
+            let (held_before, excluded_before) = (deferred.len(), excluded.len());
             deferred.extend(held.iter().filter_map(|s| plan.generation_of_shard.get(s).copied()));
-            if deferred.len() == before {
+            // A file whose rows cannot be read cannot be rewritten either:
+            // its generation is skipped, with the error, as a damaged row's.
+            for (shard, error) in unreadable {
+                if let Some(g) = plan.generation_of_shard.get(&shard).copied() {
+                    if excluded.insert(g) {
+                        skipped.push((g, error));
+                    }
+                }
+            }
+            if deferred.len() == held_before && excluded.len() == excluded_before {
                 break plan;
             }
         };
