@@ -196,3 +196,33 @@ fn a_damaged_cache_costs_time_not_data() {
     assert_eq!(std::fs::read(&path).unwrap(), good);
     assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
 }
+
+/// Every shard collected: the old index file and cache stay on disk but
+/// describe nothing; opens answer right, and a writable open deletes the
+/// cache it can key to no index file.
+#[test]
+fn a_cache_left_by_collected_shards_is_deleted_by_a_writable_open() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    for s in 0..3 {
+        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
+        store.set_reward(Target::Session(format!("s{s}")), 1.0).unwrap();
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    store.compact(&CompactOptions::default()).unwrap();
+    store.roll().unwrap();
+    store.compact(&CompactOptions::default()).unwrap();
+    for s in 0..3 {
+        store.delete_session(&format!("s{s}")).unwrap();
+    }
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    assert!(!r.collected_generations.is_empty(), "{r:?}");
+    store.close().unwrap();
+    let ids: Vec<String> = (0..3).map(|s| format!("x{s}")).collect();
+    let (with, _, without) = open_both_ways(dir.path(), &ids);
+    assert_eq!(with, without);
+    assert_eq!(with, vec!["calls 0", "x0: None reward None", "x1: None reward None", "x2: None reward None"]);
+    drop(Store::open(dir.path(), small_segments()).unwrap());
+    assert!(Store::open_read_only(dir.path()).unwrap().snapshot().shard_paths().is_empty());
+    assert!(!cache_path(dir.path()).exists());
+}

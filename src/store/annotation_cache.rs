@@ -245,8 +245,9 @@ impl AnnotationCache {
             .and_then(|l| l.checked_add(traces_n.checked_mul(16)?))
             .and_then(|l| l.checked_add(HEADER_LEN))
             .ok_or_else(short)?;
-        if b.len() != body + 8 {
-            return Err(format!("{} bytes, its header says {}", b.len(), body + 8));
+        let Some(whole) = body.checked_add(8) else { return Err(short()) };
+        if b.len() != whole {
+            return Err(format!("{} bytes, its header says {whole}", b.len()));
         }
         if le_u32(b, body) != Some(crc32fast::hash(b.get(..body).unwrap_or_default())) || le_u32(b, body + 4) != Some(0)
         {
@@ -393,9 +394,8 @@ pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &F
 
 /// The cache an open can use: read and checked, keyed to the index file on
 /// disk, each listed segment listed sealed in `manifest` with the footer the
-/// cache names, and (a writable open) no listed reward the rewards side
-/// table may not reflect (`keep_reward`). `None` otherwise.
-pub(crate) fn usable(dir: &Path, manifest: &Manifest, keep_reward: &dyn Fn(Loc) -> bool) -> Option<AnnotationCache> {
+/// cache names. `None` otherwise.
+pub(crate) fn usable(dir: &Path, manifest: &Manifest) -> Option<AnnotationCache> {
     use std::os::unix::fs::FileExt;
     let shards_dir = dir.join(SHARDS_DIR);
     let bytes = fs::read(shards_dir.join(CACHE_FILE_NAME)).ok()?;
@@ -405,7 +405,7 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest, keep_reward: &dyn Fn(Loc) 
     }
     for l in &c.listed {
         let listed_sealed = manifest.segments.iter().any(|s| s.id == l.id && s.state == SegmentState::Sealed);
-        if !listed_sealed || keep_reward(Loc { segment: l.id, offset: u64::MAX }) {
+        if !listed_sealed {
             return None;
         }
         let f = File::open(crate::storage::segment_path(dir, l.id)).ok()?;
@@ -433,7 +433,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
         Ok(c) => c,
         Err(what) => return Some(what),
     };
-    let c = usable(dir, manifest, &|_| false).filter(|u| *u == c)?;
+    let c = usable(dir, manifest).filter(|u| *u == c)?;
     let ix = ShardIndex::open(&shards_dir).ok().flatten()?;
     let frozen = ix.frozen();
     if !c.listed.is_empty() && frozen.session_count() != c.sessions {
@@ -508,5 +508,25 @@ mod tests {
         let mut longer = b.clone();
         longer.push(0);
         assert!(AnnotationCache::decode(&longer).is_err());
+    }
+
+    /// Counts whose sizes add up past `usize::MAX` (found by review: the
+    /// length check overflowed in a debug build).
+    #[test]
+    fn a_header_whose_sizes_overflow_is_refused() {
+        for (listed, sessions, traces) in
+            [(0u32, 0u32, (1u64 << 60) - 3), (u32::MAX, u32::MAX, u64::MAX), (0, 0, u64::MAX)]
+        {
+            let mut b = Vec::new();
+            b.extend_from_slice(MAGIC);
+            b.extend_from_slice(&CACHE_VERSION.to_le_bytes());
+            b.extend_from_slice(&listed.to_le_bytes());
+            b.extend_from_slice(&0u32.to_le_bytes());
+            b.extend_from_slice(&sessions.to_le_bytes());
+            b.extend_from_slice(&0u64.to_le_bytes());
+            b.extend_from_slice(&traces.to_le_bytes());
+            b.extend_from_slice(&[0u8; 8]);
+            assert!(AnnotationCache::decode(&b).is_err(), "{listed} {sessions} {traces}");
+        }
     }
 }

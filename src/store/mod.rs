@@ -184,11 +184,16 @@ impl Store {
         if let Some(w) = loaded.index_to_write.take() {
             w.write(&dir, &mut loaded, &options.faults);
         }
-        // The annotation cache, when the open could not use one (a cache
-        // of a conflicting replay would be the same: not written).
-        if loaded.annotation_cache == recovery::CacheUse::NotUsed {
-            if let Some(ix) = loaded.shards.index_file() {
+        // The annotation cache, when the open found none it could use (one
+        // it set aside would be written the same); a store without an
+        // index file in use has nothing to key one to.
+        match loaded.shards.index_file() {
+            Some(ix) if loaded.annotation_cache == recovery::CacheUse::NotUsed => {
                 annotation_cache::write(&dir, &loaded.manifest, ix, &options.faults);
+            }
+            Some(_) => {}
+            None => {
+                let _ = recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_FILE_NAME));
             }
         }
         let sealed = admission::Sealed::new(loaded.index.clone());

@@ -59,9 +59,11 @@ pub(super) enum CacheUse {
     Used,
     /// There was none it could use (none, stale, or a skip-corrupted open).
     NotUsed,
-    /// It had one, but a record replayed before a listed one that concerns
-    /// the same session made it replay everything again without it.
-    Conflict,
+    /// It had a current one but could not use it (a record that breaks
+    /// its rule, which made the open replay everything again without it,
+    /// or a listed reward the rewards side table may not reflect yet):
+    /// written again, it would be the same file.
+    SetAside,
 }
 
 /// Apply one footer entry to `index`.
@@ -230,13 +232,19 @@ pub(super) fn load_dir(
     // the listed ones too.
     let cache = match recovery {
         RecoveryMode::SkipCorrupted => None,
-        _ => annotation_cache::usable(dir, &manifest, keep_reward),
+        _ => annotation_cache::usable(dir, &manifest),
     };
     let mut used = CacheUse::NotUsed;
     if let Some(cache) = cache {
-        match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(Arc::new(cache)))? {
-            Some(loaded) => return Ok(loaded),
-            None => used = CacheUse::Conflict,
+        // A writable open notes the rewards the side table may not reflect
+        // yet from their records: a listed one among them sets it aside.
+        if cache.listed.iter().any(|l| keep_reward(Loc { segment: l.id, offset: u64::MAX })) {
+            used = CacheUse::SetAside;
+        } else {
+            match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(Arc::new(cache)))? {
+                Some(loaded) => return Ok(loaded),
+                None => used = CacheUse::SetAside,
+            }
         }
     }
     let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, None)?
