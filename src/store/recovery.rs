@@ -263,9 +263,10 @@ fn on_damage_of(recovery: RecoveryMode) -> OnDamage {
 }
 
 /// [`load_dir`], with the annotation cache `cache` if given: `None` when
-/// a record replayed before a listed one concerns a session the cache sets
-/// something on (or the shards were not loaded from the index file the
-/// cache is keyed to): the open must then replay without it.
+/// a record replayed before a listed one changes a session the cache sets
+/// something on: the open must then replay without it. (When the shards
+/// were not loaded through the index file the cache is keyed to, the
+/// replay reads the listed segments itself and does without it.)
 fn load_dir_with(
     dir: &Path,
     manifest: Manifest,
