@@ -704,7 +704,11 @@ impl Snapshot {
     /// killed the row does not also kill it (a call
     /// replaced by one naming other sessions, one of those deleted). A
     /// later live call of the trace id supersedes every record, so its
-    /// replaced rows are dropped as before. Conservative: a damaged footer
+    /// replaced rows are dropped unless such a record would come back and
+    /// a sealed segment holds a trace reward record of the trace id: a
+    /// trace reward stays with the trace id through a replacement, so it
+    /// would pass from that record to the live call (shard.md §6.1).
+    /// Conservative: a damaged footer
     /// holds every such row back. A shard whose index columns cannot be
     /// read is returned apart, with the error: it cannot be rewritten.
     pub(crate) fn shards_holding_undroppable_dead_rows(
@@ -715,28 +719,50 @@ impl Snapshot {
         let index = &self.view.index;
         let mut held = std::collections::HashSet::new();
         let mut unreadable = Vec::new();
-        // The dead rows of trace ids with no live call, by trace id:
-        // (position, shard, sessions). Every row of such a trace id in
-        // `ids` is one, so a list's length is the files' rows of it.
+        // The dead rows of `ids`, by trace id: (position, shard, sessions),
+        // with the trace id's live call if it has one. For a trace id with
+        // none, every row of it in `ids` is one, so a list's length is the
+        // files' rows of it.
         type Rows = Vec<(Loc, u32, Arc<[Arc<str>]>)>;
-        let mut by_trace: HashMap<Arc<str>, Rows> = HashMap::new();
+        let mut by_trace: HashMap<Arc<str>, (Rows, Option<Loc>)> = HashMap::new();
         for f in self.view.shards.files().filter(|f| ids.contains(&f.id)) {
             let mut rows = Vec::new();
             if let Err(e) = f.index_rows(&mut rows) {
                 unreadable.push((f.id, e.message().to_owned()));
                 continue;
             }
-            for r in rows.into_iter().filter(|r| index.live(&r.trace_id).is_none()) {
-                by_trace.entry(r.trace_id).or_default().push((r.loc, f.id, r.sessions));
+            for r in rows {
+                let live = index.live(&r.trace_id).map(|l| l.loc());
+                if live != Some(r.loc) {
+                    let entry = by_trace.entry(r.trace_id).or_insert_with(|| (Vec::new(), live));
+                    entry.0.push((r.loc, f.id, r.sessions));
+                }
             }
         }
-        // A row of the trace id outside `ids` holds them all back.
-        by_trace.retain(|trace, rows| {
-            let outside = rows_of_trace(trace) > rows.len();
-            if outside {
-                held.extend(rows.iter().map(|(_, shard, _)| *shard));
+        // Trace ids with a live call: the row can be dropped unless another
+        // record of the trace id comes back with it gone (as below) *and* a
+        // trace reward record of it could attach to that record, to stay
+        // with the trace id through the live call's replacement (a deleted
+        // call's reward would come back). Noted per trace id.
+        let mut other_record: std::collections::HashSet<Arc<str>> = std::collections::HashSet::new();
+        let mut rewarded: std::collections::HashSet<Arc<str>> = std::collections::HashSet::new();
+        let mut any_reward_unknown = false;
+        // A row of the trace id outside `ids` holds them all back (a trace
+        // id with a live call: counts as another record).
+        by_trace.retain(|trace, (rows, live)| {
+            let live_row = live.is_some_and(|l| self.view.shards.position(l).is_some());
+            let outside = rows_of_trace(trace) > rows.len() + usize::from(live_row);
+            match live {
+                None if outside => {
+                    held.extend(rows.iter().map(|(_, shard, _)| *shard));
+                    false
+                }
+                Some(_) if outside => {
+                    other_record.insert(trace.clone());
+                    true
+                }
+                _ => true,
             }
-            !outside
         });
         if by_trace.is_empty() {
             return (held, unreadable);
@@ -747,22 +773,49 @@ impl Snapshot {
                 .and_then(|t| crate::format::segment::check_footer(bytes, &t).ok());
             let Some(footer) = footer else {
                 // Its records are unknown: hold every candidate back.
-                held.extend(by_trace.values().flatten().map(|(_, shard, _)| *shard));
+                held.extend(by_trace.values().flat_map(|(rows, _)| rows).map(|(_, shard, _)| *shard));
                 return (held, unreadable);
             };
-            for e in footer.iter().filter(|e| e.kind == crate::format::record::KIND_CALL) {
-                let Some(rows) = by_trace.get(e.id) else { continue };
+            for e in footer.iter() {
+                if e.kind == crate::format::record::KIND_REWARD {
+                    match e.reward_target {
+                        1 => {
+                            if let Some((key, _)) = by_trace.get_key_value(e.id) {
+                                rewarded.insert(key.clone());
+                            }
+                        }
+                        // A reward whose target is only in its record
+                        // (segment format < 4): it could be of any.
+                        0 => any_reward_unknown = true,
+                        _ => {}
+                    }
+                    continue;
+                }
+                if e.kind != crate::format::record::KIND_CALL {
+                    continue;
+                }
+                let Some((key, (rows, live))) = by_trace.get_key_value(e.id) else { continue };
                 let at = Loc { segment: seg.id, offset: e.frame_offset };
                 // A record naming every session of the row dies with it: the
                 // deletion that killed the row names one of them, and
                 // retirement keeps it while a kept segment holds a record
                 // of that session (§6).
                 let names = |s: &str| e.session_id == s || e.session_uids.iter().any(|u| u == s);
-                held.extend(
-                    rows.iter()
-                        .filter(|(loc, _, sessions)| *loc != at && !sessions.iter().all(|s| names(s)))
-                        .map(|(_, shard, _)| *shard),
-                );
+                let comes_back = |(loc, _, sessions): &&(Loc, u32, Arc<[Arc<str>]>)| {
+                    *loc != at && !sessions.iter().all(|s| names(s))
+                };
+                match live {
+                    None => held.extend(rows.iter().filter(comes_back).map(|(_, shard, _)| *shard)),
+                    Some(l) if *l != at && rows.iter().any(|r| comes_back(&r)) => {
+                        other_record.insert(key.clone());
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        for (trace, (rows, live)) in &by_trace {
+            if live.is_some() && other_record.contains(trace) && (any_reward_unknown || rewarded.contains(trace)) {
+                held.extend(rows.iter().map(|(_, shard, _)| *shard));
             }
         }
         (held, unreadable)

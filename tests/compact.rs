@@ -1539,3 +1539,44 @@ fn collection_drops_a_dead_row_whose_earlier_record_dies_with_it() {
     let again = Store::open(dir.path(), Options::default()).unwrap();
     assert_eq!(session_ids(&again.snapshot()), ["a"]);
 }
+
+/// A collection drops a replaced row of a trace id whose later call is
+/// live: that call supersedes every record of it. But a trace reward
+/// stays with the trace id through a replacement, so when an earlier
+/// record of it in a kept segment comes back with the row gone (the
+/// deletion that killed the row does not name it), a reward record after
+/// it would come back too. Found by a review's fuzzer: the writer had
+/// dropped the reward with the deleted call, a fresh open brought it back.
+#[test]
+fn a_collection_does_not_bring_back_a_deleted_calls_trace_reward() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let c = |t: &str, s: &str, uids: &[&str], ts: f64| Call {
+        trace_id: t.into(),
+        session_id: s.into(),
+        session_uids: uids.iter().map(|u| u.to_string()).collect(),
+        timestamp: ts,
+        prompt_token_ids: vec![1, 2, 3],
+        completion_token_ids: vec![4],
+        ..Default::default()
+    };
+    store.append(c("t6", "s2", &[], 29.0)).unwrap();
+    store.append(c("t0", "s1", &[], 35.0)).unwrap();
+    store.set_reward(Target::Trace("t0".into()), 10.0).unwrap();
+    store.roll().unwrap();
+    store.append(c("t0", "s1", &["s0"], 22.0)).unwrap();
+    store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    assert_eq!(store.delete_session("s0").unwrap(), 1);
+    store.append(c("t0", "s3", &[], 27.0)).unwrap();
+    store.append(c("t6", "s2", &[], 28.0)).unwrap();
+    let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
+    store.flush().unwrap();
+    assert_eq!(store.snapshot().trace_reward("t0"), None, "the writer");
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().trace_reward("t0"), None, "a fresh open: {r:?}");
+    assert_eq!(ro.snapshot().get("t0").unwrap().unwrap().session_id(), "s3");
+    drop(ro);
+    store.close().unwrap();
+    let store = Store::open(dir.path(), Options::default()).unwrap();
+    assert_eq!(store.snapshot().trace_reward("t0"), None, "the writer after a reopen");
+}
