@@ -61,6 +61,19 @@ fn call(trace: &str, session: &str, t: f64) -> Call {
     }
 }
 
+/// Sessions s0..s{n-1} of one call x0..x{n-1} each, given a session reward
+/// where `reward` says and sealed; returns the trace ids.
+fn sealed_sessions(store: &Store, n: usize, reward: impl Fn(usize) -> Option<f64>) -> Vec<String> {
+    for s in 0..n {
+        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
+        if let Some(r) = reward(s) {
+            store.set_reward(Target::Session(format!("s{s}")), r).unwrap();
+        }
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    (0..n).map(|s| format!("x{s}")).collect()
+}
+
 /// Sessions compacted twice over, with seals, session rewards (one changed
 /// after compaction) and trace rewards: the retirements carry them into
 /// annotation-only segments, which the cache lists.
@@ -109,15 +122,10 @@ fn an_open_from_the_cache_sees_what_a_replay_sees() {
 fn a_deletion_after_the_carried_seal_keeps_the_cache_in_use() {
     let dir = tempdir();
     let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in 0..4 {
-        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
-        store.set_reward(Target::Session(format!("s{s}")), s as f64).unwrap();
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
+    let ids = sealed_sessions(&store, 4, |s| Some(s as f64));
     store.compact(&CompactOptions::default()).unwrap();
     assert_eq!(store.delete_session("s1").unwrap(), 1);
     store.roll().unwrap();
-    let ids: Vec<String> = (0..4).map(|s| format!("x{s}")).collect();
     let writer = fingerprint(&store.snapshot(), &ids);
     store.close().unwrap();
     let (with, cached, without) = open_both_ways(dir.path(), &ids);
@@ -135,10 +143,7 @@ fn a_deletion_after_the_carried_seal_keeps_the_cache_in_use() {
 fn a_deletion_before_a_later_carried_seal_makes_the_open_replay() {
     let dir = tempdir();
     let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in 0..4 {
-        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
+    sealed_sessions(&store, 4, |_| None);
     store.compact(&CompactOptions::default()).unwrap();
     assert_eq!(store.delete_session("s1").unwrap(), 1);
     store.roll().unwrap();
@@ -161,18 +166,13 @@ fn a_deletion_before_a_later_carried_seal_makes_the_open_replay() {
 }
 
 /// A damaged cache is not used (the open replays), and `trajlog verify`
-/// names it; a stale one (its segments retired) is only not used.
+/// names it.
 #[test]
 fn a_damaged_cache_costs_time_not_data() {
     let dir = tempdir();
     let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in 0..6 {
-        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
-        store.set_reward(Target::Session(format!("s{s}")), s as f64 / 3.0).unwrap();
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
+    let ids = sealed_sessions(&store, 6, |s| Some(s as f64 / 3.0));
     store.compact(&CompactOptions::default()).unwrap();
-    let ids: Vec<String> = (0..6).map(|s| format!("x{s}")).collect();
     let writer = fingerprint(&store.snapshot(), &ids);
     store.close().unwrap();
     let path = cache_path(dir.path());
@@ -204,11 +204,7 @@ fn a_damaged_cache_costs_time_not_data() {
 fn a_cache_left_by_collected_shards_is_deleted_by_a_writable_open() {
     let dir = tempdir();
     let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in 0..3 {
-        store.append(call(&format!("x{s}"), &format!("s{s}"), s as f64)).unwrap();
-        store.set_reward(Target::Session(format!("s{s}")), 1.0).unwrap();
-        store.seal_session(&format!("s{s}")).unwrap();
-    }
+    let ids = sealed_sessions(&store, 3, |_| Some(1.0));
     store.compact(&CompactOptions::default()).unwrap();
     store.roll().unwrap();
     store.compact(&CompactOptions::default()).unwrap();
@@ -218,7 +214,6 @@ fn a_cache_left_by_collected_shards_is_deleted_by_a_writable_open() {
     let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
     assert!(!r.collected_generations.is_empty(), "{r:?}");
     store.close().unwrap();
-    let ids: Vec<String> = (0..3).map(|s| format!("x{s}")).collect();
     let (with, _, without) = open_both_ways(dir.path(), &ids);
     assert_eq!(with, without);
     assert_eq!(with, vec!["calls 0", "x0: None reward None", "x1: None reward None", "x2: None reward None"]);

@@ -777,18 +777,24 @@ fn a_snapshot_keeps_reading_the_files_a_collection_replaced() {
     });
 }
 
+/// Four compacted sessions of three calls (generation 1), the first one
+/// deleted, the column chunks of `column` in its shard damaged; reopened.
+fn one_session_deleted_then_damaged(dir: &Path, column: &str) -> Store {
+    let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
+    let store = compacted_store(dir, &batch);
+    store.delete_session(&batch[0].session_id).unwrap();
+    let paths = store.snapshot().shard_paths();
+    store.close().unwrap();
+    assert!(flip_column_chunks(&paths[0], column) > 0);
+    Store::open(dir, Options::default()).unwrap()
+}
+
 /// A generation whose live rows cannot be read (damaged) is not collected:
 /// its files stay, the compaction goes on and says why.
 #[test]
 fn a_damaged_generation_is_left_as_it_is() {
     let dir = tempdir();
-    let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
-    let store = compacted_store(dir.path(), &batch);
-    store.delete_session(&batch[0].session_id).unwrap();
-    let paths = store.snapshot().shard_paths();
-    store.close().unwrap();
-    assert!(flip_completion_chunks(&paths[0]) > 0);
-    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let store = one_session_deleted_then_damaged(dir.path(), "completion_ids");
     let r = store.compact(&CompactOptions::default()).unwrap();
     assert!(r.collected_generations.is_empty(), "{r:?}");
     assert_eq!(r.collect_skipped.len(), 1, "{r:?}");
@@ -804,13 +810,7 @@ fn a_damaged_generation_is_left_as_it_is() {
 #[test]
 fn a_generation_whose_index_columns_are_damaged_is_skipped_with_the_error() {
     let dir = tempdir();
-    let batch = simulate(&SimConfig { sessions: 4, steps: 3, ..SimConfig::default() });
-    let store = compacted_store(dir.path(), &batch);
-    store.delete_session(&batch[0].session_id).unwrap();
-    let paths = store.snapshot().shard_paths();
-    store.close().unwrap();
-    assert!(flip_column_chunks(&paths[0], "trace_id") > 0);
-    let store = Store::open(dir.path(), Options::default()).unwrap();
+    let store = one_session_deleted_then_damaged(dir.path(), "trace_id");
     let r = store.compact(&CompactOptions::default().collect_dead_fraction(Some(0.0))).unwrap();
     assert!(r.collected_generations.is_empty() && r.collect_deferred.is_empty(), "{r:?}");
     assert_eq!(r.collect_skipped.len(), 1, "{r:?}");

@@ -644,13 +644,13 @@ impl Index {
         self.trace_rewards.get(trace).copied()
     }
 
-    /// The frozen layer's calls and heap bytes (0, 0 without one).
     /// How many segments' seals and rewards the open took from the
     /// annotation cache.
     pub(crate) fn cached_segments(&self) -> usize {
         self.cached_segments
     }
 
+    /// The frozen layer's calls and heap bytes (0, 0 without one).
     pub fn frozen_stats(&self) -> (usize, usize) {
         (self.frozen.len().saturating_sub(self.thawed_rows), self.frozen.heap_bytes())
     }

@@ -169,7 +169,7 @@ impl AnnotationCache {
 
     /// The id of the last listed segment (records before it are checked).
     pub fn last_listed(&self) -> Option<u64> {
-        self.listed.iter().map(|l| l.id).max()
+        self.listed.last().map(|l| l.id)
     }
 
     /// Whether segment `id` is listed.
@@ -262,6 +262,9 @@ impl AnnotationCache {
                 footer_crc32: le_u32(b, at + 16).ok_or_else(short)?,
             });
             at += LISTED_LEN;
+        }
+        if !listed.windows(2).all(|w| matches!(w, [a, b] if a.id < b.id)) {
+            return Err("the listed segments are not in increasing id order".into());
         }
         let mut segment_table = || -> std::result::Result<Vec<u32>, String> {
             let t = (0..sessions as usize).map(|i| le_u32(b, at + i * 4)).collect::<Option<Vec<u32>>>();
