@@ -692,6 +692,25 @@ impl Snapshot {
             .collect()
     }
 
+    /// The dead rows of `steps` shard `id` (format-spec/shard.md §9): row
+    /// number in the file, `session_id`, trace id, ascending. A row is dead
+    /// when its trace id's live call is not the record it was compacted
+    /// from. Reads the file's index columns.
+    pub(crate) fn dead_steps_rows(&self, id: u32) -> Result<Vec<(u64, String, Option<String>)>> {
+        let Some(f) = self.view.shards.files().find(|f| f.id == id) else { return Ok(Vec::new()) };
+        let mut rows = Vec::new();
+        f.index_rows(&mut rows)?;
+        let index = &self.view.index;
+        Ok(rows
+            .into_iter()
+            .enumerate()
+            .filter(|(_, r)| !index.is_live_at(&r.trace_id, r.loc))
+            .map(|(n, r)| {
+                (n as u64, r.sessions.first().map(|s| s.to_string()).unwrap_or_default(), Some(r.trace_id.to_string()))
+            })
+            .collect())
+    }
+
     /// For collection (format-spec/shard.md §6.1): the shards among `ids`
     /// (`steps` files a collection or merge would rewrite, dropping their
     /// dead rows) holding a dead row that must not be dropped yet. Such a

@@ -38,6 +38,10 @@ pub struct VerifyReport {
     pub torn_tail: Option<Problem>,
     /// Sessions the rewards side table lists (None: there is none).
     pub rewards_sessions: Option<usize>,
+    /// The deletions side table (format-spec/shard.md §9), if there is one
+    /// and it checked out: the dead rows it lists, and those it does not list
+    /// yet (dead since the last compaction, which lists them).
+    pub deletions: Option<DeletionsCheck>,
     /// Files an interrupted operation left that the next writable open
     /// disposes of (not damage: they hold nothing live), each with what it
     /// will do.
@@ -63,6 +67,16 @@ pub struct ByteSplit {
     /// after its references are cut out).
     pub template_bytes: [u64; 4],
     pub other_bytes: u64,
+}
+
+/// What `trajlog verify` found of the side table.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeletionsCheck {
+    /// Rows it lists (of shards still published).
+    pub listed: u64,
+    /// Dead rows of the published shards it does not list yet (deleted or
+    /// replaced since the last publication; the next compaction lists them).
+    pub not_yet_listed: u64,
 }
 
 /// The call records a read can reach: the live calls still in segments and
@@ -351,6 +365,18 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
                 path: rewards,
                 offset: 0,
                 what: format!("rewards side table: {what} (a writable compaction rewrites it from the log)"),
+            }),
+        }
+    }
+    // The deletions side table (format-spec/shard.md §9), if there is one.
+    let deletions = shards_dir.join(crate::store::DELETIONS_FILE);
+    if deletions.exists() {
+        match crate::store::check_deletions(dir, &manifest) {
+            Ok(c) => report.deletions = Some(c),
+            Err(what) => report.problems.push(Problem {
+                path: deletions,
+                offset: 0,
+                what: format!("deletions side table: {what}"),
             }),
         }
     }

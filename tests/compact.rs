@@ -817,6 +817,11 @@ fn a_generation_whose_index_columns_are_damaged_is_skipped_with_the_error() {
     assert_eq!(r.collect_skipped[0].0, 1);
     assert!(r.collect_skipped[0].1.contains("part-000001-0000"), "names the file: {}", r.collect_skipped[0].1);
     assert_eq!(generations(dir.path()), [1].into());
+    // The deletions side table cannot list its dead rows either: said, and
+    // the compaction is not failed for it.
+    assert_eq!(r.deletions_skipped.len(), 1, "{r:?}");
+    assert_eq!(r.deletions_skipped[0].0, "steps/part-000001-0000.parquet");
+    assert!(r.deletions_skipped[0].1.contains("crc32"), "{}", r.deletions_skipped[0].1);
 }
 
 /// The crash states a collection adds: decided (the new files pending, the

@@ -1059,3 +1059,94 @@ fn reads_the_v12_fixture_through_its_annotation_cache() {
     Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
     assert_eq!(std::fs::read(copy.path().join("shards/index.tsa")).unwrap(), cache);
 }
+
+fn fixture_v13_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v13")
+}
+
+/// Store format 13: the v12 calls, `task-1:0` and `z` compacted (two-row
+/// row groups), then `z` deleted and a compaction that collects nothing:
+/// the deletions side table `shards/_deleted.parquet` (format-spec/shard.md
+/// §9) lists `z`'s `steps` row and its `trajectories` row.
+fn write_fixture_v13() {
+    let dir = fixture_v13_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls().into_iter().chain([fixture_v12_z()]) {
+        store.append(c).unwrap();
+    }
+    store.seal_session("task-1:0").unwrap();
+    store.seal_session("z").unwrap();
+    let opts = trajlog::CompactOptions::default().steps_row_group_rows(2).collect_dead_fraction(None);
+    assert_eq!(store.compact(&opts).unwrap().sessions, 2);
+    store.delete_session("z").unwrap();
+    store.compact(&opts).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    assert!(dir.join("shards/_deleted.parquet").exists());
+}
+
+#[test]
+fn reads_the_v13_fixture_and_its_deletions_side_table() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v13_dir().exists() {
+        write_fixture_v13();
+    }
+    let dir = fixture_v13_dir();
+    let table = std::fs::read(dir.join("shards/_deleted.parquet")).expect("the fixture has a deletions table");
+    let snap = Store::open_read_only(&dir).expect("fixture opens").snapshot();
+    assert!(snap.get("z/0").unwrap().is_none(), "z was deleted");
+    for c in fixture_calls().iter().filter(|c| c.session_id == "task-1:0") {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert!(v.is_compacted());
+        assert_exact(&v, c);
+    }
+    drop(snap);
+    // Its rows, as format-spec/shard.md §9 lays them out: task-1:0's four
+    // calls come first in the steps file (rows 0-3), z's is row 4; z's
+    // trajectory follows task-1:0's.
+    let rows: Vec<(String, i64, String, Option<String>)> = {
+        use arrow_array::cast::AsArray;
+        use arrow_array::Array;
+        let r = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+            std::fs::File::open(dir.join("shards/_deleted.parquet")).unwrap(),
+        )
+        .unwrap()
+        .build()
+        .unwrap();
+        let mut out = Vec::new();
+        for b in r {
+            let b = b.unwrap();
+            let (p, n, s, t) = (
+                b.column(0).as_string::<i32>(),
+                b.column(1).as_primitive::<arrow_array::types::Int64Type>(),
+                b.column(2).as_string::<i32>(),
+                b.column(3).as_string::<i32>(),
+            );
+            for i in 0..b.num_rows() {
+                out.push((
+                    p.value(i).into(),
+                    n.value(i),
+                    s.value(i).into(),
+                    (!t.is_null(i)).then(|| t.value(i).into()),
+                ));
+            }
+        }
+        out
+    };
+    let traj_rows = rows.iter().filter(|r| r.0.starts_with("trajectories/")).count();
+    assert_eq!(rows[0], ("steps/part-000001-0000.parquet".into(), 4, "z".into(), Some("z/0".into())));
+    assert_eq!((rows.len(), traj_rows), (2, 1), "{rows:?}");
+    assert_eq!(rows[1].2, "z");
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    let d = report.deletions.expect("checked");
+    assert_eq!((d.listed, d.not_yet_listed), (2, 0));
+    // Without it, a compaction writes the same bytes again.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    std::fs::remove_file(copy.path().join("shards/_deleted.parquet")).unwrap();
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    store.compact(&trajlog::CompactOptions::default().collect_dead_fraction(None)).unwrap();
+    store.close().unwrap();
+    assert_eq!(std::fs::read(copy.path().join("shards/_deleted.parquet")).unwrap(), table);
+}

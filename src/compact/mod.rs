@@ -250,6 +250,11 @@ pub struct CompactReport {
     /// trace id dead (format-spec/shard.md §6.1). They are rewritten once
     /// that record is gone.
     pub collect_deferred: Vec<u64>,
+    /// Shard files the deletions side table (format-spec/shard.md §9) could
+    /// not read (path under `shards/`, the error: damage `trajlog verify`
+    /// names): the rows of theirs that died since the table last read them
+    /// are not listed; it keeps the rows it listed before.
+    pub deletions_skipped: Vec<(String, String)>,
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
@@ -621,6 +626,7 @@ pub(crate) fn run_with(
         crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids.into_iter().collect() };
     let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete)?;
     report.retired_segments = outcome.retired_segments.len();
+    report.deletions_skipped = outcome.deletions_skipped;
     for p in &staged {
         let path = shards_dir.join(&p.shard.path);
         report.shard_bytes += std::fs::metadata(&path).map_or(0, |m| m.len());

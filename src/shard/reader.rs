@@ -181,6 +181,12 @@ impl ShardFile {
 
     /// Open a shard of either table (no schema check).
     fn open_any(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
+        Self::open_any_with(path, id, expected, false)
+    }
+
+    /// [`ShardFile::open_any`], keeping the column chunks' statistics (min
+    /// and max) with `stats`.
+    fn open_any_with(path: &Path, id: u32, expected: Option<ShardChecksum>, stats: bool) -> Result<Self> {
         let file = File::open(path).map_err(|e| Error::io(format!("open shard {}", path.display()), e))?;
         let len = file.metadata().map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?.len();
         if let Some(want) = expected {
@@ -222,8 +228,9 @@ impl ShardFile {
         // with them); trajlog reads none, and decoded they held ~13 bytes a
         // row at 256-row row groups (1M compacted tiny calls, after open).
         let skip = || ParquetStatisticsPolicy::SkipAll;
-        let options = ParquetMetaDataOptions::new()
-            .with_column_stats_policy(skip())
+        let options = ParquetMetaDataOptions::new();
+        let options = if stats { options } else { options.with_column_stats_policy(skip()) };
+        let options = options
             .with_size_stats_policy(skip())
             .with_encoding_stats_policy(skip());
         let metadata = ParquetMetaDataReader::decode_metadata_with_options(footer, Some(&options))
@@ -597,6 +604,69 @@ impl ShardFile {
         }
         RecordBatch::try_new(schema, columns).map_err(|e| bad(e.to_string()))
     }
+}
+
+/// The row number, `session_id` and `trace_ids` of the rows of a
+/// `trajectories` shard whose session is one of `sessions`, in row order
+/// (what the deletions side table needs, format-spec/shard.md §9). A row
+/// group whose `session_id` statistics (min, max: bounds, exact or not)
+/// leave out every one of `sessions` is not read: a compaction writes
+/// sessions in order, so one session is in one or two row groups. With
+/// `expected`, the file's length and footer crc32 are checked first; format
+/// 2 and later: every column chunk read is checked against its crc32.
+pub fn trajectory_trace_ids(
+    path: &Path,
+    expected: Option<ShardChecksum>,
+    sessions: &std::collections::BTreeSet<String>,
+) -> Result<Vec<(u64, String, Vec<String>)>> {
+    let shard = ShardFile::open_any_with(path, 0, expected, true)?;
+    if kv_value(shard.meta.metadata(), META_TABLE) != Some("trajectories") {
+        return Err(corrupt(path, format!("{META_TABLE} is not \"trajectories\"")));
+    }
+    let schema = shard.meta.schema();
+    let roots: Vec<usize> = ["session_id", "trace_ids"].iter().filter_map(|n| schema.index_of(n).ok()).collect();
+    if roots.len() != 2 {
+        return Err(corrupt(path, "no session_id or trace_ids column"));
+    }
+    let session_leaf = shard.meta.parquet_schema().columns().iter().position(|c| c.name() == "session_id");
+    let mut out = Vec::new();
+    let mut first_row = 0u64;
+    for rg in 0..shard.row_groups() {
+        let meta = shard.meta.metadata().row_group(rg);
+        let start = first_row;
+        first_row += u64::try_from(meta.num_rows()).unwrap_or(0);
+        let bounds = session_leaf.and_then(|i| meta.columns().get(i)).and_then(|c| c.statistics());
+        if let Some((lo, hi)) = bounds.and_then(|s| s.min_bytes_opt().zip(s.max_bytes_opt())) {
+            let (lo, hi) = (String::from_utf8_lossy(lo), String::from_utf8_lossy(hi));
+            // A lossy bound is still a bound for byte order unless a
+            // replacement character changed it: then read the group.
+            let exact = !lo.contains('\u{fffd}') && !hi.contains('\u{fffd}');
+            if exact && lo <= hi && sessions.range(lo.into_owned()..=hi.into_owned()).next().is_none() {
+                continue;
+            }
+        }
+        let mut row = start;
+        for batch in shard.row_group_reader(rg, Some(&roots), 1 << 14)? {
+            let batch =
+                batch.map_err(|e| corrupt_at(path, shard.row_group_offset(rg), format!("row group {rg}: {e}")))?;
+            let (Some(session), Some(traces)) = (
+                batch.column_by_name("session_id").and_then(|c| c.as_string_opt::<i32>()),
+                batch.column_by_name("trace_ids").and_then(|c| c.as_list_opt::<i32>()),
+            ) else {
+                return Err(corrupt(path, "session_id or trace_ids of the wrong type"));
+            };
+            for i in 0..batch.num_rows() {
+                if sessions.contains(session.value(i)) {
+                    let ids = traces.value(i);
+                    let ids = ids.as_string_opt::<i32>().ok_or_else(|| corrupt(path, "trace_ids items"))?;
+                    let ids = (0..ids.len()).map(|j| ids.value(j).to_owned()).collect();
+                    out.push((row, session.value(i).to_owned(), ids));
+                }
+                row += 1;
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Check a whole shard of either table (format-spec/shard.md §7): with

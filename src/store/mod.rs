@@ -23,6 +23,7 @@
 
 mod admission;
 mod annotation_cache;
+mod deletions;
 mod options;
 mod protocol;
 mod publish;
@@ -38,6 +39,8 @@ mod tests;
 mod writer;
 
 pub(crate) use annotation_cache::{check as check_annotation_cache, CACHE_FILE_NAME as ANNOTATION_CACHE_FILE};
+pub(crate) use deletions::{check as check_deletions, DELETIONS_FILE};
+
 pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
 pub(crate) use publish::Obsolete;

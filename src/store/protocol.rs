@@ -218,6 +218,9 @@ pub(super) struct Prepared {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct PublishOutcome {
     pub retired_segments: Vec<u64>,
+    /// Shard files the deletions side table could not look into (path under
+    /// `shards/`, the error): their rows dead since are not listed.
+    pub deletions_skipped: Vec<(String, String)>,
 }
 
 #[cfg(test)]

@@ -95,10 +95,24 @@ impl Store {
         let (tx, rx) = bounded(1);
         self.inner.send(Cmd::Publish { staged, sessions, prepared: Box::new(prepared), reply: tx })?;
         // The writer hands back what it did not keep, to be freed here.
-        let (outcome, leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
+        let (mut outcome, leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
         drop(leftovers);
-        if outcome.is_ok() {
+        if let Ok(outcome) = &mut outcome {
             self.write_annotation_cache();
+            // The deletion vectors of the shards just published (shard.md
+            // §9): a failure is reported, the shards stay published, and
+            // the next publication writes the table.
+            match self.write_deletions() {
+                Ok(skipped) => outcome.deletions_skipped = skipped,
+                Err(e) => return Err(Error::new(
+                    e.kind().clone(),
+                    format!(
+                        "the shards were published, but the deletions side table (shards/{}) was not rewritten: {}; until a compaction rewrites it, readers of the shard files see the rows deleted since the last one",
+                        super::deletions::DELETIONS_FILE,
+                        e.message()
+                    ),
+                )),
+            }
         }
         outcome
     }
@@ -521,6 +535,6 @@ impl Writer {
         }
         let retired_segments = self.retire(&p.in_segments)?;
         self.delta.forget_segments(&retired_segments);
-        Ok(PublishOutcome { retired_segments })
+        Ok(PublishOutcome { retired_segments, deletions_skipped: Vec::new() })
     }
 }

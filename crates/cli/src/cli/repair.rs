@@ -34,6 +34,12 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
     if let Some(n) = report.rewards_sessions {
         println!("rewards side table (shards/_rewards.parquet): {n} sessions with rewards set after compaction");
     }
+    if let Some(d) = report.deletions {
+        println!(
+            "deletions side table (shards/_deleted.parquet): {} dead shard rows listed, {} dead since the last compaction (the next one lists them)",
+            d.listed, d.not_yet_listed
+        );
+    }
     let s = &report.split;
     if s.calls > 0 {
         println!(

@@ -124,6 +124,11 @@ fn print_report(r: &trajlog::CompactReport) {
             "trajlog compact: compaction {generation}'s shards were not rewritten, a row of them is damaged: {why}"
         );
     }
+    for (path, why) in &r.deletions_skipped {
+        eprintln!(
+            "trajlog compact: shards/{path} could not be read for the deletions side table, its rows deleted since are not listed for shard readers: {why}"
+        );
+    }
     for (session, why) in &r.sessions_damaged {
         eprintln!("trajlog compact: session {session:?} left in the log, a call of it is damaged: {why}");
     }
