@@ -909,6 +909,8 @@ impl NativeStore {
         d.set_item("collect_skipped", r.collect_skipped)?;
         // Generations left for a later collection: a dead row of theirs keeps another record of its trace id dead.
         d.set_item("collect_deferred", r.collect_deferred)?;
+        // Shard files the deletions side table could not read: (path under shards/, error).
+        d.set_item("deletions_skipped", r.deletions_skipped)?;
         // Selected sessions `max_calls` left for a later compaction.
         d.set_item("sessions_left", r.sessions_left)?;
         Ok(d)

@@ -679,3 +679,101 @@ def test_deleted_sessions_are_collected_out_of_the_shards(tmp_path):
     sessions = sorted(sample["session_id"] for sample in ds)
     # Each session is two chains: step 1's prompt does not extend step 0's.
     assert sessions == sorted(["task-1:0", "task-2:0", "task-3:0"] * 2)
+
+
+@pytest.fixture()
+def deleted(tmp_path):
+    """A compacted store of 6 sessions (two samples each: step 1's prompt does
+    not extend step 0's), two of them deleted after compaction and not
+    collected: their rows are still in the files, listed in
+    `_deleted.parquet`."""
+    path = tmp_path / "s"
+    with trajlog.Store(path) as store:
+        for s in range(6):
+            for step in range(2):
+                store.append(trace_id=f"{s}/{step}", session_id=f"task-{s}:0", prompt_token_ids=[1, 2, step], completion_token_ids=[3, s], logprobs=[-0.5, -0.25], timestamp=float(step))
+            store.seal(f"task-{s}:0")
+        store.compact()
+        assert pq.read_table(path / "shards" / "_deleted.parquet").num_rows == 0
+        for s in (1, 4):
+            store.delete_session(f"task-{s}:0")
+        r = store.compact(collect_dead=None)
+        assert r["collected_generations"] == []
+    return path / "shards"
+
+
+def test_sessions_deleted_after_compaction_leave_the_dataset_before_collection(deleted):
+    traj = deleted / "trajectories"
+    side = pq.read_table(deleted / "_deleted.parquet").to_pylist()
+    assert sorted({r["session_id"] for r in side}) == ["task-1:0", "task-4:0"]
+    assert sum(r["path"].startswith("steps/") for r in side) == 4 and sum(r["path"].startswith("trajectories/") for r in side) == 4
+    left = sorted(["task-0:0", "task-2:0", "task-3:0", "task-5:0"] * 2)
+    ds = TrajectoryDataset(traj)
+    assert ds.total == 8 and ds.deleted_rows == 4
+    assert sorted(s["session_id"] for s in ds) == left
+    assert sorted(s["session_id"] for s in TrajectoryDataset(traj, deletions=None)) == sorted(left + ["task-1:0", "task-4:0"] * 2)
+    # Ranks: equal counts over what is left; token mode: every sample once.
+    ranks = [[key(s) for s in TrajectoryDataset(traj, rank=r, world_size=3, seed=2)] for r in range(3)]
+    assert all(len(r) == 3 for r in ranks)
+    assert {k[0] for r in ranks for k in r} == set(left)
+    mbs = list(TrajectoryDataset(traj, token_budget=16))
+    assert sorted(s["session_id"] for mb in mbs for s in mb) == left
+    # A later collection drops the rows; the table then lists nothing.
+    with trajlog.Store(deleted.parent) as store:
+        assert store.compact(collect_dead=0.0)["collected_generations"] == [1]
+    assert pq.read_table(deleted / "_deleted.parquet").num_rows == 0
+    assert sorted(s["session_id"] for s in TrajectoryDataset(traj)) == left
+
+
+def test_deletions_apply_by_file_and_row_across_row_groups(deleted, tmp_path):
+    """The reader's rule on its own: rows listed by (file, row number over
+    the row groups) are left out, whatever the row groups, in every mode."""
+    traj = tmp_path / "t"
+    traj.mkdir()
+    src = next((deleted / "trajectories").glob("part-*.parquet"))
+    table = pq.read_table(src)
+    pq.write_table(table, traj / src.name, row_group_size=2)
+    pq.write_table(table, traj / "part-000009-0000.parquet", row_group_size=3)
+    gone = {(src.name, 1), (src.name, 2), (src.name, 5), ("part-000009-0000.parquet", 0), ("part-000009-0000.parquet", 11)}
+    side = tmp_path / "d.parquet"
+    rows = sorted(gone)
+    pq.write_table(
+        pa.table({"path": [f"trajectories/{f}" for f, _ in rows] + ["steps/x.parquet"], "row": pa.array([r for _, r in rows] + [0], pa.int64()),
+                  "session_id": ["x"] * (len(rows) + 1), "trace_id": [None] * len(rows) + ["x/0"]}),
+        side,
+    )
+    everything = [(f, r) for f in (src.name, "part-000009-0000.parquet") for r in range(table.num_rows)]
+    keys = table.select(["session_id", "segment_index"]).to_pylist()
+    want = sorted((keys[r]["session_id"], keys[r]["segment_index"]) for f, r in everything if (f, r) not in gone)
+    for kwargs in ({}, {"shuffle": False}, {"token_budget": 12}, {"world_size": 2, "rank": 1}):
+        ds = TrajectoryDataset(traj, deletions=str(side), **kwargs)
+        assert ds.total == len(want) and ds.deleted_rows == len(gone)
+        got = [key(s) for item in ds for s in (item if "token_budget" in kwargs else [item])]
+        if "world_size" in kwargs:
+            got += [key(s) for s in TrajectoryDataset(traj, deletions=str(side), world_size=2, rank=0)]
+            assert len(got) == 2 * -(-len(want) // 2)
+            got = sorted(set(got))
+            assert got == sorted(set(want))
+        else:
+            assert sorted(got) == want, kwargs
+    with pytest.raises(FileNotFoundError, match="deletions side table not found"):
+        TrajectoryDataset(traj, deletions=str(tmp_path / "missing.parquet"))
+    pq.write_table(pa.table({"path": ["trajectories/x"], "row": pa.array([1], pa.int32())}), side)
+    with pytest.raises(ValueError, match="expected path string and row int64"):
+        TrajectoryDataset(traj, deletions=str(side))
+    pq.write_table(pa.table({"file": ["x"]}), side)
+    with pytest.raises(ValueError, match="missing column path or row"):
+        TrajectoryDataset(traj, deletions=str(side))
+
+
+def test_the_readme_duckdb_deletion_recipes_agree_with_the_dataset(deleted):
+    duckdb = pytest.importorskip("duckdb")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in readme.split("```sql\n")[1:]]
+    steps_sql, traj_sql = [b for b in blocks if "_deleted.parquet" in b]
+    con = duckdb.connect()
+    store_dir = str(deleted.parent)
+    got = sorted((sid, int(seg)) for sid, seg in con.execute(traj_sql.replace("DIR", store_dir)).fetchall())
+    assert got == sorted(key(s) for s in TrajectoryDataset(deleted / "trajectories"))
+    steps = sorted(t for (t,) in con.execute(steps_sql.replace("DIR", store_dir)).fetchall())
+    assert steps == sorted(f"{s}/{k}" for s in (0, 2, 3, 5) for k in (0, 1))

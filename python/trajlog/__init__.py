@@ -576,7 +576,9 @@ class Store:
         tier they are written again together (`None`: never), so the number
         of shard files stays logarithmic in the rows. Shard files can be
         replaced by either: list them again (a directory glob) after a
-        compaction."""
+        compaction. Each compaction also rewrites `<path>/shards/_deleted.parquet`,
+        the rows of the files whose calls were deleted or replaced since their
+        compaction (`trajlog.data.TrajectoryDataset` leaves them out)."""
         if collect_dead is not None:
             collect_dead = _finite("collect_dead", collect_dead, non_negative=True)
             if collect_dead > 1:

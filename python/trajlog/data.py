@@ -60,6 +60,11 @@ Policies:
   reward is that session reward when not null, else the side table's reward of
   the sample's last trace id when listed, else the shard's; a session not
   listed keeps the shard's reward.
+- Deletions: the engine publishes `shards/_deleted.parquet` listing, per shard
+  file, the rows whose calls were deleted or replaced after compaction (until
+  a collection rewrites the file). The dataset reads it when it is built and
+  leaves those rows out of every epoch: a new dataset (as after any
+  compaction, which may also add and remove files) sees later deletions.
 - Token-balanced micro-batches (`token_budget=N`): the dataset yields lists of
   samples instead of samples; see `TrajectoryDataset.__init__`.
 """
@@ -99,6 +104,8 @@ _LIST_COLUMNS = ("token_ids", "loss_mask", "logprobs", "call_starts", "completio
 
 #: The rewards side table's file name, in the `shards/` directory.
 REWARDS_FILE = "_rewards.parquet"
+#: The deletions side table's file name, in the `shards/` directory.
+DELETIONS_FILE = "_deleted.parquet"
 #: Version of the dicts `state_dict()` returns (1: the int `consumed` of the
 #: rank order, without workers; still accepted).
 STATE_VERSION = 2
@@ -168,6 +175,32 @@ def load_rewards(path: str) -> dict:
     return {sid: (entry[0], entry[1]) for sid, entry in sessions.items()}
 
 
+def load_deletions(path: str, table: str = "trajectories") -> dict:
+    """The deletions side table's rows of one table ("trajectories" or
+    "steps") as {file name: sorted numpy array of row numbers}. Schema: `path`
+    string (`steps/NAME` or `trajectories/NAME`), `row` int64 (0-based, over
+    the file's row groups), `session_id` string, `trace_id` string (null on a
+    trajectories row)."""
+    pf = pq.ParquetFile(path)
+    if not {"path", "row"} <= set(pf.schema_arrow.names):
+        raise ValueError(f"deletions side table {path}: missing column path or row (has {pf.schema_arrow.names})")
+    t = pf.read(columns=["path", "row"])
+    if t.schema.field("path").type != pa.string() or t.schema.field("row").type != pa.int64():
+        raise ValueError(f"deletions side table {path}: expected path string and row int64, found {t.schema}")
+    if t.column("path").null_count or t.column("row").null_count:
+        raise ValueError(f"deletions side table {path}: null path or row")
+    paths = t.column("path").to_pylist()
+    rows = t.column("row").to_numpy()
+    prefix = table + "/"
+    out: dict = {}
+    for p, r in zip(paths, rows.tolist()):
+        if p.startswith(prefix):
+            if r < 0:
+                raise ValueError(f"deletions side table {path}: {p} row {r} is negative")
+            out.setdefault(p[len(prefix):], []).append(r)
+    return {name: np.unique(np.asarray(rs, dtype=np.int64)) for name, rs in out.items()}
+
+
 def current_reward(rewards: Optional[dict], session_id: str, trace_ids: Sequence[str], shard_reward):
     """The rule: a listed session's session reward if not null, else its last
     trace's listed reward, else the shard's; an unlisted session: the shard's."""
@@ -227,6 +260,7 @@ class TrajectoryDataset(_Base):
         shuffle: bool = True,
         columns: Optional[Sequence[str]] = None,
         rewards: Optional[str] = "auto",
+        deletions: Optional[str] = "auto",
         token_budget: Optional[int] = None,
         samples_per_step: Optional[int] = None,
         keep_groups: bool = False,
@@ -235,6 +269,11 @@ class TrajectoryDataset(_Base):
 
         `rewards`: "auto" reads `shards_dir/../_rewards.parquet` when it exists,
         a path reads that file (it must exist), None keeps the shards' rewards.
+
+        `deletions`: "auto" reads `shards_dir/../_deleted.parquet` when it
+        exists and leaves out the rows it lists (trajectories of deleted
+        sessions, or holding a call replaced after compaction), a path reads
+        that file (it must exist), None reads every row. Read once, here.
 
         `token_budget=N` switches to token-balanced micro-batches: the dataset
         then yields lists of samples (use `DataLoader(batch_size=None)`). Each
@@ -291,13 +330,36 @@ class TrajectoryDataset(_Base):
             self._rewards_path, self._rewards_required = str(rewards), True
         self.token_budget, self.samples_per_step, self.keep_groups = token_budget, samples_per_step, keep_groups
         _Arena.ensure()  # before DataLoader workers fork: they inherit it
-        # (file index, row group, rows) of every row group: metadata only.
+        if deletions == "auto":
+            candidate = os.path.normpath(os.path.join(self.shards_dir, "..", DELETIONS_FILE))
+            deleted = load_deletions(candidate) if os.path.exists(candidate) else {}
+        elif deletions is None:
+            deleted = {}
+        else:
+            if not os.path.isfile(deletions):
+                raise FileNotFoundError(f"deletions side table not found: {deletions}")
+            deleted = load_deletions(str(deletions))
+        # (file index, row group, rows kept) of every row group: metadata
+        # only; `_kept[g]`: the row numbers kept of group g, None for all.
         self._groups = []
+        self._kept: list = []
         self._open: dict = {}  # (pid, file index) -> ParquetFile; see _file
+        self.deleted_rows = 0
         for i in range(len(self.files)):
             meta = self._file(i).metadata
+            gone = deleted.get(os.path.basename(self.files[i]))
+            start = 0
             for g in range(meta.num_row_groups):
-                self._groups.append((i, g, meta.row_group(g).num_rows))
+                n = meta.row_group(g).num_rows
+                kept = None
+                if gone is not None:
+                    lo, hi = np.searchsorted(gone, [start, start + n])
+                    if hi > lo:
+                        kept = np.setdiff1d(np.arange(n), gone[lo:hi] - start, assume_unique=True)
+                        self.deleted_rows += n - len(kept)
+                self._groups.append((i, g, n if kept is None else len(kept)))
+                self._kept.append(kept)
+                start += n
         self.total = sum(n for _, _, n in self._groups)
         self._lengths = None  # per row group: token counts (token mode)
         self._group_ids = None  # per row group: group_id values (keep_groups)
@@ -326,6 +388,8 @@ class TrajectoryDataset(_Base):
         for g in groups:
             n = self._groups[g][2]
             rows = rng.permutation(n) if self.shuffle else np.arange(n)
+            if self._kept[g] is not None:  # row numbers of the rows kept
+                rows = self._kept[g][rows]
             parts.append(np.stack([np.full(n, g), rows], axis=1))
         return np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64)
 
