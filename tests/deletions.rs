@@ -268,6 +268,9 @@ enum Op {
     Replace(usize),
     /// Compact: sealed only or every session; dead fraction collected.
     Compact(bool, Option<f64>),
+    /// Compact every session while, meanwhile (shards staged, not yet
+    /// published), a session is deleted and a call replaced.
+    CompactMeanwhile(usize, usize),
     Reopen,
 }
 
@@ -277,6 +280,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0usize..16).prop_map(Op::Delete),
         1 => (0usize..16).prop_map(Op::Replace),
         3 => (any::<bool>(), prop_oneof![Just(None), Just(Some(0.0)), Just(Some(0.5))]).prop_map(|(all, f)| Op::Compact(all, f)),
+        1 => (0usize..16, 0usize..16).prop_map(|(d, r)| Op::CompactMeanwhile(d, r)),
         1 => Just(Op::Reopen),
     ]
 }
@@ -314,6 +318,18 @@ proptest! {
                     let selection = if all { Selection::OlderThan(0.0) } else { Selection::SealedOnly };
                     let opts = CompactOptions::default().selection(selection).collect_dead_fraction(fraction);
                     store.compact(&opts).unwrap();
+                    assert_reader_sees_the_store(dir.path(), &store, false);
+                }
+                Op::CompactMeanwhile(d, r) => {
+                    let opts = CompactOptions::default().selection(Selection::OlderThan(0.0)).collect_dead_fraction(Some(0.5));
+                    variant += 1;
+                    let n = sessions.max(1);
+                    let st = &store;
+                    st.compact_with_meanwhile(&opts, &mut || {
+                        let _ = st.delete_session(&format!("s{}", d % n));
+                        let _ = st.append(call(&format!("s{}", r % n), 0, variant));
+                    })
+                    .unwrap();
                     assert_reader_sees_the_store(dir.path(), &store, false);
                 }
                 Op::Reopen => {

@@ -189,16 +189,22 @@ def load_deletions(path: str, table: str = "trajectories") -> dict:
         raise ValueError(f"deletions side table {path}: expected path string and row int64, found {t.schema}")
     if t.column("path").null_count or t.column("row").null_count:
         raise ValueError(f"deletions side table {path}: null path or row")
-    paths = t.column("path").to_pylist()
-    rows = t.column("row").to_numpy()
+    import pyarrow.compute as pc  # (no pandas import)
+
     prefix = table + "/"
+    t = t.filter(pc.starts_with(t.column("path"), prefix))
+    rows = _numpy_view(t.column("row").combine_chunks()) if t.num_rows else np.empty(0, np.int64)
+    if len(rows) and rows.min() < 0:
+        raise ValueError(f"deletions side table {path}: row {int(rows.min())} is negative")
+    files = pc.dictionary_encode(t.column("path").combine_chunks())
+    codes = _numpy_view(files.indices) if t.num_rows else np.empty(0, np.int32)
+    order = np.argsort(codes, kind="stable")
+    cuts = np.flatnonzero(np.diff(codes[order])) + 1
     out: dict = {}
-    for p, r in zip(paths, rows.tolist()):
-        if p.startswith(prefix):
-            if r < 0:
-                raise ValueError(f"deletions side table {path}: {p} row {r} is negative")
-            out.setdefault(p[len(prefix):], []).append(r)
-    return {name: np.unique(np.asarray(rs, dtype=np.int64)) for name, rs in out.items()}
+    for part in np.split(order, cuts) if len(order) else []:
+        name = files.dictionary[int(codes[part[0]])].as_py()[len(prefix):]
+        out[name] = np.unique(rows[part].astype(np.int64))
+    return out
 
 
 def current_reward(rewards: Optional[dict], session_id: str, trace_ids: Sequence[str], shard_reward):
