@@ -756,6 +756,17 @@ def test_deletions_apply_by_file_and_row_across_row_groups(deleted, tmp_path):
             assert got == sorted(set(want))
         else:
             assert sorted(got) == want, kwargs
+    # A state saved over other rows (a row more deleted) is refused, not
+    # resumed at a shifted position; over the same rows it resumes.
+    ds = TrajectoryDataset(traj, deletions=str(side), seed=4)
+    it = iter(ds)
+    taken = [key(next(it)) for _ in range(5)]
+    state = ds.state_dict()
+    again = TrajectoryDataset(traj, deletions=str(side), seed=4)
+    again.load_state_dict(state)
+    assert taken + [key(s) for s in again] == [key(s) for s in TrajectoryDataset(traj, deletions=str(side), seed=4)]
+    with pytest.raises(ValueError, match="saved over other shard rows"):
+        TrajectoryDataset(traj, deletions=None, seed=4).load_state_dict(state)
     with pytest.raises(FileNotFoundError, match="deletions side table not found"):
         TrajectoryDataset(traj, deletions=str(tmp_path / "missing.parquet"))
     pq.write_table(pa.table({"path": ["trajectories/x"], "row": pa.array([1], pa.int32())}), side)

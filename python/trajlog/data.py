@@ -52,7 +52,10 @@ Policies:
   batches it took, `ds.state_dict(batches=n, loader=loader)` (counted from the
   start of the epoch, or from the state loaded last). torchdata's
   `StatefulDataLoader` needs nothing: it calls `state_dict()` inside each
-  worker and gives each worker its own state back.
+  worker and gives each worker its own state back. A state records a digest
+  of the files and of the rows the deletions side table left out; one saved
+  over other rows (a compaction ran since) is refused rather than resumed at
+  a shifted place.
 - Rewards: the engine publishes `shards/_rewards.parquet` (beside
   `trajectories/` and `steps/`) listing sessions whose rewards changed after
   they were compacted. Each `__iter__` re-reads it, so every epoch sees the
@@ -72,6 +75,7 @@ Policies:
 from __future__ import annotations
 
 import glob
+import hashlib
 import math
 import mmap
 import os
@@ -367,6 +371,16 @@ class TrajectoryDataset(_Base):
                 self._kept.append(kept)
                 start += n
         self.total = sum(n for _, _, n in self._groups)
+        # What the order is drawn from (the files and the rows left out): a
+        # state saved over other rows cannot be resumed exactly.
+        digest = hashlib.blake2b(digest_size=8)
+        for i, f in enumerate(self.files):
+            digest.update(os.path.basename(f).encode() + b"\0")
+            gone = deleted.get(os.path.basename(f))
+            if gone is not None:
+                digest.update(np.ascontiguousarray(gone, dtype="<i8").tobytes())
+            digest.update(b"\n")
+        self._rows_key = digest.hexdigest()
         self._lengths = None  # per row group: token counts (token mode)
         self._group_ids = None  # per row group: group_id values (keep_groups)
         if token_budget is not None:
@@ -562,6 +576,7 @@ class TrajectoryDataset(_Base):
             "token_budget": self.token_budget,
             "samples_per_step": self.samples_per_step,
             "keep_groups": self.keep_groups,
+            "rows": self._rows_key,
         }
 
     def _start_state(self, workers: int) -> dict:
@@ -669,6 +684,11 @@ class TrajectoryDataset(_Base):
         for name in ("seed", "world_size", "rank", "shuffle", "token_budget", "samples_per_step", "keep_groups"):
             if name in state and state[name] != fixed[name]:
                 raise ValueError(f"state_dict was saved with {name}={state[name]!r}; this dataset has {name}={fixed[name]!r}")
+        if "rows" in state and state["rows"] != fixed["rows"]:
+            raise ValueError(
+                "state_dict was saved over other shard rows (the files or the deletions side table changed since: a "
+                "compaction ran); its position cannot be resumed exactly: resume with the same files and table, or start the epoch again"
+            )
         self.epoch = int(state["epoch"])
         if state.get("version", 1) == 1:  # rank order consumed, one reader
             base = {"num_workers": 1, "consumed": [int(state["consumed"])], "next_worker": 0}

@@ -32,6 +32,9 @@ pub const DELETIONS_FILE: &str = "_deleted.parquet";
 /// `trajlog.deletions_format_version` of the files written here.
 pub const DELETIONS_FORMAT_VERSION: &str = "1";
 const KEY_VERSION: &str = "trajlog.deletions_format_version";
+/// Key-value metadata: the files the table could not read, one path per
+/// line (absent when none).
+const KEY_UNREAD: &str = "trajlog.deletions_unread";
 
 /// A listed row of one file: its row number in the file (0-based, over all
 /// row groups), its `session_id`, and for a `steps` row its `trace_id`.
@@ -39,6 +42,15 @@ pub(crate) type DeadRow = (u64, String, Option<String>);
 /// Listed rows by file path under `DIR/shards/` (`steps/…`,
 /// `trajectories/…`), each file's rows ascending.
 pub(crate) type Deletions = BTreeMap<String, Vec<DeadRow>>;
+
+/// The table: its rows, and the files it could not read when it was
+/// written (their rows dead since may be missing: the next publication
+/// reads them again rather than keep what is listed of them).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Table {
+    pub(crate) rows: Deletions,
+    pub(crate) unread: BTreeSet<String>,
+}
 
 /// The side table's schema (format-spec/shard.md §9).
 pub fn deletions_schema() -> Schema {
@@ -66,11 +78,12 @@ pub(crate) fn dead_rows(
     snap: &Snapshot,
     manifest: &Manifest,
     shards_dir: &Path,
-    previous: Option<&Deletions>,
-) -> (Deletions, Vec<(String, String)>) {
+    previous: Option<&Table>,
+) -> (Table, Vec<(String, String)>) {
     let mut out = Deletions::new();
     let mut skipped = Vec::new();
-    let kept_of = |path: &str| previous.and_then(|p| p.get(path)).cloned().unwrap_or_default();
+    let kept_of = |path: &str| previous.and_then(|p| p.rows.get(path)).cloned().unwrap_or_default();
+    let reusable = |path: &str| previous.filter(|p| !p.unread.contains(path)).and_then(|p| p.rows.get(path));
     // generation → (its dead trace ids, their sessions, whether every steps
     // file of it was kept)
     let mut generations: HashMap<u64, (HashSet<String>, BTreeSet<String>, bool)> = HashMap::new();
@@ -81,7 +94,7 @@ pub(crate) fn dead_rows(
         }
         let rel = relative(shards_dir, &path);
         let Some(g) = crate::shard::generation_of(&rel) else { continue };
-        let kept = previous.and_then(|p| p.get(&rel)).filter(|listed| listed.len() as u64 == dead);
+        let kept = reusable(&rel).filter(|listed| listed.len() as u64 == dead);
         let (traces, sessions, all_kept) =
             generations.entry(g).or_insert_with(|| (HashSet::new(), BTreeSet::new(), true));
         let listed = match kept {
@@ -110,8 +123,9 @@ pub(crate) fn dead_rows(
         else {
             continue;
         };
-        let listed = match previous.filter(|_| *all_kept) {
-            Some(p) => p.get(&shard.path).cloned().unwrap_or_default(),
+        let reuse = *all_kept && previous.is_some_and(|p| !p.unread.contains(&shard.path));
+        let listed = match previous.filter(|_| reuse) {
+            Some(p) => p.rows.get(&shard.path).cloned().unwrap_or_default(),
             None => {
                 // A trajectory holds calls of its own session only: the
                 // rows of the dead rows' sessions are the ones to check.
@@ -133,7 +147,8 @@ pub(crate) fn dead_rows(
             out.insert(shard.path.clone(), listed);
         }
     }
-    (out, skipped)
+    let unread = skipped.iter().map(|(p, _)| p.clone()).collect();
+    (Table { rows: out, unread }, skipped)
 }
 
 /// `path` under `shards_dir`, as the manifest names it (`steps/NAME`).
@@ -145,7 +160,8 @@ fn relative(shards_dir: &Path, path: &Path) -> String {
 }
 
 /// The side table's bytes.
-fn encode(table: &Deletions) -> Result<Vec<u8>> {
+fn encode(t: &Table) -> Result<Vec<u8>> {
+    let table = &t.rows;
     let (mut path, mut row, mut sid, mut tid) =
         (StringBuilder::new(), Int64Builder::new(), StringBuilder::new(), StringBuilder::new());
     for (p, rows) in table {
@@ -160,9 +176,11 @@ fn encode(table: &Deletions) -> Result<Vec<u8>> {
         vec![Arc::new(path.finish()), Arc::new(row.finish()), Arc::new(sid.finish()), Arc::new(tid.finish())];
     let batch = RecordBatch::try_new(Arc::new(deletions_schema()), columns)
         .map_err(|e| Error::new(ErrorKind::Io, format!("internal: deletions side table batch: {e}")))?;
-    let props = WriterProperties::builder()
-        .set_key_value_metadata(Some(vec![KeyValue::new(KEY_VERSION.to_owned(), DELETIONS_FORMAT_VERSION.to_owned())]))
-        .build();
+    let mut kv = vec![KeyValue::new(KEY_VERSION.to_owned(), DELETIONS_FORMAT_VERSION.to_owned())];
+    if !t.unread.is_empty() {
+        kv.push(KeyValue::new(KEY_UNREAD.to_owned(), t.unread.iter().cloned().collect::<Vec<_>>().join("\n")));
+    }
+    let props = WriterProperties::builder().set_key_value_metadata(Some(kv)).build();
     let mut bytes = Vec::new();
     let mut w = ArrowWriter::try_new(&mut bytes, batch.schema(), Some(props))
         .map_err(|e| parquet_err("deletions side table", e))?;
@@ -181,7 +199,7 @@ pub(crate) enum Bad {
 
 /// Read and check a side table file: format version, schema, no nulls but
 /// in `trace_id`, rows in (path, row) order without repeats.
-pub(crate) fn read(path: &Path) -> std::result::Result<Deletions, Bad> {
+pub(crate) fn read(path: &Path) -> std::result::Result<Table, Bad> {
     let bad = |what: String| Bad::Other(what);
     let file = File::open(path).map_err(|e| bad(format!("cannot be opened: {e}")))?;
     let builder =
@@ -192,6 +210,12 @@ pub(crate) fn read(path: &Path) -> std::result::Result<Deletions, Bad> {
         Some(v) => return Err(Bad::Version(v)),
         None => return Err(bad(format!("{KEY_VERSION} is missing"))),
     }
+    let unread: BTreeSet<String> = kv
+        .iter()
+        .find(|e| e.key == KEY_UNREAD)
+        .and_then(|e| e.value.as_deref())
+        .map(|v| v.lines().map(str::to_owned).collect())
+        .unwrap_or_default();
     let want = deletions_schema();
     let have = builder.schema();
     let same = have.fields().len() == want.fields().len()
@@ -235,7 +259,7 @@ pub(crate) fn read(path: &Path) -> std::result::Result<Deletions, Bad> {
             out.entry(path.to_owned()).or_default().push((row as u64, s.value(i).to_owned(), trace));
         }
     }
-    Ok(out)
+    Ok(Table { rows: out, unread })
 }
 
 /// Check the side table of the store in `dir` (`trajlog verify`): readable,
@@ -257,11 +281,11 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<Dele
     }
     let published: HashSet<&str> = manifest.shards.iter().map(|s| s.path.as_str()).collect();
     let mut check = DeletionsCheck::default();
-    for (path, rows) in &listed {
+    for (path, rows) in &listed.rows {
         if !published.contains(path.as_str()) {
             continue; // a file a collection took away since: nothing reads it
         }
-        let now: HashSet<u64> = dead.get(path).map(|d| d.iter().map(|(r, _, _)| *r).collect()).unwrap_or_default();
+        let now: HashSet<u64> = dead.rows.get(path).map(|d| d.iter().map(|(r, _, _)| *r).collect()).unwrap_or_default();
         if let Some((row, _, _)) = rows.iter().find(|(r, _, _)| !now.contains(r)) {
             return Err(format!(
                 "it lists {path} row {row}, which holds a live call: a reader applying it would miss that call; delete it (a compaction writes it anew)"
@@ -269,7 +293,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<Dele
         }
         check.listed += rows.len() as u64;
     }
-    let all: u64 = dead.values().map(|d| d.len() as u64).sum();
+    let all: u64 = dead.rows.values().map(|d| d.len() as u64).sum();
     check.not_yet_listed = all - check.listed;
     Ok(check)
 }
@@ -289,6 +313,14 @@ impl Store {
             return Ok(Vec::new());
         }
         let snap = Snapshot::new(lock(&self.inner.view).clone());
+        // The view holds only records the writer wrote; with `Buffered`
+        // durability they may not be durable yet. Made so before the table
+        // lists a deletion of theirs (a power loss must not leave a listed
+        // row live again).
+        self.sync()?;
+        // An open that left damaged records out (skip-corrupted) may have
+        // brought a listed row back to life: nothing listed is reused then.
+        let previous = previous.filter(|_| snap.damage().is_empty());
         let (table, skipped) = dead_rows(&snap, &manifest, &shards_dir, previous.as_ref());
         drop(snap);
         if previous.as_ref() != Some(&table) {

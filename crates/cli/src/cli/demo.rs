@@ -195,13 +195,13 @@ pub fn run(dir: Option<PathBuf>, sessions: usize, steps: usize, shape: Shape) ->
     );
     let shards = dir.join("shards");
     println!();
-    println!("shards:     {}/steps/*.parquet        (one row per call)", shards.display());
+    println!("shards:     {}/steps/part-*.parquet        (one row per call)", shards.display());
     println!(
-        "            {}/trajectories/*.parquet (one row per TI/TO-consistent chain: token_ids, loss_mask, logprobs)",
+        "            {}/trajectories/part-*.parquet (one row per TI/TO-consistent chain: token_ids, loss_mask, logprobs)",
         shards.display()
     );
     println!("read them:  python -c \"import pyarrow.dataset as ds; print(ds.dataset('{}/trajectories').to_table().num_rows)\"", shards.display());
-    println!("            duckdb -c \"SELECT group_id, count(*), avg(len(token_ids)) FROM '{}/trajectories/*.parquet' GROUP BY 1\"", shards.display());
+    println!("            duckdb -c \"SELECT group_id, count(*), avg(len(token_ids)) FROM '{}/trajectories/part-*.parquet' GROUP BY 1\"", shards.display());
     println!();
     println!("look closer:  trajlog ls --store {0}\n              trajlog show --store {0} {1}\n              trajlog audit --store {0}\n              trajlog export --store {0} --session {1} | head -c 600\n              trajlog verify --store {0}", dir.display(), injected.first().map_or("task-0:0", |b| b.0.as_str()));
     store.close()?;
