@@ -143,17 +143,24 @@ fn no_collect() -> CompactOptions {
     CompactOptions::default().collect_dead_fraction(None).merge_fanout(None)
 }
 
-#[test]
-fn deleted_sessions_rows_are_listed_until_collected() {
-    let dir = tempdir();
-    let store = Store::open(dir.path(), small_segments()).unwrap();
+/// A store of sessions a, b and c of `calls` calls each, sealed and
+/// compacted without collection.
+fn abc_compacted(dir: &Path, calls: usize) -> Store {
+    let store = Store::open(dir, small_segments()).unwrap();
     for s in ["a", "b", "c"] {
-        for k in 0..3 {
+        for k in 0..calls {
             store.append(call(s, k, 0)).unwrap();
         }
         store.seal_session(s).unwrap();
     }
     store.compact(&no_collect()).unwrap();
+    store
+}
+
+#[test]
+fn deleted_sessions_rows_are_listed_until_collected() {
+    let dir = tempdir();
+    let store = abc_compacted(dir.path(), 3);
     assert_eq!(read_table(dir.path()), Some(Listed::new()), "written empty with the first shards");
     assert_reader_sees_the_store(dir.path(), &store, true);
 
@@ -388,14 +395,7 @@ fn a_file_the_table_could_not_read_is_read_again_at_the_next_compaction() {
     // Found by review: a trajectories file unreadable at one compaction kept
     // its old rows, and later compactions reused them for good.
     let dir = tempdir();
-    let store = Store::open(dir.path(), small_segments()).unwrap();
-    for s in ["a", "b", "c"] {
-        for k in 0..2 {
-            store.append(call(s, k, 0)).unwrap();
-        }
-        store.seal_session(s).unwrap();
-    }
-    store.compact(&no_collect()).unwrap();
+    let store = abc_compacted(dir.path(), 2);
     store.delete_session("a").unwrap();
     store.compact(&no_collect()).unwrap();
     let t = dir.path().join("shards/trajectories/part-000001-0000.parquet");

@@ -655,15 +655,21 @@ def test_small_compactions_are_merged(tmp_path):
     assert sorted(sample["session_id"] for sample in ds) == [f"task-{s}:0" for s in range(5)]
 
 
+def two_step_sessions(store, n):
+    """Sessions task-0:0 … task-{n-1}:0, sealed, of two calls each (trace ids
+    "s/0", "s/1"); step 1's prompt does not extend step 0's: two chains."""
+    for s in range(n):
+        for step in range(2):
+            store.append(trace_id=f"{s}/{step}", session_id=f"task-{s}:0", prompt_token_ids=[1, 2, step], completion_token_ids=[3, s], logprobs=[-0.5, -0.25], timestamp=float(step))
+        store.seal(f"task-{s}:0")
+
+
 def test_deleted_sessions_are_collected_out_of_the_shards(tmp_path):
     """A compaction rewrites an earlier one whose rows are dead enough: the
     dataset built afterwards holds exactly the sessions left."""
     path = tmp_path / "s"
     with trajlog.Store(path) as store:
-        for s in range(4):
-            for step in range(2):
-                store.append(trace_id=f"{s}/{step}", session_id=f"task-{s}:0", prompt_token_ids=[1, 2, step], completion_token_ids=[3, s], logprobs=[-0.5, -0.25], timestamp=float(step))
-            store.seal(f"task-{s}:0")
+        two_step_sessions(store, 4)
         assert store.compact()["collected_generations"] == []
         store.delete_session("task-0:0")
         kept = store.compact(collect_dead=None)
@@ -689,10 +695,7 @@ def deleted(tmp_path):
     `_deleted.parquet`."""
     path = tmp_path / "s"
     with trajlog.Store(path) as store:
-        for s in range(6):
-            for step in range(2):
-                store.append(trace_id=f"{s}/{step}", session_id=f"task-{s}:0", prompt_token_ids=[1, 2, step], completion_token_ids=[3, s], logprobs=[-0.5, -0.25], timestamp=float(step))
-            store.seal(f"task-{s}:0")
+        two_step_sessions(store, 6)
         store.compact()
         assert pq.read_table(path / "shards" / "_deleted.parquet").num_rows == 0
         for s in (1, 4):

@@ -216,11 +216,8 @@ pub(crate) fn read(path: &Path) -> std::result::Result<Table, Bad> {
         .and_then(|e| e.value.as_deref())
         .map(|v| v.lines().map(str::to_owned).collect())
         .unwrap_or_default();
-    let want = deletions_schema();
     let have = builder.schema();
-    let same = have.fields().len() == want.fields().len()
-        && have.fields().iter().zip(want.fields()).all(|(h, w)| h.name() == w.name() && h.data_type() == w.data_type());
-    if !same {
+    if !super::rewards::same_columns(have, &deletions_schema()) {
         return Err(bad(format!("schema is {have:?}, expected path utf8, row int64, session_id utf8, trace_id utf8")));
     }
     let reader = builder.build().map_err(|e| bad(format!("cannot be read: {e}")))?;
@@ -299,15 +296,14 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<Dele
 }
 
 impl Store {
-    /// Rewrite the side table for the view a publication just made (in the
-    /// compacting thread, while no other publication can run). Nothing to do
-    /// for a store without shards and without a table; an unchanged table is
-    /// not rewritten. On failure the previous table stays. Returns the shard
+    /// Rewrite the side table for the view a publication just made, whose
+    /// manifest is `manifest` (in the compacting thread, while no other
+    /// publication can run). Nothing to do for a store without shards and
+    /// without a table; an unchanged table is not rewritten. On failure the previous table stays. Returns the shard
     /// files that could not be read (see [`dead_rows`]).
-    pub(super) fn write_deletions(&self) -> Result<Vec<(String, String)>> {
+    pub(super) fn write_deletions(&self, manifest: &Manifest) -> Result<Vec<(String, String)>> {
         let shards_dir = self.inner.dir.join(SHARDS_DIR);
         let file = shards_dir.join(DELETIONS_FILE);
-        let Some(manifest) = super::recovery::read_manifest(&self.inner.dir)? else { return Ok(Vec::new()) };
         let previous = read(&file).ok();
         if manifest.shards.is_empty() && !file.exists() {
             return Ok(Vec::new());
@@ -321,7 +317,7 @@ impl Store {
         // An open that left damaged records out (skip-corrupted) may have
         // brought a listed row back to life: nothing listed is reused then.
         let previous = previous.filter(|_| snap.damage().is_empty());
-        let (table, skipped) = dead_rows(&snap, &manifest, &shards_dir, previous.as_ref());
+        let (table, skipped) = dead_rows(&snap, manifest, &shards_dir, previous.as_ref());
         drop(snap);
         if previous.as_ref() != Some(&table) {
             let bytes = encode(&table)?;

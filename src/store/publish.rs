@@ -98,11 +98,20 @@ impl Store {
         let (mut outcome, leftovers) = rx.recv().map_err(|_| self.inner.dead_error())?;
         drop(leftovers);
         if let Ok(outcome) = &mut outcome {
-            self.write_annotation_cache();
+            // The manifest the publication wrote, read once for both.
+            let manifest = super::recovery::read_manifest(&self.inner.dir);
+            if let Ok(Some(manifest)) = &manifest {
+                self.write_annotation_cache(manifest);
+            }
             // The deletion vectors of the shards just published (shard.md
             // §9): a failure is reported, the shards stay published, and
             // the next publication writes the table.
-            match self.write_deletions() {
+            let written = match manifest {
+                Ok(Some(m)) => self.write_deletions(&m),
+                Ok(None) => Ok(Vec::new()),
+                Err(e) => Err(e),
+            };
+            match written {
                 Ok(skipped) => outcome.deletions_skipped = skipped,
                 Err(e) => return Err(Error::new(
                     e.kind().clone(),
@@ -123,12 +132,10 @@ impl Store {
     /// index file: here, in the compacting thread (one footer read per
     /// sealed segment), while no other publication can run. Best effort:
     /// without it, opens replay the annotation segments.
-    fn write_annotation_cache(&self) {
+    fn write_annotation_cache(&self, manifest: &Manifest) {
         let view = lock(&self.inner.view).clone();
         let Some(ix) = view.shards.index_file() else { return };
-        if let Ok(Some(manifest)) = super::recovery::read_manifest(&self.inner.dir) {
-            super::annotation_cache::write(&self.inner.dir, &manifest, ix, &self.inner.options.faults);
-        }
+        super::annotation_cache::write(&self.inner.dir, manifest, ix, &self.inner.options.faults);
     }
 }
 

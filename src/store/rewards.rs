@@ -119,11 +119,8 @@ fn read(path: &Path) -> std::result::Result<(Loc, BTreeSet<Arc<str>>), Bad> {
         .as_deref()
         .and_then(parse_loc)
         .ok_or_else(|| bad(format!("{KEY_THROUGH} is missing or not SEGMENT:OFFSET")))?;
-    let want = rewards_schema();
     let have = builder.schema();
-    let same = have.fields().len() == want.fields().len()
-        && have.fields().iter().zip(want.fields()).all(|(h, w)| h.name() == w.name() && h.data_type() == w.data_type());
-    if !same {
+    if !same_columns(have, &rewards_schema()) {
         return Err(bad(format!("schema is {have:?}, expected session_id utf8, trace_id utf8, reward float64")));
     }
     let reader = builder.build().map_err(|e| bad(format!("cannot be read: {e}")))?;
@@ -157,6 +154,13 @@ fn read(path: &Path) -> std::result::Result<(Loc, BTreeSet<Arc<str>>), Bad> {
         }
     }
     Ok((through, listed))
+}
+
+/// Whether a side table's schema has `want`'s column names and types, in
+/// order (nullability aside).
+pub(super) fn same_columns(have: &Schema, want: &Schema) -> bool {
+    have.fields().len() == want.fields().len()
+        && have.fields().iter().zip(want.fields()).all(|(h, w)| h.name() == w.name() && h.data_type() == w.data_type())
 }
 
 fn parse_loc(s: &str) -> Option<Loc> {
