@@ -87,7 +87,7 @@ pub mod verify;
 
 pub use compact::{
     merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION,
-    DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
+    DEFAULT_COPY_FORWARD, DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};

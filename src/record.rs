@@ -57,6 +57,11 @@ pub enum Annotation {
     /// Removes every call that belongs to the session (by `session_id` or
     /// `session_uids`) appended before this record.
     DeleteSession { session_id: String },
+    /// The session's live calls still in segments follow as copies (the
+    /// copy-forward collector, format-spec/shard.md §6.3): no record of the
+    /// session after this one has a prefix-delta parent before it. Written
+    /// by the store only; it changes no call.
+    MoveSession { session_id: String },
 }
 
 pub(crate) fn check_id(field: &str, id: &str) -> Result<()> {
@@ -231,6 +236,10 @@ impl Annotation {
             Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => {
                 check_id("session_id", session_id)
             }
+            Annotation::MoveSession { .. } => Err(Error::invalid(
+                "annotation",
+                "a session-moved record is written by the store's copy-forward collector only",
+            )),
         }
     }
 }

@@ -1150,3 +1150,113 @@ fn reads_the_v13_fixture_and_its_deletions_side_table() {
     store.close().unwrap();
     assert_eq!(std::fs::read(copy.path().join("shards/_deleted.parquet")).unwrap(), table);
 }
+
+fn fixture_v14_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v14")
+}
+
+/// The straggler's second call in the v14 fixture: its prompt extends
+/// `b/0`'s context, so its prefix-delta parent is `b/0`'s copy.
+fn fixture_v14_b1() -> Call {
+    Call {
+        trace_id: "b/1".into(),
+        session_id: "task-2:0".into(),
+        timestamp: 51.0,
+        prompt_token_ids: vec![9, 9, 8, 4, 4],
+        completion_token_ids: vec![3, 2],
+        logprobs: Some(vec![-0.0, f32::NEG_INFINITY]),
+        ..Default::default()
+    }
+}
+
+/// Store format 14: the v1 calls in segment 1 (`task-2:0` unsealed, a
+/// straggler), `task-1:0` sealed with a reward and compacted, the
+/// straggler copied forward (format-spec/shard.md §6.3: a session-moved
+/// record, then `b/0` again), segment 1 retired; then `b/1` appended.
+fn write_fixture_v14() {
+    let dir = fixture_v14_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    let opts = trajlog::CompactOptions::default().steps_row_group_rows(2).copy_forward(Some(1.0));
+    let r = store.compact(&opts).unwrap();
+    assert_eq!((r.sessions, r.copied_sessions, r.copied_calls), (1, 1, 1), "{r:?}");
+    store.append(fixture_v14_b1()).unwrap();
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+/// Kinds of the records of the segment files of `dir` (frames from their
+/// headers on, to the end of data).
+fn record_kinds(dir: &std::path::Path) -> Vec<u8> {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .collect();
+    names.sort();
+    let mut kinds = Vec::new();
+    for p in names {
+        let bytes = std::fs::read(p).unwrap();
+        let mut at = 64usize;
+        while at + 9 <= bytes.len() {
+            let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+            let len = trajlog::format::frame::frame_bytes(u64::from(body_len)) as usize;
+            if body_len == 0 || at + len > bytes.len() {
+                break;
+            }
+            kinds.push(bytes[at + 8]);
+            at += len;
+        }
+    }
+    kinds
+}
+
+fn check_fixture_v14(dir: &std::path::Path) {
+    let store = Store::open_read_only(dir).expect("fixture opens");
+    let snap = store.snapshot();
+    let calls: Vec<Call> = fixture_calls().into_iter().chain([fixture_v14_b1()]).collect();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "task-1:0", "{}", c.trace_id);
+        assert_exact(&v, c);
+    }
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    let b: Vec<String> = snap.session_calls("task-2:0", None, None).unwrap().into_iter().map(|c| c.trace_id).collect();
+    assert_eq!(b, ["b/0", "b/1"]);
+}
+
+#[test]
+fn reads_the_v14_fixture_with_a_straggler_copied_forward() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v14_dir().exists() {
+        write_fixture_v14();
+    }
+    let dir = fixture_v14_dir();
+    // Segment 1 is gone; a session-moved record (kind 5) and the copy of
+    // `b/0` (kind 1) are in the segments left, with `b/1` after them.
+    let (_, manifest) = read_manifest(&dir);
+    assert!(manifest.segments.iter().all(|s| s.id != 1), "{:?}", manifest.segments);
+    let kinds = record_kinds(&dir);
+    let moved = kinds.iter().position(|&k| k == 5).expect("a session-moved record");
+    assert_eq!(kinds[moved..].iter().filter(|&&k| k == 1).count(), 2, "{kinds:?}");
+    check_fixture_v14(&dir);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    // A writer reads the same, and the straggler finished is compacted exactly.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    store.seal_session("task-2:0").unwrap();
+    assert_eq!(store.compact(&trajlog::CompactOptions::default()).unwrap().sessions, 1);
+    store.close().unwrap();
+    let store = Store::open_read_only(copy.path()).unwrap();
+    let snap = store.snapshot();
+    for c in fixture_calls().into_iter().chain([fixture_v14_b1()]) {
+        assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), &c);
+    }
+}

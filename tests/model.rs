@@ -4,7 +4,8 @@
 //! compaction also runs a few of those operations while it is under way
 //! (between staging its shards and publishing them); after each, the writer
 //! must answer as a fresh read-only open does, and the rewards side table
-//! applied to the shards must give the store's rewards. One runner, two
+//! applied to the shards must give the store's rewards. Compactions copy
+//! unfinished sessions forward (never, by default, or always). One runner, two
 //! shapes of operations ([`Shape`]): the default one, and an aggressive one
 //! with more sessions, more work during a compaction and compactions back
 //! to back.
@@ -79,6 +80,10 @@ struct Compaction {
     all: bool,
     collect: u8,
     merge: bool,
+    /// Copy-forward (format-spec/shard.md §6.3): never (0), the default
+    /// fraction (1), or whenever a segment is kept by unfinished sessions
+    /// alone (2).
+    copy: u8,
     meanwhile: Vec<Op>,
 }
 
@@ -94,6 +99,7 @@ impl Compaction {
             .steps_row_group_rows(3)
             .merge_fanout(self.merge.then_some(2))
             .collect_dead_fraction(self.collect_dead_fraction())
+            .copy_forward([None, Some(trajlog::DEFAULT_COPY_FORWARD), Some(1.0)][usize::from(self.copy)])
     }
 }
 
@@ -123,12 +129,8 @@ fn compaction(shape: Shape) -> impl Strategy<Value = Compaction> {
     // While a compaction runs, deletions and rolls are likelier: what its
     // publication retires then may hold records written meanwhile.
     let meanwhile = prop::collection::vec(change(shape, 3, 2, 2), 0..=shape.meanwhile_ops_max);
-    (any::<bool>(), 0u8..3, any::<bool>(), meanwhile).prop_map(|(all, collect, merge, meanwhile)| Compaction {
-        all,
-        collect,
-        merge,
-        meanwhile,
-    })
+    (any::<bool>(), 0u8..3, any::<bool>(), 0u8..3, meanwhile)
+        .prop_map(|(all, collect, merge, copy, meanwhile)| Compaction { all, collect, merge, copy, meanwhile })
 }
 
 fn op(shape: Shape) -> impl Strategy<Value = Op> {

@@ -874,6 +874,7 @@ impl NativeStore {
         collect_dead = Some(trajlog::DEFAULT_COLLECT_DEAD_FRACTION),
         merge_fanout = Some(trajlog::DEFAULT_MERGE_FANOUT),
         max_calls = None,
+        copy_forward = Some(trajlog::DEFAULT_COPY_FORWARD),
     ))]
     fn compact<'py>(
         &self,
@@ -882,13 +883,15 @@ impl NativeStore {
         collect_dead: Option<f64>,
         merge_fanout: Option<u32>,
         max_calls: Option<u64>,
+        copy_forward: Option<f64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
         let options = CompactOptions::default()
             .selection(older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
             .collect_dead_fraction(collect_dead)
             .merge_fanout(merge_fanout)
-            .max_calls(max_calls);
+            .max_calls(max_calls)
+            .copy_forward(copy_forward);
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;
@@ -913,6 +916,10 @@ impl NativeStore {
         d.set_item("deletions_skipped", r.deletions_skipped)?;
         // Selected sessions `max_calls` left for a later compaction.
         d.set_item("sessions_left", r.sessions_left)?;
+        // The copy-forward collector: unfinished sessions copied out of segments they alone kept.
+        d.set_item("copied_sessions", r.copied_sessions)?;
+        d.set_item("copied_calls", r.copied_calls)?;
+        d.set_item("copied_bytes", r.copied_bytes)?;
         Ok(d)
     }
 

@@ -188,6 +188,52 @@ def test_compact_in_batches_of_max_calls(tmp_path):
         assert store.compact()["sessions_left"] == 0
 
 
+def test_a_straggler_is_copied_forward_out_of_the_segments_it_kept(tmp_path):
+    """An unfinished session spread over many segments: `compact()` copies
+    its calls forward (exactly, with its rewards) and frees the segments it
+    alone kept; `copy_forward=None` leaves them."""
+
+    def fill(store):
+        for s in range(16):
+            sid = f"done-{s}:0"
+            for i in range(6):
+                prompt = [s] * 300 + list(range(i * 50))
+                store.append(trace_id=f"{sid}/{i}", session_id=sid, prompt_token_ids=prompt, completion_token_ids=list(range(400)), logprobs=[-0.5] * 400)
+            store.seal(sid)
+            # The straggler's next call, its prompt extending the last one.
+            store.append(trace_id=f"late/{s}", session_id="late:0", prompt_token_ids=list(range(s * 3)), completion_token_ids=[s, 1, 2], logprobs=[-0.0, float("-inf"), -0.125], timestamp=float(s))
+        store.set_reward(0.75, trace_id="late/3")  # (carried with its copy: tests/copy_forward.rs checks it)
+        store.set_reward(-1.0, session_id="late:0")
+
+    def segments(path):
+        return sorted(path.glob("seg-*.tlog"))
+
+    kept = {}
+    for mode, copy_forward in (("off", None), ("on", 0.25)):
+        path = tmp_path / mode
+        with trajlog.Store(path, segment_bytes=64 * 1024) as store:
+            fill(store)
+            spread = len(segments(path))
+            r = store.compact(copy_forward=copy_forward)
+            assert r["sessions"] == 16
+            kept[mode] = (spread, len(segments(path)), r["copied_sessions"], r["copied_calls"])
+            late = store.session("late:0")
+            assert [c.trace_id for c in late] == [f"late/{s}" for s in range(16)]
+            for s, c in enumerate(late):
+                assert c.prompt_token_ids.tolist() == list(range(s * 3))
+                assert c.completion_token_ids.tolist() == [s, 1, 2]
+                assert np.asarray(c.logprobs, dtype=np.float32).view(np.uint32).tolist() == np.array([-0.0, float("-inf"), -0.125], dtype=np.float32).view(np.uint32).tolist()
+            assert {d["session_id"]: d["reward"] for d in store.sessions()}["late:0"] == -1.0
+    assert kept["off"][0] >= 5 and kept["off"][1] >= 5 and kept["off"][2:] == (0, 0), kept
+    assert kept["on"][1] <= 3 and kept["on"][2:] == (1, 16), kept
+    with trajlog.Store(tmp_path / "on", read_only=True) as store:
+        assert [c.trace_id for c in store.session("late:0")] == [f"late/{s}" for s in range(16)]
+    with trajlog.Store(tmp_path / "on") as store:
+        for bad in (1.5, -0.1, float("nan")):
+            with pytest.raises(trajlog.InvalidInputError, match="copy_forward"):
+                store.compact(copy_forward=bad)
+
+
 def test_a_read_only_store_refreshes_beside_a_writer(tmp_path):
     path = tmp_path / "s"
     with trajlog.Store(path) as store:
@@ -220,7 +266,8 @@ def test_space_names_the_open_session_that_keeps_a_segment(tmp_path):
         for i in range(3):
             store.append(trace_id=f"a{i}", session_id="a", prompt_token_ids=list(range(i + 1)), completion_token_ids=[7], timestamp=float(i))
         store.seal("a")
-        store.compact()
+        # (Copied forward, the straggler would leave the segment: kept here.)
+        store.compact(copy_forward=None)
         space = store.space()
         kept = [s for s in space["segments"] if s["live_calls"] > 0]
         assert [s["live_calls"] for s in kept] == [1]

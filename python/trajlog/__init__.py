@@ -559,6 +559,7 @@ class Store:
         collect_dead: Optional[float] = 0.2,
         merge_fanout: Optional[int] = 8,
         max_calls: Optional[int] = None,
+        copy_forward: Optional[float] = 0.25,
     ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.
@@ -578,7 +579,13 @@ class Store:
         replaced by either: list them again (a directory glob) after a
         compaction. Each compaction also rewrites `<path>/shards/_deleted.parquet`,
         the rows of the files whose calls were deleted or replaced since their
-        compaction (`trajlog.data.TrajectoryDataset` leaves them out)."""
+        compaction (`trajlog.data.TrajectoryDataset` leaves them out).
+
+        A segment kept on disk only by unfinished sessions (stragglers)
+        whose live calls there take at most `copy_forward` of its bytes has
+        those sessions copied forward (their calls appended again, exactly),
+        so that it is freed; `None` never copies. The result's
+        `copied_sessions`, `copied_calls` and `copied_bytes` say what was."""
         if collect_dead is not None:
             collect_dead = _finite("collect_dead", collect_dead, non_negative=True)
             if collect_dead > 1:
@@ -593,8 +600,12 @@ class Store:
                 raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not an integer")
             if not 1 <= max_calls <= 2**64 - 1:
                 raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not between 1 and 18446744073709551615")
+        if copy_forward is not None:
+            copy_forward = _finite("copy_forward", copy_forward, non_negative=True)
+            if copy_forward > 1:
+                raise InvalidInputError(f"invalid copy_forward: {copy_forward!r} is not a fraction between 0 and 1")
         return self._native.compact(
-            _finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout, max_calls
+            _finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout, max_calls, copy_forward
         )
 
     def audit(self) -> dict:

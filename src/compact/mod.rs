@@ -97,6 +97,16 @@ pub struct CompactOptions {
     /// large backlog compacted in several of these peaks lower than in one
     /// (`trajlog compact --batch-calls`). `None` (the default): no limit.
     pub max_calls: Option<u64>,
+    /// The copy-forward collector (format-spec/shard.md §6.3): after the
+    /// publication, a sealed segment kept only by unfinished sessions
+    /// (stragglers) whose live calls in segments take at most this fraction
+    /// of its bytes has those sessions copied forward (appended again
+    /// behind a session-moved record), so that it retires. At most a
+    /// quarter segment of copies per compaction (the writer thread copies,
+    /// and appends wait meanwhile). `None`: never. Default
+    /// `Some(0.25)`: a segment is rewritten only when that frees at least
+    /// 4× what it copies.
+    pub copy_forward: Option<f64>,
 }
 
 impl std::fmt::Debug for CompactOptions {
@@ -112,6 +122,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("collect_dead_fraction", &self.collect_dead_fraction)
             .field("merge_fanout", &self.merge_fanout)
             .field("max_calls", &self.max_calls)
+            .field("copy_forward", &self.copy_forward)
             .finish()
     }
 }
@@ -129,9 +140,13 @@ impl Default for CompactOptions {
             collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
             merge_fanout: Some(DEFAULT_MERGE_FANOUT),
             max_calls: None,
+            copy_forward: Some(DEFAULT_COPY_FORWARD),
         }
     }
 }
+
+/// [`CompactOptions::copy_forward`]'s default.
+pub const DEFAULT_COPY_FORWARD: f64 = 0.25;
 
 /// [`CompactOptions::collect_dead_fraction`]'s default.
 pub const DEFAULT_COLLECT_DEAD_FRACTION: f64 = 0.2;
@@ -191,6 +206,13 @@ impl CompactOptions {
     #[must_use]
     pub fn merge_fanout(mut self, v: Option<u32>) -> Self {
         self.merge_fanout = v;
+        self
+    }
+    /// Copy stragglers forward out of segments they keep alone (`None`:
+    /// never; see [`CompactOptions::copy_forward`]).
+    #[must_use]
+    pub fn copy_forward(mut self, v: Option<f64>) -> Self {
+        self.copy_forward = v;
         self
     }
     /// At most about this many calls per compaction (whole sessions, oldest
@@ -255,6 +277,12 @@ pub struct CompactReport {
     /// names): the rows of theirs that died since the table last read them
     /// are not listed; it keeps the rows it listed before.
     pub deletions_skipped: Vec<(String, String)>,
+    /// The copy-forward collector ([`CompactOptions::copy_forward`]): the
+    /// unfinished sessions it copied forward, their calls, and the bytes
+    /// the copies take in segments.
+    pub copied_sessions: u64,
+    pub copied_calls: u64,
+    pub copied_bytes: u64,
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
@@ -530,6 +558,11 @@ pub(crate) fn run_with(
             return Err(Error::invalid("collect_dead_fraction", format!("{f} is not a fraction between 0 and 1")));
         }
     }
+    if let Some(f) = opts.copy_forward {
+        if !(0.0..=1.0).contains(&f) {
+            return Err(Error::invalid("copy_forward", format!("{f} is not a fraction between 0 and 1")));
+        }
+    }
     if let Some(f) = opts.merge_fanout {
         if f < 2 {
             return Err(Error::invalid("merge_fanout", format!("{f} is under 2 (a merge needs two generations)")));
@@ -624,8 +657,11 @@ pub(crate) fn run_with(
     before_publish();
     let obsolete =
         crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids.into_iter().collect() };
-    let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete)?;
+    let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete, opts.copy_forward)?;
     report.retired_segments = outcome.retired_segments.len();
+    report.copied_sessions = outcome.copied_forward.sessions;
+    report.copied_calls = outcome.copied_forward.calls;
+    report.copied_bytes = outcome.copied_forward.bytes;
     report.deletions_skipped = outcome.deletions_skipped;
     for p in &staged {
         let path = shards_dir.join(&p.shard.path);

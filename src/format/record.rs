@@ -11,6 +11,8 @@ pub const KIND_CALL: u8 = 1;
 pub const KIND_REWARD: u8 = 2;
 pub const KIND_SEAL: u8 = 3;
 pub const KIND_DELETE_SESSION: u8 = 4;
+/// A session moved forward by the copy-forward collector (segment format 5).
+pub const KIND_MOVE_SESSION: u8 = 5;
 
 /// Bytes of the fixed call header (record.md §2).
 pub const CALL_HEADER_BYTES: usize = 104;
@@ -396,6 +398,7 @@ pub fn encode_annotation(out: &mut Vec<u8>, ann: &Annotation) {
         Annotation::Reward { target: Target::Session(id), value } => (KIND_REWARD, 1u8, *value, id),
         Annotation::Seal { session_id } => (KIND_SEAL, 0, 0.0, session_id),
         Annotation::DeleteSession { session_id } => (KIND_DELETE_SESSION, 0, 0.0, session_id),
+        Annotation::MoveSession { session_id } => (KIND_MOVE_SESSION, 0, 0.0, session_id),
     };
     out.put_u8(kind);
     out.put_u8(target);
@@ -423,6 +426,7 @@ pub fn decode_annotation(body: &[u8]) -> Result<Annotation, DecodeError> {
         (KIND_REWARD, 1) => Ok(Annotation::Reward { target: Target::Session(id), value }),
         (KIND_SEAL, 0) => Ok(Annotation::Seal { session_id: id }),
         (KIND_DELETE_SESSION, 0) => Ok(Annotation::DeleteSession { session_id: id }),
+        (KIND_MOVE_SESSION, 0) => Ok(Annotation::MoveSession { session_id: id }),
         _ => Err(DecodeError::new(0, format!("unknown annotation kind {kind} / target {target}"))),
     }
 }

@@ -159,6 +159,10 @@ pub struct SessionEntry {
     pub calls: CallList,
     pub sealed: bool,
     pub reward: Option<f64>,
+    /// The position of the session's last session-moved record (the
+    /// copy-forward collector, format-spec/shard.md §6.3): no record of the
+    /// session after it has a prefix-delta parent before it.
+    pub floor: Option<Loc>,
     /// The session list of a call in this session alone, shared by every
     /// such call (see [`Index::sessions_of`]).
     solo: Option<Arc<[Arc<str>]>>,
@@ -626,6 +630,21 @@ impl Index {
     }
 
     /// Whether `session` is sealed.
+    /// Note a session-moved record of `session` at `at`. A session the maps
+    /// do not hold (a frozen one: all compacted) has no record in segments
+    /// a floor could free, and gets none.
+    pub fn set_floor(&mut self, session: &str, at: Loc) {
+        if let Some(e) = self.sessions.get_mut(session) {
+            e.floor = Some(at);
+        }
+    }
+
+    /// The position of `session`'s last session-moved record, if the maps
+    /// hold one.
+    pub fn session_floor(&self, session: &str) -> Option<Loc> {
+        self.sessions.get(session).and_then(|e| e.floor)
+    }
+
     pub fn is_sealed(&self, session: &str) -> bool {
         self.sessions.get(session).is_some_and(|e| e.sealed)
             || self.frozen_session(session).is_some_and(|i| self.frozen.is_sealed(i))

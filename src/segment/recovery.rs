@@ -10,7 +10,9 @@
 
 use crate::error::{Error, Result};
 use crate::format::frame::{frame_bytes, read_frame, FrameRead};
-use crate::format::record::{decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_REWARD, KIND_SEAL};
+use crate::format::record::{
+    decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_MOVE_SESSION, KIND_REWARD, KIND_SEAL,
+};
 use crate::format::segment::{
     check_footer, decode_footer, decode_header, decode_trailer, FooterEntry, FooterEntryRef, HEADER_BYTES,
     TRAILER_BYTES,
@@ -43,7 +45,9 @@ pub fn entry_of_body(frame_offset: u64, body: &[u8]) -> Result<FooterEntry, Deco
     let (id, reward_target, timestamp) = match ann {
         Annotation::Reward { target: Target::Trace(id), value } => (id, 1, value),
         Annotation::Reward { target: Target::Session(id), value } => (id, 2, value),
-        Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => (session_id, 0, 0.0),
+        Annotation::Seal { session_id }
+        | Annotation::DeleteSession { session_id }
+        | Annotation::MoveSession { session_id } => (session_id, 0, 0.0),
     };
     Ok(FooterEntry {
         frame_offset,
@@ -71,6 +75,7 @@ pub fn annotation_of_entry_ref(e: &FooterEntryRef<'_>) -> Option<Annotation> {
     match (e.kind, e.reward_target) {
         (KIND_SEAL, _) => Some(Annotation::Seal { session_id: id() }),
         (KIND_DELETE_SESSION, _) => Some(Annotation::DeleteSession { session_id: id() }),
+        (KIND_MOVE_SESSION, _) => Some(Annotation::MoveSession { session_id: id() }),
         (KIND_REWARD, 1) => Some(Annotation::Reward { target: Target::Trace(id()), value: e.timestamp }),
         (KIND_REWARD, 2) => Some(Annotation::Reward { target: Target::Session(id()), value: e.timestamp }),
         _ => None,

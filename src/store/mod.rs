@@ -457,7 +457,7 @@ impl Store {
                 s.sealed.remove(session_id, seq);
                 s.chat.remove(session_id);
             }
-            Annotation::Reward { .. } => {}
+            Annotation::Reward { .. } | Annotation::MoveSession { .. } => {}
         }
         if let Annotation::DeleteSession { session_id } = &ann {
             s.deletes_in_flight.push((seq, session_id.clone()));

@@ -212,12 +212,16 @@ pub(super) struct Prepared {
     /// For retirement: live calls of `base_traces` still served from segments,
     /// counted by primary session (sessions with none are absent).
     pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,
+    /// [`crate::CompactOptions::copy_forward`].
+    pub(super) copy_forward: Option<f64>,
 }
 
 /// What publishing a compaction did.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct PublishOutcome {
     pub retired_segments: Vec<u64>,
+    /// What the copy-forward collector copied (shard.md §6.3).
+    pub copied_forward: super::retire::CopiedForward,
     /// Shard files the deletions side table could not look into (path under
     /// `shards/`, the error): their rows dead since are not listed.
     pub deletions_skipped: Vec<(String, String)>,

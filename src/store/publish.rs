@@ -76,12 +76,13 @@ impl Store {
         staged: Vec<PendingRename>,
         sessions: Vec<String>,
         obsolete: &Obsolete,
+        copy_forward: Option<f64>,
     ) -> Result<PublishOutcome> {
         self.writable()?;
         let base = compaction.base.take().ok_or_else(Error::closed)?;
         let token = base.token;
         let prepared = match prepare(&self.inner.dir, base, &staged, obsolete, &self.inner.options.faults) {
-            Ok(p) => p,
+            Ok(p) => Prepared { copy_forward, ..p },
             Err(e) => {
                 // Nothing was published.
                 end_compaction(&self.inner, token);
@@ -277,6 +278,7 @@ fn prepare(
         shard_sessions,
         obsolete: obsolete.clone(),
         in_segments,
+        copy_forward: None,
     })
 }
 
@@ -540,8 +542,8 @@ impl Writer {
         for s in sessions {
             self.delta.forget(s);
         }
-        let retired_segments = self.retire(&p.in_segments)?;
+        let (retired_segments, copied_forward) = self.retire(&p.in_segments, p.copy_forward)?;
         self.delta.forget_segments(&retired_segments);
-        Ok(PublishOutcome { retired_segments, deletions_skipped: Vec::new() })
+        Ok(PublishOutcome { retired_segments, copied_forward, deletions_skipped: Vec::new() })
     }
 }

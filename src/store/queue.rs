@@ -194,7 +194,8 @@ pub(super) fn annotation_bytes(ann: &Annotation) -> u64 {
     let id = match ann {
         Annotation::Reward { target: Target::Trace(id) | Target::Session(id), .. }
         | Annotation::Seal { session_id: id }
-        | Annotation::DeleteSession { session_id: id } => id.len(),
+        | Annotation::DeleteSession { session_id: id }
+        | Annotation::MoveSession { session_id: id } => id.len(),
     };
     (std::mem::size_of::<Annotation>() + id) as u64
 }

@@ -157,6 +157,10 @@ pub(super) fn apply_annotation(index: &mut Index, ann: &Annotation, at: Loc) -> 
             0
         }
         Annotation::DeleteSession { session_id } => index.delete_session(session_id, at),
+        Annotation::MoveSession { session_id } => {
+            index.set_floor(session_id, at);
+            0
+        }
     }
 }
 
@@ -641,7 +645,8 @@ fn check_entry(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, e: &F
         return Check::Apply;
     }
     let conflict = match (e.kind, e.reward_target) {
-        (KIND_SEAL, _) => false,
+        // A session-moved record changes no call: it commutes like a seal.
+        (KIND_SEAL, _) | (crate::format::record::KIND_MOVE_SESSION, _) => false,
         (KIND_CALL, _) | (KIND_REWARD, 1) => trace_conflicts(c, frozen, loc, e.id),
         (KIND_REWARD, 2) => match frozen.session(e.id) {
             Some(s) if c.reward_superseded(s, loc) => return Check::Skip,

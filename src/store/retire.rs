@@ -15,6 +15,23 @@ fn annotation_at(seg: &SegmentRef, e: &crate::format::segment::FooterEntry) -> O
         .or_else(|| seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()))
 }
 
+/// What [`Writer::retire`] will do: retire these segments, carrying these
+/// annotations; first copy these sessions forward (then plan again).
+struct Plan {
+    retire: Vec<u64>,
+    annotations: Vec<Annotation>,
+    moves: Vec<String>,
+}
+
+/// What the copy-forward collector copied (shard.md §6.3).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CopiedForward {
+    pub sessions: u64,
+    pub calls: u64,
+    /// Bytes the copies take in segments.
+    pub bytes: u64,
+}
+
 impl Writer {
     /// The annotation that states the current value of `ann`'s target (a
     /// seal of a session still sealed, the reward in force), or None when
@@ -30,7 +47,7 @@ impl Writer {
                 .index
                 .trace_reward(t.as_str())
                 .map(|value| Annotation::Reward { target: Target::Trace(t.clone()), value }),
-            Annotation::DeleteSession { .. } => None,
+            Annotation::DeleteSession { .. } | Annotation::MoveSession { .. } => None,
         }
     }
 
@@ -49,7 +66,8 @@ impl Writer {
     /// Retire every sealed segment whose every record is no longer needed
     /// (format-spec/shard.md §6): each call record belongs to a session with
     /// no live call left in segments (so it is compacted, dead, and no live
-    /// call can use it as a prefix-delta parent), no dead call record keeps
+    /// call can use it as a prefix-delta parent) or lies before the
+    /// session's floor (§6.3), no dead call record keeps
     /// a shard row dead, and no session deletion in it concerns compacted
     /// rows. A segment kept for these reasons does not keep the later ones:
     /// they retire too unless one of their records could bring back a
@@ -57,16 +75,91 @@ impl Writer {
     /// or a reward in a kept segment before it, or a dead call record whose
     /// trace id has a call record there. So a straggler session — never
     /// finished, never compacted — keeps only the segments that hold its
-    /// records. Rewards and seals of retired segments are re-appended with
-    /// their current values first, so that they outlive their segment.
+    /// records, and with `copy_forward` (shard.md §6.3) not even those: a
+    /// segment kept only by such sessions, whose live calls in segments are
+    /// at most that fraction of its bytes, has those sessions copied
+    /// forward first (their live calls appended again after a
+    /// session-moved record), which frees it. Rewards and seals of retired
+    /// segments are re-appended with their current values first, so that
+    /// they outlive their segment.
     ///
     /// `in_segments` counts the live calls still served from segments by
     /// primary session (prepared off this thread, see publish.rs). The work
-    /// here is one footer per sealed segment.
-    pub(super) fn retire(&mut self, in_segments: &std::collections::HashMap<Arc<str>, u64>) -> Result<Vec<u64>> {
+    /// here is one footer per sealed segment (twice when sessions are
+    /// copied forward), and the copies.
+    pub(super) fn retire(
+        &mut self,
+        in_segments: &std::collections::HashMap<Arc<str>, u64>,
+        copy_forward: Option<f64>,
+    ) -> Result<(Vec<u64>, CopiedForward)> {
+        let mut plan = self.plan_retirement(in_segments, copy_forward)?;
+        let mut copied = CopiedForward::default();
+        if !plan.moves.is_empty() {
+            copied = self.copy_forward(&plan.moves)?;
+            if copied.sessions > 0 {
+                plan = self.plan_retirement(in_segments, None)?;
+            }
+        }
+        Ok((self.retire_planned(plan)?, copied))
+    }
+
+    /// The position below which no record of `session` is needed as a
+    /// prefix-delta parent (shard.md §6.3): its last session-moved record,
+    /// when every live call of the session still in segments comes after
+    /// it (else a move was cut short, and nothing of it is freed).
+    fn effective_floor(&self, session: &str) -> Option<Loc> {
+        let floor = self.index.session_floor(session)?;
+        let calls = self.index.session_calls(session);
+        calls
+            .iter()
+            .all(|k| k.loc > floor || self.shards.is_compacted(k.loc) || !self.index.is_live_at(&k.trace_id, k.loc))
+            .then_some(floor)
+    }
+
+    /// Whether copying `session` forward can free its records: it is not
+    /// sealed (a sealed one is compacted by the next compaction) and every
+    /// live call in segments of its list has it as primary session (a call
+    /// of another session, listing it among its uids, is not copied, and
+    /// would keep the copied session's floor from taking effect).
+    fn movable(&self, session: &str) -> bool {
+        if self.index.is_sealed(session) {
+            return false;
+        }
+        let calls = self.index.session_calls(session);
+        calls.iter().all(|k| {
+            self.shards.is_compacted(k.loc)
+                || match self.index.live(&k.trace_id) {
+                    Some(crate::index::LiveCall::Hot(m)) if m.loc == k.loc => {
+                        m.sessions.first().is_some_and(|p| &**p == session)
+                    }
+                    _ => true,
+                }
+        })
+    }
+
+    /// Decide what [`Writer::retire`] retires and, with `copy_forward`,
+    /// which sessions to copy forward first.
+    fn plan_retirement(
+        &self,
+        in_segments: &std::collections::HashMap<Arc<str>, u64>,
+        copy_forward: Option<f64>,
+    ) -> Result<Plan> {
         let in_segments = |session: &str| in_segments.get(session).is_some_and(|n| *n > 0);
+        let mut floors: std::collections::HashMap<String, Option<Loc>> = Default::default();
+        let mut below_floor = |w: &Self, session: &str, loc: Loc| -> bool {
+            if !floors.contains_key(session) {
+                floors.insert(session.to_owned(), w.effective_floor(session));
+            }
+            floors.get(session).copied().flatten().is_some_and(|f| loc < f)
+        };
         let mut retire = Vec::new();
         let mut annotations = Vec::new();
+        // Copy-forward candidates: sealed segments kept only by sessions
+        // with live calls in segments (their id, file bytes, those
+        // sessions), and the bytes of each such session's live calls in
+        // segments (what copying it costs).
+        let mut candidates: Vec<(u64, u64, Vec<String>)> = Vec::new();
+        let mut live_bytes: std::collections::HashMap<String, u64> = Default::default();
         // The sessions the kept segments walked so far name (their call
         // records, seals and session rewards): a deletion after them that is
         // retired must not uncover any of it.
@@ -98,16 +191,28 @@ impl Writer {
                 _ => break,
             };
             let mut anns = Vec::new();
+            // Kept for a reason copying forward does not lift.
             let mut needed = false;
+            // Kept by these sessions' records (live calls in segments).
+            let mut keepers: Vec<&str> = Vec::new();
             for e in &entries {
                 if e.kind == KIND_CALL {
-                    if in_segments(e.session_id.as_str()) {
-                        needed = true;
-                        break;
+                    let loc = Loc { segment: ms.id, offset: e.frame_offset };
+                    if in_segments(e.session_id.as_str()) && !below_floor(self, e.session_id.as_str(), loc) {
+                        if copy_forward.is_none() {
+                            needed = true;
+                            break;
+                        }
+                        if !keepers.contains(&e.session_id.as_str()) {
+                            keepers.push(e.session_id.as_str());
+                        }
+                        if self.index.is_live_at(e.id.as_str(), loc) && !self.shards.is_compacted(loc) {
+                            *live_bytes.entry(e.session_id.clone()).or_default() += frame_bytes(u64::from(e.body_len));
+                        }
+                        continue;
                     }
                     // A dead call whose trace has a shard row: this record (or
                     // the deletion after it) is what keeps that row dead.
-                    let loc = Loc { segment: ms.id, offset: e.frame_offset };
                     let live = self.index.is_live_at(e.id.as_str(), loc);
                     if !live && self.shard_traces.contains(e.id.as_str()) {
                         needed = true;
@@ -126,6 +231,9 @@ impl Writer {
                         needed = true;
                         break;
                     }
+                } else if e.kind == crate::format::record::KIND_MOVE_SESSION {
+                    // Changes no call, and is not carried: a floor lost
+                    // with its segment only keeps more (shard.md §6.3).
                 } else if let Some(ann) = annotation_at(seg, e) {
                     // Seals and (since segment format 4) rewards come from the
                     // footer: retiring reads no record body.
@@ -137,7 +245,7 @@ impl Writer {
                     break;
                 }
             }
-            if !needed {
+            if !needed && keepers.is_empty() {
                 if !entries.is_empty() && anns.len() == entries.len() && anns.iter().all(|a| self.is_current(a)) {
                     // Retiring it would append the same records again.
                     annotation_only.push((ms.id, anns));
@@ -147,11 +255,21 @@ impl Writer {
                 }
                 continue;
             }
+            if !needed {
+                candidates.push((
+                    ms.id,
+                    seg.mapped_bytes().len() as u64,
+                    keepers.iter().map(|s| (*s).to_owned()).collect(),
+                ));
+            }
             for e in &entries {
                 if e.kind == KIND_CALL {
                     kept_sessions.insert(e.session_id.clone());
                     kept_sessions.extend(e.session_uids.iter().cloned());
                     kept_traces.insert(crate::index::frozen::id_hash(&e.id));
+                    continue;
+                }
+                if e.kind == crate::format::record::KIND_MOVE_SESSION {
                     continue;
                 }
                 // A record of a kept segment that cannot be read (a damaged
@@ -177,6 +295,127 @@ impl Writer {
                 retire.push(id);
             }
         }
+        let moves = match copy_forward {
+            Some(fraction) => self.choose_moves(fraction, &candidates, &mut live_bytes)?,
+            None => Vec::new(),
+        };
+        Ok(Plan { retire, annotations, moves })
+    }
+
+    /// The sessions to copy forward (shard.md §6.3): for each candidate
+    /// segment, oldest first, its keepers when all are movable and copying
+    /// those not chosen yet costs at most `fraction` of its bytes, within
+    /// a quarter segment of copies per publication (the writer thread copies, and
+    /// appends wait meanwhile).
+    fn choose_moves(
+        &self,
+        fraction: f64,
+        candidates: &[(u64, u64, Vec<String>)],
+        live_bytes: &mut std::collections::HashMap<String, u64>,
+    ) -> Result<Vec<String>> {
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Live calls of the active segment count too: they are copied.
+        if let Some(a) = self.active.as_ref() {
+            for e in a.entries.iter().filter(|e| e.kind == KIND_CALL) {
+                let loc = Loc { segment: a.id, offset: e.frame_offset };
+                if let Some(n) = live_bytes.get_mut(e.session_id.as_str()) {
+                    if self.index.is_live_at(&e.id, loc) {
+                        *n += frame_bytes(u64::from(e.body_len));
+                    }
+                }
+            }
+        }
+        let budget = self.options.segment_bytes / 4;
+        let (mut chosen, mut total): (Vec<String>, u64) = (Vec::new(), 0);
+        let mut movable: std::collections::HashMap<&str, bool> = Default::default();
+        for (_, file_bytes, keepers) in candidates {
+            let new: Vec<&String> = keepers.iter().filter(|s| !chosen.contains(s)).collect();
+            let cost: u64 = new.iter().map(|s| live_bytes.get(s.as_str()).copied().unwrap_or(0)).sum();
+            if cost as f64 > fraction * *file_bytes as f64 || total + cost > budget {
+                continue;
+            }
+            let all_movable = new.iter().all(|s| *movable.entry(s.as_str()).or_insert_with(|| self.movable(s)));
+            if all_movable {
+                total += cost;
+                chosen.extend(new.into_iter().cloned());
+            }
+        }
+        Ok(chosen)
+    }
+
+    /// Copy `sessions` forward (shard.md §6.3): for each, a session-moved
+    /// record, then each live call it still has in segments appended again
+    /// as it reads (same trace id, timestamp, documents, tokens), oldest
+    /// first. The copies replace the calls (record.md §6), with their
+    /// trace rewards written again after them as for any replacement. A
+    /// session with a call that does not read (damage the store was opened
+    /// past) is not copied; a copy cut short (a crash, a damaged parent)
+    /// frees nothing of its session and is done again by a later
+    /// publication.
+    fn copy_forward(&mut self, sessions: &[String]) -> Result<CopiedForward> {
+        let mut out = CopiedForward::default();
+        if self.active()?.format_version < crate::format::FORMAT_MOVE_SESSION {
+            // A reopened older active segment cannot hold the record.
+            self.roll()?;
+        }
+        self.write_buf()?;
+        let snap = Snapshot::new(Arc::new(self.view()?));
+        // Tags for the copies' delta contexts: no append sequence number
+        // comes near them.
+        let mut tag = u64::MAX;
+        for session in sessions {
+            let keys: Vec<Loc> = {
+                let calls = self.index.session_calls(session);
+                calls
+                    .iter()
+                    .filter(|k| self.index.is_live_at(&k.trace_id, k.loc) && !self.shards.is_compacted(k.loc))
+                    .map(|k| k.loc)
+                    .collect()
+            };
+            let Ok(views) = keys.iter().map(|loc| snap.call_at(*loc)).collect::<Result<Vec<_>>>() else {
+                continue;
+            };
+            if views.is_empty() {
+                continue;
+            }
+            self.append_annotation(&Annotation::MoveSession { session_id: session.clone() })?;
+            out.sessions += 1;
+            // The documents as a delta against the previous copy's, as an
+            // appender makes them (the writer checks the parent it takes).
+            let mut prev: Option<(Call, u64, u32)> = None;
+            for v in views {
+                let Ok(call) = v.to_call() else { break };
+                let parent = prev.as_ref().filter(|p| p.2 < crate::limits::MESSAGES_DELTA_DEPTH_MAX).and_then(|p| {
+                    p.0.messages.as_deref().map(|messages| crate::format::docs::Parent {
+                        messages,
+                        response_message: p.0.response_message.as_deref(),
+                    })
+                });
+                let docs = crate::format::docs::encode(&call, parent);
+                let docs_parent = match (&docs, &prev) {
+                    (Some(d), Some(p)) if d.uses_parent => Some((p.1, p.2 + 1)),
+                    _ => None,
+                };
+                tag -= 1;
+                let appended = self.append_call(call.clone(), docs, docs_parent.map(|d| d.0), tag)?;
+                let depth = docs_parent.filter(|_| appended.docs_delta).map_or(0, |d| d.1);
+                out.calls += 1;
+                out.bytes += appended.frame_bytes;
+                prev = Some((call, tag, depth));
+            }
+        }
+        self.write_buf()?;
+        self.active()?.sync()?;
+        self.unsynced_since = None;
+        self.last_sync = Instant::now();
+        Ok(out)
+    }
+
+    /// Carry what `plan` retires forward, and retire it.
+    fn retire_planned(&mut self, plan: Plan) -> Result<Vec<u64>> {
+        let Plan { retire, annotations, .. } = plan;
         if retire.is_empty() {
             return Ok(retire);
         }
@@ -194,7 +433,7 @@ impl Writer {
                 Annotation::Reward { target: Target::Trace(t), .. } => (0, t.as_str()),
                 Annotation::Reward { target: Target::Session(s), .. } => (1, s.as_str()),
                 Annotation::Seal { session_id } => (2, session_id.as_str()),
-                Annotation::DeleteSession { .. } => continue,
+                Annotation::DeleteSession { .. } | Annotation::MoveSession { .. } => continue,
             };
             if seen.insert(target) {
                 order.push((crate::index::frozen::id_hash(target.1), target.0, i));

@@ -308,8 +308,13 @@ fn replacements_and_deletions_made_during_a_compaction_still_win() {
     // Every session is older than now: all three are compacted from the
     // snapshot; meanwhile a/1 is replaced, b deleted, c gets a fourth call
     // (whose prefix-delta parent c/2 is in a segment the compaction sealed).
-    let opts =
-        crate::compact::CompactOptions { selection: crate::compact::Selection::OlderThan(0.0), ..Default::default() };
+    // (Without copy-forward, which would copy c/3 out and free segment 1:
+    // this checks that c/3's parent keeps it.)
+    let opts = crate::compact::CompactOptions {
+        selection: crate::compact::Selection::OlderThan(0.0),
+        copy_forward: None,
+        ..Default::default()
+    };
     let report = crate::compact::run_with(&store, &opts, &mut || {
         store.append_durable(replacement.clone()).expect("replace");
         assert_eq!(store.delete_session("b").expect("delete"), 3);

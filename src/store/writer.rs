@@ -48,6 +48,13 @@ pub(super) struct Journal {
     pub(super) touched: HashSet<Arc<str>>,
 }
 
+/// What [`Writer::append_call`] wrote: the frame's bytes, and whether the
+/// documents are a delta against the parent's (record.md §7.2).
+pub(super) struct Appended {
+    pub(super) frame_bytes: u64,
+    pub(super) docs_delta: bool,
+}
+
 const BATCH_RECORDS_MAX: usize = 1024;
 pub(super) const BATCH_BYTES_MAX: usize = 16 << 20;
 
@@ -272,7 +279,7 @@ impl Writer {
         docs: Option<crate::format::docs::Encoded>,
         docs_parent_seq: Option<u64>,
         seq: u64,
-    ) -> Result<()> {
+    ) -> Result<Appended> {
         if !self.delta.knows(&call.session_id) {
             self.load_contexts(&call.session_id)?;
         }
@@ -286,6 +293,7 @@ impl Writer {
             Some((_, d)) if !delta.checkpoint => d + 1,
             _ => 0,
         };
+        let mut docs_delta = false;
         let docs = match docs {
             // A messages delta holds only if the parent chosen here is the
             // call whose documents the appender used, in a segment whose
@@ -294,6 +302,7 @@ impl Writer {
             Some(e) if e.uses_parent => {
                 let same = parent.zip(docs_parent_seq).is_some_and(|((seq, _), want)| seq == want);
                 if same && format_version >= 3 {
+                    docs_delta = true;
                     Some(e.block)
                 } else {
                     crate::format::docs::encode(&call, None).map(|e| e.block)
@@ -346,7 +355,7 @@ impl Writer {
             // Bound the writer's memory: write now, make durable at batch end.
             self.write_buf()?;
         }
-        Ok(())
+        Ok(Appended { frame_bytes: frame_bytes(body_len), docs_delta })
     }
 
     /// A session the delta cache does not know may still have calls on disk
@@ -357,11 +366,15 @@ impl Writer {
             return Ok(());
         }
         let calls = self.index.session_calls(session);
+        // None before the session's last session-moved record (record.md §4).
+        let floor = self.index.session_floor(session);
         let keys: Vec<Loc> = {
             // Only calls still in segments can be parents (compacted ones may
             // have had their segment retired).
             let in_segments = |k: &&crate::index::CallKey| {
-                self.index.is_live_at(&k.trace_id, k.loc) && !self.shards.is_compacted(k.loc)
+                self.index.is_live_at(&k.trace_id, k.loc)
+                    && !self.shards.is_compacted(k.loc)
+                    && floor.is_none_or(|f| k.loc > f)
             };
             let mut locs: Vec<Loc> = calls.iter().filter(in_segments).map(|k| k.loc).collect();
             locs.sort();
@@ -406,7 +419,11 @@ impl Writer {
             .map_err(|e| Error::new(ErrorKind::Io, format!("internal: annotation does not decode: {e}")))?;
         self.pending.push(entry);
         match ann {
-            Annotation::Seal { session_id } | Annotation::DeleteSession { session_id } => self.delta.forget(session_id),
+            // After a session-moved record no call of the session may take a
+            // parent before it (record.md §4): nothing remembered of it stays.
+            Annotation::Seal { session_id }
+            | Annotation::DeleteSession { session_id }
+            | Annotation::MoveSession { session_id } => self.delta.forget(session_id),
             Annotation::Reward { .. } => {}
         }
         if let (Annotation::DeleteSession { session_id }, Some(_)) = (ann, &self.journal) {

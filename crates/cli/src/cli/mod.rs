@@ -181,6 +181,15 @@ enum Command {
         /// Never merge earlier shards (one more set of files per compaction).
         #[arg(long)]
         no_merge: bool,
+        /// Copy unfinished sessions (stragglers) forward out of a segment
+        /// they alone keep on disk, when their live calls there take at
+        /// most this fraction of its bytes, so that it is freed (at most
+        /// a quarter segment of copies per compaction).
+        #[arg(long, value_name = "FRACTION", default_value_t = trajlog::DEFAULT_COPY_FORWARD, conflicts_with = "no_copy_forward")]
+        copy_forward: f64,
+        /// Never copy sessions forward (a straggler keeps its segments).
+        #[arg(long)]
+        no_copy_forward: bool,
         /// Compact in batches of about this many calls (whole sessions,
         /// oldest first), one compaction after another until none is left:
         /// a large backlog then peaks lower in memory than in one
@@ -402,6 +411,8 @@ pub fn main() -> i32 {
             no_collect,
             merge_fanout,
             no_merge,
+            copy_forward,
+            no_copy_forward,
             batch_calls,
         } => shards::compact(
             &store,
@@ -413,6 +424,7 @@ pub fn main() -> i32 {
                 compression,
                 collect_dead: (!no_collect).then_some(collect_dead),
                 merge_fanout: (!no_merge).then_some(merge_fanout),
+                copy_forward: (!no_copy_forward).then_some(copy_forward),
                 batch_calls,
             },
         ),

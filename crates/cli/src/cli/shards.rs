@@ -24,6 +24,8 @@ pub struct CompactArgs {
     pub collect_dead: Option<f64>,
     /// `--merge-fanout` (`None`: `--no-merge`).
     pub merge_fanout: Option<u32>,
+    /// `--copy-forward` (`None`: `--no-copy-forward`).
+    pub copy_forward: Option<f64>,
     /// `--batch-calls`: one compaction after another, each of about this
     /// many calls (`None`: one compaction of everything selected).
     pub batch_calls: Option<u64>,
@@ -40,7 +42,8 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
             .collect_dead_fraction(args.collect_dead)
-            .merge_fanout(args.merge_fanout),
+            .merge_fanout(args.merge_fanout)
+            .copy_forward(args.copy_forward),
     );
     // Sessions with damaged calls, each once (a later batch chooses them again).
     let mut damaged = std::collections::BTreeSet::new();
@@ -108,6 +111,14 @@ fn print_report(r: &trajlog::CompactReport) {
             r.moved_calls,
             r.dropped_rows,
             human_bytes(r.collected_bytes),
+        );
+    }
+    if r.copied_sessions > 0 {
+        println!(
+            "copied {} unfinished sessions forward ({} calls, {}) out of segments they alone kept",
+            r.copied_sessions,
+            r.copied_calls,
+            human_bytes(r.copied_bytes),
         );
     }
     for s in &r.shards {
