@@ -86,8 +86,8 @@ pub mod trace_json;
 pub mod verify;
 
 pub use compact::{
-    merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, DEFAULT_COLLECT_DEAD_FRACTION,
-    DEFAULT_COPY_FORWARD, DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
+    merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, COPY_FORWARD_MAX,
+    DEFAULT_COLLECT_DEAD_FRACTION, DEFAULT_COPY_FORWARD, DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use format::record::{Loc, Relation};

@@ -49,8 +49,7 @@ pub struct SegmentSpace {
     pub unreadable_bytes: u64,
     /// The sessions that keep this segment on disk, most bytes first (at
     /// most 16): those with records here and a live call still served from
-    /// segments (here or elsewhere), unless it lies before the session's
-    /// floor (a copy-forward, shard.md §6.3). Retirement keeps every record of such
+    /// segments (here or elsewhere). Retirement keeps every record of such
     /// a session, since any may be a prefix-delta parent. A segment can
     /// also be kept, until a collection, by a dead call whose trace has a
     /// shard row or by a deletion of compacted rows.

@@ -1182,7 +1182,7 @@ fn write_fixture_v14() {
     }
     store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
     store.seal_session("task-1:0").unwrap();
-    let opts = trajlog::CompactOptions::default().steps_row_group_rows(2).copy_forward(Some(1.0));
+    let opts = trajlog::CompactOptions::default().steps_row_group_rows(2).copy_forward(Some(0.5));
     let r = store.compact(&opts).unwrap();
     assert_eq!((r.sessions, r.copied_sessions, r.copied_calls), (1, 1, 1), "{r:?}");
     store.append(fixture_v14_b1()).unwrap();
@@ -1259,4 +1259,86 @@ fn reads_the_v14_fixture_with_a_straggler_copied_forward() {
     for c in fixture_calls().into_iter().chain([fixture_v14_b1()]) {
         assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), &c);
     }
+}
+
+/// (format version, record kinds) of each segment file of `dir`.
+fn segment_versions_and_kinds(dir: &std::path::Path) -> Vec<(u32, Vec<u8>)> {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap();
+            let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+            let one = tempfile::tempdir().unwrap();
+            std::fs::copy(&p, one.path().join(p.file_name().unwrap())).unwrap();
+            (version, record_kinds(one.path()))
+        })
+        .collect()
+}
+
+#[test]
+fn copy_forward_never_writes_a_session_moved_record_into_an_older_segment() {
+    // Every fixture of an older format, opened by this build: a compaction
+    // with nothing new (the active segment an older build left, often empty
+    // and of its format), then one after an append (the active segment then
+    // rolls to one of this build's format), each copying forward whatever
+    // straggler it may.
+    let opts = trajlog::CompactOptions::default().copy_forward(Some(trajlog::COPY_FORWARD_MAX));
+    let mut copied = 0;
+    for version in [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13] {
+        let copy = tempfile::tempdir().unwrap();
+        copy_dir(
+            &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/store-v{version}")),
+            copy.path(),
+        );
+        let (calls, ids): (usize, Vec<String>) = {
+            let store = Store::open_read_only(copy.path()).unwrap();
+            let snap = store.snapshot();
+            let mut ids = Vec::new();
+            snap.for_each_call(|c| {
+                ids.push(c.trace_id().to_owned());
+                Ok(())
+            })
+            .unwrap();
+            (snap.call_count(), ids)
+        };
+        for round in 0..2 {
+            let store = Store::open(copy.path(), Options::default()).unwrap();
+            if round == 1 {
+                store
+                    .append(Call {
+                        trace_id: "new/0".into(),
+                        session_id: "new".into(),
+                        prompt_token_ids: (0..2000).collect(),
+                        completion_token_ids: vec![3],
+                        ..Default::default()
+                    })
+                    .unwrap();
+                store.seal_session("new").unwrap();
+            }
+            copied += store.compact(&opts).unwrap().copied_sessions;
+            store.close().unwrap();
+            for (v, kinds) in segment_versions_and_kinds(copy.path()) {
+                assert!(
+                    v >= 5 || !kinds.contains(&5),
+                    "store-v{version}: a session-moved record in a format-{v} segment"
+                );
+            }
+        }
+        let store = Store::open_read_only(copy.path()).unwrap();
+        let snap = store.snapshot();
+        assert_eq!(snap.call_count(), calls + 1, "store-v{version}");
+        for id in &ids {
+            snap.get(id).unwrap().unwrap().to_call().unwrap();
+        }
+        drop(snap);
+        let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+        assert!(report.problems.is_empty(), "store-v{version}: {report:?}");
+    }
+    assert!(copied > 0, "some fixture's straggler was copied forward");
 }

@@ -81,8 +81,7 @@ struct Compaction {
     collect: u8,
     merge: bool,
     /// Copy-forward (format-spec/shard.md §6.3): never (0), the default
-    /// fraction (1), or whenever a segment is kept by unfinished sessions
-    /// alone (2).
+    /// fraction (1), or the largest (2).
     copy: u8,
     meanwhile: Vec<Op>,
 }
@@ -99,7 +98,9 @@ impl Compaction {
             .steps_row_group_rows(3)
             .merge_fanout(self.merge.then_some(2))
             .collect_dead_fraction(self.collect_dead_fraction())
-            .copy_forward([None, Some(trajlog::DEFAULT_COPY_FORWARD), Some(1.0)][usize::from(self.copy)])
+            .copy_forward(
+                [None, Some(trajlog::DEFAULT_COPY_FORWARD), Some(trajlog::COPY_FORWARD_MAX)][usize::from(self.copy)],
+            )
     }
 }
 

@@ -229,7 +229,7 @@ def test_a_straggler_is_copied_forward_out_of_the_segments_it_kept(tmp_path):
     with trajlog.Store(tmp_path / "on", read_only=True) as store:
         assert [c.trace_id for c in store.session("late:0")] == [f"late/{s}" for s in range(16)]
     with trajlog.Store(tmp_path / "on") as store:
-        for bad in (1.5, -0.1, float("nan")):
+        for bad in (0.75, -0.1, float("nan")):
             with pytest.raises(trajlog.InvalidInputError, match="copy_forward"):
                 store.compact(copy_forward=bad)
 

@@ -602,8 +602,8 @@ class Store:
                 raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not between 1 and 18446744073709551615")
         if copy_forward is not None:
             copy_forward = _finite("copy_forward", copy_forward, non_negative=True)
-            if copy_forward > 1:
-                raise InvalidInputError(f"invalid copy_forward: {copy_forward!r} is not a fraction between 0 and 1")
+            if copy_forward > 0.5:
+                raise InvalidInputError(f"invalid copy_forward: {copy_forward!r} is not a fraction between 0 and 0.5")
         return self._native.compact(
             _finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout, max_calls, copy_forward
         )

@@ -105,7 +105,7 @@ pub struct CompactOptions {
     /// quarter segment of copies per compaction (the writer thread copies,
     /// and appends wait meanwhile). `None`: never. Default
     /// `Some(0.25)`: a segment is rewritten only when that frees at least
-    /// 4× what it copies.
+    /// 4× what it copies. At most [`COPY_FORWARD_MAX`].
     pub copy_forward: Option<f64>,
 }
 
@@ -144,6 +144,11 @@ impl Default for CompactOptions {
         }
     }
 }
+
+/// [`CompactOptions::copy_forward`]'s largest value: copies that fill a
+/// segment of their own (as they do after a copy-forward) are then never
+/// copied again.
+pub const COPY_FORWARD_MAX: f64 = 0.5;
 
 /// [`CompactOptions::copy_forward`]'s default.
 pub const DEFAULT_COPY_FORWARD: f64 = 0.25;
@@ -559,8 +564,11 @@ pub(crate) fn run_with(
         }
     }
     if let Some(f) = opts.copy_forward {
-        if !(0.0..=1.0).contains(&f) {
-            return Err(Error::invalid("copy_forward", format!("{f} is not a fraction between 0 and 1")));
+        if !(0.0..=COPY_FORWARD_MAX).contains(&f) {
+            return Err(Error::invalid(
+                "copy_forward",
+                format!("{f} is not a fraction between 0 and {COPY_FORWARD_MAX} (a segment must be at least twice what copying frees it costs, or copies alone in a segment would be copied again at every compaction)"),
+            ));
         }
     }
     if let Some(f) = opts.merge_fanout {

@@ -629,7 +629,6 @@ impl Index {
         }
     }
 
-    /// Whether `session` is sealed.
     /// Note a session-moved record of `session` at `at`. A session the maps
     /// do not hold (a frozen one: all compacted) has no record in segments
     /// a floor could free, and gets none.
@@ -645,6 +644,7 @@ impl Index {
         self.sessions.get(session).and_then(|e| e.floor)
     }
 
+    /// Whether `session` is sealed.
     pub fn is_sealed(&self, session: &str) -> bool {
         self.sessions.get(session).is_some_and(|e| e.sealed)
             || self.frozen_session(session).is_some_and(|i| self.frozen.is_sealed(i))

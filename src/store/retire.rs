@@ -23,6 +23,13 @@ struct Plan {
     moves: Vec<String>,
 }
 
+/// Bytes of copies a publication's copy-forward writes at most (shard.md
+/// §6.3): a quarter segment, since the writer thread copies and appends
+/// wait meanwhile.
+fn copy_budget(segment_bytes: u64) -> u64 {
+    segment_bytes / 4
+}
+
 /// What the copy-forward collector copied (shard.md §6.3).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CopiedForward {
@@ -155,11 +162,9 @@ impl Writer {
         let mut retire = Vec::new();
         let mut annotations = Vec::new();
         // Copy-forward candidates: sealed segments kept only by sessions
-        // with live calls in segments (their id, file bytes, those
-        // sessions), and the bytes of each such session's live calls in
-        // segments (what copying it costs).
+        // with live calls in segments (their id, frame bytes, those
+        // sessions).
         let mut candidates: Vec<(u64, u64, Vec<String>)> = Vec::new();
-        let mut live_bytes: std::collections::HashMap<String, u64> = Default::default();
         // The sessions the kept segments walked so far name (their call
         // records, seals and session rewards): a deletion after them that is
         // retired must not uncover any of it.
@@ -195,19 +200,24 @@ impl Writer {
             let mut needed = false;
             // Kept by these sessions' records (live calls in segments).
             let mut keepers: Vec<&str> = Vec::new();
+            let mut keeper_set: HashSet<&str> = HashSet::new();
             for e in &entries {
                 if e.kind == KIND_CALL {
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
                     if in_segments(e.session_id.as_str()) && !below_floor(self, e.session_id.as_str(), loc) {
-                        if copy_forward.is_none() {
+                        // Copied forward, the record would be dead before the
+                        // floor, and still kept if its trace has a shard row
+                        // or a record in a kept segment before it (the rules
+                        // below): copying would not free the segment.
+                        if copy_forward.is_none()
+                            || self.shard_traces.contains(e.id.as_str())
+                            || kept_traces.contains(&crate::index::frozen::id_hash(&e.id))
+                        {
                             needed = true;
                             break;
                         }
-                        if !keepers.contains(&e.session_id.as_str()) {
+                        if keeper_set.insert(e.session_id.as_str()) {
                             keepers.push(e.session_id.as_str());
-                        }
-                        if self.index.is_live_at(e.id.as_str(), loc) && !self.shards.is_compacted(loc) {
-                            *live_bytes.entry(e.session_id.clone()).or_default() += frame_bytes(u64::from(e.body_len));
                         }
                         continue;
                     }
@@ -256,11 +266,10 @@ impl Writer {
                 continue;
             }
             if !needed {
-                candidates.push((
-                    ms.id,
-                    seg.mapped_bytes().len() as u64,
-                    keepers.iter().map(|s| (*s).to_owned()).collect(),
-                ));
+                // Its frames' bytes (a small segment's header and footer
+                // would make copies alone in it look like a small part).
+                let frames: u64 = entries.iter().map(|e| frame_bytes(u64::from(e.body_len))).sum();
+                candidates.push((ms.id, frames, keepers.iter().map(|s| (*s).to_owned()).collect()));
             }
             for e in &entries {
                 if e.kind == KIND_CALL {
@@ -296,7 +305,7 @@ impl Writer {
             }
         }
         let moves = match copy_forward {
-            Some(fraction) => self.choose_moves(fraction, &candidates, &mut live_bytes)?,
+            Some(fraction) => self.choose_moves(fraction, &candidates),
             None => Vec::new(),
         };
         Ok(Plan { retire, annotations, moves })
@@ -305,44 +314,59 @@ impl Writer {
     /// The sessions to copy forward (shard.md §6.3): for each candidate
     /// segment, oldest first, its keepers when all are movable and copying
     /// those not chosen yet costs at most `fraction` of its bytes, within
-    /// a quarter segment of copies per publication (the writer thread copies, and
-    /// appends wait meanwhile).
-    fn choose_moves(
-        &self,
-        fraction: f64,
-        candidates: &[(u64, u64, Vec<String>)],
-        live_bytes: &mut std::collections::HashMap<String, u64>,
-    ) -> Result<Vec<String>> {
-        if candidates.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Live calls of the active segment count too: they are copied.
-        if let Some(a) = self.active.as_ref() {
-            for e in a.entries.iter().filter(|e| e.kind == KIND_CALL) {
-                let loc = Loc { segment: a.id, offset: e.frame_offset };
-                if let Some(n) = live_bytes.get_mut(e.session_id.as_str()) {
-                    if self.index.is_live_at(&e.id, loc) {
-                        *n += frame_bytes(u64::from(e.body_len));
-                    }
-                }
-            }
-        }
-        let budget = self.options.segment_bytes / 4;
-        let (mut chosen, mut total): (Vec<String>, u64) = (Vec::new(), 0);
-        let mut movable: std::collections::HashMap<&str, bool> = Default::default();
-        for (_, file_bytes, keepers) in candidates {
-            let new: Vec<&String> = keepers.iter().filter(|s| !chosen.contains(s)).collect();
-            let cost: u64 = new.iter().map(|s| live_bytes.get(s.as_str()).copied().unwrap_or(0)).sum();
-            if cost as f64 > fraction * *file_bytes as f64 || total + cost > budget {
+    /// [`copy_budget`] bytes of copies per publication.
+    fn choose_moves(&self, fraction: f64, candidates: &[(u64, u64, Vec<String>)]) -> Vec<String> {
+        let budget = copy_budget(self.options.segment_bytes);
+        let mut chosen: Vec<String> = Vec::new();
+        let mut chosen_set: HashSet<String> = HashSet::new();
+        let mut total = 0u64;
+        let mut cost_of: std::collections::HashMap<&str, Option<u64>> = Default::default();
+        for (_, frame_bytes, keepers) in candidates {
+            let new: Vec<&String> = keepers.iter().filter(|s| !chosen_set.contains(s.as_str())).collect();
+            // None: not movable.
+            let costs: Option<Vec<u64>> = new
+                .iter()
+                .map(|s| *cost_of.entry(s.as_str()).or_insert_with(|| self.movable(s).then(|| self.copy_cost(s))))
+                .collect();
+            let Some(costs) = costs else { continue };
+            let cost: u64 = costs.iter().sum();
+            if cost as f64 > fraction * *frame_bytes as f64 || total + cost > budget {
                 continue;
             }
-            let all_movable = new.iter().all(|s| *movable.entry(s.as_str()).or_insert_with(|| self.movable(s)));
-            if all_movable {
-                total += cost;
-                chosen.extend(new.into_iter().cloned());
+            total += cost;
+            for s in new {
+                chosen_set.insert(s.clone());
+                chosen.push(s.clone());
             }
         }
-        Ok(chosen)
+        chosen
+    }
+
+    /// What copying `session` forward costs: the frame bytes of its live
+    /// calls still in segments, wherever they are.
+    fn copy_cost(&self, session: &str) -> u64 {
+        let active: std::collections::HashMap<u64, u32> = match self.active.as_ref() {
+            Some(a) => a.entries.iter().chain(&self.pending).map(|e| (e.frame_offset, e.body_len)).collect(),
+            None => Default::default(),
+        };
+        let active_id = self.active.as_ref().map(|a| a.id);
+        let calls = self.index.session_calls(session);
+        calls
+            .iter()
+            .filter(|k| !self.shards.is_compacted(k.loc) && self.index.is_live_at(&k.trace_id, k.loc))
+            .map(|k| {
+                let body_len = if Some(k.loc.segment) == active_id {
+                    active.get(&k.loc.offset).copied()
+                } else {
+                    self.sealed_segments.get(&k.loc.segment).and_then(|seg| {
+                        let at = usize::try_from(k.loc.offset).ok()?;
+                        let b = seg.mapped_bytes().get(at..at.checked_add(4)?)?;
+                        Some(u32::from_le_bytes(b.try_into().ok()?))
+                    })
+                };
+                frame_bytes(u64::from(body_len.unwrap_or(0)))
+            })
+            .sum()
     }
 
     /// Copy `sessions` forward (shard.md §6.3): for each, a session-moved
@@ -351,33 +375,45 @@ impl Writer {
     /// first. The copies replace the calls (record.md §6), with their
     /// trace rewards written again after them as for any replacement. A
     /// session with a call that does not read (damage the store was opened
-    /// past) is not copied; a copy cut short (a crash, a damaged parent)
-    /// frees nothing of its session and is done again by a later
-    /// publication.
+    /// past) is not copied; a copy cut short (a crash) frees nothing of its
+    /// session and is done again by a later publication. The sessions are
+    /// read whole (their calls held in memory while they are copied).
     fn copy_forward(&mut self, sessions: &[String]) -> Result<CopiedForward> {
         let mut out = CopiedForward::default();
         if self.active()?.format_version < crate::format::FORMAT_MOVE_SESSION {
-            // A reopened older active segment cannot hold the record.
+            // A reopened older active segment cannot hold the record; an
+            // empty one is not rolled (the next publication copies).
             self.roll()?;
+            if self.active()?.format_version < crate::format::FORMAT_MOVE_SESSION {
+                return Ok(out);
+            }
         }
         self.write_buf()?;
         let snap = Snapshot::new(Arc::new(self.view()?));
+        let budget = copy_budget(self.options.segment_bytes);
         // Tags for the copies' delta contexts: no append sequence number
         // comes near them.
         let mut tag = u64::MAX;
         for session in sessions {
-            let keys: Vec<Loc> = {
-                let calls = self.index.session_calls(session);
-                calls
-                    .iter()
-                    .filter(|k| self.index.is_live_at(&k.trace_id, k.loc) && !self.shards.is_compacted(k.loc))
-                    .map(|k| k.loc)
-                    .collect()
-            };
-            let Ok(views) = keys.iter().map(|loc| snap.call_at(*loc)).collect::<Result<Vec<_>>>() else {
+            if out.bytes >= budget {
+                // The estimate fell short (a copy stores a whole prompt where
+                // the original was a delta): the rest waits.
+                break;
+            }
+            // The session read whole, each prompt rebuilt from the one before
+            // (O(its tokens)); a call that does not read leaves it uncopied.
+            let keys: Vec<Loc> = self.index.session_calls(session).iter().map(|k| k.loc).collect();
+            let Ok(calls) = snap.session_calls(session, None, None) else { continue };
+            if calls.len() != keys.len() {
                 continue;
-            };
-            if views.is_empty() {
+            }
+            let copies: Vec<Call> = keys
+                .iter()
+                .zip(calls)
+                .filter(|(loc, c)| !self.shards.is_compacted(**loc) && self.index.is_live_at(&c.trace_id, **loc))
+                .map(|(_, c)| c)
+                .collect();
+            if copies.is_empty() {
                 continue;
             }
             self.append_annotation(&Annotation::MoveSession { session_id: session.clone() })?;
@@ -385,8 +421,7 @@ impl Writer {
             // The documents as a delta against the previous copy's, as an
             // appender makes them (the writer checks the parent it takes).
             let mut prev: Option<(Call, u64, u32)> = None;
-            for v in views {
-                let Ok(call) = v.to_call() else { break };
+            for call in copies {
                 let parent = prev.as_ref().filter(|p| p.2 < crate::limits::MESSAGES_DELTA_DEPTH_MAX).and_then(|p| {
                     p.0.messages.as_deref().map(|messages| crate::format::docs::Parent {
                         messages,

@@ -184,7 +184,7 @@ enum Command {
         /// Copy unfinished sessions (stragglers) forward out of a segment
         /// they alone keep on disk, when their live calls there take at
         /// most this fraction of its bytes, so that it is freed (at most
-        /// a quarter segment of copies per compaction).
+        /// a quarter segment of copies per compaction). At most 0.5.
         #[arg(long, value_name = "FRACTION", default_value_t = trajlog::DEFAULT_COPY_FORWARD, conflicts_with = "no_copy_forward")]
         copy_forward: f64,
         /// Never copy sessions forward (a straggler keeps its segments).
