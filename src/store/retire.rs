@@ -321,12 +321,19 @@ impl Writer {
         let mut chosen_set: HashSet<String> = HashSet::new();
         let mut total = 0u64;
         let mut cost_of: std::collections::HashMap<&str, Option<u64>> = Default::default();
+        // The frame sizes of the active segment's records, by offset.
+        let active: std::collections::HashMap<u64, u32> = match self.active.as_ref() {
+            Some(a) => a.entries.iter().chain(&self.pending).map(|e| (e.frame_offset, e.body_len)).collect(),
+            None => Default::default(),
+        };
         for (_, frame_bytes, keepers) in candidates {
             let new: Vec<&String> = keepers.iter().filter(|s| !chosen_set.contains(s.as_str())).collect();
             // None: not movable.
             let costs: Option<Vec<u64>> = new
                 .iter()
-                .map(|s| *cost_of.entry(s.as_str()).or_insert_with(|| self.movable(s).then(|| self.copy_cost(s))))
+                .map(|s| {
+                    *cost_of.entry(s.as_str()).or_insert_with(|| self.movable(s).then(|| self.copy_cost(s, &active)))
+                })
                 .collect();
             let Some(costs) = costs else { continue };
             let cost: u64 = costs.iter().sum();
@@ -343,12 +350,9 @@ impl Writer {
     }
 
     /// What copying `session` forward costs: the frame bytes of its live
-    /// calls still in segments, wherever they are.
-    fn copy_cost(&self, session: &str) -> u64 {
-        let active: std::collections::HashMap<u64, u32> = match self.active.as_ref() {
-            Some(a) => a.entries.iter().chain(&self.pending).map(|e| (e.frame_offset, e.body_len)).collect(),
-            None => Default::default(),
-        };
+    /// calls still in segments, wherever they are (`active`: the body
+    /// lengths of the active segment's records by offset).
+    fn copy_cost(&self, session: &str, active: &std::collections::HashMap<u64, u32>) -> u64 {
         let active_id = self.active.as_ref().map(|a| a.id);
         let calls = self.index.session_calls(session);
         calls
@@ -402,7 +406,11 @@ impl Writer {
             }
             // The session read whole, each prompt rebuilt from the one before
             // (O(its tokens)); a call that does not read leaves it uncopied.
-            let keys: Vec<Loc> = self.index.session_calls(session).iter().map(|k| k.loc).collect();
+            // (Positions and calls both from the snapshot: the same list.)
+            let Ok(keys) = snap.session(session, None, None).map(|v| v.iter().map(|v| v.loc).collect::<Vec<Loc>>())
+            else {
+                continue;
+            };
             let Ok(calls) = snap.session_calls(session, None, None) else { continue };
             if calls.len() != keys.len() {
                 continue;
