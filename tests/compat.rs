@@ -11,6 +11,9 @@
 //! `TRAJLOG_WRITE_FIXTURE=1 cargo test --test compat` (which refuses to
 //! overwrite an existing fixture).
 
+mod common;
+
+use common::copy_dir;
 use std::path::PathBuf;
 use trajlog::{Call, Options, Relation, Store, Target};
 
@@ -474,19 +477,6 @@ fn reads_the_v5_fixture_with_its_rewards_side_table() {
     assert_eq!(side_table(&copy.path().join("shards").join("_rewards.parquet")).0, want);
 }
 
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        let dst = to.join(p.file_name().unwrap());
-        if p.is_dir() {
-            copy_dir(&p, &dst);
-        } else {
-            std::fs::copy(&p, &dst).unwrap();
-        }
-    }
-}
-
 fn fixture_v6_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v6")
 }
@@ -649,14 +639,8 @@ fn fixture_v7_dir() -> PathBuf {
 /// (reward target byte, value bits, id), in log order.
 fn footer_rewards(dir: &std::path::Path) -> Vec<(u8, u64, String)> {
     use trajlog::format::segment::{decode_footer, read_trailer};
-    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
-        .collect();
-    segments.sort();
     let mut out = Vec::new();
-    for path in segments {
+    for path in common::segment_paths(dir) {
         let bytes = std::fs::read(&path).unwrap();
         let Some(trailer) = read_trailer(&bytes) else { continue };
         for e in decode_footer(&bytes, &trailer).unwrap() {
@@ -1190,32 +1174,6 @@ fn write_fixture_v14() {
     std::fs::remove_file(dir.join("LOCK")).unwrap();
 }
 
-/// Kinds of the records of the segment files of `dir` (frames from their
-/// headers on, to the end of data).
-fn record_kinds(dir: &std::path::Path) -> Vec<u8> {
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
-        .collect();
-    names.sort();
-    let mut kinds = Vec::new();
-    for p in names {
-        let bytes = std::fs::read(p).unwrap();
-        let mut at = 64usize;
-        while at + 9 <= bytes.len() {
-            let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
-            let len = trajlog::format::frame::frame_bytes(u64::from(body_len)) as usize;
-            if body_len == 0 || at + len > bytes.len() {
-                break;
-            }
-            kinds.push(bytes[at + 8]);
-            at += len;
-        }
-    }
-    kinds
-}
-
 fn check_fixture_v14(dir: &std::path::Path) {
     let store = Store::open_read_only(dir).expect("fixture opens");
     let snap = store.snapshot();
@@ -1241,7 +1199,8 @@ fn reads_the_v14_fixture_with_a_straggler_copied_forward() {
     // `b/0` (kind 1) are in the segments left, with `b/1` after them.
     let (_, manifest) = read_manifest(&dir);
     assert!(manifest.segments.iter().all(|s| s.id != 1), "{:?}", manifest.segments);
-    let kinds = record_kinds(&dir);
+    let kinds: Vec<u8> =
+        common::segment_paths(&dir).iter().flat_map(|p| common::segment_frames(p)).map(|f| f.1).collect();
     let moved = kinds.iter().position(|&k| k == 5).expect("a session-moved record");
     assert_eq!(kinds[moved..].iter().filter(|&&k| k == 1).count(), 2, "{kinds:?}");
     check_fixture_v14(&dir);
@@ -1263,20 +1222,12 @@ fn reads_the_v14_fixture_with_a_straggler_copied_forward() {
 
 /// (format version, record kinds) of each segment file of `dir`.
 fn segment_versions_and_kinds(dir: &std::path::Path) -> Vec<(u32, Vec<u8>)> {
-    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
-        .collect();
-    names.sort();
-    names
-        .into_iter()
+    common::segment_paths(dir)
+        .iter()
         .map(|p| {
-            let bytes = std::fs::read(&p).unwrap();
+            let bytes = std::fs::read(p).unwrap();
             let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-            let one = tempfile::tempdir().unwrap();
-            std::fs::copy(&p, one.path().join(p.file_name().unwrap())).unwrap();
-            (version, record_kinds(one.path()))
+            (version, common::segment_frames(p).into_iter().map(|f| f.1).collect())
         })
         .collect()
 }

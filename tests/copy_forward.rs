@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{assert_same, tempdir};
+use common::{assert_same, copy_dir, segment_frames, tempdir};
 use std::path::Path;
 use std::sync::Arc;
 use trajlog::storage::fault::{CrashAt, FaultPlan};
@@ -84,13 +84,7 @@ fn build_calls() -> Vec<Call> {
 }
 
 fn segment_files(dir: &Path) -> Vec<String> {
-    let mut out: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".tlog"))
-        .collect();
-    out.sort();
-    out
+    common::segment_paths(dir).iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect()
 }
 
 fn segment_bytes(dir: &Path) -> u64 {
@@ -271,23 +265,6 @@ fn a_power_cut_at_any_sync_point_of_a_copy_forward_loses_nothing() {
     assert!(partial_states > 0, "some cut left the copies durable and the old segments listed");
 }
 
-/// The frames of segment file `path` from its header on: (offset, record
-/// kind, frame bytes), up to the end of data.
-fn frames(path: &Path) -> Vec<(u64, u8, u64)> {
-    let bytes = std::fs::read(path).unwrap();
-    let (mut at, mut out) = (64usize, Vec::new());
-    while at + 9 <= bytes.len() {
-        let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
-        let len = trajlog::format::frame::frame_bytes(u64::from(body_len)) as usize;
-        if body_len == 0 || at + len > bytes.len() {
-            break;
-        }
-        out.push((at as u64, bytes[at + 8], len as u64));
-        at += len;
-    }
-    out
-}
-
 /// When `dir` holds a durable session-moved record followed by its copies
 /// while the segments before it are still listed (a cut after the copies,
 /// before the retirement), build in `to` the state of a copy cut short
@@ -299,7 +276,7 @@ fn frames(path: &Path) -> Vec<(u64, u8, u64)> {
 fn cut_mid_copy(dir: &Path, to: &Path) -> bool {
     let mut found = None;
     for name in segment_files(dir) {
-        let fs = frames(&dir.join(&name));
+        let fs = segment_frames(&dir.join(&name));
         if let Some(i) = fs.iter().position(|f| f.1 == 5) {
             let calls: Vec<&(u64, u8, u64)> = fs[i..].iter().filter(|f| f.1 == 1).collect();
             if calls.len() == 12 {
@@ -335,16 +312,4 @@ fn check_partial(dir: &Path) {
     assert!(segment_files(dir).len() <= 4, "{:?}", segment_files(dir));
     check(dir, &all);
     std::fs::remove_dir_all(dir).unwrap();
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &to.join(e.file_name()));
-        } else if e.file_name() != "LOCK" {
-            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-        }
-    }
 }

@@ -213,3 +213,45 @@ pub fn generations_per_tier(dir: &std::path::Path, fanout: u32) -> std::collecti
     }
     tiers
 }
+
+/// Copy the directory tree `from` to `to`, every file included.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        let dst = to.join(p.file_name().unwrap());
+        if p.is_dir() {
+            copy_dir(&p, &dst);
+        } else {
+            std::fs::copy(&p, &dst).unwrap();
+        }
+    }
+}
+
+/// The segment files of `dir`, in log order.
+pub fn segment_paths(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// The frames of segment file `path` from its header on, up to the end of
+/// data: (offset, record kind, frame bytes).
+pub fn segment_frames(path: &Path) -> Vec<(u64, u8, u64)> {
+    let bytes = std::fs::read(path).unwrap();
+    let (mut at, mut out) = (64usize, Vec::new());
+    while at + 9 <= bytes.len() {
+        let body_len = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let len = trajlog::format::frame::frame_bytes(u64::from(body_len)) as usize;
+        if body_len == 0 || at + len > bytes.len() {
+            break;
+        }
+        out.push((at as u64, bytes[at + 8], len as u64));
+        at += len;
+    }
+    out
+}
