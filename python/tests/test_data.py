@@ -440,7 +440,12 @@ def rewarded(tmp_path):
     return path / "shards"
 
 
-def write_rewards(path, rows):
+def versioned(table, key, version="1"):
+    """`table` with the side table format version a trajlog table carries."""
+    return table.replace_schema_metadata({key: version})
+
+
+def write_rewards(path, rows, version="1"):
     table = pa.table(
         {
             "session_id": pa.array([r[0] for r in rows], pa.string()),
@@ -449,7 +454,7 @@ def write_rewards(path, rows):
         },
         schema=pa.schema([pa.field("session_id", pa.string(), nullable=False), pa.field("trace_id", pa.string()), pa.field("reward", pa.float64())]),
     )
-    pq.write_table(table, path)
+    pq.write_table(versioned(table, "trajlog.rewards_format_version", version) if version else table, path)
 
 
 def rewards_by_key(ds):
@@ -510,8 +515,18 @@ def test_rewards_side_table_errors_name_the_problem(rewarded, tmp_path):
     write_rewards(rewarded / "_rewards.parquet", [("a:0", "a:0/1", 1.0)])
     with pytest.raises(ValueError, match="'a:0' has trace rows but no session row"):
         list(TrajectoryDataset(traj))
-    pq.write_table(pa.table({"session_id": ["a:0"], "reward": [1.0]}), rewarded / "_rewards.parquet")
+    pq.write_table(
+        versioned(pa.table({"session_id": ["a:0"], "reward": [1.0]}), "trajlog.rewards_format_version"),
+        rewarded / "_rewards.parquet",
+    )
     with pytest.raises(ValueError, match="missing column 'trace_id'"):
+        list(TrajectoryDataset(traj))
+    # Another format version, or none, is refused rather than read as version 1.
+    write_rewards(rewarded / "_rewards.parquet", [("a:0", None, 4.0)], version="2")
+    with pytest.raises(ValueError, match="rewards_format_version is '2', this trajlog reads \"1\""):
+        list(TrajectoryDataset(traj))
+    write_rewards(rewarded / "_rewards.parquet", [("a:0", None, 4.0)], version=None)
+    with pytest.raises(ValueError, match="rewards_format_version is missing"):
         list(TrajectoryDataset(traj))
     other = tmp_path / "r.parquet"
     write_rewards(other, [("a:0", None, 4.0)])
@@ -740,11 +755,9 @@ def test_deletions_apply_by_file_and_row_across_row_groups(deleted, tmp_path):
     gone = {(src.name, 1), (src.name, 2), (src.name, 5), ("part-000009-0000.parquet", 0), ("part-000009-0000.parquet", 11)}
     side = tmp_path / "d.parquet"
     rows = sorted(gone)
-    pq.write_table(
-        pa.table({"path": [f"trajectories/{f}" for f, _ in rows] + ["steps/x.parquet"], "row": pa.array([r for _, r in rows] + [0], pa.int64()),
-                  "session_id": ["x"] * (len(rows) + 1), "trace_id": [None] * len(rows) + ["x/0"]}),
-        side,
-    )
+    listed = pa.table({"path": [f"trajectories/{f}" for f, _ in rows] + ["steps/x.parquet"], "row": pa.array([r for _, r in rows] + [0], pa.int64()),
+                       "session_id": ["x"] * (len(rows) + 1), "trace_id": [None] * len(rows) + ["x/0"]})
+    pq.write_table(versioned(listed, "trajlog.deletions_format_version"), side)
     everything = [(f, r) for f in (src.name, "part-000009-0000.parquet") for r in range(table.num_rows)]
     keys = table.select(["session_id", "segment_index"]).to_pylist()
     want = sorted((keys[r]["session_id"], keys[r]["segment_index"]) for f, r in everything if (f, r) not in gone)
@@ -772,11 +785,19 @@ def test_deletions_apply_by_file_and_row_across_row_groups(deleted, tmp_path):
         TrajectoryDataset(traj, deletions=None, seed=4).load_state_dict(state)
     with pytest.raises(FileNotFoundError, match="deletions side table not found"):
         TrajectoryDataset(traj, deletions=str(tmp_path / "missing.parquet"))
-    pq.write_table(pa.table({"path": ["trajectories/x"], "row": pa.array([1], pa.int32())}), side)
+    key_ = "trajlog.deletions_format_version"
+    pq.write_table(versioned(pa.table({"path": ["trajectories/x"], "row": pa.array([1], pa.int32())}), key_), side)
     with pytest.raises(ValueError, match="expected path string and row int64"):
         TrajectoryDataset(traj, deletions=str(side))
-    pq.write_table(pa.table({"file": ["x"]}), side)
+    pq.write_table(versioned(pa.table({"file": ["x"]}), key_), side)
     with pytest.raises(ValueError, match="missing column path or row"):
+        TrajectoryDataset(traj, deletions=str(side))
+    # Another format version, or none, is refused rather than read as version 1.
+    pq.write_table(versioned(listed, key_, "2"), side)
+    with pytest.raises(ValueError, match="deletions_format_version is '2'"):
+        TrajectoryDataset(traj, deletions=str(side))
+    pq.write_table(listed, side)
+    with pytest.raises(ValueError, match="deletions_format_version is missing"):
         TrajectoryDataset(traj, deletions=str(side))
 
 

@@ -147,13 +147,31 @@ def _worker_info():
     return None if info is None else (info.id, info.num_workers)
 
 
+def _check_side_table_version(pf, path: str, what: str, key: str) -> None:
+    """Refuse a side table of another format version (format-spec/shard.md §8,
+    §9): its rows could mean something else, and a trainer would read wrong
+    rewards or drop the wrong rows without a word."""
+    kv = pf.metadata.metadata or {}  # the file's key-value metadata
+    version = kv.get(key.encode())
+    if version is None:
+        raise ValueError(f"{what} side table {path}: {key} is missing (not a table trajlog wrote)")
+    if version != b"1":
+        raise ValueError(
+            f"{what} side table {path}: {key} is {version.decode(errors='replace')!r}, this trajlog reads \"1\"; "
+            "use a matching trajlog"
+        )
+
+
 def load_rewards(path: str) -> dict:
     """The rewards side table as {session_id: (session_reward, {trace_id: reward})},
     for the sessions it lists. Schema: `session_id` string not null, `trace_id`
-    string (null on the session row), `reward` float64 (nullable)."""
+    string (null on the session row), `reward` float64 (nullable). A table of
+    another format version (`trajlog.rewards_format_version`) is refused."""
     # ParquetFile.read, not pq.read_table: the latter imports pyarrow.dataset
     # and with it pandas (~0.9 s in every fresh DataLoader worker).
-    table = pq.ParquetFile(path).read()
+    pf = pq.ParquetFile(path)
+    _check_side_table_version(pf, path, "rewards", "trajlog.rewards_format_version")
+    table = pf.read()
     for name in ("session_id", "trace_id", "reward"):
         if name not in table.column_names:
             raise ValueError(f"rewards side table {path}: missing column {name!r} (has {table.column_names})")
@@ -184,8 +202,10 @@ def load_deletions(path: str, table: str = "trajectories") -> dict:
     "steps") as {file name: sorted numpy array of row numbers}. Schema: `path`
     string (`steps/NAME` or `trajectories/NAME`), `row` int64 (0-based, over
     the file's row groups), `session_id` string, `trace_id` string (null on a
-    trajectories row)."""
+    trajectories row). A table of another format version
+    (`trajlog.deletions_format_version`) is refused."""
     pf = pq.ParquetFile(path)
+    _check_side_table_version(pf, path, "deletions", "trajlog.deletions_format_version")
     if not {"path", "row"} <= set(pf.schema_arrow.names):
         raise ValueError(f"deletions side table {path}: missing column path or row (has {pf.schema_arrow.names})")
     t = pf.read(columns=["path", "row"])
