@@ -391,7 +391,7 @@ impl Snapshot {
                 return Ok(d);
             }
         }
-        let run = if self.whole_row_groups { 0..file.rows_in(rg).unwrap_or(0) } else { want };
+        let run = if self.whole_row_groups { 0..file.rows_in(rg)?.unwrap_or(0) } else { want };
         let batch = file.read_rows(rg, (!self.whole_row_groups).then(|| run.clone()))?;
         let bytes = batch.get_array_memory_size();
         cache.bytes.fetch_add(bytes, Relaxed);
@@ -642,9 +642,9 @@ impl Snapshot {
     }
 
     /// For a collection (compact/collect.rs): each published `steps` shard's
-    /// id, path, rows, and rows that are the live call of their trace id.
-    /// O(live calls).
-    pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, u64, u64)> {
+    /// id, path, rows (from its footer: an error when it cannot be decoded),
+    /// and rows that are the live call of their trace id. O(live calls).
+    pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, Result<u64>, u64)> {
         let (shards, index) = (&self.view.shards, &self.view.index);
         let mut live: HashMap<u32, u64> = HashMap::new();
         let same_file =
@@ -889,7 +889,14 @@ impl Snapshot {
             f(self.call_at(loc))?;
         }
         for file in shards.files() {
-            for rg in 0..file.row_groups() as u32 {
+            let row_groups = match file.row_groups() {
+                Ok(n) => n as u32,
+                Err(e) => {
+                    f(Err(e))?;
+                    continue;
+                }
+            };
+            for rg in 0..row_groups {
                 let batch = match file.read_row_group(rg) {
                     Ok(b) => b,
                     Err(e) => {

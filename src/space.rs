@@ -289,6 +289,8 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
         report.segments.push(s);
     }
     for (_, path, rows, live_rows) in snap.shard_liveness() {
+        // A footer that cannot be decoded counts no rows (its bytes still count).
+        let rows = rows.unwrap_or(0);
         let file_bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
         report.shards.push(ShardSpace { path, file_bytes, rows, live_rows });
     }

@@ -280,6 +280,47 @@ fn length_and_footer_are_checked_against_the_manifest() {
 }
 
 #[test]
+fn a_store_open_decodes_a_footer_at_its_first_read_and_checks_it_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (calls, shard) = compacted_store(dir.path(), ShardCompression::default());
+    let checksum = manifest_checksum(dir.path(), &shard);
+    assert!(checksum.is_some());
+    // Deferred: the length and footer crc32 checked now, the footer decoded
+    // at the first read.
+    let f = ShardFile::open_deferred(&shard, 0, checksum).unwrap();
+    assert!(!f.is_decoded());
+    assert_eq!(f.rows().unwrap(), calls.len() as u64);
+    assert!(f.is_decoded());
+    assert!(ShardFile::open(&shard, 0, checksum).unwrap().is_decoded());
+    // Without the manifest's checksum there is nothing to check now: decoded now.
+    assert!(ShardFile::open_deferred(&shard, 0, None).unwrap().is_decoded());
+    // A store's open (through the shard index file) decodes no footer; the
+    // footer damaged after the open is refused at the first read, naming the
+    // file, never decoded into other row groups.
+    let store = Store::open_read_only(dir.path()).unwrap();
+    let original = std::fs::read(&shard).unwrap();
+    let footer_len = u32::from_le_bytes(original[original.len() - 8..original.len() - 4].try_into().unwrap()) as usize;
+    let at = original.len() - 8 - footer_len / 2;
+    let mut damaged = original.clone();
+    damaged[at] ^= 0x40;
+    std::fs::write(&shard, &damaged).unwrap();
+    let err = store.snapshot().session("s1", None, None).unwrap_err();
+    assert_names(&err, &shard, at as u64);
+    assert!(err.message().contains("at open"), "{err}");
+    // Mended, the same store reads it (nothing of the failure was kept).
+    std::fs::write(&shard, &original).unwrap();
+    let snap = store.snapshot();
+    let got = snap.session("s1", None, None).unwrap();
+    let want: Vec<&Call> = calls.iter().filter(|c| c.session_id == "s1").collect();
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.trace_id(), w.trace_id);
+        assert_eq!(g.prompt().unwrap(), w.prompt_token_ids);
+        assert_eq!(g.completion_token_ids(), w.completion_token_ids.as_slice());
+    }
+}
+
+#[test]
 fn unknown_shard_format_is_incompatible() {
     use parquet::arrow::ArrowWriter;
     use parquet::file::metadata::KeyValue;

@@ -70,11 +70,18 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
     // generation → (rows, live rows, its steps shard ids)
     let mut per_generation: BTreeMap<u64, (u64, u64, Vec<u32>)> = BTreeMap::new();
     let mut with_dead_rows = HashSet::new();
+    // A generation with a file whose footer cannot be decoded is not
+    // rewritten (its rows could not be read): the files stay as they are.
+    let mut unreadable = HashSet::new();
     for (id, path, rows, live) in snap.shard_liveness() {
+        let Some(g) = path.file_name().and_then(|n| n.to_str()).and_then(generation_of) else { continue };
+        let Ok(rows) = rows else {
+            unreadable.insert(g);
+            continue;
+        };
         if live < rows {
             with_dead_rows.insert(id);
         }
-        let Some(g) = path.file_name().and_then(|n| n.to_str()).and_then(generation_of) else { continue };
         let e = per_generation.entry(g).or_default();
         e.0 += rows;
         e.1 += live.min(rows);
@@ -84,7 +91,7 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
     // merge tier → the generations in it not collected for dead rows
     let mut tiers: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
     for (&g, (rows, live, _)) in &per_generation {
-        if excluded.contains(&g) {
+        if excluded.contains(&g) || unreadable.contains(&g) {
             continue;
         }
         let dead = rows - live;

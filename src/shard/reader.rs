@@ -41,18 +41,33 @@ const PARQUET_MAGIC: &[u8; 4] = b"PAR1";
 pub struct ShardFile {
     pub id: u32,
     pub path: PathBuf,
+    checksum: ShardChecksum,
+    /// Where the footer starts: it runs to the file's last 8 bytes.
+    footer_start: u64,
+    /// The footer decoded and checked: at open, or at the first read of a
+    /// file a store's open left undecoded ([`ShardFile::open_deferred`]).
+    /// Shared by the clones of this file.
+    decoded: Arc<std::sync::OnceLock<Decoded>>,
+    /// What the decode checks and keeps: the steps schema (a `steps` file
+    /// the store serves), the column statistics (kept when asked for).
+    steps: bool,
+    stats: bool,
+    /// Set when a collection deletes the file while snapshots still read it
+    /// ([`ShardFile::pin`]): reads go through this descriptor, not the path.
+    pinned: Arc<std::sync::OnceLock<File>>,
+}
+
+/// A shard's footer, decoded and checked.
+#[derive(Debug)]
+struct Decoded {
     meta: ArrowReaderMetadata,
     /// Format 2: per row group, its column chunks' ranges and crc32s, checked
-    /// at open to match the metadata and to cover the file from byte 4 to the
-    /// footer. `None` for format 1 files.
+    /// when decoded to match the metadata and to cover the file from byte 4
+    /// to the footer. `None` for format 1 files.
     chunks: Option<Vec<Vec<ChunkCrc>>>,
     /// Its `trajlog.shard_format_version` (format 3: documents moved out of
     /// `extra`, spliced back by [`ShardFile::read_row_group`]).
     version: u32,
-    checksum: ShardChecksum,
-    /// Set when a collection deletes the file while snapshots still read it
-    /// ([`ShardFile::pin`]): reads go through this descriptor, not the path.
-    pinned: Arc<std::sync::OnceLock<File>>,
 }
 
 /// A call's sessions as the index keeps them: `session_id`, then the uids.
@@ -167,26 +182,44 @@ fn chunk_crcs(meta: &ParquetMetaData, path: &Path, footer_start: u64) -> Result<
     Ok(rgs)
 }
 
+/// How [`ShardFile::open_with`] opens a file.
+#[derive(Debug, Clone, Copy)]
+struct Open {
+    /// Check the steps schema.
+    steps: bool,
+    /// Keep the column chunks' statistics (min and max).
+    stats: bool,
+    /// Decode the footer at the first read, not now.
+    deferred: bool,
+}
+
 impl ShardFile {
     /// Open a `steps` shard and check its schema and format version; with
     /// `expected` (from the manifest entry), check the file's length and its
     /// footer's crc32 first.
     pub fn open(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
-        let f = Self::open_any(path, id, expected)?;
-        if f.meta.schema().fields() != steps_schema_of(f.version).fields() {
-            return Err(corrupt(path, "schema is not the steps schema of format-spec/shard.md"));
-        }
-        Ok(f)
+        Self::open_with(path, id, expected, Open { steps: true, stats: false, deferred: false })
+    }
+
+    /// [`ShardFile::open`] for a store's open: with `expected` (the
+    /// manifest's checksum), the file's length and its footer's crc32 are
+    /// checked now, and the footer is decoded and checked at the file's first
+    /// read (an open that maps the shard index file reads no shard: decoding
+    /// every footer was ~15% of a 14.5M-call store's open, and their metadata
+    /// stayed in memory). The footer is read again then and must still match
+    /// the crc32 checked here. Without `expected`, as [`ShardFile::open`].
+    pub fn open_deferred(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
+        let deferred = expected.is_some();
+        Self::open_with(path, id, expected, Open { steps: true, stats: false, deferred })
     }
 
     /// Open a shard of either table (no schema check).
     fn open_any(path: &Path, id: u32, expected: Option<ShardChecksum>) -> Result<Self> {
-        Self::open_any_with(path, id, expected, false)
+        Self::open_with(path, id, expected, Open { steps: false, stats: false, deferred: false })
     }
 
-    /// [`ShardFile::open_any`], keeping the column chunks' statistics (min
-    /// and max) with `stats`.
-    fn open_any_with(path: &Path, id: u32, expected: Option<ShardChecksum>, stats: bool) -> Result<Self> {
+    /// Open a shard; the footer decoded now unless `how.deferred`.
+    fn open_with(path: &Path, id: u32, expected: Option<ShardChecksum>, how: Open) -> Result<Self> {
         let file = File::open(path).map_err(|e| Error::io(format!("open shard {}", path.display()), e))?;
         let len = file.metadata().map_err(|e| Error::io(format!("stat shard {}", path.display()), e))?.len();
         if let Some(want) = expected {
@@ -223,10 +256,53 @@ impl ShardFile {
                 ));
             }
         }
-        let footer = tail.get(..footer_len as usize).unwrap_or_default();
+        let f = ShardFile {
+            id,
+            path: path.to_path_buf(),
+            checksum,
+            footer_start,
+            decoded: Arc::default(),
+            steps: how.steps,
+            stats: how.stats,
+            pinned: Arc::default(),
+        };
+        if !how.deferred {
+            f.decode(&tail)?;
+        }
+        Ok(f)
+    }
+
+    /// The footer, decoded and checked (at the first call of a file opened
+    /// with [`ShardFile::open_deferred`]).
+    fn decoded(&self) -> Result<&Decoded> {
+        if let Some(d) = self.decoded.get() {
+            return Ok(d);
+        }
+        let file = self.open_file()?;
+        let (start, len) = (self.footer_start, self.checksum.len);
+        let tail = read_at(&file, &self.path, start, len.saturating_sub(start))?;
+        let got = crc32fast::hash(&tail);
+        if got != self.checksum.footer_crc32 {
+            return Err(corrupt_at(
+                &self.path,
+                start,
+                format!(
+                    "the footer (bytes {start}..{len}) fails its crc32: {:08x} at open, {got:08x} now",
+                    self.checksum.footer_crc32
+                ),
+            ));
+        }
+        self.decode(&tail)
+    }
+
+    /// Decode and check `tail` (the footer and the last 8 bytes), keep it.
+    fn decode(&self, tail: &[u8]) -> Result<&Decoded> {
+        let (path, footer_start) = (self.path.as_path(), self.footer_start);
+        let footer = tail.get(..tail.len().saturating_sub(8)).unwrap_or_default();
         // Column statistics stay in the file for other readers (DuckDB prunes
         // with them); trajlog reads none, and decoded they held ~13 bytes a
         // row at 256-row row groups (1M compacted tiny calls, after open).
+        let stats = self.stats;
         let skip = || ParquetStatisticsPolicy::SkipAll;
         let options = ParquetMetaDataOptions::new();
         let options = if stats { options } else { options.with_column_stats_policy(skip()) };
@@ -253,7 +329,12 @@ impl ShardFile {
         let chunks = if version == 1 { None } else { Some(chunk_crcs(&metadata, path, footer_start)?) };
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), ArrowReaderOptions::new())
             .map_err(|e| corrupt_at(path, footer_start, e))?;
-        Ok(Self { id, path: path.to_path_buf(), meta, chunks, version, checksum, pinned: Arc::default() })
+        if self.steps && meta.schema().fields() != steps_schema_of(version).fields() {
+            return Err(corrupt(path, "schema is not the steps schema of format-spec/shard.md"));
+        }
+        // A race with another thread's decode keeps the first: the same bytes.
+        let _ = self.decoded.set(Decoded { meta, chunks, version });
+        self.decoded.get().ok_or_else(|| corrupt(path, "the footer was not kept"))
     }
 
     /// Its length and footer crc32, as read at open (the manifest's
@@ -263,19 +344,26 @@ impl ShardFile {
     }
 
     /// Number of row groups.
-    pub fn row_groups(&self) -> usize {
-        self.meta.metadata().num_row_groups()
+    pub fn row_groups(&self) -> Result<usize> {
+        Ok(self.decoded()?.meta.metadata().num_row_groups())
     }
 
     /// Rows in the file, from its footer.
-    pub fn rows(&self) -> u64 {
-        u64::try_from(self.meta.metadata().file_metadata().num_rows()).unwrap_or(0)
+    pub fn rows(&self) -> Result<u64> {
+        Ok(u64::try_from(self.decoded()?.meta.metadata().file_metadata().num_rows()).unwrap_or(0))
+    }
+
+    /// Whether the footer has been decoded (a file opened with
+    /// [`ShardFile::open_deferred`] is not until its first read).
+    #[cfg(feature = "internals")]
+    pub fn is_decoded(&self) -> bool {
+        self.decoded.get().is_some()
     }
 
     /// Whether the file carries column chunk checksums (shard format 2).
     #[cfg(feature = "internals")]
-    pub fn has_checksums(&self) -> bool {
-        self.chunks.is_some()
+    pub fn has_checksums(&self) -> Result<bool> {
+        Ok(self.decoded()?.chunks.is_some())
     }
 
     fn open_file(&self) -> Result<File> {
@@ -330,13 +418,14 @@ impl ShardFile {
                 parquet::arrow::arrow_reader::RowSelector::select(r.end.saturating_sub(r.start)),
             ])
         });
-        let schema = self.meta.parquet_schema();
+        let d = self.decoded()?;
+        let schema = d.meta.parquet_schema();
         let mask = match roots {
             Some(r) => ProjectionMask::roots(schema, r.iter().copied()),
             None => ProjectionMask::all(),
         };
-        let Some(chunks) = &self.chunks else {
-            let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, self.meta.clone())
+        let Some(chunks) = &d.chunks else {
+            let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(self.open_file()?, d.meta.clone())
                 .with_row_groups(vec![rg])
                 .with_projection(mask)
                 .with_batch_size(batch_size);
@@ -348,7 +437,7 @@ impl ShardFile {
         };
         let no_rg = || corrupt(&self.path, format!("no row group {rg}"));
         let crcs = chunks.get(rg).ok_or_else(no_rg)?;
-        let rg_meta = self.meta.metadata().row_groups().get(rg).ok_or_else(no_rg)?;
+        let rg_meta = d.meta.metadata().row_groups().get(rg).ok_or_else(no_rg)?;
         let wanted = |leaf: usize| {
             leaf < schema.num_columns() && roots.is_none_or(|r| r.contains(&schema.get_column_root_idx(leaf)))
         };
@@ -434,7 +523,7 @@ impl ShardFile {
         // parsing them again for each row group made an open of a store
         // O(row groups²) per shard. The Arrow schema decoded at open is
         // supplied instead, so batches come back with the same schema.
-        let fm = self.meta.metadata().file_metadata();
+        let fm = d.meta.metadata().file_metadata();
         let file_meta = parquet::file::metadata::FileMetaData::new(
             fm.version(),
             fm.num_rows(),
@@ -444,7 +533,7 @@ impl ShardFile {
             fm.column_orders().cloned(),
         );
         let metadata = ParquetMetaData::new(file_meta, vec![rg_meta]);
-        let options = ArrowReaderOptions::new().with_schema(self.meta.schema().clone());
+        let options = ArrowReaderOptions::new().with_schema(d.meta.schema().clone());
         let meta = ArrowReaderMetadata::try_new(Arc::new(metadata), options).map_err(|e| corrupt(&self.path, e))?;
         let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(data, meta)
             .with_row_groups(vec![0])
@@ -458,24 +547,25 @@ impl ShardFile {
     }
 
     /// How many rows row group `rg` holds (None: no such row group).
-    pub fn rows_in(&self, rg: u32) -> Option<u32> {
-        let n = self.meta.metadata().row_groups().get(rg as usize)?.num_rows();
-        u32::try_from(n).ok()
+    pub fn rows_in(&self, rg: u32) -> Result<Option<u32>> {
+        let rgs = self.decoded()?.meta.metadata().row_groups();
+        Ok(rgs.get(rg as usize).and_then(|g| u32::try_from(g.num_rows()).ok()))
     }
 
     /// Where row group `rg` starts, for error messages.
     fn row_group_offset(&self, rg: usize) -> u64 {
-        let rgs = self.meta.metadata().row_groups();
+        let Ok(d) = self.decoded() else { return 0 };
+        let rgs = d.meta.metadata().row_groups();
         rgs.get(rg).and_then(|g| g.columns().first()).and_then(chunk_range).map_or(0, |r| r.0)
     }
 
     /// The index entries of every row, in row order.
     pub fn index_rows(&self, out: &mut Vec<ShardRow>) -> Result<()> {
         // Column positions differ between formats: looked up in the file's schema.
-        let schema = self.meta.schema();
+        let schema = self.decoded()?.meta.schema();
         let names = ["trace_id", "session_id", "timestamp", "session_uids", "source_segment", "source_offset"];
         let idx: Vec<usize> = names.iter().filter_map(|n| schema.index_of(n).ok()).collect();
-        for rg in 0..self.row_groups() {
+        for rg in 0..self.row_groups()? {
             let reader = self.row_group_reader(rg, Some(&idx), 1 << 16)?;
             let mut row = 0u32;
             for batch in reader {
@@ -542,7 +632,7 @@ impl ShardFile {
     pub fn read_rows(&self, rg: u32, rows: Option<std::ops::Range<u32>>) -> Result<RecordBatch> {
         let rg = rg as usize;
         if let Some(r) = &rows {
-            let n = self.rows_in(rg as u32).unwrap_or(0);
+            let n = self.rows_in(rg as u32)?.unwrap_or(0);
             if r.start >= r.end || r.end > n {
                 return Err(corrupt(&self.path, format!("rows {r:?} are not in row group {rg} ({n} rows)")));
             }
@@ -555,10 +645,11 @@ impl ShardFile {
                 b.map_err(|e| corrupt_at(&self.path, self.row_group_offset(rg), format!("row group {rg}: {e}")))?,
             );
         }
-        let batch = arrow_select_concat(&batches, self.meta.schema(), &self.path)?;
+        let d = self.decoded()?;
+        let batch = arrow_select_concat(&batches, d.meta.schema(), &self.path)?;
         // By the schema, not the table name: a format 3 `steps` file has
         // `extra_splice` (checked at open), a `trajectories` file never.
-        if self.version < 3 || batch.schema().column_with_name("extra_splice").is_none() {
+        if d.version < 3 || batch.schema().column_with_name("extra_splice").is_none() {
             return Ok(batch);
         }
         self.rejoin_extra(&batch, rg)
@@ -619,20 +710,21 @@ pub fn trajectory_trace_ids(
     expected: Option<ShardChecksum>,
     sessions: &std::collections::BTreeSet<String>,
 ) -> Result<Vec<(u64, String, Vec<String>)>> {
-    let shard = ShardFile::open_any_with(path, 0, expected, true)?;
-    if kv_value(shard.meta.metadata(), META_TABLE) != Some("trajectories") {
+    let shard = ShardFile::open_with(path, 0, expected, Open { steps: false, stats: true, deferred: false })?;
+    let d = shard.decoded()?;
+    if kv_value(d.meta.metadata(), META_TABLE) != Some("trajectories") {
         return Err(corrupt(path, format!("{META_TABLE} is not \"trajectories\"")));
     }
-    let schema = shard.meta.schema();
+    let schema = d.meta.schema();
     let roots: Vec<usize> = ["session_id", "trace_ids"].iter().filter_map(|n| schema.index_of(n).ok()).collect();
     if roots.len() != 2 {
         return Err(corrupt(path, "no session_id or trace_ids column"));
     }
-    let session_leaf = shard.meta.parquet_schema().columns().iter().position(|c| c.name() == "session_id");
+    let session_leaf = d.meta.parquet_schema().columns().iter().position(|c| c.name() == "session_id");
     let mut out = Vec::new();
     let mut first_row = 0u64;
-    for rg in 0..shard.row_groups() {
-        let meta = shard.meta.metadata().row_group(rg);
+    for rg in 0..shard.row_groups()? {
+        let meta = d.meta.metadata().row_group(rg);
         let start = first_row;
         first_row += u64::try_from(meta.num_rows()).unwrap_or(0);
         let bounds = session_leaf.and_then(|i| meta.columns().get(i)).and_then(|c| c.statistics());
@@ -692,20 +784,24 @@ pub fn verify_shard(path: &Path, expected: Option<ShardChecksum>) -> Vec<Problem
         Ok(_) => problems.push(problem(corrupt_at(path, 0, "the file does not start with PAR1"))),
         Err(e) => problems.push(problem(e)),
     }
-    let table = kv_value(shard.meta.metadata(), META_TABLE).unwrap_or_default().to_owned();
+    let d = match shard.decoded() {
+        Ok(d) => d,
+        Err(e) => return vec![problem(e)],
+    };
+    let table = kv_value(d.meta.metadata(), META_TABLE).unwrap_or_default().to_owned();
     let schema = match table.as_str() {
-        "steps" => steps_schema_of(shard.version),
+        "steps" => steps_schema_of(d.version),
         "trajectories" => trajectories_schema(),
         other => {
             problems.push(problem(corrupt(path, format!("unknown table {other:?} in {META_TABLE}"))));
             return problems;
         }
     };
-    if shard.meta.schema().fields() != schema.fields() {
+    if d.meta.schema().fields() != schema.fields() {
         problems.push(problem(corrupt(path, format!("schema is not the {table} schema of format-spec/shard.md"))));
         return problems;
     }
-    for rg in 0..shard.row_groups() {
+    for rg in 0..d.meta.metadata().num_row_groups() {
         let batch = match shard.read_row_group(rg as u32) {
             Ok(b) => b,
             Err(e) => {

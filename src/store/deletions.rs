@@ -88,11 +88,31 @@ pub(crate) fn dead_rows(
     // file of it was kept)
     let mut generations: HashMap<u64, (HashSet<String>, BTreeSet<String>, bool)> = HashMap::new();
     for (id, path, rows, live) in snap.shard_liveness() {
+        let rel = relative(shards_dir, &path);
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(e) => {
+                // Its footer cannot be decoded: it keeps what was listed of
+                // it, as a file that cannot be read.
+                skipped.push((rel.clone(), e.message().to_owned()));
+                let listed = kept_of(&rel);
+                if let Some(g) = crate::shard::generation_of(&rel) {
+                    let (traces, sessions, all_kept) =
+                        generations.entry(g).or_insert_with(|| (HashSet::new(), BTreeSet::new(), true));
+                    *all_kept = false;
+                    traces.extend(listed.iter().filter_map(|(_, _, t)| t.clone()));
+                    sessions.extend(listed.iter().map(|(_, s, _)| s.clone()));
+                }
+                if !listed.is_empty() {
+                    out.insert(rel, listed);
+                }
+                continue;
+            }
+        };
         let dead = rows.saturating_sub(live);
         if dead == 0 {
             continue;
         }
-        let rel = relative(shards_dir, &path);
         let Some(g) = crate::shard::generation_of(&rel) else { continue };
         let kept = reusable(&rel).filter(|listed| listed.len() as u64 == dead);
         let (traces, sessions, all_kept) =

@@ -183,7 +183,9 @@ pub(super) fn steps_shard_paths(dir: &Path, manifest: &Manifest) -> Vec<(PathBuf
     published.chain(pending).filter(steps).collect()
 }
 
-/// Open shards (ids in the order given).
+/// Open shards (ids in the order given), their footers decoded at their
+/// first read when the manifest gives their checksums
+/// ([`ShardFile::open_deferred`]).
 pub(super) fn open_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<Vec<Arc<ShardFile>>> {
     let mut files = Vec::with_capacity(paths.len());
     for (i, (path, expected)) in paths.iter().enumerate() {
@@ -191,7 +193,7 @@ pub(super) fn open_shards(paths: &[(PathBuf, Option<ShardChecksum>)]) -> Result<
             let dir = path.parent().and_then(Path::parent).and_then(Path::parent).unwrap_or(Path::new("."));
             return Err(missing_listed_file(dir, path));
         }
-        files.push(Arc::new(ShardFile::open(path, i as u32, *expected)?));
+        files.push(Arc::new(ShardFile::open_deferred(path, i as u32, *expected)?));
     }
     Ok(files)
 }
