@@ -177,12 +177,45 @@ impl DeltaCache {
     /// Forget every context stored in one of `segments` (they were retired:
     /// a new call must not name a parent there).
     pub fn forget_segments(&mut self, segments: &[u64]) {
+        self.forget_where(|loc| segments.contains(&loc.segment));
+    }
+
+    /// Forget the contexts of the calls at `locs`, in every session: they
+    /// died (their session deleted). A dead record keeps no ancestor on
+    /// disk (retirement frees what only dead records need), so a new call
+    /// must not take it as a parent.
+    pub fn forget_locs(&mut self, locs: &std::collections::HashSet<Loc>) {
+        if !locs.is_empty() {
+            self.forget_where(|loc| locs.contains(&loc));
+        }
+    }
+
+    /// Forget `session`'s context of the call at `loc` (a call replaced:
+    /// dead, as for [`DeltaCache::forget_locs`]).
+    pub fn forget_at(&mut self, session: &str, loc: Loc) {
+        let Some(entry) = self.sessions.get_mut(session) else { return };
+        let before = entry.recent.len();
+        let mut freed = 0;
+        entry.recent.retain(|c| {
+            let keep = c.loc != loc;
+            if !keep {
+                freed += c.bytes();
+            }
+            keep
+        });
+        self.bytes -= freed;
+        if entry.recent.is_empty() && before > 0 {
+            self.forget(session);
+        }
+    }
+
+    fn forget_where(&mut self, gone: impl Fn(Loc) -> bool) {
         let mut emptied = Vec::new();
         for (session, entry) in self.sessions.iter_mut() {
             let before = entry.recent.len();
             let mut freed = 0;
             entry.recent.retain(|c| {
-                let keep = !segments.contains(&c.loc.segment);
+                let keep = !gone(c.loc);
                 if !keep {
                     freed += c.bytes();
                 }

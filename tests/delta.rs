@@ -252,3 +252,59 @@ fn the_audit_report_keeps_bounded_details_and_complete_counts() {
     let rewritten: usize = report.sessions.iter().map(|s| s.histories_rewritten).sum();
     assert_eq!(rewritten, report.histories_rewritten);
 }
+
+/// A call of `session` (uid: one more session it belongs to).
+fn dead_parent_call(trace: &str, session: &str, uid: Option<&str>, prompt: &[u32]) -> Call {
+    Call {
+        trace_id: trace.into(),
+        session_id: session.into(),
+        session_uids: uid.map(str::to_owned).into_iter().collect(),
+        prompt_token_ids: prompt.to_vec(),
+        completion_token_ids: vec![1],
+        logprobs: Some(vec![-0.5]),
+        ..Default::default()
+    }
+}
+
+/// A dead call is never a parent: its ancestors may be retired (retirement
+/// keeps only what live records need), and a call chained to it could then
+/// not be read. Found by the model test: `t` is replaced in session `a` by a
+/// call that also lists `b` (chained to the first), `b` is deleted (the
+/// replacement dies with it), a compaction retires the first call's
+/// segment, and a new call of `a` extending the dead replacement's prompt
+/// was chained to it: "segment 1 is not part of this snapshot". (The last
+/// call extends the deleted replacement, or the replaced call: the writer
+/// forgets both, and neither is a parent.)
+#[test]
+fn a_dead_call_is_never_taken_as_a_parent() {
+    use trajlog::{CompactOptions, Durability, Selection};
+    // The last call extends the deleted replacement, or the replaced call.
+    for last in [vec![7, 7, 8, 8, 9], vec![7, 7, 7, 2]] {
+        let dir = tempdir();
+        let opts = Options::default().durability(Durability::Buffered).segment_bytes(64 * 1024);
+        let store = Store::open(dir.path(), opts).unwrap();
+        let none_sealed = CompactOptions::default().selection(Selection::SealedOnly).copy_forward(None);
+        // During a compaction (its publication then retires what is dead).
+        let report = store
+            .compact_with_meanwhile(&none_sealed, &mut || {
+                store.append(dead_parent_call("t", "a", None, &[7, 7, 7])).unwrap();
+                store.roll().unwrap();
+                store.append(dead_parent_call("t", "a", Some("b"), &[7, 7, 8, 8])).unwrap();
+                store.delete_session("b").unwrap();
+            })
+            .unwrap();
+        assert_eq!(report.retired_segments, 1, "the first segment holds only a dead record");
+        store
+            .compact_with_meanwhile(&none_sealed, &mut || {
+                store.append(dead_parent_call("v", "a", None, &last)).unwrap();
+            })
+            .unwrap();
+        store.flush().unwrap();
+        for s in [store.snapshot(), Store::open_read_only(dir.path()).unwrap().snapshot()] {
+            let calls = s.session("a", None, None).unwrap();
+            let got: Vec<(String, Vec<u32>)> =
+                calls.iter().map(|c| (c.trace_id().to_owned(), c.prompt().unwrap())).collect();
+            assert_eq!(got, vec![("v".to_owned(), last.clone())]);
+        }
+    }
+}

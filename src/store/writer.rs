@@ -341,11 +341,17 @@ impl Writer {
         // the record that set it sits before the new call, and the replay
         // ignores it once the replaced call's record or shard row is gone
         // (retired, collected); the copy applies to the new call.
-        let carried = replaced.and_then(|_| self.index.trace_reward(&trace_id));
+        let carried = replaced.as_ref().and_then(|_| self.index.trace_reward(&trace_id));
         let prompt_len = call.prompt_token_ids.len();
         let mut tokens = call.prompt_token_ids;
         tokens.extend_from_slice(&call.completion_token_ids);
         self.delta.remember(&session, Context { loc, prompt_len, tokens: Arc::new(tokens), seq, depth });
+        if let Some(old) = &replaced {
+            // The replaced record is dead: no later call takes it as parent.
+            if let Some(primary) = old.sessions.first() {
+                self.delta.forget_at(primary, old.loc);
+            }
+        }
         if let Some(value) = carried {
             let target = Target::Trace(trace_id.to_string());
             self.append_annotation(&Annotation::Reward { target: target.clone(), value })?;
@@ -425,6 +431,15 @@ impl Writer {
             | Annotation::DeleteSession { session_id }
             | Annotation::MoveSession { session_id } => self.delta.forget(session_id),
             Annotation::Reward { .. } => {}
+        }
+        if let Annotation::DeleteSession { session_id } = ann {
+            // The calls it deletes include calls of other sessions that list
+            // it among their uids: remembered there, they must be forgotten
+            // too (a dead record's ancestors may be retired; a call chained
+            // to it would then not be readable).
+            let calls = self.index.session_calls(session_id.as_str());
+            let gone: std::collections::HashSet<Loc> = calls.iter().map(|k| k.loc).collect();
+            self.delta.forget_locs(&gone);
         }
         if let (Annotation::DeleteSession { session_id }, Some(_)) = (ann, &self.journal) {
             // Every call the deletion can remove is in the session's list.
