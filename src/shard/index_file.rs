@@ -574,12 +574,21 @@ impl ShardIndex {
     pub(crate) fn frozen_rows_per_shard(&self) -> &[u64] {
         self.frozen_per_shard.get_or_init(|| {
             let mut counts = vec![0u64; self.shards.len()];
-            for p in self.placements().iter().filter(|p| p.frozen_row != NOT_FROZEN) {
-                if let Some(n) = counts.get_mut(p.shard as usize) {
-                    *n += 1;
+            // 16 MiB of placements at a time, each step's pages given back
+            // once counted: the walk reads the whole table (464 MB at 14.5M
+            // rows), which stayed resident until the end, at the peak of
+            // the compaction that asked.
+            const STEP: usize = (16 << 20) / std::mem::size_of::<Placement>();
+            let (placements, start) = (self.placements(), self.section(PLACEMENTS).offset);
+            for (k, chunk) in placements.chunks(STEP).enumerate() {
+                for p in chunk.iter().filter(|p| p.frozen_row != NOT_FROZEN) {
+                    if let Some(n) = counts.get_mut(p.shard as usize) {
+                        *n += 1;
+                    }
                 }
+                let at = start + k * STEP * std::mem::size_of::<Placement>();
+                self.map.release_range(at..at + std::mem::size_of_val(chunk));
             }
-            self.release_pages();
             counts
         })
     }

@@ -253,6 +253,18 @@ impl ShardSet {
         Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })
     }
 
+    /// The shard index file's frozen row that the record at `loc` was
+    /// compacted into, when the placement serving `loc` is one of the file's
+    /// (not of a file added since) and names a frozen row. O(log rows).
+    pub(crate) fn frozen_row_at(&self, loc: Loc) -> Option<u32> {
+        if self.extra.binary_search_by(|p| p.loc().cmp(&loc)).is_ok() {
+            return None;
+        }
+        let i = self.base.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
+        let p = self.base.get(i)?;
+        (p.frozen_row != NOT_FROZEN && self.slot(p.shard).is_some()).then_some(p.frozen_row)
+    }
+
     /// Whether the placements described by the shard index file are the
     /// table of the mapped file `map`.
     pub(crate) fn base_is_in(&self, map: &Arc<crate::storage::mmap::Mapping>) -> bool {

@@ -184,6 +184,17 @@ impl Writer {
         // each annotation is rewritten O(log) times. Replaying a current
         // annotation changes nothing, so they add nothing to `kept_sessions`.
         let mut annotation_only: Vec<(u64, Vec<Annotation>)> = Vec::new();
+        // The frozen layer and the placements are the same shard index
+        // file's: a compacted record's liveness from its frozen row.
+        let same_file = self
+            .shards
+            .index_file()
+            .is_some_and(|ix| self.index.frozen().is_in(ix.mapping()) && self.shards.base_is_in(ix.mapping()));
+        let thawed = if same_file { self.index.thawed_rows() } else { Vec::new() };
+        let is_live_at = |trace: &str, loc: Loc| match same_file.then(|| self.shards.frozen_row_at(loc)).flatten() {
+            Some(row) => self.index.is_live_at_frozen(trace, loc, row, &thawed),
+            None => self.index.is_live_at(trace, loc),
+        };
         'segments: for ms in &self.manifest.segments {
             if ms.state != SegmentState::Sealed {
                 break;
@@ -223,7 +234,7 @@ impl Writer {
                     }
                     // A dead call whose trace has a shard row: this record (or
                     // the deletion after it) is what keeps that row dead.
-                    let live = self.index.is_live_at(e.id.as_str(), loc);
+                    let live = is_live_at(e.id.as_str(), loc);
                     if !live && self.shard_traces.contains(e.id.as_str()) {
                         needed = true;
                         break;
