@@ -283,14 +283,44 @@ pub(crate) fn read(path: &Path) -> std::result::Result<Table, Bad> {
 /// of this format, and listing only rows that are dead in what a read-only
 /// open of the store serves. A listed live row would hide a call from the
 /// readers of the shards.
+///
+/// A store that a writer compacts meanwhile moves on between the reads: the
+/// manifest is read before the table and again after the open, and the
+/// check is made only over one manifest (the table then is this
+/// publication's, or an earlier one's, whose dead rows are still dead in the
+/// files still published); else it is tried again, and after a few tries
+/// it is not made ("the store was compacted while verify ran"). `manifest`
+/// is the one verify read first.
 pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<DeletionsCheck, String> {
+    const TRIES: usize = 4;
+    let read_manifest = || std::fs::read(dir.join(crate::storage::MANIFEST_NAME)).ok();
+    for _ in 0..TRIES {
+        let before = read_manifest();
+        let listed = match read(&dir.join(SHARDS_DIR).join(DELETIONS_FILE)) {
+            Ok(t) => t,
+            Err(Bad::Version(v)) => {
+                return Err(format!("{KEY_VERSION} is {v:?}, expected \"{DELETIONS_FORMAT_VERSION}\""))
+            }
+            Err(Bad::Other(what)) => return Err(what),
+        };
+        let store = Store::open_read_only(dir).map_err(|e| format!("not checked: the store does not open: {e}"))?;
+        if before.is_none() || read_manifest() != before {
+            continue;
+        }
+        let current = before.as_deref().and_then(|b| crate::format::manifest::decode_manifest(b).ok());
+        return check_over(dir, current.as_ref().unwrap_or(manifest), &listed, &store);
+    }
+    Err(format!("not checked: the store was compacted while verify ran ({TRIES} tries); run it again"))
+}
+
+/// [`check`] of `listed` against `store`, opened over `manifest`.
+fn check_over(
+    dir: &Path,
+    manifest: &Manifest,
+    listed: &Table,
+    store: &Store,
+) -> std::result::Result<DeletionsCheck, String> {
     let shards_dir = dir.join(SHARDS_DIR);
-    let listed = match read(&shards_dir.join(DELETIONS_FILE)) {
-        Ok(t) => t,
-        Err(Bad::Version(v)) => return Err(format!("{KEY_VERSION} is {v:?}, expected \"{DELETIONS_FORMAT_VERSION}\"")),
-        Err(Bad::Other(what)) => return Err(what),
-    };
-    let store = Store::open_read_only(dir).map_err(|e| format!("not checked: the store does not open: {e}"))?;
     let snap = store.snapshot();
     let (dead, skipped) = dead_rows(&snap, manifest, &shards_dir, None);
     if let Some((path, e)) = skipped.first() {
