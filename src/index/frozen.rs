@@ -197,18 +197,39 @@ pub(crate) struct Frozen {
     sessions: Table<FrozenSession>,
     /// (trace id hash, row), sorted.
     by_trace: Table<TraceEntry>,
-    /// Per session, whether a seal record was replayed for it while the
-    /// open built the index (a seal after that goes to the maps).
-    sealed: Vec<bool>,
-    /// Per session, the session reward the open's replay left it with
-    /// (likewise).
-    rewards: Vec<Option<f64>>,
+    /// The seals and session rewards the annotation cache holds for the
+    /// sessions (store/annotation_cache.rs), read in place: an open sets
+    /// nothing per session for them.
+    cached: Option<CachedMarks>,
+    /// Bit set over the sessions: those a seal record was replayed for
+    /// while the open built the index (a seal after that goes to the maps).
+    /// Allocated at the first.
+    sealed: Vec<u64>,
+    /// The session rewards the open's replay set (likewise); they win over
+    /// the cached ones.
+    rewards: std::collections::HashMap<u32, f64>,
     /// Where the sessions of each top-`bits` hash prefix start in
     /// `sessions` (2^bits + 1 entries, bits ≈ log2(sessions) − 2): a name
     /// lookup reads one bucket of ~4 entries instead of a binary search's
     /// ~20 cache misses (an open replays a seal and a reward per session).
     directory: Vec<u32>,
     directory_bits: u32,
+}
+
+/// The annotation cache's seals and session rewards of a layer's sessions
+/// (format-spec/shard-index.md §7): bit sets of the sealed sessions and of
+/// those with a session reward (`ceil(sessions / 64)` words each), and each
+/// session's reward bits.
+#[derive(Debug)]
+pub(crate) struct CachedMarks {
+    pub sealed: Table<u64>,
+    pub has_reward: Table<u64>,
+    pub rewards: Table<u64>,
+}
+
+/// Bit `i` of a bit set of 64-bit words.
+fn bit(set: &[u64], i: u32) -> bool {
+    set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
 }
 
 /// The four tables of a frozen layer, for the shard index file to write.
@@ -242,14 +263,14 @@ impl Frozen {
         sessions: Table<FrozenSession>,
         by_trace: Table<TraceEntry>,
     ) -> Frozen {
-        let n = sessions.len();
         let f = Frozen {
             text,
             rows,
             sessions,
             by_trace,
-            sealed: vec![false; n],
-            rewards: vec![None; n],
+            cached: None,
+            sealed: Vec::new(),
+            rewards: Default::default(),
             directory: Vec::new(),
             directory_bits: 0,
         };
@@ -357,28 +378,53 @@ impl Frozen {
         None
     }
 
-    /// Whether the open's replay sealed frozen session `session`.
+    /// Whether the open sealed frozen session `session` (the annotation
+    /// cache, or a seal record its replay applied).
     pub fn is_sealed(&self, session: u32) -> bool {
-        self.sealed.get(session as usize).copied().unwrap_or(false)
+        bit(&self.sealed, session) || self.cached.as_ref().is_some_and(|c| bit(&c.sealed, session))
     }
 
     /// Seal frozen session `session` (an open's replay).
     pub fn seal(&mut self, session: u32) {
-        if let Some(s) = self.sealed.get_mut(session as usize) {
-            *s = true;
+        if session >= self.session_count() {
+            return;
+        }
+        if self.sealed.is_empty() {
+            self.sealed = vec![0; self.sessions.len().div_ceil(64)];
+        }
+        if let Some(w) = self.sealed.get_mut((session / 64) as usize) {
+            *w |= 1 << (session % 64);
         }
     }
 
-    /// The session reward the open's replay set on frozen session `session`.
+    /// The session reward the open set on frozen session `session` (its
+    /// replay's, else the annotation cache's).
     pub fn reward(&self, session: u32) -> Option<f64> {
-        self.rewards.get(session as usize).copied().flatten()
+        if let Some(r) = self.rewards.get(&session) {
+            return Some(*r);
+        }
+        let c = self.cached.as_ref()?;
+        bit(&c.has_reward, session).then(|| c.rewards.get(session as usize).map(|b| f64::from_bits(*b))).flatten()
     }
 
     /// Set frozen session `session`'s reward (an open's replay).
     pub fn set_reward(&mut self, session: u32, value: f64) {
-        if let Some(r) = self.rewards.get_mut(session as usize) {
-            *r = Some(value);
+        if session < self.session_count() {
+            self.rewards.insert(session, value);
         }
+    }
+
+    /// Take the annotation cache's seals and session rewards (before the
+    /// open's replay sets any). `false` when they are not over this layer's
+    /// sessions.
+    pub fn set_cached(&mut self, marks: CachedMarks) -> bool {
+        let words = self.sessions.len().div_ceil(64);
+        if marks.sealed.len() != words || marks.has_reward.len() != words || marks.rewards.len() != self.sessions.len()
+        {
+            return false;
+        }
+        self.cached = Some(marks);
+        true
     }
 
     /// The index of a frozen session's first row.
@@ -484,14 +530,14 @@ impl Frozen {
         drop(ids);
         by_trace.sort_unstable();
         text.shrink_to_fit();
-        let n = sessions.len();
         let f = Frozen {
             text: text.into(),
             rows: frows.into(),
             sessions: sessions.into(),
             by_trace: by_trace.into(),
-            sealed: vec![false; n],
-            rewards: vec![None; n],
+            cached: None,
+            sealed: Vec::new(),
+            rewards: Default::default(),
             directory: Vec::new(),
             directory_bits: 0,
         };
@@ -504,8 +550,8 @@ impl Frozen {
             + self.rows.heap_bytes()
             + self.sessions.heap_bytes()
             + self.by_trace.heap_bytes()
-            + self.sealed.capacity()
-            + self.rewards.capacity() * std::mem::size_of::<Option<f64>>()
+            + self.sealed.capacity() * 8
+            + self.rewards.capacity() * (std::mem::size_of::<(u32, f64)>() + 1)
             + self.directory.capacity() * 4
     }
 }

@@ -439,31 +439,22 @@ impl Index {
         self.sessions.entry(Arc::from(session)).or_default().reward = Some(value);
     }
 
-    /// Set the frozen sessions' seals and session rewards (`session` gives
-    /// each one's) and the trace rewards of frozen rows (row, value bits),
-    /// as an open's replay of the records they come from would (the
-    /// annotation cache, store/annotation_cache.rs), before that replay.
-    /// `false` (nothing set) when the layer is shared or has another number
-    /// of sessions.
+    /// Set the frozen sessions' seals and session rewards (`marks`, read in
+    /// place: nothing is set per session) and the trace rewards of frozen
+    /// rows (row, value bits), as an open's replay of the records they come
+    /// from would (the annotation cache, store/annotation_cache.rs), before
+    /// that replay. `false` (nothing set) when the layer is shared or has
+    /// another number of sessions.
     pub(crate) fn apply_cached(
         &mut self,
         segments: usize,
         sessions: u32,
-        session: impl Fn(u32) -> (bool, Option<f64>),
+        marks: crate::index::frozen::CachedMarks,
         trace_rewards: &[(u32, u64)],
     ) -> bool {
         let Some(frozen) = Arc::get_mut(&mut self.frozen) else { return false };
-        if frozen.session_count() != sessions {
+        if frozen.session_count() != sessions || !frozen.set_cached(marks) {
             return false;
-        }
-        for s in 0..sessions {
-            let (sealed, reward) = session(s);
-            if sealed {
-                frozen.seal(s);
-            }
-            if let Some(r) = reward {
-                frozen.set_reward(s, r);
-            }
         }
         for (row, bits) in trace_rewards {
             if let Some(r) = self.frozen.rows().get(*row as usize) {

@@ -57,6 +57,23 @@ impl<T: Pod> std::ops::Deref for Table<T> {
     }
 }
 
+impl<T: Pod> Clone for Table<T> {
+    /// An owned table's rows copied; a mapped one's mapping shared.
+    fn clone(&self) -> Self {
+        match self {
+            Table::Owned(v) => Table::Owned(v.clone()),
+            Table::Mapped { map, start, len } => Table::Mapped { map: map.clone(), start: *start, len: *len },
+        }
+    }
+}
+
+impl<T: Pod + PartialEq> PartialEq for Table<T> {
+    /// Equal rows, wherever they are.
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
 impl<T> Default for Table<T> {
     fn default() -> Self {
         Table::Owned(Vec::new())

@@ -34,6 +34,9 @@ use crate::format::segment::{read_trailer, FooterEntryRef};
 use crate::index::frozen::Frozen;
 use crate::shard::index_file::ShardIndex;
 use crate::storage::fault::Faults;
+use crate::storage::mmap::Mapping;
+use crate::storage::table::Table;
+use std::sync::Arc;
 
 /// The cache's file name, in `DIR/shards/`.
 pub(crate) const CACHE_FILE_NAME: &str = "index.tsa";
@@ -71,19 +74,21 @@ pub(crate) struct AnnotationCache {
     /// Per frozen session, 0 when no listed record concerns it (a seal, a
     /// session reward, a trace reward of one of its rows), else 1 + the
     /// index in `listed` of the last segment with one that does.
-    last: Vec<u32>,
+    /// (These tables are read in place from the file an open uses.)
+    last: Table<u32>,
     /// Likewise for the last listed segment with a session reward of it.
-    last_reward: Vec<u32>,
+    last_reward: Table<u32>,
     /// Bit sets over the frozen sessions: those sealed, those with a
     /// session reward.
-    sealed: Vec<u64>,
-    has_reward: Vec<u64>,
+    sealed: Table<u64>,
+    has_reward: Table<u64>,
     /// Per frozen session, its reward's bits (0 where it has none).
-    rewards: Vec<u64>,
+    rewards: Table<u64>,
     /// (frozen row, reward bits) of the trace rewards set, sorted by row.
     pub trace_rewards: Vec<(u32, u64)>,
 }
 
+#[cfg(test)]
 fn bit(set: &[u64], i: u32) -> bool {
     set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
 }
@@ -126,11 +131,11 @@ impl AnnotationCache {
             index,
             listed: Vec::new(),
             sessions,
-            last: vec![0; sessions as usize],
-            last_reward: vec![0; sessions as usize],
-            sealed: vec![0; words],
-            has_reward: vec![0; words],
-            rewards: vec![0; sessions as usize],
+            last: vec![0; sessions as usize].into(),
+            last_reward: vec![0; sessions as usize].into(),
+            sealed: vec![0; words].into(),
+            has_reward: vec![0; words].into(),
+            rewards: vec![0; sessions as usize].into(),
             trace_rewards: Vec::new(),
         }
     }
@@ -139,7 +144,10 @@ impl AnnotationCache {
     /// `session`, if any.
     pub fn last_naming(&self, session: u32) -> Option<u64> {
         let i = self.last.get(session as usize)?.checked_sub(1)?;
-        self.listed.get(i as usize).map(|l| l.id)
+        // A segment past the list (a table read in place is checked as it
+        // is read): the latest possible, so that anything conflicts and the
+        // open replays without the cache.
+        Some(self.listed.get(i as usize).map_or(u64::MAX, |l| l.id))
     }
 
     /// Whether a record at `loc`, outside the listed segments, that changes
@@ -150,13 +158,13 @@ impl AnnotationCache {
         self.last_naming(session).is_some_and(|last| loc.segment < last)
     }
 
-    /// Frozen session `session`'s seal and reward as the listed records
-    /// leave them.
-    pub fn session(&self, session: u32) -> (bool, Option<f64>) {
-        let reward = bit(&self.has_reward, session)
-            .then(|| self.rewards.get(session as usize).map(|b| f64::from_bits(*b)))
-            .flatten();
-        (bit(&self.sealed, session), reward)
+    /// The seals and session rewards, for the frozen layer to read in place.
+    pub fn marks(&self) -> crate::index::frozen::CachedMarks {
+        crate::index::frozen::CachedMarks {
+            sealed: self.sealed.clone(),
+            has_reward: self.has_reward.clone(),
+            rewards: self.rewards.clone(),
+        }
     }
 
     /// Whether a session reward of frozen session `session` at `loc`,
@@ -201,14 +209,14 @@ impl AnnotationCache {
             b.extend_from_slice(&0u32.to_le_bytes());
         }
         for table in [&self.last, &self.last_reward] {
-            for l in table {
+            for l in table.iter() {
                 b.extend_from_slice(&l.to_le_bytes());
             }
             if table.len() % 2 == 1 {
                 b.extend_from_slice(&0u32.to_le_bytes());
             }
         }
-        for w in self.sealed.iter().chain(&self.has_reward).chain(&self.rewards) {
+        for w in self.sealed.iter().chain(self.has_reward.iter()).chain(self.rewards.iter()) {
             b.extend_from_slice(&w.to_le_bytes());
         }
         for (row, bits) in &self.trace_rewards {
@@ -222,8 +230,74 @@ impl AnnotationCache {
         b
     }
 
-    /// Decode and check a file's bytes; what is wrong otherwise.
+    /// Decode and check a file's bytes (copied into tables of its own);
+    /// what is wrong otherwise.
     pub fn decode(b: &[u8]) -> std::result::Result<AnnotationCache, String> {
+        let l = Layout::of(b)?;
+        let words = |at: usize, n: usize| -> Table<u64> {
+            (0..n).map(|i| le_u64(b, at + i * 8).unwrap_or(0)).collect::<Vec<u64>>().into()
+        };
+        let segments = |at: usize| -> std::result::Result<Table<u32>, String> {
+            let t: Vec<u32> = (0..l.sessions as usize).map(|i| le_u32(b, at + i * 4).unwrap_or(0)).collect();
+            if t.iter().any(|s| *s as usize > l.listed.len()) {
+                return Err("a session names a segment the file does not list".into());
+            }
+            Ok(t.into())
+        };
+        let n = l.sessions as usize;
+        Ok(AnnotationCache {
+            last: segments(l.last)?,
+            last_reward: segments(l.last_reward)?,
+            sealed: words(l.sealed, l.words),
+            has_reward: words(l.has_reward, l.words),
+            rewards: words(l.rewards, n),
+            index: l.index,
+            listed: l.listed,
+            sessions: l.sessions,
+            trace_rewards: l.trace_rewards,
+        })
+    }
+
+    /// Check the file mapped in `map` and read its per-session tables in
+    /// place (~16 bytes a frozen session: an open sets nothing per session).
+    /// Its segment tables are checked as they are read ([`AnnotationCache::last_naming`]).
+    pub fn decode_mapped(map: &Arc<Mapping>) -> std::result::Result<AnnotationCache, String> {
+        let l = Layout::of(map.bytes())?;
+        let n = l.sessions as usize;
+        let bad = || "a table is misaligned".to_owned();
+        Ok(AnnotationCache {
+            last: Table::mapped(map, l.last, n).ok_or_else(bad)?,
+            last_reward: Table::mapped(map, l.last_reward, n).ok_or_else(bad)?,
+            sealed: Table::mapped(map, l.sealed, l.words).ok_or_else(bad)?,
+            has_reward: Table::mapped(map, l.has_reward, l.words).ok_or_else(bad)?,
+            rewards: Table::mapped(map, l.rewards, n).ok_or_else(bad)?,
+            index: l.index,
+            listed: l.listed,
+            sessions: l.sessions,
+            trace_rewards: l.trace_rewards,
+        })
+    }
+}
+
+/// Where a file's parts are (format-spec/shard-index.md §7), checked: magic,
+/// version, length, crc32, the listed segments' order and the trace
+/// rewards' order.
+struct Layout {
+    index: IndexKey,
+    listed: Vec<Listed>,
+    sessions: u32,
+    words: usize,
+    /// Byte offsets of the per-session tables.
+    last: usize,
+    last_reward: usize,
+    sealed: usize,
+    has_reward: usize,
+    rewards: usize,
+    trace_rewards: Vec<(u32, u64)>,
+}
+
+impl Layout {
+    fn of(b: &[u8]) -> std::result::Result<Layout, String> {
         if b.get(..8) != Some(&MAGIC[..]) {
             return Err("not an annotation cache (bad magic)".into());
         }
@@ -266,34 +340,21 @@ impl AnnotationCache {
         if !listed.windows(2).all(|w| matches!(w, [a, b] if a.id < b.id)) {
             return Err("the listed segments are not in increasing id order".into());
         }
-        let mut segment_table = || -> std::result::Result<Vec<u32>, String> {
-            let t = (0..sessions as usize).map(|i| le_u32(b, at + i * 4)).collect::<Option<Vec<u32>>>();
-            let t = t.ok_or_else(short)?;
-            at += (sessions as usize).div_ceil(2) * 8;
-            if t.iter().any(|l| *l as usize > listed.len()) {
-                return Err("a session names a segment the file does not list".into());
-            }
-            Ok(t)
-        };
-        let last = segment_table()?;
-        let last_reward = segment_table()?;
-        let mut words_of = |n: usize| -> std::result::Result<Vec<u64>, String> {
-            let v = (0..n).map(|i| le_u64(b, at + i * 8)).collect::<Option<Vec<u64>>>().ok_or_else(short)?;
-            at += n * 8;
-            Ok(v)
-        };
-        let sealed = words_of(words)?;
-        let has_reward = words_of(words)?;
-        let rewards = words_of(sessions as usize)?;
+        let segment_table = (sessions as usize).div_ceil(2) * 8;
+        let (last, last_reward) = (at, at + segment_table);
+        let sealed = last_reward + segment_table;
+        let has_reward = sealed + words * 8;
+        let rewards = has_reward + words * 8;
+        let traces_at = rewards + sessions as usize * 8;
         let mut trace_rewards = Vec::with_capacity(traces_n);
         for i in 0..traces_n {
-            let p = at + i * 16;
+            let p = traces_at + i * 16;
             trace_rewards.push((le_u32(b, p).ok_or_else(short)?, le_u64(b, p + 8).ok_or_else(short)?));
         }
         if !trace_rewards.windows(2).all(|w| matches!(w, [a, b] if a.0 < b.0)) {
             return Err("the trace rewards are not sorted by row".into());
         }
-        Ok(AnnotationCache { index, listed, sessions, last, last_reward, sealed, has_reward, rewards, trace_rewards })
+        Ok(Layout { index, listed, sessions, words, last, last_reward, sealed, has_reward, rewards, trace_rewards })
     }
 }
 
@@ -335,6 +396,9 @@ fn ops_of<'e>(frozen: &Frozen, id: u64, entries: impl Iterator<Item = FooterEntr
 pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: IndexKey) -> AnnotationCache {
     let frozen = ix.frozen();
     let mut c = AnnotationCache::empty(key, frozen.session_count());
+    let n = frozen.session_count() as usize;
+    let (mut last, mut last_reward, mut rewards) = (vec![0u32; n], vec![0u32; n], vec![0u64; n]);
+    let (mut sealed, mut has_reward) = (vec![0u64; n.div_ceil(64)], vec![0u64; n.div_ceil(64)]);
     let mut traces: std::collections::BTreeMap<u32, u64> = Default::default();
     for ms in manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed) {
         let Ok(seg) = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, OnDamage::Refuse) else {
@@ -350,25 +414,25 @@ pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: Index
         for op in ops {
             match op {
                 Op::Seal(s) => {
-                    if let Some(l) = c.last.get_mut(s as usize) {
+                    if let Some(l) = last.get_mut(s as usize) {
                         *l = n;
                     }
-                    set_bit(&mut c.sealed, s);
+                    set_bit(&mut sealed, s);
                 }
                 Op::SessionReward(s, v) => {
-                    if let Some(l) = c.last.get_mut(s as usize) {
+                    if let Some(l) = last.get_mut(s as usize) {
                         *l = n;
                     }
-                    if let Some(l) = c.last_reward.get_mut(s as usize) {
+                    if let Some(l) = last_reward.get_mut(s as usize) {
                         *l = n;
                     }
-                    set_bit(&mut c.has_reward, s);
-                    if let Some(r) = c.rewards.get_mut(s as usize) {
+                    set_bit(&mut has_reward, s);
+                    if let Some(r) = rewards.get_mut(s as usize) {
                         *r = v.to_bits();
                     }
                 }
                 Op::TraceReward(row, s, v, after_call) => {
-                    if let Some(l) = c.last.get_mut(s as usize) {
+                    if let Some(l) = last.get_mut(s as usize) {
                         *l = n;
                     }
                     if after_call {
@@ -379,6 +443,8 @@ pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: Index
         }
         c.listed.push(Listed { id: ms.id, footer_offset: trailer.footer_offset, footer_crc32: trailer.footer_crc });
     }
+    (c.last, c.last_reward, c.rewards) = (last.into(), last_reward.into(), rewards.into());
+    (c.sealed, c.has_reward) = (sealed.into(), has_reward.into());
     c.trace_rewards = traces.into_iter().collect();
     if c.listed.is_empty() {
         return AnnotationCache::empty(key, 0);
@@ -401,8 +467,15 @@ pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &F
 pub(crate) fn usable(dir: &Path, manifest: &Manifest) -> Option<AnnotationCache> {
     use std::os::unix::fs::FileExt;
     let shards_dir = dir.join(SHARDS_DIR);
-    let bytes = fs::read(shards_dir.join(CACHE_FILE_NAME)).ok()?;
-    let c = AnnotationCache::decode(&bytes).ok()?;
+    // Mapped, its per-session tables read in place (the open's frozen layer
+    // keeps the mapping): the pages its crc32 check read are given back.
+    let path = shards_dir.join(CACHE_FILE_NAME);
+    let file = File::open(&path).ok()?;
+    let len = file.metadata().ok()?.len();
+    let map = Arc::new(Mapping::map(&file, len, &path).ok()?);
+    let c = AnnotationCache::decode_mapped(&map);
+    map.release_pages();
+    let c = c.ok()?;
     if index_key_on_disk(&shards_dir)? != c.index {
         return None;
     }
@@ -459,21 +532,69 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
 mod tests {
     use super::*;
 
-    fn sample() -> AnnotationCache {
+    /// A cache of 67 sessions whose session 5 names listed segment `five`
+    /// (1-based; 2 segments listed).
+    fn sample_naming(five: u32) -> AnnotationCache {
         let mut c = AnnotationCache::empty(IndexKey { dir_crc32: 0xdead_beef, len: 1 << 33 }, 67);
         c.listed = vec![
             Listed { id: 3, footer_offset: 4096, footer_crc32: 7 },
             Listed { id: 9, footer_offset: 64, footer_crc32: 0xffff_ffff },
         ];
+        let (mut sealed, mut has_reward) = (vec![0u64; 2], vec![0u64; 2]);
+        let (mut last, mut last_reward, mut rewards) = (vec![0u32; 67], vec![0u32; 67], vec![0u64; 67]);
         for s in [0u32, 5, 63, 64, 66] {
-            set_bit(&mut c.sealed, s);
-            c.last[s as usize] = 1 + s % 2;
+            set_bit(&mut sealed, s);
+            last[s as usize] = 1 + s % 2;
         }
-        set_bit(&mut c.has_reward, 64);
-        c.last_reward[64] = 2;
-        c.rewards[64] = (-0.0f64).to_bits();
+        last[5] = five;
+        set_bit(&mut has_reward, 64);
+        last_reward[64] = 2;
+        rewards[64] = (-0.0f64).to_bits();
+        (c.sealed, c.has_reward) = (sealed.into(), has_reward.into());
+        (c.last, c.last_reward, c.rewards) = (last.into(), last_reward.into(), rewards.into());
         c.trace_rewards = vec![(2, 1.5f64.to_bits()), (40, f64::MIN_POSITIVE.to_bits())];
         c
+    }
+
+    fn sample() -> AnnotationCache {
+        sample_naming(2)
+    }
+
+    impl AnnotationCache {
+        /// A session's seal and reward, as the frozen layer reads them.
+        fn session(&self, session: u32) -> (bool, Option<f64>) {
+            let reward = bit(&self.has_reward, session)
+                .then(|| self.rewards.get(session as usize).map(|b| f64::from_bits(*b)))
+                .flatten();
+            (bit(&self.sealed, session), reward)
+        }
+    }
+
+    /// The file mapped and read in place (what an open uses) is the file
+    /// decoded into tables of its own; a segment table naming a segment
+    /// past the list, which only the copy refuses, makes every record of
+    /// that session conflict (the open then replays without the cache).
+    #[test]
+    fn a_mapped_cache_reads_as_a_decoded_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for five in [2u32, 3] {
+            let b = sample_naming(five).encode();
+            let path = dir.path().join(format!("c{five}"));
+            std::fs::write(&path, &b).expect("write");
+            let file = File::open(&path).expect("open");
+            let map = Arc::new(Mapping::map(&file, b.len() as u64, &path).expect("map"));
+            let mapped = AnnotationCache::decode_mapped(&map).expect("decodes");
+            assert_eq!(mapped.encode(), b);
+            assert_eq!(mapped.session(64), (true, Some(-0.0)));
+            if five == 2 {
+                assert_eq!(AnnotationCache::decode(&b).expect("decodes"), mapped);
+                assert!(!mapped.conflicts(5, Loc { segment: 10, offset: 0 }));
+            } else {
+                assert!(AnnotationCache::decode(&b).is_err());
+                assert_eq!(mapped.last_naming(5), Some(u64::MAX));
+                assert!(mapped.conflicts(5, Loc { segment: 10, offset: 0 }));
+            }
+        }
     }
 
     #[test]

@@ -354,7 +354,7 @@ fn replay(
             // (the open may have decoded the shards instead: the file does
             // not describe them); else the listed segments are read here.
             let same_file = shards.index_file().and_then(|ix| annotation_cache::key_of(ix)) == Some(c.index);
-            if same_file && index.apply_cached(c.listed.len(), c.sessions, |s| c.session(s), &c.trace_rewards) {
+            if same_file && index.apply_cached(c.listed.len(), c.sessions, c.marks(), &c.trace_rewards) {
                 feed.guard = Some(c);
                 CacheUse::Used
             } else {
