@@ -108,17 +108,20 @@ fn records_a_read_reaches(dir: &Path, parents: &[(PathBuf, Loc, Loc)]) -> Option
 
 /// Verify the store in `dir`.
 ///
-/// A store a writer publishes to meanwhile (a compaction's collection or
-/// retirement deletes files) can make a run report files gone or tables
-/// out of step that are only the store moving on: a run that found problems
-/// (or failed) while the manifest changed is made again, and after a few
-/// such runs the report says the store could not be checked, with no other
-/// problem. (A run can still meet a segment a writer created but has not
+/// A store a writer changes meanwhile (a roll or a compaction rewrites the
+/// manifest; a collection or retirement deletes files) can make a run
+/// report files gone or tables out of step that are only the store moving
+/// on: a run that found problems (or failed) while the manifest changed is
+/// made again. After a few such runs the report keeps the problems found in
+/// every run (real damage stays where it is) and says that the others were
+/// left out. (A run can still meet a segment a writer created but has not
 /// yet listed: verify a store no writer is changing for a verdict.)
 pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
     const TRIES: usize = 4;
     let manifest = || std::fs::read(dir.join("MANIFEST")).ok();
-    let mut last = VerifyReport::default();
+    let mut last: Option<VerifyReport> = None;
+    // The problems of every run so far.
+    let mut common: Option<Vec<Problem>> = None;
     for _ in 0..TRIES {
         let before = manifest();
         let report = match verify_once(dir) {
@@ -130,16 +133,22 @@ pub fn verify_dir(dir: &Path) -> Result<VerifyReport> {
         if report.problems.is_empty() || manifest() == before {
             return Ok(report);
         }
-        last = report;
+        common = Some(match common {
+            None => report.problems.clone(),
+            Some(c) => c.into_iter().filter(|p| report.problems.contains(p)).collect(),
+        });
+        last = Some(report);
     }
-    last.problems = vec![Problem {
+    let mut report = last.unwrap_or_default();
+    report.problems = common.unwrap_or_default();
+    report.problems.push(Problem {
         path: dir.join("MANIFEST"),
         offset: 0,
         what: format!(
-            "not checked: the store was compacted while verify ran ({TRIES} tries, the manifest changed during each); run it again, or while no compaction runs"
+            "the store changed during each of {TRIES} runs (a writer rolled, compacted or retired): only the problems every run found are listed; run it again while no writer changes the store for a verdict"
         ),
-    }];
-    Ok(last)
+    });
+    Ok(report)
 }
 
 /// One run of [`verify_dir`].

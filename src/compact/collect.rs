@@ -37,6 +37,9 @@ pub(super) struct Plan {
     pub dead_rows: u64,
     /// The `steps` files (of every generation) with a dead row.
     pub with_dead_rows: HashSet<u32>,
+    /// Generations left alone because a `steps` file's footer could not be
+    /// decoded (the file, why).
+    pub unreadable: Vec<(u64, String)>,
 }
 
 /// Generations of at least this many `steps` rows are never merged: their
@@ -73,11 +76,17 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
     // A generation with a file whose footer cannot be decoded is not
     // rewritten (its rows could not be read): the files stay as they are.
     let mut unreadable = HashSet::new();
+    let mut unreadable_why = Vec::new();
     for (id, path, rows, live) in snap.shard_liveness() {
         let Some(g) = path.file_name().and_then(|n| n.to_str()).and_then(generation_of) else { continue };
-        let Ok(rows) = rows else {
-            unreadable.insert(g);
-            continue;
+        let rows = match rows {
+            Ok(rows) => rows,
+            Err(e) => {
+                if unreadable.insert(g) {
+                    unreadable_why.push((g, e.message().to_owned()));
+                }
+                continue;
+            }
         };
         if live < rows {
             with_dead_rows.insert(id);
@@ -87,7 +96,7 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
         e.1 += live.min(rows);
         e.2.push(id);
     }
-    let mut plan = Plan { with_dead_rows, ..Plan::default() };
+    let mut plan = Plan { with_dead_rows, unreadable: unreadable_why, ..Plan::default() };
     // merge tier → the generations in it not collected for dead rows
     let mut tiers: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
     for (&g, (rows, live, _)) in &per_generation {

@@ -653,6 +653,13 @@ pub(crate) fn run_with(
             }
         }
     };
+    // A generation with a file whose footer could not be decoded is left
+    // alone too, and said so.
+    for (g, why) in &plan.unreadable {
+        if !skipped.iter().any(|(s, _)| s == g) {
+            skipped.push((*g, why.clone()));
+        }
+    }
     report.collect_skipped = skipped;
     report.collect_deferred = deferred.into_iter().collect();
     report.sessions_left = sessions_left;

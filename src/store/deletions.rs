@@ -284,12 +284,12 @@ pub(crate) fn read(path: &Path) -> std::result::Result<Table, Bad> {
 /// open of the store serves. A listed live row would hide a call from the
 /// readers of the shards.
 ///
-/// A store that a writer compacts meanwhile moves on between the reads: the
+/// A store that a writer changes meanwhile moves on between the reads: the
 /// manifest is read before the table and again after the open, and the
 /// check is made only over one manifest (the table then is this
 /// publication's, or an earlier one's, whose dead rows are still dead in the
 /// files still published); else it is tried again, and after a few tries
-/// it is not made ("the store was compacted while verify ran"). `manifest`
+/// it is not made ("the store changed while verify ran"). `manifest`
 /// is the one verify read first.
 pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<DeletionsCheck, String> {
     const TRIES: usize = 4;
@@ -310,7 +310,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> std::result::Result<Dele
         let current = before.as_deref().and_then(|b| crate::format::manifest::decode_manifest(b).ok());
         return check_over(dir, current.as_ref().unwrap_or(manifest), &listed, &store);
     }
-    Err(format!("not checked: the store was compacted while verify ran ({TRIES} tries); run it again"))
+    Err(format!("not checked: the store changed while verify ran ({TRIES} tries: a writer rolled or compacted); run it again while no writer changes it"))
 }
 
 /// [`check`] of `listed` against `store`, opened over `manifest`.

@@ -436,10 +436,23 @@ impl Writer {
             // The calls it deletes include calls of other sessions that list
             // it among their uids: remembered there, they must be forgotten
             // too (a dead record's ancestors may be retired; a call chained
-            // to it would then not be readable).
-            let calls = self.index.session_calls(session_id.as_str());
-            let gone: std::collections::HashSet<Loc> = calls.iter().map(|k| k.loc).collect();
-            self.delta.forget_locs(&gone);
+            // to it would then not be readable). A frozen session's calls
+            // are its own (forgotten above).
+            if !self.index.is_frozen_session(session_id.as_str()) {
+                let calls = self.index.session_calls(session_id.as_str());
+                let gone: std::collections::HashSet<Loc> = calls
+                    .iter()
+                    .filter_map(|k| match self.index.live(&k.trace_id) {
+                        Some(crate::index::LiveCall::Hot(m))
+                            if m.loc == k.loc && m.sessions.first().is_some_and(|p| **p != **session_id) =>
+                        {
+                            Some(k.loc)
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                self.delta.forget_locs(&gone);
+            }
         }
         if let (Annotation::DeleteSession { session_id }, Some(_)) = (ann, &self.journal) {
             // Every call the deletion can remove is in the session's list.
