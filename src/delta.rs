@@ -64,6 +64,23 @@ struct SessionContexts {
     recent: VecDeque<Context>,
 }
 
+impl SessionContexts {
+    /// Drop the contexts at the positions `gone` accepts: the bytes freed,
+    /// and whether that emptied the list.
+    fn drop_where(&mut self, gone: impl Fn(Loc) -> bool) -> (u64, bool) {
+        let before = self.recent.len();
+        let mut freed = 0;
+        self.recent.retain(|c| {
+            let keep = !gone(c.loc);
+            if !keep {
+                freed += c.bytes();
+            }
+            keep
+        });
+        (freed, self.recent.is_empty() && before > 0)
+    }
+}
+
 /// Per-session recent contexts under a byte budget.
 #[derive(Debug)]
 pub struct DeltaCache {
@@ -194,17 +211,9 @@ impl DeltaCache {
     /// dead, as for [`DeltaCache::forget_locs`]).
     pub fn forget_at(&mut self, session: &str, loc: Loc) {
         let Some(entry) = self.sessions.get_mut(session) else { return };
-        let before = entry.recent.len();
-        let mut freed = 0;
-        entry.recent.retain(|c| {
-            let keep = c.loc != loc;
-            if !keep {
-                freed += c.bytes();
-            }
-            keep
-        });
+        let (freed, emptied) = entry.drop_where(|l| l == loc);
         self.bytes -= freed;
-        if entry.recent.is_empty() && before > 0 {
+        if emptied {
             self.forget(session);
         }
     }
@@ -212,17 +221,9 @@ impl DeltaCache {
     fn forget_where(&mut self, gone: impl Fn(Loc) -> bool) {
         let mut emptied = Vec::new();
         for (session, entry) in self.sessions.iter_mut() {
-            let before = entry.recent.len();
-            let mut freed = 0;
-            entry.recent.retain(|c| {
-                let keep = !gone(c.loc);
-                if !keep {
-                    freed += c.bytes();
-                }
-                keep
-            });
+            let (freed, now_empty) = entry.drop_where(&gone);
             self.bytes -= freed;
-            if entry.recent.is_empty() && before > 0 {
+            if now_empty {
                 emptied.push(session.clone());
             }
         }

@@ -228,8 +228,15 @@ pub(crate) struct CachedMarks {
 }
 
 /// Bit `i` of a bit set of 64-bit words.
-fn bit(set: &[u64], i: u32) -> bool {
+pub(crate) fn bit(set: &[u64], i: u32) -> bool {
     set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
+}
+
+/// Set bit `i` of a bit set of 64-bit words (none past its end).
+pub(crate) fn set_bit(set: &mut [u64], i: u32) {
+    if let Some(w) = set.get_mut((i / 64) as usize) {
+        *w |= 1 << (i % 64);
+    }
 }
 
 /// The four tables of a frozen layer, for the shard index file to write.
@@ -392,9 +399,7 @@ impl Frozen {
         if self.sealed.is_empty() {
             self.sealed = vec![0; self.sessions.len().div_ceil(64)];
         }
-        if let Some(w) = self.sealed.get_mut((session / 64) as usize) {
-            *w |= 1 << (session % 64);
-        }
+        set_bit(&mut self.sealed, session);
     }
 
     /// The session reward the open set on frozen session `session` (its

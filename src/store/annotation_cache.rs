@@ -31,7 +31,7 @@
 
 use super::*;
 use crate::format::segment::{read_trailer, FooterEntryRef};
-use crate::index::frozen::Frozen;
+use crate::index::frozen::{set_bit, Frozen};
 use crate::shard::index_file::ShardIndex;
 use crate::storage::fault::Faults;
 use crate::storage::mmap::Mapping;
@@ -86,17 +86,6 @@ pub(crate) struct AnnotationCache {
     rewards: Table<u64>,
     /// (frozen row, reward bits) of the trace rewards set, sorted by row.
     pub trace_rewards: Vec<(u32, u64)>,
-}
-
-#[cfg(test)]
-fn bit(set: &[u64], i: u32) -> bool {
-    set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
-}
-
-fn set_bit(set: &mut [u64], i: u32) {
-    if let Some(w) = set.get_mut((i / 64) as usize) {
-        *w |= 1 << (i % 64);
-    }
 }
 
 fn le_u32(b: &[u8], at: usize) -> Option<u32> {
@@ -559,6 +548,8 @@ mod tests {
     fn sample() -> AnnotationCache {
         sample_naming(2)
     }
+
+    use crate::index::frozen::bit;
 
     impl AnnotationCache {
         /// A session's seal and reward, as the frozen layer reads them.
