@@ -419,6 +419,20 @@ impl Snapshot {
         })
     }
 
+    /// An error when a block of the shard index file that this view's
+    /// lookups read failed its crc32 (a read-only open checks the file's
+    /// tables a block at a time, as lookups first read them): a lookup may
+    /// have missed. The reads that return a `Result` check it; those that
+    /// cannot ([`Snapshot::sessions`], [`Snapshot::session_info`], the
+    /// annotations) may have missed what the damaged block held until this
+    /// says so. Reopening the store does without the file.
+    pub fn check_index(&self) -> Result<()> {
+        match crate::store::lazy_damage(&self.view.shards) {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
     /// The call stored at `loc` (CRC-checked), live or not.
     pub fn call_at(&self, loc: Loc) -> Result<CallView<'_>> {
         let seg = self.segment(loc.segment)?;
@@ -448,14 +462,19 @@ impl Snapshot {
     /// else from its segment.
     fn read(&self, loc: Loc) -> Result<CallView<'_>> {
         match self.view.shards.position(loc) {
-            None => self.call_at(loc),
+            None => {
+                self.check_index()?;
+                self.call_at(loc)
+            }
             Some(pos) => self.shard_call(loc, pos),
         }
     }
 
     /// The live call with this trace id.
     pub fn get(&self, trace_id: &str) -> Result<Option<CallView<'_>>> {
-        match self.view.index.live(trace_id) {
+        let live = self.view.index.live(trace_id);
+        self.check_index()?;
+        match live {
             None => Ok(None),
             Some(call) => self.read(call.loc()).map(Some),
         }
@@ -496,6 +515,9 @@ impl Snapshot {
         limit: Option<usize>,
     ) -> Vec<Result<CallView<'_>>> {
         let calls = self.view.index.session_calls(session_id);
+        if let Err(e) = self.check_index() {
+            return vec![Err(e)];
+        }
         let start = match since {
             None => 0,
             Some(t) => calls
@@ -666,7 +688,7 @@ impl Snapshot {
             }
             let frozen = index.frozen();
             for range in index.thawed_rows() {
-                for r in range.filter_map(|r| frozen.rows().get(r as usize)) {
+                for r in range.filter_map(|r| frozen.row(r)) {
                     if let Some(c) = shards.position(r.loc()).and_then(|p| per_slot.get_mut(p.shard as usize)) {
                         *c = c.saturating_sub(1);
                     }
@@ -921,6 +943,11 @@ impl Snapshot {
                     f(Ok(CallView { loc, record, shard: Some(pos), divergence, snapshot: self }))?;
                 }
             }
+        }
+        // A damaged block of the shard index file made lookups miss: the
+        // calls they skipped are not named, the damage is.
+        if let Err(e) = self.check_index() {
+            f(Err(e))?;
         }
         Ok(())
     }

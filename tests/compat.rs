@@ -953,7 +953,92 @@ fn reads_the_v11_fixture_through_its_shard_index_file() {
     assert_eq!(snap.index_layers().index_file_bytes, 0);
     drop(snap);
     Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
-    assert_eq!(std::fs::read(copy.path().join("shards/index.tsi")).unwrap(), index);
+    assert_same_index_file(&std::fs::read(copy.path().join("shards/index.tsi")).unwrap(), &index);
+}
+
+/// Each section of a shard index file, by kind (format-spec/shard-index.md
+/// §2: a 24-byte header, then 32-byte directory entries of kind, crc32,
+/// offset, length, count).
+fn index_sections(file: &[u8]) -> std::collections::BTreeMap<u32, (u32, Vec<u8>, u64)> {
+    let u32_at = |at: usize| u32::from_le_bytes(file[at..at + 4].try_into().unwrap());
+    let u64_at = |at: usize| u64::from_le_bytes(file[at..at + 8].try_into().unwrap());
+    (0..u32_at(12) as usize)
+        .map(|i| 24 + i * 32)
+        .map(|e| {
+            let (offset, len) = (u64_at(e + 8) as usize, u64_at(e + 16) as usize);
+            (u32_at(e), (u32_at(e + 4), file[offset..offset + len].to_vec(), u64_at(e + 24)))
+        })
+        .collect()
+}
+
+/// A shard index file this build wrote for the shards an older build's
+/// `old` describes: the same nine sections, byte for byte, and (since store
+/// format 15) the block checksums of each (section 10).
+fn assert_same_index_file(new: &[u8], old: &[u8]) {
+    let (mut new, old) = (index_sections(new), index_sections(old));
+    let (_, blocks, count) = new.remove(&10).expect("block checksums");
+    let want: Vec<u8> = old
+        .values()
+        .flat_map(|(_, bytes, _)| {
+            bytes.chunks(16384).flat_map(|b| crc32fast::hash(b).to_le_bytes()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!((blocks, count as usize), (want.clone(), want.len() / 4));
+    assert_eq!(new, old);
+}
+
+fn fixture_v15_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v15")
+}
+
+/// Store format 15: the v11 content written by a build whose shard index
+/// file carries block checksums (section 10, format-spec/shard-index.md §2),
+/// which a read-only open checks a block at a time.
+fn write_fixture_v15() {
+    let dir = fixture_v15_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
+    assert_eq!(r.sessions, 1, "{r:?}");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v15_fixture_checking_its_index_file_a_block_at_a_time() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v15_dir().exists() {
+        write_fixture_v15();
+    }
+    let dir = fixture_v15_dir();
+    let index = std::fs::read(dir.join("shards/index.tsi")).expect("the fixture has a shard index file");
+    // Section 10: the crc32 of each 16 KiB block of sections 1 to 9.
+    let mut sections = index_sections(&index);
+    let (_, blocks, count) = sections.remove(&10).expect("block checksums");
+    let want: Vec<u8> = sections
+        .values()
+        .flat_map(|(_, bytes, _)| {
+            bytes.chunks(16384).flat_map(|b| crc32fast::hash(b).to_le_bytes()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!((blocks.as_slice(), count as usize), (want.as_slice(), want.len() / 4));
+    // Read-only (lazy checks) and writable (whole checks): the same calls.
+    let snap = check_shard_fixture(&dir);
+    assert_eq!(snap.index_layers().index_file_bytes, index.len() as u64);
+    snap.check_index().unwrap();
+    drop(snap);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    std::fs::remove_file(copy.path().join("shards/index.tsi")).unwrap();
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    assert_eq!(std::fs::read(copy.path().join("shards/index.tsi")).unwrap(), index, "written again as it was");
+    drop(check_shard_fixture(copy.path()));
 }
 
 fn fixture_v12_dir() -> PathBuf {

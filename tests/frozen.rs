@@ -7,35 +7,41 @@ mod common;
 
 use common::*;
 use std::path::Path;
-use trajlog::{Call, CompactOptions, Selection, Snapshot, Store, Target};
+use trajlog::{Call, CompactOptions, ErrorKind, Selection, Snapshot, Store, Target};
 
 /// Everything a reader can ask the index, as text to compare.
 fn fingerprint(snap: &Snapshot, trace_ids: &[String]) -> Vec<String> {
+    fingerprint_checked(snap, trace_ids).unwrap()
+}
+
+/// What every read of `snap` answers; the first error, or the shard index
+/// file's damage a lookup met (`Snapshot::check_index`), instead.
+fn fingerprint_checked(snap: &Snapshot, trace_ids: &[String]) -> trajlog::Result<Vec<String>> {
     let mut out = vec![format!("calls {}", snap.call_count())];
     for s in snap.sessions() {
         out.push(format!("{s:?}"));
         let ids: Vec<String> =
-            snap.session(&s.session_id, None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+            snap.session(&s.session_id, None, None)?.iter().map(|c| c.trace_id().to_owned()).collect();
         out.push(format!("  {ids:?}"));
         out.push(format!("  sealed {} reward {:?}", snap.is_sealed(&s.session_id), snap.session_reward(&s.session_id)));
-        if let Some(mid) = snap.session(&s.session_id, None, None).unwrap().get(2) {
-            let since = snap.session(&s.session_id, Some(mid.timestamp()), Some(2)).unwrap();
+        if let Some(mid) = snap.session(&s.session_id, None, None)?.get(2) {
+            let since = snap.session(&s.session_id, Some(mid.timestamp()), Some(2))?;
             out.push(format!("  since {:?}", since.iter().map(|c| c.trace_id()).collect::<Vec<_>>()));
         }
     }
     for t in trace_ids {
-        let live = snap.get(t).unwrap().map(|c| (c.session_id().to_owned(), c.timestamp().to_bits()));
+        let live = snap.get(t)?.map(|c| (c.session_id().to_owned(), c.timestamp().to_bits()));
         out.push(format!("{t}: {live:?} reward {:?}", snap.trace_reward(t)));
     }
     let mut scanned = Vec::new();
     snap.for_each_call(|c| {
         scanned.push(c.trace_id().to_owned());
         Ok(())
-    })
-    .unwrap();
+    })?;
     scanned.sort();
     out.push(format!("scan {scanned:?}"));
-    out
+    snap.check_index()?;
+    Ok(out)
 }
 
 fn ids(calls: &[Call]) -> Vec<String> {
@@ -86,14 +92,26 @@ fn reopen_matches(dir: &Path, want: &[String], trace_ids: &[String]) -> Store {
         assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0);
         assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen without the shard index file");
         drop(ro);
-        // A flipped byte anywhere (header, directory, any section) fails a check.
+        // A flipped byte anywhere (header, directory, any section) fails a
+        // check: in what an open checks whole, the open does without the
+        // file; in a table a read-only open checks a block at a time, the
+        // reads that meet it fail naming the file (never a wrong answer),
+        // and a refresh loads the view again without it.
         for at in [3, 30, saved.len() / 3, saved.len() / 2, saved.len() - 5] {
             let mut damaged = saved.clone();
             damaged[at] ^= 0x20;
             std::fs::write(&index, &damaged).unwrap();
             let ro = Store::open_read_only(dir).unwrap();
-            assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0, "byte {at} flipped: not used");
-            assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "read-only reopen, byte {at} of the file flipped");
+            match fingerprint_checked(&ro.snapshot(), trace_ids) {
+                Ok(got) => assert_eq!(got, want, "read-only reopen, byte {at} of the file flipped"),
+                Err(e) => {
+                    let named = matches!(e.kind(), ErrorKind::Corrupt { path, .. } if path == &index);
+                    assert!(named, "byte {at} flipped: {e}");
+                    ro.refresh().unwrap();
+                    assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0, "byte {at}: refreshed without it");
+                    assert_eq!(fingerprint(&ro.snapshot(), trace_ids), want, "byte {at} flipped, refreshed");
+                }
+            }
         }
         std::fs::write(&index, &saved).unwrap();
     }
@@ -123,11 +141,69 @@ fn compacted_sessions_open_frozen_and_read_the_same() {
     // The eight compacted sessions, 6 calls each; the others are in
     // segments.
     assert_eq!((layers.calls, layers.frozen_calls), (all.len(), 48), "{layers:?}");
-    assert!(layers.frozen_bytes > 0);
+    // Mapped from the file: its tables take no heap.
+    assert_eq!(layers.frozen_bytes, 0, "{layers:?}");
     assert_all(&store, &all);
     assert_eq!(store.snapshot().trace_reward("t1-3"), Some(0.25));
     let report = trajlog::verify::verify_dir(dir.path()).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
+}
+
+/// (offset, length) of section `kind` of a shard index file's bytes
+/// (format-spec/shard-index.md §2: a 24-byte header, then 32-byte
+/// directory entries of kind, crc32, offset, length, count).
+fn section_of(file: &[u8], kind: u32) -> (usize, usize) {
+    let u32_at = |at: usize| u32::from_le_bytes(file[at..at + 4].try_into().unwrap());
+    let u64_at = |at: usize| u64::from_le_bytes(file[at..at + 8].try_into().unwrap()) as usize;
+    (0..u32_at(12) as usize)
+        .map(|i| 24 + i * 32)
+        .find(|e| u32_at(*e) == kind)
+        .map(|e| (u64_at(e + 8), u64_at(e + 16)))
+        .unwrap_or_else(|| panic!("no section {kind}"))
+}
+
+#[test]
+fn a_read_only_open_checks_the_shard_index_file_a_block_at_a_time() {
+    let dir = tempdir();
+    let all = build(dir.path());
+    // A writable open writes the file (with its block checksums, kind 10).
+    drop(Store::open(dir.path(), small_segments()).unwrap());
+    let index = dir.path().join("shards").join("index.tsi");
+    let saved = std::fs::read(&index).unwrap();
+    let (blocks_at, blocks_len) = section_of(&saved, 10);
+    assert!(blocks_at > 0 && blocks_len > 0 && blocks_len % 4 == 0);
+    let want = fingerprint(&Store::open_read_only(dir.path()).unwrap().snapshot(), &ids(&all));
+
+    // One bit of a trace id or session name (the text section, 6): the
+    // open reads none of the tables and uses the file; the reads that meet
+    // the block fail naming the file, never answer from it.
+    let (text_at, text_len) = section_of(&saved, 6);
+    let mut damaged = saved.clone();
+    damaged[text_at + text_len / 2] ^= 0x01;
+    std::fs::write(&index, &damaged).unwrap();
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().index_layers().index_file_bytes, saved.len() as u64, "the open used the file");
+    let err = fingerprint_checked(&ro.snapshot(), &ids(&all)).unwrap_err();
+    assert!(matches!(err.kind(), ErrorKind::Corrupt { path, .. } if path == &index), "{err}");
+    assert!(err.message().contains("fails its crc32"), "{err}");
+    // A refresh loads the view again checking the file whole: without it.
+    ro.refresh().unwrap();
+    assert_eq!(ro.snapshot().index_layers().index_file_bytes, 0);
+    assert_eq!(fingerprint(&ro.snapshot(), &ids(&all)), want);
+    drop(ro);
+
+    // A writable open checks the whole file: it does without it, answers
+    // the same, and writes it anew (the same bytes: a function of the
+    // shards).
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(fingerprint(&store.snapshot(), &ids(&all)), want);
+    drop(store);
+    assert_eq!(std::fs::read(&index).unwrap(), saved, "rewritten as it was");
+
+    // Undamaged, a read-only open reads the same through the file.
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().index_layers().index_file_bytes, saved.len() as u64);
+    assert_eq!(fingerprint(&ro.snapshot(), &ids(&all)), want);
 }
 
 #[test]

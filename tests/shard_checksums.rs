@@ -285,8 +285,8 @@ fn a_store_open_decodes_a_footer_at_its_first_read_and_checks_it_again() {
     let (calls, shard) = compacted_store(dir.path(), ShardCompression::default());
     let checksum = manifest_checksum(dir.path(), &shard);
     assert!(checksum.is_some());
-    // Deferred: the length and footer crc32 checked now, the footer decoded
-    // at the first read.
+    // Deferred: the length checked now, the footer read, checked against
+    // the manifest's crc32 and decoded at the first read.
     let f = ShardFile::open_deferred(&shard, 0, checksum).unwrap();
     assert!(!f.is_decoded());
     assert_eq!(f.rows().unwrap(), calls.len() as u64);
@@ -294,19 +294,26 @@ fn a_store_open_decodes_a_footer_at_its_first_read_and_checks_it_again() {
     assert!(ShardFile::open(&shard, 0, checksum).unwrap().is_decoded());
     // Without the manifest's checksum there is nothing to check now: decoded now.
     assert!(ShardFile::open_deferred(&shard, 0, None).unwrap().is_decoded());
-    // A store's open (through the shard index file) decodes no footer; the
-    // footer damaged after the open is refused at the first read, naming the
-    // file, never decoded into other row groups.
-    let store = Store::open_read_only(dir.path()).unwrap();
+    // A store's open (through the shard index file) reads no footer; a
+    // footer damaged before the open (the open succeeds: it checks lengths)
+    // or after it is refused at the first read, naming the file, never
+    // decoded into other row groups.
     let original = std::fs::read(&shard).unwrap();
     let footer_len = u32::from_le_bytes(original[original.len() - 8..original.len() - 4].try_into().unwrap()) as usize;
     let at = original.len() - 8 - footer_len / 2;
     let mut damaged = original.clone();
     damaged[at] ^= 0x40;
     std::fs::write(&shard, &damaged).unwrap();
+    let before = Store::open_read_only(dir.path()).unwrap();
+    let err = before.snapshot().session("s1", None, None).unwrap_err();
+    assert_names(&err, &shard, at as u64);
+    drop(before);
+    std::fs::write(&shard, &original).unwrap();
+    let store = Store::open_read_only(dir.path()).unwrap();
+    std::fs::write(&shard, &damaged).unwrap();
     let err = store.snapshot().session("s1", None, None).unwrap_err();
     assert_names(&err, &shard, at as u64);
-    assert!(err.message().contains("at open"), "{err}");
+    assert!(err.message().contains("the manifest says"), "{err}");
     // Mended, the same store reads it (nothing of the failure was kept).
     std::fs::write(&shard, &original).unwrap();
     let snap = store.snapshot();

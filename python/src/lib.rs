@@ -856,7 +856,12 @@ impl NativeStore {
     fn sessions<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let store = self.get()?;
         let list = PyList::empty(py);
-        for s in store.snapshot().sessions() {
+        let snap = store.snapshot();
+        let sessions = snap.sessions();
+        // A read-only store's lookups that met a damaged block of the shard
+        // index file may have left sessions out: an error, not a short list.
+        snap.check_index().map_err(to_py)?;
+        for s in sessions {
             let d = PyDict::new(py);
             d.set_item("session_id", s.session_id)?;
             d.set_item("trace_count", s.calls)?;

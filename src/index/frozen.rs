@@ -208,12 +208,6 @@ pub(crate) struct Frozen {
     /// The session rewards the open's replay set (likewise); they win over
     /// the cached ones.
     rewards: std::collections::HashMap<u32, f64>,
-    /// Where the sessions of each top-`bits` hash prefix start in
-    /// `sessions` (2^bits + 1 entries, bits ≈ log2(sessions) − 2): a name
-    /// lookup reads one bucket of ~4 entries instead of a binary search's
-    /// ~20 cache misses (an open replays a seal and a reward per session).
-    directory: Vec<u32>,
-    directory_bits: u32,
 }
 
 /// The annotation cache's seals and session rewards of a layer's sessions
@@ -230,6 +224,12 @@ pub(crate) struct CachedMarks {
 /// Bit `i` of a bit set of 64-bit words.
 pub(crate) fn bit(set: &[u64], i: u32) -> bool {
     set.get((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
+}
+
+/// Bit `i` of a bit set of 64-bit words in a table (an element read, not
+/// the whole table).
+fn table_bit(set: &Table<u64>, i: u32) -> bool {
+    set.at((i / 64) as usize).is_some_and(|w| w >> (i % 64) & 1 == 1)
 }
 
 /// Set bit `i` of a bit set of 64-bit words (none past its end).
@@ -250,67 +250,62 @@ pub(crate) struct FrozenTables<'a> {
 impl Frozen {
     fn bytes_at(&self, at: u64, len: u32) -> &[u8] {
         let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return &[] };
-        self.text.get(at..at.saturating_add(len)).unwrap_or(&[])
+        self.text.span(at..at.saturating_add(len)).unwrap_or(&[])
     }
 
     fn str_at(&self, at: u64, len: u32) -> &str {
-        let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return "" };
-        // Built from `&str`s, or checked when mapped (`from_tables`).
-        self.text.get(at..at.saturating_add(len)).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("")
+        std::str::from_utf8(self.bytes_at(at, len)).unwrap_or("")
     }
 
     /// A layer over tables read from a shard index file (whose checksums
-    /// passed). Nothing here is checked row by row, which would touch the
+    /// passed, or whose blocks are checked as they are read: see
+    /// [`Table`]). Nothing here is checked row by row, which would touch the
     /// whole file at every open: every access is bounds-checked instead, so
     /// a malformed table makes lookups miss or names read empty, never a
-    /// panic.
+    /// panic. The lookups read a few rows each and check only their
+    /// blocks; what hands out a whole table checks all of it first.
     pub fn from_tables(
         text: Table<u8>,
         rows: Table<FrozenRow>,
         sessions: Table<FrozenSession>,
         by_trace: Table<TraceEntry>,
     ) -> Frozen {
-        let f = Frozen {
-            text,
-            rows,
-            sessions,
-            by_trace,
-            cached: None,
-            sealed: Vec::new(),
-            rewards: Default::default(),
-            directory: Vec::new(),
-            directory_bits: 0,
-        };
-        f.with_directory()
+        Frozen { text, rows, sessions, by_trace, cached: None, sealed: Vec::new(), rewards: Default::default() }
     }
 
-    /// The bucket of a hash in the directory.
-    fn bucket(&self, hash: u64) -> usize {
-        hash.checked_shr(64 - self.directory_bits).unwrap_or(0) as usize
-    }
-
-    /// This layer with its session directory built (O(sessions)).
-    fn with_directory(mut self) -> Frozen {
-        let n = self.sessions.len();
-        let bits = if n < 8 { 0 } else { (usize::BITS - n.leading_zeros()).saturating_sub(3).min(24) };
-        self.directory_bits = bits;
-        let mut directory = Vec::with_capacity((1usize << bits) + 1);
-        for (i, s) in self.sessions.iter().enumerate() {
-            let b = self.bucket(s.hash);
-            while directory.len() <= b {
-                directory.push(i as u32);
+    /// The first session whose name hash is at least `h`: a few steps of
+    /// interpolation (the hashes are uniform: each step narrows n sessions
+    /// to about √n), then a binary search; every session read has its
+    /// block checked (`None` when one fails). No directory is built, so an
+    /// open touches no session.
+    fn sessions_from(&self, h: u64) -> Option<usize> {
+        let (mut lo, mut hi) = (0usize, self.sessions.len());
+        // Hashes of the sessions at lo - 1 and at hi, or the bounds.
+        let (mut below, mut above) = (0u64, u64::MAX);
+        for _ in 0..4 {
+            if hi - lo <= 64 {
+                break;
+            }
+            let ahead = u128::from(h.saturating_sub(below)) * (hi - lo) as u128 / (u128::from(above - below) + 1);
+            let at = (lo + usize::try_from(ahead).unwrap_or(usize::MAX).min(hi - lo - 1)).min(hi - 1);
+            let s = self.sessions.at(at)?;
+            if s.hash < h {
+                (lo, below) = (at + 1, s.hash);
+            } else {
+                (hi, above) = (at, s.hash);
             }
         }
-        while directory.len() <= 1usize << bits {
-            directory.push(n as u32);
-        }
-        self.directory = directory;
-        self
+        self.sessions.partition_point_in(lo..hi, |s| s.hash < h)
     }
 
     /// Its tables, to write.
     pub fn tables(&self) -> FrozenTables<'_> {
-        FrozenTables { text: &self.text, rows: &self.rows, sessions: &self.sessions, by_trace: &self.by_trace }
+        FrozenTables {
+            text: self.text.as_slice(),
+            rows: self.rows.as_slice(),
+            sessions: self.sessions.as_slice(),
+            by_trace: self.by_trace.as_slice(),
+        }
     }
 
     /// A row's trace id.
@@ -320,7 +315,15 @@ impl Frozen {
 
     /// A session's name.
     pub fn session_name(&self, session: u32) -> &str {
-        self.sessions.get(session as usize).map_or("", |s| self.str_at(s.name, s.name_len))
+        self.session_name_checked(session).unwrap_or("")
+    }
+
+    /// A session's name; `None` past the end, or when a block it is read
+    /// from fails its check.
+    pub fn session_name_checked(&self, session: u32) -> Option<&str> {
+        let s = self.sessions.at(session as usize)?;
+        let (Ok(at), Ok(len)) = (usize::try_from(s.name), usize::try_from(s.name_len)) else { return None };
+        std::str::from_utf8(self.text.span(at..at.saturating_add(len))?).ok()
     }
 
     /// Number of frozen calls.
@@ -337,8 +340,15 @@ impl Frozen {
         self.sessions.len() as u32
     }
 
+    /// Every frozen row (all of them checked first; empty when a block of
+    /// them fails).
     pub fn rows(&self) -> &[FrozenRow] {
-        &self.rows
+        self.rows.as_slice()
+    }
+
+    /// Frozen row `row`.
+    pub fn row(&self, row: u32) -> Option<&FrozenRow> {
+        self.rows.at(row as usize)
     }
 
     /// Whether its tables are the ones of the mapped file `map`.
@@ -349,35 +359,33 @@ impl Frozen {
     /// The range of frozen rows of session `session` (empty past the end).
     pub fn row_range(&self, session: u32) -> std::ops::Range<u32> {
         let i = session as usize;
-        let end = self.sessions.get(i + 1).map_or(self.rows.len() as u32, |n| n.first_row);
-        self.sessions.get(i).map_or(0..0, |s| s.first_row..end)
+        let end = self.sessions.at(i + 1).map_or(self.rows.len() as u32, |n| n.first_row);
+        self.sessions.at(i).map_or(0..0, |s| s.first_row..end)
     }
 
     /// The hash of frozen session `session`'s name ([`id_hash`]).
     pub fn session_hash(&self, session: u32) -> u64 {
-        self.sessions.get(session as usize).map_or(0, |s| s.hash)
+        self.sessions.at(session as usize).map_or(0, |s| s.hash)
     }
 
     /// The (trace id hash, row) table, sorted.
     pub fn by_trace(&self) -> &[TraceEntry] {
-        &self.by_trace
+        self.by_trace.as_slice()
     }
 
     /// The rows whose trace id hashes to `hash`.
     pub fn rows_with_trace_hash(&self, hash: u64) -> impl Iterator<Item = u32> + '_ {
         let at = self.by_trace.partition_point(|e| e.hash < hash);
-        self.by_trace.get(at..).unwrap_or_default().iter().take_while(move |e| e.hash == hash).map(|e| e.row)
+        let run = at.and_then(|at| self.by_trace.run_from(at, |e| e.hash == hash));
+        run.unwrap_or_default().iter().map(|e| e.row)
     }
 
     /// The frozen session named `name`.
     pub fn session(&self, name: &str) -> Option<u32> {
         let h = id_hash(name);
-        let b = self.bucket(h);
-        let (lo, hi) = (*self.directory.get(b)? as usize, *self.directory.get(b + 1)? as usize);
-        let bucket = self.sessions.get(lo..hi)?;
-        let at = lo + bucket.partition_point(|s| s.hash < h);
-        let same = self.sessions.get(at..hi)?.iter().take_while(|s| s.hash == h);
-        for (i, s) in same.enumerate() {
+        let at = self.sessions_from(h)?;
+        let same = self.sessions.run_from(at, |s| s.hash == h)?;
+        for (i, s) in same.iter().enumerate() {
             if self.bytes_at(s.name, s.name_len) == name.as_bytes() {
                 return Some((at + i) as u32);
             }
@@ -388,7 +396,7 @@ impl Frozen {
     /// Whether the open sealed frozen session `session` (the annotation
     /// cache, or a seal record its replay applied).
     pub fn is_sealed(&self, session: u32) -> bool {
-        bit(&self.sealed, session) || self.cached.as_ref().is_some_and(|c| bit(&c.sealed, session))
+        bit(&self.sealed, session) || self.cached.as_ref().is_some_and(|c| table_bit(&c.sealed, session))
     }
 
     /// Seal frozen session `session` (an open's replay).
@@ -409,7 +417,7 @@ impl Frozen {
             return Some(*r);
         }
         let c = self.cached.as_ref()?;
-        bit(&c.has_reward, session).then(|| c.rewards.get(session as usize).map(|b| f64::from_bits(*b))).flatten()
+        table_bit(&c.has_reward, session).then(|| c.rewards.at(session as usize).map(|b| f64::from_bits(*b))).flatten()
     }
 
     /// Set frozen session `session`'s reward (an open's replay).
@@ -434,31 +442,31 @@ impl Frozen {
 
     /// The index of a frozen session's first row.
     pub fn first_row(&self, session: u32) -> Option<u32> {
-        self.sessions.get(session as usize).map(|s| s.first_row)
+        self.sessions.at(session as usize).map(|s| s.first_row)
     }
 
     /// A frozen session's calls, oldest first.
     pub fn session_rows(&self, session: u32) -> &[FrozenRow] {
         let i = session as usize;
         let (Some(s), end) =
-            (self.sessions.get(i), self.sessions.get(i + 1).map_or(self.rows.len(), |n| n.first_row as usize))
+            (self.sessions.at(i), self.sessions.at(i + 1).map_or(self.rows.len(), |n| n.first_row as usize))
         else {
             return &[];
         };
-        self.rows.get(s.first_row as usize..end).unwrap_or(&[])
+        self.rows.span(s.first_row as usize..end).unwrap_or(&[])
     }
 
     /// The frozen call with trace id `trace_id`.
     pub fn trace(&self, trace_id: &str) -> Option<&FrozenRow> {
-        self.trace_row(trace_id).and_then(|i| self.rows.get(i as usize))
+        self.trace_row(trace_id).and_then(|i| self.rows.at(i as usize))
     }
 
     /// The row number of the frozen call with trace id `trace_id`.
     pub fn trace_row(&self, trace_id: &str) -> Option<u32> {
         let h = id_hash(trace_id);
-        let at = self.by_trace.partition_point(|e| e.hash < h);
-        self.by_trace.get(at..)?.iter().take_while(|e| e.hash == h).map(|e| e.row).find(|i| {
-            self.rows.get(*i as usize).is_some_and(|r| self.bytes_at(r.trace, r.trace_len) == trace_id.as_bytes())
+        let at = self.by_trace.partition_point(|e| e.hash < h)?;
+        self.by_trace.run_from(at, |e| e.hash == h)?.iter().map(|e| e.row).find(|i| {
+            self.rows.at(*i as usize).is_some_and(|r| self.bytes_at(r.trace, r.trace_len) == trace_id.as_bytes())
         })
     }
 
@@ -543,10 +551,8 @@ impl Frozen {
             cached: None,
             sealed: Vec::new(),
             rewards: Default::default(),
-            directory: Vec::new(),
-            directory_bits: 0,
         };
-        Some((f.with_directory(), frozen_row_of_input))
+        Some((f, frozen_row_of_input))
     }
 
     /// Bytes of heap this layer holds.
@@ -557,7 +563,6 @@ impl Frozen {
             + self.by_trace.heap_bytes()
             + self.sealed.capacity() * 8
             + self.rewards.capacity() * (std::mem::size_of::<(u32, f64)>() + 1)
-            + self.directory.capacity() * 4
     }
 }
 

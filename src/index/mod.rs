@@ -457,7 +457,7 @@ impl Index {
             return false;
         }
         for (row, bits) in trace_rewards {
-            if let Some(r) = self.frozen.rows().get(*row as usize) {
+            if let Some(r) = self.frozen.row(*row) {
                 self.trace_rewards.insert(Arc::from(self.frozen.trace_id(r)), f64::from_bits(*bits));
             }
         }
@@ -639,7 +639,9 @@ impl Index {
     pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
         self.for_each_session_in_maps(&mut f);
         for i in (0..self.frozen.session_count()).filter(|i| self.is_frozen(*i)) {
-            let name = self.frozen.session_name(i);
+            // A name in a damaged block of the shard index file is left
+            // out (`Snapshot::check_index` says so).
+            let Some(name) = self.frozen.session_name_checked(i) else { continue };
             if let Some(s) = self.frozen_summary(i, self.sessions.get(name)) {
                 f(name, s);
             }

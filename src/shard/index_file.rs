@@ -19,7 +19,7 @@ use crate::format::record::Loc;
 use crate::index::frozen::{cold_rows, id_hash, AsRow, Frozen, FrozenRow, FrozenSession, FrozenTables, RowRef, TraceEntry};
 use crate::storage::fault::{self, Faults, Op};
 use crate::storage::mmap::Mapping;
-use crate::storage::table::Table;
+use crate::storage::table::{BlockCheck, Table, CHECK_BLOCK};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -47,6 +47,14 @@ pub(crate) const TRACE_HASHES: u32 = 8;
 pub(crate) const SESSION_HASHES: u32 = 9;
 const SECTIONS: [u32; 9] =
     [SHARDS, PLACEMENTS, FROZEN_ROWS, FROZEN_SESSIONS, TRACE_TABLE, TEXT, HOT_ROWS, TRACE_HASHES, SESSION_HASHES];
+/// The block checksums: a crc32 per [`CHECK_BLOCK`] bytes of each section
+/// before it (format-spec/shard-index.md §2), written after [`SECTIONS`].
+/// A reader without it checks every section whole; one with it checks the
+/// tables a block at a time, as lookups read them.
+pub(crate) const BLOCK_CRCS: u32 = 10;
+/// The sections a read-only open checks a block at a time (the others,
+/// small, whole at the open).
+const LAZY: [u32; 7] = [PLACEMENTS, FROZEN_ROWS, FROZEN_SESSIONS, TRACE_TABLE, TEXT, TRACE_HASHES, SESSION_HASHES];
 /// "Not a frozen row", in a placement's `frozen_row`.
 pub(crate) const NOT_FROZEN: u32 = u32::MAX;
 
@@ -223,12 +231,27 @@ pub(crate) struct SectionSink<'a> {
     w: &'a mut BufWriter<File>,
     crc: crc32fast::Hasher,
     len: u64,
+    /// The crc32 of each full [`CHECK_BLOCK`] so far, and of the block
+    /// being written.
+    blocks: &'a mut Vec<u32>,
+    block: crc32fast::Hasher,
 }
 
 impl SectionSink<'_> {
     pub(crate) fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.crc.update(bytes);
-        self.len += bytes.len() as u64;
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let room = CHECK_BLOCK - (self.len as usize % CHECK_BLOCK);
+            let (now, later) = rest.split_at(room.min(rest.len()));
+            self.block.update(now);
+            self.len += now.len() as u64;
+            if (self.len as usize).is_multiple_of(CHECK_BLOCK) {
+                let full = std::mem::replace(&mut self.block, crc32fast::Hasher::new());
+                self.blocks.push(full.finalize());
+            }
+            rest = later;
+        }
         self.w.write_all(bytes)
     }
 
@@ -250,6 +273,8 @@ pub(crate) struct FileWriter {
     directory: Vec<u8>,
     sections: u32,
     at: u64,
+    /// Every section's block crc32s so far ([`BLOCK_CRCS`]).
+    blocks: Vec<u32>,
 }
 
 impl FileWriter {
@@ -265,9 +290,16 @@ impl FileWriter {
             .map_err(|e| io(&tmp, "create", e))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
         // Room for the header and the directory, written at the end.
-        let at = HEADER_LEN + SECTIONS.len() * DIR_ENTRY_LEN;
+        let at = HEADER_LEN + (SECTIONS.len() + 1) * DIR_ENTRY_LEN;
         w.write_all(&vec![0u8; at]).map_err(|e| io(&tmp, "write", e))?;
-        Ok(FileWriter { w, tmp, directory: Vec::with_capacity(SECTIONS.len() * DIR_ENTRY_LEN), sections: 0, at: at as u64 })
+        Ok(FileWriter {
+            w,
+            tmp,
+            directory: Vec::with_capacity((SECTIONS.len() + 1) * DIR_ENTRY_LEN),
+            sections: 0,
+            at: at as u64,
+            blocks: Vec::new(),
+        })
     }
 
     /// Write section `kind` (the next of [`SECTIONS`]): `body` puts its
@@ -280,8 +312,28 @@ impl FileWriter {
         if SECTIONS.get(self.sections as usize) != Some(&kind) {
             return Err(Error::new(crate::ErrorKind::Io, format!("internal: shard index section {kind} out of order")));
         }
-        let mut sink = SectionSink { w: &mut self.w, crc: crc32fast::Hasher::new(), len: 0 };
+        self.write_section(kind, body)?;
+        self.sections += 1;
+        Ok(())
+    }
+
+    fn write_section(
+        &mut self,
+        kind: u32,
+        body: impl FnOnce(&mut SectionSink<'_>) -> std::io::Result<u64>,
+    ) -> Result<()> {
+        let mut sink = SectionSink {
+            w: &mut self.w,
+            crc: crc32fast::Hasher::new(),
+            len: 0,
+            blocks: &mut self.blocks,
+            block: crc32fast::Hasher::new(),
+        };
         let written = body(&mut sink).and_then(|count| {
+            if !(sink.len as usize).is_multiple_of(CHECK_BLOCK) {
+                let last = std::mem::replace(&mut sink.block, crc32fast::Hasher::new());
+                sink.blocks.push(last.finalize());
+            }
             let pad = (pad8(sink.len as usize) as u64 - sink.len) as usize;
             sink.w.write_all([0u8; 8].get(..pad).unwrap_or_default())?;
             Ok(count)
@@ -294,17 +346,24 @@ impl FileWriter {
         self.directory.extend_from_slice(&len.to_le_bytes());
         self.directory.extend_from_slice(&count.to_le_bytes());
         self.at = pad8((self.at + len) as usize) as u64;
-        self.sections += 1;
         Ok(())
     }
 
     /// Write the header and the directory, fsync, rename over the file,
     /// fsync the directory; the file's size.
-    pub(crate) fn finish(self, shards_dir: &Path, faults: &Faults) -> Result<u64> {
-        let FileWriter { w, tmp, directory, sections, at } = self;
-        if sections as usize != SECTIONS.len() {
+    pub(crate) fn finish(mut self, shards_dir: &Path, faults: &Faults) -> Result<u64> {
+        if self.sections as usize != SECTIONS.len() {
             return Err(Error::new(crate::ErrorKind::Io, "internal: a shard index section was not written"));
         }
+        let blocks = std::mem::take(&mut self.blocks);
+        self.write_section(BLOCK_CRCS, |s| {
+            for c in &blocks {
+                s.put(&c.to_le_bytes())?;
+            }
+            Ok(blocks.len() as u64)
+        })?;
+        let sections = self.sections + 1;
+        let FileWriter { w, tmp, directory, at, .. } = self;
         let mut header = Vec::with_capacity(HEADER_LEN);
         header.extend_from_slice(&MAGIC);
         header.extend_from_slice(&INDEX_FILE_VERSION.to_le_bytes());
@@ -339,6 +398,41 @@ pub(crate) fn write_and_open(
     ShardIndex::open(shards_dir).ok().flatten().filter(|ix| ix.shards() == shards)
 }
 
+/// The block check of a lazy open: the sections of [`LAZY`] (at `ranges`,
+/// `kinds` in directory order) checked against the block checksums of
+/// section [`BLOCK_CRCS`], whose own crc32 is checked here. `None` (check
+/// every section whole) when the file has none or they do not fit.
+fn block_check(
+    map: &Arc<Mapping>,
+    path: &Path,
+    kinds: &[u32],
+    ranges: &[std::ops::Range<usize>],
+) -> Option<BlockCheck> {
+    let at = kinds.iter().position(|k| *k == BLOCK_CRCS)?;
+    let r = ranges.get(at)?.clone();
+    let directory = map.bytes().get(HEADER_LEN + at * DIR_ENTRY_LEN..HEADER_LEN + (at + 1) * DIR_ENTRY_LEN)?;
+    let (crc, n) = (le_u32(directory, 4)?, usize::try_from(le_u64(directory, 24)?).ok()?);
+    if r.len() != n.checked_mul(4)? || map.crc32_transient(r.clone()) != Some(crc) {
+        return None;
+    }
+    let crcs = Table::<u32>::mapped(map, r.start, n)?;
+    // The blocks of every section before it, in directory order.
+    let mut sections: Vec<Option<(usize, usize, usize)>> = vec![None; 11];
+    let mut first = 0usize;
+    for (k, range) in kinds.iter().zip(ranges).take(at) {
+        if LAZY.contains(k) {
+            if let Some(s) = sections.get_mut(*k as usize) {
+                *s = Some((range.start, range.len(), first));
+            }
+        }
+        first = first.checked_add(range.len().div_ceil(CHECK_BLOCK))?;
+    }
+    if first != n {
+        return None;
+    }
+    BlockCheck::new(map.clone(), path, sections, crcs)
+}
+
 /// A section's place in the file.
 #[derive(Debug, Clone, Copy, Default)]
 struct Section {
@@ -352,7 +446,11 @@ struct Section {
 pub(crate) struct ShardIndex {
     map: Arc<Mapping>,
     shards: Vec<ShardKey>,
-    sections: [Section; 10],
+    sections: [Section; 11],
+    /// Checks the tables' blocks as they are read (a read-only open of a
+    /// file with block checksums); `None`: every section was checked whole
+    /// at the open.
+    check: Option<Arc<BlockCheck>>,
     /// The rows not frozen, decoded (few: rows of several sessions, and
     /// replacements not yet collected), sorted by log position.
     hot: Vec<ShardRow>,
@@ -382,6 +480,19 @@ impl ShardIndex {
     /// none, `Err(what)` when it is damaged or of another version (the
     /// caller then does without it).
     pub(crate) fn open(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
+        Self::open_with(shards_dir, false)
+    }
+
+    /// [`ShardIndex::open`], but with block checksums (section 10) the
+    /// tables are not checked at the open: each block is checked when a
+    /// lookup first reads it, and what fails is recorded
+    /// ([`ShardIndex::damage`]). For a read-only open: a writer checks the
+    /// whole file, whose tables its publications copy.
+    pub(crate) fn open_lazy(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
+        Self::open_with(shards_dir, true)
+    }
+
+    fn open_with(shards_dir: &Path, lazy: bool) -> std::result::Result<Option<ShardIndex>, String> {
         let path = shards_dir.join(INDEX_FILE_NAME);
         let file = match File::open(&path) {
             Ok(f) => f,
@@ -407,8 +518,8 @@ impl ShardIndex {
         if Some(crc32fast::hash(directory)) != le_u32(b, 16) {
             return Err("the directory fails its crc32".into());
         }
-        let mut sections = [Section::default(); 10];
-        let mut seen = [false; 10];
+        let mut sections = [Section::default(); 11];
+        let mut seen = [false; 11];
         let mut ranges = Vec::with_capacity(count);
         for e in directory.chunks_exact(DIR_ENTRY_LEN) {
             let kind = le_u32(e, 0).unwrap_or(0);
@@ -419,12 +530,21 @@ impl ShardIndex {
             let range = usize::try_from(offset).ok().zip(usize::try_from(slen).ok()).map(|(o, l)| o..o + l);
             ranges.push(range.ok_or("a section does not fit in memory")?);
         }
-        // Every section's crc32 (two threads on a large file).
-        let crcs = map.crc32s_transient(&ranges);
-        for (e, got) in directory.chunks_exact(DIR_ENTRY_LEN).zip(crcs) {
+        // Lazily: the tables' blocks, per the block checksums (when the
+        // file has them), are checked as they are read, not here.
+        let kinds: Vec<u32> = directory.chunks_exact(DIR_ENTRY_LEN).map(|e| le_u32(e, 0).unwrap_or(0)).collect();
+        let check = if lazy { block_check(&map, &path, &kinds, &ranges) } else { None };
+        let whole: Vec<std::ops::Range<usize>> = kinds
+            .iter()
+            .zip(&ranges)
+            .map(|(k, r)| if check.is_some() && LAZY.contains(k) { 0..0 } else { r.clone() })
+            .collect();
+        // Every other section's crc32 (two threads on a large file).
+        let crcs = map.crc32s_transient(&whole);
+        for ((e, got), r) in directory.chunks_exact(DIR_ENTRY_LEN).zip(crcs).zip(&whole) {
             let (kind, crc) = (le_u32(e, 0).unwrap_or(0), le_u32(e, 4).unwrap_or(0));
             let (offset, slen, n) = (le_u64(e, 8).unwrap_or(0), le_u64(e, 16).unwrap_or(0), le_u64(e, 24).unwrap_or(0));
-            if got != Some(crc) {
+            if got != Some(crc) && !r.is_empty() {
                 return Err(format!("section {kind} ({slen} bytes at {offset}) fails its crc32"));
             }
             let (Ok(offset), Ok(slen), Ok(n)) = (usize::try_from(offset), usize::try_from(slen), usize::try_from(n))
@@ -443,6 +563,7 @@ impl ShardIndex {
             map,
             shards: Vec::new(),
             sections,
+            check: check.map(Arc::new),
             hot: Vec::new(),
             len,
             frozen_per_shard: std::sync::OnceLock::new(),
@@ -527,7 +648,29 @@ impl ShardIndex {
 
     fn table<T: bytemuck::Pod>(&self, kind: u32) -> std::result::Result<Table<T>, String> {
         let s = self.section(kind);
-        Table::mapped(&self.map, s.offset, s.count).ok_or_else(|| format!("section {kind} is misaligned"))
+        let table = Table::mapped(&self.map, s.offset, s.count).ok_or_else(|| format!("section {kind} is misaligned"))?;
+        Ok(match &self.check {
+            Some(c) => table.checked_by(c, kind as usize),
+            None => table,
+        })
+    }
+
+    /// What failed of the blocks checked so far (a read-only open's lazy
+    /// checks, [`ShardIndex::open_lazy`]), as the error a read reports.
+    pub(crate) fn damage(&self) -> Option<Error> {
+        self.check.as_ref()?.damage()
+    }
+
+    /// The lazy block check, for tests.
+    #[cfg(test)]
+    pub(crate) fn block_check(&self) -> Option<&Arc<BlockCheck>> {
+        self.check.as_ref()
+    }
+
+    /// Where section `kind` starts in the file, for tests.
+    #[cfg(test)]
+    pub(crate) fn section_offset(&self, kind: u32) -> usize {
+        self.section(kind).offset
     }
 
     fn frozen_tables(&self) -> std::result::Result<Frozen, String> {
@@ -607,10 +750,18 @@ impl ShardIndex {
     /// `shards` and `c`; else the first section that differs.
     pub(crate) fn check_against(&self, shards: &[ShardKey], c: &Contents<'_>) -> std::result::Result<(), String> {
         let (shards_bytes, hot_bytes) = (encode_shards(shards), encode_hot(c.hot));
+        let mut blocks = Vec::new();
         for (kind, bytes, count) in sections(shards, c, &shards_bytes, &hot_bytes) {
             if self.bytes_of(kind) != bytes || self.section(kind).count as u64 != count {
                 return Err(format!("section {kind} differs from what the shards' rows make"));
             }
+            blocks.extend(bytes.chunks(CHECK_BLOCK).flat_map(|b| crc32fast::hash(b).to_le_bytes()));
+        }
+        // The block checksums, when the file has them (files written before
+        // them do not).
+        let has_blocks = self.sections.get(BLOCK_CRCS as usize).is_some_and(|s| s.offset != 0);
+        if has_blocks && self.bytes_of(BLOCK_CRCS) != blocks.as_slice() {
+            return Err(format!("section {BLOCK_CRCS} (block checksums) differs from the checksums of the sections"));
         }
         Ok(())
     }

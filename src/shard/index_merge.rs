@@ -110,6 +110,7 @@ fn plan<'a>(
     added: &[RowRef<'a>],
 ) -> Option<Plan<'a>> {
     let placements = old.placements();
+    let placements = placements.as_slice();
     let rows = frozen.rows();
     if u32::try_from(rows.len() + old.hot_rows().len() + added.len()).is_err() {
         return None;
@@ -738,5 +739,78 @@ mod tests {
         let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), &[RowRef::from(&again)], &None).expect("merge");
         assert!(!merged);
         assert!(!out.path().join(super::super::index_file::INDEX_FILE_NAME).exists());
+    }
+
+    /// A read-only open of a file with block checksums checks no table;
+    /// lookups check the blocks they read, answer as a whole check would,
+    /// and a damaged block makes the lookups that read it miss and the file
+    /// say so (format-spec/shard-index.md §2, kind 10).
+    #[test]
+    fn a_lazy_open_checks_the_blocks_lookups_read() {
+        let n = 20_000u32;
+        let rows: Vec<ShardRow> = (0..n)
+            .map(|i| ShardRow {
+                loc: Loc { segment: 1 + u64::from(i / 1000), offset: u64::from(i % 1000) * 64 },
+                trace_id: Arc::from(format!("t{i}")),
+                sessions: Arc::from(vec![Arc::<str>::from(format!("s{i}"))]),
+                timestamp: f64::from(i),
+                pos: ShardPos { shard: 0, row_group: i / 256, row: i % 256 },
+            })
+            .collect();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bytes = full(dir.path(), &keys(1, "a"), &rows);
+        let eager = ShardIndex::open(dir.path()).expect("open").expect("present");
+        assert!(eager.block_check().is_none());
+        let lazy = ShardIndex::open_lazy(dir.path()).expect("open").expect("present");
+        let check = lazy.block_check().expect("a file with block checksums opens lazily").clone();
+        assert_eq!(check.good_blocks(), 0, "the open checked no table");
+        let (fe, fl) = (eager.frozen(), lazy.frozen());
+        assert_eq!(fl.session_count(), n);
+        for i in [0, 1, 777, 12_345, n - 1] {
+            let (name, trace) = (format!("s{i}"), format!("t{i}"));
+            let s = fl.session(&name).expect("found");
+            assert_eq!(Some(s), fe.session(&name));
+            let locs = |rows: &[FrozenRow]| rows.iter().map(|r| (r.loc(), r.timestamp.to_bits())).collect::<Vec<_>>();
+            assert_eq!(locs(fl.session_rows(s)), locs(fe.session_rows(s)));
+            assert_eq!(fl.trace_row(&trace), fe.trace_row(&trace));
+            assert_eq!(fl.session_name(s), name);
+        }
+        assert_eq!(fl.session("nope"), None);
+        let loc = rows[4321].loc;
+        assert_eq!(lazy_set(&lazy).position(loc), eager_set(&eager).position(loc));
+        let total = bytes.len().div_ceil(crate::storage::table::CHECK_BLOCK);
+        let good = check.good_blocks();
+        assert!(good > 0 && good * 4 < total, "{good} of {total} blocks checked");
+        assert!(lazy.damage().is_none());
+
+        // One bit of a frozen row in the middle of its table.
+        let at = lazy.section_offset(super::super::index_file::FROZEN_ROWS) + 10_000 * 40 + 3;
+        let victim = 10_000u32;
+        let name = (0..n).find(|s| fe.row_range(*s).contains(&victim)).map(|s| fe.session_name(s).to_owned());
+        let name = name.expect("its session");
+        let mut damaged = bytes.clone();
+        damaged[at] ^= 0x04;
+        std::fs::write(dir.path().join(super::super::index_file::INDEX_FILE_NAME), &damaged).expect("write");
+        assert!(ShardIndex::open(dir.path()).is_err(), "a whole check refuses it");
+        let lazy = ShardIndex::open_lazy(dir.path()).expect("a lazy open checks no table").expect("present");
+        let fl = lazy.frozen();
+        // Lookups elsewhere answer; the damaged rows read as none.
+        assert_eq!(fl.session("s7").map(|s| fl.session_rows(s).len()), Some(1));
+        assert!(lazy.damage().is_none());
+        let s = fl.session(&name).expect("its session entry is intact");
+        assert!(fl.session_rows(s).is_empty());
+        let e = lazy.damage().expect("the damage is said");
+        assert!(e.message().contains("fails its crc32") && e.message().contains("index.tsi"), "{e}");
+        // A whole-table read is empty rather than partly unchecked.
+        assert!(fl.rows().is_empty());
+    }
+
+    fn eager_set(ix: &ShardIndex) -> crate::shard::set::ShardSet {
+        lazy_set(ix)
+    }
+
+    /// A shard set placed by the file (one shard file, not opened).
+    fn lazy_set(ix: &ShardIndex) -> crate::shard::set::ShardSet {
+        crate::shard::set::ShardSet::with_table(ix.placements())
     }
 }

@@ -112,6 +112,12 @@ impl ShardSet {
         }
     }
 
+    /// A set of no files placed by `base`, for tests of the lookups.
+    #[cfg(test)]
+    pub(crate) fn with_table(base: Table<Placement>) -> ShardSet {
+        ShardSet { base: Arc::new(base), ..ShardSet::default() }
+    }
+
     /// Its placements, when they are one table (an open that built them;
     /// shard numbers = slots).
     pub(crate) fn placements(&self) -> &[Placement] {
@@ -248,9 +254,16 @@ impl ShardSet {
         if let Ok(i) = self.extra.binary_search_by(|p| p.loc().cmp(&loc)) {
             return self.extra.get(i).map(Placement::pos);
         }
-        let i = self.base.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
-        let p = self.base.get(i)?;
+        let p = self.base_at(loc)?;
         Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })
+    }
+
+    /// The placement of `loc` in the base table, if any: a binary search
+    /// that checks the blocks it reads of a mapped table (a failed block
+    /// misses; the shard index file records the damage).
+    fn base_at(&self, loc: Loc) -> Option<&Placement> {
+        let i = self.base.partition_point(|p| p.loc() < loc)?;
+        self.base.at(i).filter(|p| p.loc() == loc)
     }
 
     /// The shard index file's frozen row that the record at `loc` was
@@ -260,8 +273,7 @@ impl ShardSet {
         if self.extra.binary_search_by(|p| p.loc().cmp(&loc)).is_ok() {
             return None;
         }
-        let i = self.base.binary_search_by(|p| p.loc().cmp(&loc)).ok()?;
-        let p = self.base.get(i)?;
+        let p = self.base_at(loc)?;
         (p.frozen_row != NOT_FROZEN && self.slot(p.shard).is_some()).then_some(p.frozen_row)
     }
 

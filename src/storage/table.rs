@@ -5,14 +5,146 @@
 
 use super::mmap::Mapping;
 use bytemuck::Pod;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// Bytes per checked block of a lazily checked file (the shard index
+/// file's block checksums, format-spec/shard-index.md §2, kind 10).
+pub(crate) const CHECK_BLOCK: usize = 16 << 10;
+
+/// The crc32s of a mapped file's sections, per [`CHECK_BLOCK`]-byte block
+/// of each, checked when an access first reads a block rather than all at
+/// an open: an open of a read-only store then reads none of the shard
+/// index file's tables (1.2 GB at 10M calls), and a lookup checks the few
+/// blocks it reads. A block that fails is recorded ([`BlockCheck::damage`])
+/// and the access reads nothing of it: lookups miss, and the read that
+/// made them reports the damage (`Snapshot` checks it).
+#[derive(Debug)]
+pub(crate) struct BlockCheck {
+    map: Arc<Mapping>,
+    /// The file, for errors.
+    path: std::path::PathBuf,
+    /// Per section (by the caller's numbering): its byte offset, its length,
+    /// the index of its first block in `crcs`.
+    sections: Vec<Option<(usize, usize, usize)>>,
+    crcs: Table<u32>,
+    /// One bit per block: checked and good.
+    good: Box<[AtomicU64]>,
+    /// Per section: every block checked and good.
+    whole: Box<[AtomicBool]>,
+    /// The first block that failed: its offset in the file, and what.
+    damage: OnceLock<(u64, String)>,
+}
+
+impl BlockCheck {
+    /// `sections[k]`: section `k`'s (byte offset, length, first block in
+    /// `crcs`), or `None` for one not checked here; `None` unless `crcs`
+    /// has a crc for every block.
+    pub(crate) fn new(
+        map: Arc<Mapping>,
+        path: &std::path::Path,
+        sections: Vec<Option<(usize, usize, usize)>>,
+        crcs: Table<u32>,
+    ) -> Option<BlockCheck> {
+        let blocks = crcs.len();
+        for (offset, len, first) in sections.iter().flatten() {
+            let end = offset.checked_add(*len)?;
+            if end > map.bytes().len() || first.checked_add(len.div_ceil(CHECK_BLOCK))? > blocks {
+                return None;
+            }
+        }
+        let whole = sections.iter().map(|s| AtomicBool::new(s.is_none_or(|(_, len, _)| len == 0))).collect();
+        Some(BlockCheck {
+            map,
+            path: path.to_path_buf(),
+            sections,
+            crcs,
+            good: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            whole,
+            damage: OnceLock::new(),
+        })
+    }
+
+    /// Whether bytes `range` of section `section` (offsets within it) are
+    /// in blocks that pass their crc32, checking those not checked yet.
+    /// Bytes past the section's end are not this check's to refuse.
+    pub(crate) fn ok(&self, section: usize, range: std::ops::Range<usize>) -> bool {
+        let Some(Some((offset, len, first))) = self.sections.get(section) else { return true };
+        let end = range.end.min(*len);
+        if range.start >= end || self.whole.get(section).is_some_and(|w| w.load(Ordering::Acquire)) {
+            return true;
+        }
+        let mut ok = true;
+        for b in range.start / CHECK_BLOCK..=(end - 1) / CHECK_BLOCK {
+            let bytes = offset + b * CHECK_BLOCK..offset + ((b + 1) * CHECK_BLOCK).min(*len);
+            ok &= self.block(first + b, bytes);
+        }
+        ok
+    }
+
+    /// Check every block of section `section`; whether all pass.
+    pub(crate) fn ok_whole(&self, section: usize) -> bool {
+        let Some(Some((_, len, _))) = self.sections.get(section) else { return true };
+        if self.whole.get(section).is_some_and(|w| w.load(Ordering::Acquire)) {
+            return true;
+        }
+        let ok = self.ok(section, 0..*len);
+        if ok {
+            if let Some(w) = self.whole.get(section) {
+                w.store(true, Ordering::Release);
+            }
+        }
+        ok
+    }
+
+    fn block(&self, i: usize, bytes: std::ops::Range<usize>) -> bool {
+        let (word, bit) = (self.good.get(i / 64), 1u64 << (i % 64));
+        let Some(word) = word else { return false };
+        if word.load(Ordering::Acquire) & bit != 0 {
+            return true;
+        }
+        let at = bytes.start;
+        let got = self.map.bytes().get(bytes).map(crc32fast::hash);
+        if got.is_some() && got == self.crcs.get(i).copied() {
+            word.fetch_or(bit, Ordering::Release);
+            return true;
+        }
+        self.damage.get_or_init(|| (at as u64, format!("the {CHECK_BLOCK}-byte block at offset {at} fails its crc32")));
+        false
+    }
+
+    /// What failed, once a block did, as the error a read reports.
+    pub(crate) fn damage(&self) -> Option<crate::error::Error> {
+        let (at, what) = self.damage.get()?;
+        Some(crate::error::Error::corrupt(
+            &self.path,
+            *at,
+            format!(
+                "{what}: a lookup of this read-only view may have missed (a read-only open checks the shard \
+                 index file a block at a time, as lookups read it). The file is a cache of the shards: \
+                 `Store::refresh` loads the view again without it, and a writable open (`trajlog compact`, any \
+                 writer) writes it anew"
+            ),
+        ))
+    }
+
+    /// How many blocks were checked and passed (for tests).
+    #[cfg(test)]
+    pub(crate) fn good_blocks(&self) -> usize {
+        self.good.iter().map(|w| w.load(Ordering::Relaxed).count_ones() as usize).sum()
+    }
+}
 
 /// A slice of `T`s, owned or in a mapping.
 pub(crate) enum Table<T> {
     Owned(Vec<T>),
     /// `len` elements at byte `start` of `map`; checked when made
-    /// ([`Table::mapped`]): in bounds and aligned for `T`.
-    Mapped { map: Arc<Mapping>, start: usize, len: usize },
+    /// ([`Table::mapped`]): in bounds and aligned for `T`. With `check`,
+    /// its bytes are section `.1` of a lazily checked file: the accessors
+    /// below check the blocks they read, and the whole slice (`Deref`,
+    /// [`Table::as_slice`]) checks every block first, once (empty when one
+    /// fails).
+    Mapped { map: Arc<Mapping>, start: usize, len: usize, check: Option<(Arc<BlockCheck>, usize)> },
 }
 
 impl<T: Pod> Table<T> {
@@ -22,18 +154,111 @@ impl<T: Pod> Table<T> {
         let bytes = len.checked_mul(std::mem::size_of::<T>())?;
         let slice = map.bytes().get(start..start.checked_add(bytes)?)?;
         bytemuck::try_cast_slice::<u8, T>(slice).ok()?;
-        Some(Table::Mapped { map: map.clone(), start, len })
+        Some(Table::Mapped { map: map.clone(), start, len, check: None })
     }
 
-    pub(crate) fn as_slice(&self) -> &[T] {
+    /// This table, its blocks checked lazily by `check` as section `section`.
+    pub(crate) fn checked_by(self, check: &Arc<BlockCheck>, section: usize) -> Table<T> {
+        match self {
+            Table::Mapped { map, start, len, .. } => {
+                Table::Mapped { map, start, len, check: Some((check.clone(), section)) }
+            }
+            owned => owned,
+        }
+    }
+
+    /// Every element, unchecked.
+    fn raw(&self) -> &[T] {
         match self {
             Table::Owned(v) => v,
-            Table::Mapped { map, start, len } => {
+            Table::Mapped { map, start, len, .. } => {
                 let end = start.saturating_add(len.saturating_mul(std::mem::size_of::<T>()));
                 // Checked in `mapped`: never empty for a non-empty table.
                 map.bytes().get(*start..end).and_then(|b| bytemuck::try_cast_slice(b).ok()).unwrap_or(&[])
             }
         }
+    }
+
+    /// Whether elements `range` are in blocks that pass their check (a
+    /// table not checked lazily: always).
+    fn ok(&self, range: std::ops::Range<usize>) -> bool {
+        match self {
+            Table::Mapped { check: Some((c, section)), .. } => {
+                let w = std::mem::size_of::<T>();
+                c.ok(*section, range.start.saturating_mul(w)..range.end.saturating_mul(w))
+            }
+            _ => true,
+        }
+    }
+
+    /// Every element, every block checked first (empty when one fails).
+    pub(crate) fn as_slice(&self) -> &[T] {
+        match self {
+            Table::Mapped { check: Some((c, section)), .. } if !c.ok_whole(*section) => &[],
+            _ => self.raw(),
+        }
+    }
+
+    /// Number of elements (no check: the length is the directory's).
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Table::Owned(v) => v.len(),
+            Table::Mapped { len, .. } => *len,
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i`, its block checked.
+    pub(crate) fn at(&self, i: usize) -> Option<&T> {
+        let v = self.raw().get(i)?;
+        self.ok(i..i + 1).then_some(v)
+    }
+
+    /// Elements `range`, their blocks checked.
+    pub(crate) fn span(&self, range: std::ops::Range<usize>) -> Option<&[T]> {
+        let v = self.raw().get(range.clone())?;
+        self.ok(range).then_some(v)
+    }
+
+    /// [`slice::partition_point`] of `pred` (true, then false), checking
+    /// the block of each element it reads: `None` when one fails.
+    pub(crate) fn partition_point(&self, pred: impl Fn(&T) -> bool) -> Option<usize> {
+        self.partition_point_in(0..self.len(), pred)
+    }
+
+    /// [`Table::partition_point`] within elements `range` (the caller
+    /// knows that those before it hold `pred` and those after do not).
+    pub(crate) fn partition_point_in(
+        &self,
+        range: std::ops::Range<usize>,
+        pred: impl Fn(&T) -> bool,
+    ) -> Option<usize> {
+        let raw = self.raw();
+        let (mut lo, mut hi) = (range.start, range.end.min(raw.len()));
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let v = raw.get(mid)?;
+            if !self.ok(mid..mid + 1) {
+                return None;
+            }
+            if pred(v) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        Some(lo)
+    }
+
+    /// The elements from `at` on, for as long as `pred` holds, each block
+    /// checked as it is reached: `None` when one fails.
+    pub(crate) fn run_from(&self, at: usize, pred: impl Fn(&T) -> bool) -> Option<&[T]> {
+        let raw = self.raw().get(at..).unwrap_or_default();
+        let n = raw.iter().take_while(|v| pred(v)).count();
+        self.span(at..at + n)
     }
 
     /// Whether this table lies in `map` (the same mapping object).
@@ -62,7 +287,9 @@ impl<T: Pod> Clone for Table<T> {
     fn clone(&self) -> Self {
         match self {
             Table::Owned(v) => Table::Owned(v.clone()),
-            Table::Mapped { map, start, len } => Table::Mapped { map: map.clone(), start: *start, len: *len },
+            Table::Mapped { map, start, len, check } => {
+                Table::Mapped { map: map.clone(), start: *start, len: *len, check: check.clone() }
+            }
         }
     }
 }
@@ -90,7 +317,10 @@ impl<T: Pod + std::fmt::Debug> std::fmt::Debug for Table<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Table::Owned(v) => write!(f, "Table::Owned({} rows)", v.len()),
-            Table::Mapped { start, len, .. } => write!(f, "Table::Mapped({len} rows at byte {start})"),
+            Table::Mapped { start, len, check, .. } => {
+                let lazy = if check.is_some() { ", checked lazily" } else { "" };
+                write!(f, "Table::Mapped({len} rows at byte {start}{lazy})")
+            }
         }
     }
 }

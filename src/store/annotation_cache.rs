@@ -132,7 +132,7 @@ impl AnnotationCache {
     /// The last listed segment with a record that concerns frozen session
     /// `session`, if any.
     pub fn last_naming(&self, session: u32) -> Option<u64> {
-        let i = self.last.get(session as usize)?.checked_sub(1)?;
+        let i = self.last.at(session as usize)?.checked_sub(1)?;
         // A segment past the list (a table read in place is checked as it
         // is read): the latest possible, so that anything conflicts and the
         // open replays without the cache.
@@ -160,7 +160,7 @@ impl AnnotationCache {
     /// outside the listed segments, is followed by a listed one: the replay
     /// would overwrite its value, so an open from the cache skips it.
     pub fn reward_superseded(&self, session: u32, loc: Loc) -> bool {
-        let last = self.last_reward.get(session as usize).and_then(|i| i.checked_sub(1));
+        let last = self.last_reward.at(session as usize).and_then(|i| i.checked_sub(1));
         last.and_then(|i| self.listed.get(i as usize)).is_some_and(|l| loc.segment < l.id)
     }
 

@@ -45,7 +45,7 @@ pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
 pub(crate) use publish::Obsolete;
 pub use receipt::Receipt;
-pub(crate) use recovery::{load_for_repair, lock_dir};
+pub(crate) use recovery::{lazy_damage, load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
 
@@ -140,7 +140,7 @@ impl Store {
         // Rewards the side table does not reflect yet (store/rewards.rs):
         // only those are kept while loading.
         let mut rewards = rewards::RewardsTable::open(&dir)?;
-        let mut loaded = load_dir(&dir, manifest, options.recovery, true, &|loc| rewards.after_through(loc))?;
+        let mut loaded = load_dir(&dir, manifest, options.recovery, true, &|loc| rewards.after_through(loc), false)?;
         for (_, target) in std::mem::take(&mut loaded.rewards) {
             for s in rewards::sessions_of_target(&loaded.index, &target) {
                 if loaded.shard_sessions.contains(&s) {
@@ -272,7 +272,7 @@ impl Store {
     /// is only left out of its view, a torn tail is left out and not reported.
     pub fn open_read_only_with(dir: impl AsRef<Path>, recovery: RecoveryMode) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let (view, report, manifest) = load_read_only(&dir, recovery)?;
+        let (view, report, manifest) = load_read_only(&dir, recovery, true)?;
         let inner = Arc::new(Inner {
             dir,
             options: Options::default().recovery(recovery),
@@ -311,10 +311,14 @@ impl Store {
         let mut point = lock(&self.read_point);
         let recovery = self.inner.options.recovery;
         let view = lock(&self.inner.view).clone();
+        // A view whose lookups met a damaged block of the shard index file
+        // is loaded again checking the file whole: it is then done without.
+        let damaged = recovery::lazy_damage(&view.shards).is_some();
         // Anything the incremental step cannot read makes a whole load,
         // which reports it if it persists.
         let step = point
             .as_ref()
+            .filter(|_| !damaged)
             .and_then(|before| refresh::refresh_view(&self.inner.dir, recovery, before, &view).ok().flatten());
         match step {
             Some((view, manifest)) => {
@@ -322,7 +326,7 @@ impl Store {
                 *point = Some(manifest);
             }
             None => {
-                let (view, report, manifest) = load_read_only(&self.inner.dir, recovery)?;
+                let (view, report, manifest) = load_read_only(&self.inner.dir, recovery, !damaged)?;
                 *lock(&self.inner.view) = Arc::new(view);
                 *lock(&self.recovery) = Arc::new(report);
                 *point = Some(manifest);

@@ -233,6 +233,36 @@ pub(super) fn load_dir(
     recovery: RecoveryMode,
     writable: bool,
     keep_reward: &dyn Fn(Loc) -> bool,
+    lazy: bool,
+) -> Result<Loaded> {
+    // A read-only open (`lazy`) checks the shard index file's tables a
+    // block at a time, as its replay and later lookups read them (a writer
+    // checks the whole file). A block that failed during the replay may
+    // have made a lookup miss: the open is done again, checking the file
+    // whole, which it then does without (it decodes the shards).
+    let lazy = lazy && !writable;
+    let loaded = load_dir_lazy(dir, manifest.clone(), recovery, writable, keep_reward, lazy)?;
+    if lazy_damage(&loaded.shards).is_some() {
+        return load_dir_lazy(dir, manifest, recovery, writable, keep_reward, false);
+    }
+    Ok(loaded)
+}
+
+/// The error of a block of the shard index file that failed its check
+/// since a read-only open mapped it (checked a block at a time, as lookups
+/// read it): a lookup may have missed.
+pub(crate) fn lazy_damage(shards: &crate::shard::set::ShardSet) -> Option<Error> {
+    shards.index_file().and_then(|ix| ix.damage())
+}
+
+/// [`load_dir`], checking the shard index file a block at a time if `lazy`.
+fn load_dir_lazy(
+    dir: &Path,
+    manifest: Manifest,
+    recovery: RecoveryMode,
+    writable: bool,
+    keep_reward: &dyn Fn(Loc) -> bool,
+    lazy: bool,
 ) -> Result<Loaded> {
     // A skip-corrupted open checks every frame of every segment: it reads
     // the listed ones too.
@@ -247,13 +277,13 @@ pub(super) fn load_dir(
         if cache.listed.iter().any(|l| keep_reward(Loc { segment: l.id, offset: u64::MAX })) {
             used = CacheUse::SetAside;
         } else {
-            match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(Arc::new(cache)))? {
+            match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(Arc::new(cache)), lazy)? {
                 Some(loaded) => return Ok(loaded),
                 None => used = CacheUse::SetAside,
             }
         }
     }
-    let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, None)?
+    let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, None, lazy)?
         .ok_or_else(|| Error::new(ErrorKind::Io, "internal: an open without the annotation cache stopped"))?;
     loaded.annotation_cache = used;
     Ok(loaded)
@@ -280,6 +310,7 @@ fn load_dir_with(
     writable: bool,
     keep_reward: &dyn Fn(Loc) -> bool,
     cache: Option<Arc<AnnotationCache>>,
+    lazy: bool,
 ) -> Result<Option<Loaded>> {
     let on_damage = on_damage_of(recovery);
     // A helper thread reads the segments and decodes their footers, one
@@ -323,12 +354,13 @@ fn load_dir_with(
                 }
             }
         });
-        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead, cache)
+        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead, cache, lazy)
     })
 }
 
 /// The body of [`load_dir`]: the shards, then each segment from
 /// `read_ahead` replayed in manifest order.
+#[allow(clippy::too_many_arguments)]
 fn replay(
     dir: &Path,
     manifest: Manifest,
@@ -337,13 +369,14 @@ fn replay(
     keep_reward: &dyn Fn(Loc) -> bool,
     read_ahead: &crossbeam_channel::Receiver<Result<LoadedSegment>>,
     cache: Option<Arc<AnnotationCache>>,
+    lazy: bool,
 ) -> Result<Option<Loaded>> {
     let mut segments = imbl::OrdMap::new();
     let mut active = None;
     let files = open_shards(&steps_shard_paths(dir, &manifest))?;
     let any_shards = !files.is_empty();
     let Shards { shards, mut index, mut feed, shard_traces, shard_sessions, to_write } =
-        load_shards(dir, files, writable)?;
+        load_shards(dir, files, writable, lazy)?;
     // The segments the helper thread mapped without reading their footers.
     let unread = cache.clone();
     let annotation_cache = match cache {
@@ -476,7 +509,7 @@ struct Shards {
 /// decoded), else from every file's index columns, decoded and sorted; a
 /// writable open then writes the file once it succeeded, for the next open
 /// (best effort: without it an open only takes longer).
-fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result<Shards> {
+fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool, lazy: bool) -> Result<Shards> {
     use crate::shard::index_file::{self, ShardIndex, ShardKey};
     let shards_dir = dir.join(SHARDS_DIR);
     let keys: Vec<ShardKey> = files.iter().map(|f| ShardKey::of(f, &shards_dir)).collect();
@@ -492,7 +525,8 @@ fn load_shards(dir: &Path, files: Vec<Arc<ShardFile>>, writable: bool) -> Result
     }
     // A file that describes the first files (publications since added
     // others, which it does not describe yet) is used with their rows.
-    if let Ok(Some(ix)) = ShardIndex::open(&shards_dir) {
+    let opened = if lazy { ShardIndex::open_lazy(&shards_dir) } else { ShardIndex::open(&shards_dir) };
+    if let Ok(Some(ix)) = opened {
         if keys.starts_with(ix.shards()) {
             return from_index_file(files, Arc::new(ix), writable);
         }
@@ -697,7 +731,7 @@ impl RowFeed {
                 (_, Some(b)) if upto(b) => {
                     if let Some(std::cmp::Reverse((_, i))) = self.thawed.pop() {
                         let frozen = index.frozen();
-                        let Some(r) = frozen.rows().get(i as usize) else { continue };
+                        let Some(r) = frozen.row(i) else { continue };
                         let (trace, name) = (Arc::from(frozen.trace_id(r)), frozen.session_name(r.session).to_owned());
                         let meta = CallMeta {
                             loc: r.loc(),
@@ -1013,14 +1047,22 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<crate::storage::lock::HeldLock> {
 /// checked, damage skipped and listed): repair rebuilds the manifest, and
 /// each later open decides about the damage by its own mode.
 pub(crate) fn load_for_repair(dir: &Path, manifest: Manifest) -> Result<(usize, Vec<Problem>)> {
-    let loaded = load_dir(dir, manifest, RecoveryMode::SkipCorrupted, false, &|_| false)?;
+    let loaded = load_dir(dir, manifest, RecoveryMode::SkipCorrupted, false, &|_| false, false)?;
     Ok((loaded.index.call_count(), loaded.damage))
 }
 
 /// A read-only load in `recovery` mode: nothing is written; a torn tail is
 /// left out of the view (and not reported: it may be a write in progress).
 /// Also returns the manifest the view reflects (for [`super::refresh`]).
-pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View, RecoveryReport, Manifest)> {
+/// With `lazy`, the shard index file's tables are checked a block at a time
+/// as lookups read them ([`load_dir`]); without, whole (a view whose
+/// lookups met a damaged block is loaded again so: the file is then done
+/// without).
+pub(super) fn load_read_only(
+    dir: &Path,
+    recovery: RecoveryMode,
+    lazy: bool,
+) -> Result<(View, RecoveryReport, Manifest)> {
     // The writer may replace the manifest (and, later, retire segments) while we
     // read; retry a few times on a vanished file.
     let mut last_err = None;
@@ -1044,7 +1086,7 @@ pub(super) fn load_read_only(dir: &Path, recovery: RecoveryMode) -> Result<(View
         if recovery == RecoveryMode::AbsoluteConsistency {
             check_absolute(dir, false)?;
         }
-        match load_dir(dir, manifest, recovery, false, &|_| false) {
+        match load_dir(dir, manifest, recovery, false, &|_| false, lazy) {
             Ok(loaded) => {
                 let view = View {
                     index: loaded.index,

@@ -18,6 +18,8 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
         Some(s) => vec![s.to_owned()],
         None => snap.sessions().into_iter().map(|s| s.session_id).collect(),
     };
+    // A damaged block of the shard index file may have left sessions out.
+    snap.check_index()?;
     // A damaged record is reported on stderr and skipped; every other call is
     // exported (damage stays confined to the records it touches).
     let mut damaged = 0u64;
@@ -71,6 +73,8 @@ pub fn export(dir: &Path, session: Option<&str>) -> trajlog::Result<i32> {
 pub fn ls(dir: &Path) -> trajlog::Result<i32> {
     let snap = open(dir, "ls")?;
     let sessions = snap.sessions();
+    // A damaged block of the shard index file may have left sessions out.
+    snap.check_index()?;
     println!("{:<40} {:>6} {:>18} {:>18} {:>7} {:>8}", "SESSION", "CALLS", "FIRST", "LAST", "SEALED", "REWARD");
     for s in &sessions {
         let reward = s.reward.map_or("-".to_owned(), |r| format!("{r}"));
@@ -202,7 +206,9 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
 
 pub fn show(dir: &Path, session: &str) -> trajlog::Result<i32> {
     let snap = open(dir, "show")?;
-    let Some(info) = snap.session_info(session) else {
+    let info = snap.session_info(session);
+    snap.check_index()?;
+    let Some(info) = info else {
         eprintln!("trajlog show: no session {session:?} in {}", dir.display());
         return Ok(1);
     };
