@@ -908,7 +908,9 @@ impl Snapshot {
             self.view.index.hot_calls().values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
         locs.sort_unstable();
         for loc in locs {
-            f(self.call_at(loc))?;
+            // A call that looks uncompacted because a placement lookup met
+            // a damaged block: the damage is the error to report.
+            f(self.call_at(loc).map_err(|e| self.check_index().err().unwrap_or(e)))?;
         }
         for file in shards.files() {
             let row_groups = match file.row_groups() {

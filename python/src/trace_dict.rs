@@ -126,7 +126,7 @@ fn write_value_with(
     } else if obj.is_instance_of::<PyInt>() {
         match obj.extract::<i64>() {
             Ok(v) if obj.is_exact_instance_of::<PyInt>() => {
-                let _ = write!(out, "{v}");
+                out.push_str(itoa::Buffer::new().format(v));
             }
             // Beyond 64 bits, or an int subclass (an IntEnum): its decimal
             // digits, as `json.dumps` writes them (`int.__repr__`).

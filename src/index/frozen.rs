@@ -273,6 +273,18 @@ impl Frozen {
         Frozen { text, rows, sessions, by_trace, cached: None, sealed: Vec::new(), rewards: Default::default() }
     }
 
+    /// Where session `i`'s rows end: the next session's first row, or the
+    /// end of the rows for the last; `None` when the next session's entry
+    /// is in a block that fails its check (not "the end": that would hand
+    /// out every later session's rows).
+    fn rows_end(&self, i: usize) -> Option<usize> {
+        if i + 1 < self.sessions.len() {
+            self.sessions.at(i + 1).map(|n| n.first_row as usize)
+        } else {
+            Some(self.rows.len())
+        }
+    }
+
     /// The first session whose name hash is at least `h`: a few steps of
     /// interpolation (the hashes are uniform: each step narrows n sessions
     /// to about √n), then a binary search; every session read has its
@@ -359,8 +371,10 @@ impl Frozen {
     /// The range of frozen rows of session `session` (empty past the end).
     pub fn row_range(&self, session: u32) -> std::ops::Range<u32> {
         let i = session as usize;
-        let end = self.sessions.at(i + 1).map_or(self.rows.len() as u32, |n| n.first_row);
-        self.sessions.at(i).map_or(0..0, |s| s.first_row..end)
+        match (self.sessions.at(i), self.rows_end(i)) {
+            (Some(s), Some(end)) => s.first_row..end as u32,
+            _ => 0..0,
+        }
     }
 
     /// The hash of frozen session `session`'s name ([`id_hash`]).
@@ -448,11 +462,7 @@ impl Frozen {
     /// A frozen session's calls, oldest first.
     pub fn session_rows(&self, session: u32) -> &[FrozenRow] {
         let i = session as usize;
-        let (Some(s), end) =
-            (self.sessions.at(i), self.sessions.at(i + 1).map_or(self.rows.len(), |n| n.first_row as usize))
-        else {
-            return &[];
-        };
+        let (Some(s), Some(end)) = (self.sessions.at(i), self.rows_end(i)) else { return &[] };
         self.rows.span(s.first_row as usize..end).unwrap_or(&[])
     }
 

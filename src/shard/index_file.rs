@@ -427,7 +427,9 @@ fn block_check(
         }
         first = first.checked_add(range.len().div_ceil(CHECK_BLOCK))?;
     }
-    if first != n {
+    // Every table checked lazily must be one the checksums cover (they are
+    // written last); else the file is checked whole.
+    if first != n || LAZY.iter().any(|k| sections.get(*k as usize).is_none_or(Option::is_none)) {
         return None;
     }
     BlockCheck::new(map.clone(), path, sections, crcs)
@@ -571,13 +573,14 @@ impl ShardIndex {
         ix.shards = ix.parse_shards().ok_or("the shard list is malformed")?;
         ix.hot = ix.parse_hot().ok_or("the rows not frozen are malformed")?;
         // Every fixed-width table must fit its section.
-        let widths: [(u32, usize); 6] = [
+        let widths: [(u32, usize); 7] = [
             (PLACEMENTS, std::mem::size_of::<Placement>()),
             (FROZEN_ROWS, std::mem::size_of::<FrozenRow>()),
             (FROZEN_SESSIONS, std::mem::size_of::<FrozenSession>()),
             (TRACE_TABLE, std::mem::size_of::<TraceEntry>()),
             (TRACE_HASHES, 8),
             (SESSION_HASHES, 8),
+            (TEXT, 1),
         ];
         for (kind, width) in widths {
             let s = ix.section(kind);
@@ -661,6 +664,12 @@ impl ShardIndex {
         self.check.as_ref()?.damage()
     }
 
+    /// Whether its tables are checked a block at a time (a read-only
+    /// open's), not whole at the open.
+    pub(crate) fn is_lazy(&self) -> bool {
+        self.check.is_some()
+    }
+
     /// The lazy block check, for tests.
     #[cfg(test)]
     pub(crate) fn block_check(&self) -> Option<&Arc<BlockCheck>> {
@@ -723,7 +732,13 @@ impl ShardIndex {
             // the compaction that asked.
             const STEP: usize = (16 << 20) / std::mem::size_of::<Placement>();
             let (placements, start) = (self.placements(), self.section(PLACEMENTS).offset);
-            for (k, chunk) in placements.chunks(STEP).enumerate() {
+            // A chunk at a time (a lazily checked table: each chunk's blocks
+            // checked as it is read; one that fails is left out, and the
+            // damage is recorded for the caller's `Snapshot::check_index`).
+            let chunks = (0..placements.len()).step_by(STEP).filter_map(|at| {
+                placements.span(at..(at + STEP).min(placements.len())).map(|c| (at / STEP, c))
+            });
+            for (k, chunk) in chunks {
                 for p in chunk.iter().filter(|p| p.frozen_row != NOT_FROZEN) {
                     if let Some(n) = counts.get_mut(p.shard as usize) {
                         *n += 1;

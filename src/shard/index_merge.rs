@@ -109,6 +109,9 @@ fn plan<'a>(
     renumber: &dyn Fn(u32) -> Option<u32>,
     added: &[RowRef<'a>],
 ) -> Option<Plan<'a>> {
+    // A writer's file, checked whole at its open: a lazily checked one
+    // (a read-only open's) could hand out empty tables here.
+    debug_assert!(!old.is_lazy(), "a publication merges from a file checked whole");
     let placements = old.placements();
     let placements = placements.as_slice();
     let rows = frozen.rows();
@@ -803,6 +806,22 @@ mod tests {
         assert!(e.message().contains("fails its crc32") && e.message().contains("index.tsi"), "{e}");
         // A whole-table read is empty rather than partly unchecked.
         assert!(fl.rows().is_empty());
+
+        // One bit of the second block of the sessions table (24-byte
+        // entries): session 681's entry is whole in the first block, the
+        // next one's (which ends its rows) reaches into the second. Its
+        // rows read as none, not as every row to the end of the table.
+        let at = lazy.section_offset(super::super::index_file::FROZEN_SESSIONS) + 16_384 + 5;
+        let mut damaged = bytes.clone();
+        damaged[at] ^= 0x10;
+        std::fs::write(dir.path().join(super::super::index_file::INDEX_FILE_NAME), &damaged).expect("write");
+        let lazy = ShardIndex::open_lazy(dir.path()).expect("opens").expect("present");
+        let fl = lazy.frozen();
+        assert_eq!(fl.session_rows(10).len(), 1);
+        assert!(lazy.damage().is_none());
+        assert!(fl.session_rows(681).is_empty());
+        assert_eq!(fl.row_range(681), 0..0);
+        assert!(lazy.damage().is_some());
     }
 
     fn eager_set(ix: &ShardIndex) -> crate::shard::set::ShardSet {

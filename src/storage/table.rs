@@ -74,12 +74,11 @@ impl BlockCheck {
         if range.start >= end || self.whole.get(section).is_some_and(|w| w.load(Ordering::Acquire)) {
             return true;
         }
-        let mut ok = true;
-        for b in range.start / CHECK_BLOCK..=(end - 1) / CHECK_BLOCK {
+        // The first block that fails ends the check.
+        (range.start / CHECK_BLOCK..=(end - 1) / CHECK_BLOCK).all(|b| {
             let bytes = offset + b * CHECK_BLOCK..offset + ((b + 1) * CHECK_BLOCK).min(*len);
-            ok &= self.block(first + b, bytes);
-        }
-        ok
+            self.block(first + b, bytes)
+        })
     }
 
     /// Check every block of section `section`; whether all pass.
@@ -253,12 +252,17 @@ impl<T: Pod> Table<T> {
         Some(lo)
     }
 
-    /// The elements from `at` on, for as long as `pred` holds, each block
-    /// checked as it is reached: `None` when one fails.
+    /// The elements from `at` on, for as long as `pred` holds: `None` when
+    /// a block of them, or of the element that ends the run, fails.
     pub(crate) fn run_from(&self, at: usize, pred: impl Fn(&T) -> bool) -> Option<&[T]> {
         let raw = self.raw().get(at..).unwrap_or_default();
         let n = raw.iter().take_while(|v| pred(v)).count();
-        self.span(at..at + n)
+        // The element that ended the run decided its length: checked too.
+        let end = (at + n + 1).min(self.len());
+        if !self.ok(at..end) {
+            return None;
+        }
+        self.raw().get(at..at + n)
     }
 
     /// Whether this table lies in `map` (the same mapping object).
@@ -322,5 +326,65 @@ impl<T: Pod + std::fmt::Debug> std::fmt::Debug for Table<T> {
                 write!(f, "Table::Mapped({len} rows at byte {start}{lazy})")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mapped table of u64s over `words`, written to a file, checked a
+    /// block at a time against the crc32s of the bytes as first written.
+    fn checked(words: &[u64], damage_at: Option<usize>) -> (tempfile::TempDir, Table<u64>, Arc<BlockCheck>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t");
+        let mut bytes: Vec<u8> = bytemuck::cast_slice(words).to_vec();
+        let crcs: Vec<u32> = bytes.chunks(CHECK_BLOCK).map(crc32fast::hash).collect();
+        if let Some(at) = damage_at {
+            bytes[at] ^= 1;
+        }
+        std::fs::write(&path, &bytes).expect("write");
+        let file = std::fs::File::open(&path).expect("open");
+        let map = Arc::new(Mapping::map(&file, bytes.len() as u64, &path).expect("map"));
+        let check = BlockCheck::new(map.clone(), &path, vec![Some((0, bytes.len(), 0))], Table::from(crcs))
+            .expect("covers the table");
+        let check = Arc::new(check);
+        let table = Table::<u64>::mapped(&map, 0, words.len()).expect("aligned").checked_by(&check, 0);
+        (dir, table, check)
+    }
+
+    /// Point reads check the blocks they read, once; a run checks the
+    /// element that ended it; a whole read is all or nothing.
+    #[test]
+    fn accessors_check_the_blocks_they_read() {
+        let per = CHECK_BLOCK / 8;
+        let mut words: Vec<u64> = (0..4 * per as u64).collect();
+        // A run of equal values across the first two blocks' border.
+        words[per - 1] = 5;
+        words[per] = 5;
+        let (_d, t, check) = checked(&words, None);
+        assert_eq!(t.at(3), Some(&3));
+        assert_eq!(check.good_blocks(), 1);
+        assert_eq!(t.partition_point(|w| *w < 3 * per as u64 + 7), Some(3 * per + 7));
+        assert_eq!(t.run_from(per - 1, |w| *w == 5).map(<[u64]>::len), Some(2));
+        assert_eq!(t.as_slice().len(), words.len());
+        assert_eq!(check.good_blocks(), 4);
+        assert!(check.damage().is_none());
+
+        // Damage in the second block: reads of the first still answer, a
+        // run that its end element leaves short is refused, and so are
+        // reads that need the second block.
+        let (_d, t, check) = checked(&words, Some(per * 8 + 8 + 3));
+        assert_eq!(t.at(7), Some(&7));
+        assert_eq!(t.run_from(per - 2, |w| *w == per as u64 - 2).map(<[u64]>::len), Some(1));
+        assert!(check.damage().is_none());
+        assert_eq!(t.run_from(per - 1, |w| *w == 5), None, "the run reaches the bad block");
+        assert!(check.damage().is_some());
+        assert_eq!(t.at(per + 1), None);
+        assert_eq!(t.span(0..per), Some(&words[..per]));
+        assert_eq!(t.partition_point(|w| *w < 3 * per as u64), Some(3 * per), "reads no element of the bad block");
+        assert_eq!(t.partition_point(|w| *w < per as u64 + 5), None);
+        assert!(t.as_slice().is_empty());
+        assert_eq!(t.len(), words.len());
     }
 }

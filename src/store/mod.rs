@@ -320,6 +320,14 @@ impl Store {
             .as_ref()
             .filter(|_| !damaged)
             .and_then(|before| refresh::refresh_view(&self.inner.dir, recovery, before, &view).ok().flatten());
+        // A step whose own replay met a damaged block may have missed a
+        // lookup: loaded whole instead, without the file.
+        let mut stepped_damage = false;
+        let step = step.filter(|(stepped, _)| {
+            stepped_damage = recovery::lazy_damage(&stepped.shards).is_some();
+            !stepped_damage
+        });
+        let damaged = damaged || stepped_damage;
         match step {
             Some((view, manifest)) => {
                 *lock(&self.inner.view) = Arc::new(view);
