@@ -206,6 +206,67 @@ fn a_read_only_open_checks_the_shard_index_file_a_block_at_a_time() {
     assert_eq!(fingerprint(&ro.snapshot(), &ids(&all)), want);
 }
 
+/// A read-only store whose refresh replays a new record that names a
+/// frozen session whose entry is in a damaged block of the index file it
+/// mapped (a block its open did not read): the step's lookup misses, so
+/// the refresh loads the store again, checking the file whole (here, the
+/// writer's new one), rather than keep a view with the miss in its maps.
+#[test]
+fn a_refresh_whose_replay_meets_a_damaged_block_loads_the_store_again() {
+    let dir = tempdir();
+    let tiny = |s: usize, k: usize| Call {
+        trace_id: format!("x{s}-{k}"),
+        session_id: format!("s{s}"),
+        timestamp: (s * 10 + k) as f64,
+        prompt_token_ids: vec![1, 2, s as u32],
+        completion_token_ids: vec![4, k as u32],
+        logprobs: Some(vec![-0.5, -0.25]),
+        ..Default::default()
+    };
+    // 1,500 compacted sessions: their 24-byte entries take three blocks.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    for s in 0..1500 {
+        store.append(tiny(s, 0)).unwrap();
+    }
+    store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    store.close().unwrap();
+    drop(Store::open(dir.path(), small_segments()).unwrap());
+    let index = dir.path().join("shards").join("index.tsi");
+    let saved = std::fs::read(&index).unwrap();
+    // The session whose entry is the 1,000th (the second block), by name.
+    let (sessions_at, sessions_len) = section_of(&saved, 4);
+    let (text_at, _) = section_of(&saved, 6);
+    assert!(sessions_len > 2 * 16_384, "{sessions_len}");
+    let entry = sessions_at + 1000 * 24;
+    let u64_at = |at: usize| u64::from_le_bytes(saved[at..at + 8].try_into().unwrap()) as usize;
+    let (name_at, name_len) =
+        (u64_at(entry + 8), u32::from_le_bytes(saved[entry + 16..entry + 20].try_into().unwrap()));
+    let name =
+        std::str::from_utf8(&saved[text_at + name_at..text_at + name_at + name_len as usize]).unwrap().to_owned();
+    let s: usize = name[1..].parse().unwrap();
+    // One bit of a neighbour's hash, in the same block: damage on disk
+    // before the reader opens, in a block its open does not read.
+    let mut damaged = saved.clone();
+    damaged[entry + 5 * 24 + 2] ^= 0x08;
+    std::fs::write(&index, &damaged).unwrap();
+    let ro = Store::open_read_only(dir.path()).unwrap();
+    assert_eq!(ro.snapshot().index_layers().index_file_bytes, saved.len() as u64, "used lazily");
+    ro.snapshot().check_index().unwrap();
+    // A writer (which checks the file whole, does without it and writes
+    // it anew) appends a second call to that session.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    store.append(tiny(s, 1)).unwrap();
+    store.flush().unwrap();
+    ro.refresh().unwrap();
+    let snap = ro.snapshot();
+    snap.check_index().unwrap();
+    let got: Vec<String> = snap.session(&name, None, None).unwrap().iter().map(|c| c.trace_id().to_owned()).collect();
+    assert_eq!(got, [format!("x{s}-0"), format!("x{s}-1")]);
+    assert_eq!(snap.call_count(), 1501);
+    assert_eq!(snap.sessions().len(), 1500);
+    assert_eq!(snap.index_layers().index_file_bytes, std::fs::metadata(&index).unwrap().len(), "the writer's file");
+}
+
 #[test]
 fn a_write_naming_a_frozen_session_thaws_it_first() {
     let dir = tempdir();
