@@ -917,9 +917,15 @@ fn fixture_v11_dir() -> PathBuf {
 /// session reward), the other sessions in segments; the compaction wrote the
 /// shard index file `shards/index.tsi` (format-spec/shard-index.md).
 fn write_fixture_v11() {
-    let dir = fixture_v11_dir();
+    write_compacted_fixture(&fixture_v11_dir());
+    assert!(fixture_v11_dir().join("shards/index.tsi").exists());
+}
+
+/// The v3 content, `task-1:0` compacted (sealed, with a session reward),
+/// the other sessions in segments, written into `dir` (fixtures v11, v15).
+fn write_compacted_fixture(dir: &std::path::Path) {
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
-    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    let store = Store::open(dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     for c in fixture_calls() {
         store.append(c).unwrap();
     }
@@ -929,7 +935,6 @@ fn write_fixture_v11() {
     assert_eq!(r.sessions, 1, "{r:?}");
     store.close().unwrap();
     std::fs::remove_file(dir.join("LOCK")).unwrap();
-    assert!(dir.join("shards/index.tsi").exists());
 }
 
 #[test]
@@ -977,14 +982,18 @@ fn index_sections(file: &[u8]) -> std::collections::BTreeMap<u32, (u32, Vec<u8>,
 fn assert_same_index_file(new: &[u8], old: &[u8]) {
     let (mut new, old) = (index_sections(new), index_sections(old));
     let (_, blocks, count) = new.remove(&10).expect("block checksums");
-    let want: Vec<u8> = old
-        .values()
-        .flat_map(|(_, bytes, _)| {
-            bytes.chunks(16384).flat_map(|b| crc32fast::hash(b).to_le_bytes()).collect::<Vec<_>>()
-        })
-        .collect();
+    let want = block_crcs(&old);
     assert_eq!((blocks, count as usize), (want.clone(), want.len() / 4));
     assert_eq!(new, old);
+}
+
+/// Section 10 as it should be: the crc32 of each 16 KiB block of each
+/// section, in order.
+fn block_crcs(sections: &std::collections::BTreeMap<u32, (u32, Vec<u8>, u64)>) -> Vec<u8> {
+    sections
+        .values()
+        .flat_map(|(_, bytes, _)| bytes.chunks(16384).flat_map(|b| crc32fast::hash(b).to_le_bytes()))
+        .collect()
 }
 
 fn fixture_v15_dir() -> PathBuf {
@@ -995,18 +1004,7 @@ fn fixture_v15_dir() -> PathBuf {
 /// file carries block checksums (section 10, format-spec/shard-index.md §2),
 /// which a read-only open checks a block at a time.
 fn write_fixture_v15() {
-    let dir = fixture_v15_dir();
-    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
-    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
-    for c in fixture_calls() {
-        store.append(c).unwrap();
-    }
-    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
-    store.seal_session("task-1:0").unwrap();
-    let r = store.compact(&trajlog::CompactOptions::default().steps_row_group_rows(2)).unwrap();
-    assert_eq!(r.sessions, 1, "{r:?}");
-    store.close().unwrap();
-    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    write_compacted_fixture(&fixture_v15_dir());
 }
 
 #[test]
@@ -1019,12 +1017,7 @@ fn reads_the_v15_fixture_checking_its_index_file_a_block_at_a_time() {
     // Section 10: the crc32 of each 16 KiB block of sections 1 to 9.
     let mut sections = index_sections(&index);
     let (_, blocks, count) = sections.remove(&10).expect("block checksums");
-    let want: Vec<u8> = sections
-        .values()
-        .flat_map(|(_, bytes, _)| {
-            bytes.chunks(16384).flat_map(|b| crc32fast::hash(b).to_le_bytes()).collect::<Vec<_>>()
-        })
-        .collect();
+    let want = block_crcs(&sections);
     assert_eq!((blocks.as_slice(), count as usize), (want.as_slice(), want.len() / 4));
     // Read-only (lazy checks) and writable (whole checks): the same calls.
     let snap = check_shard_fixture(&dir);

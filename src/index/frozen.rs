@@ -249,8 +249,14 @@ pub(crate) struct FrozenTables<'a> {
 
 impl Frozen {
     fn bytes_at(&self, at: u64, len: u32) -> &[u8] {
-        let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return &[] };
-        self.text.span(at..at.saturating_add(len)).unwrap_or(&[])
+        self.bytes_checked(at, len).unwrap_or(&[])
+    }
+
+    /// Text bytes `at..at + len`; `None` out of bounds or in a block that
+    /// fails its check.
+    fn bytes_checked(&self, at: u64, len: u32) -> Option<&[u8]> {
+        let (Ok(at), Ok(len)) = (usize::try_from(at), usize::try_from(len)) else { return None };
+        self.text.span(at..at.saturating_add(len))
     }
 
     fn str_at(&self, at: u64, len: u32) -> &str {
@@ -299,7 +305,7 @@ impl Frozen {
                 break;
             }
             let ahead = u128::from(h.saturating_sub(below)) * (hi - lo) as u128 / (u128::from(above - below) + 1);
-            let at = (lo + usize::try_from(ahead).unwrap_or(usize::MAX).min(hi - lo - 1)).min(hi - 1);
+            let at = lo + usize::try_from(ahead).unwrap_or(usize::MAX).min(hi - lo - 1);
             let s = self.sessions.at(at)?;
             if s.hash < h {
                 (lo, below) = (at + 1, s.hash);
@@ -334,8 +340,7 @@ impl Frozen {
     /// from fails its check.
     pub fn session_name_checked(&self, session: u32) -> Option<&str> {
         let s = self.sessions.at(session as usize)?;
-        let (Ok(at), Ok(len)) = (usize::try_from(s.name), usize::try_from(s.name_len)) else { return None };
-        std::str::from_utf8(self.text.span(at..at.saturating_add(len))?).ok()
+        std::str::from_utf8(self.bytes_checked(s.name, s.name_len)?).ok()
     }
 
     /// Number of frozen calls.
