@@ -1371,3 +1371,87 @@ fn copy_forward_never_writes_a_session_moved_record_into_an_older_segment() {
     }
     assert!(copied > 0, "some fixture's straggler was copied forward");
 }
+
+fn fixture_v16_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v16")
+}
+
+/// The calls of session `many:0` the v16 fixture adds: enough rows for two
+/// data pages per `steps` column chunk.
+fn fixture_v16_many() -> Vec<Call> {
+    (0..300u32)
+        .map(|i| Call {
+            trace_id: format!("many/{i}"),
+            session_id: "many:0".into(),
+            timestamp: 200.0 + f64::from(i),
+            prompt_token_ids: vec![i, i + 1, i + 2],
+            completion_token_ids: vec![7, i],
+            logprobs: Some(vec![-(i as f32) / 7.0, f32::NEG_INFINITY]),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// Store format 16: the v2 content and the 300 calls of `many:0`, compacted
+/// by a build that writes shard format 4 (data pages v2 of at most 256 rows,
+/// format-spec/shard.md §1).
+fn write_fixture_v16() {
+    let dir = fixture_v16_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_calls().into_iter().chain(fixture_v16_many()) {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("task-1:0".into()), 1.0).unwrap();
+    store.seal_session("task-1:0").unwrap();
+    store.seal_session("many:0").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default()).unwrap();
+    assert_eq!(r.sessions, 2, "{r:?}");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v16_fixture_from_v2_pages_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v16_dir().exists() {
+        write_fixture_v16();
+    }
+    let dir = fixture_v16_dir();
+    let snap = Store::open_read_only(&dir).expect("fixture opens").snapshot();
+    let many = fixture_v16_many();
+    let calls: Vec<Call> = fixture_calls().into_iter().chain(many.iter().cloned()).collect();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id != "task-2:0", "{}", c.trace_id);
+        assert_exact(&v, c);
+    }
+    // A session read from the middle of the row group, across its pages.
+    let got = snap.session("many:0", Some(399.5), Some(100)).unwrap();
+    assert_eq!(got.len(), 100);
+    for (v, c) in got.iter().zip(&many[200..]) {
+        assert_eq!(v.trace_id(), c.trace_id);
+        assert_exact(v, c);
+    }
+    assert!(snap.is_sealed("task-1:0") && snap.is_sealed("many:0"));
+    assert_eq!(snap.session_reward("task-1:0"), Some(1.0));
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    // Shard format 4: every data page a v2 page, at most 256 rows each.
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let steps = snap.shard_paths()[0].clone();
+    let reader = SerializedFileReader::new(std::fs::File::open(&steps).unwrap()).unwrap();
+    let kv = reader.metadata().file_metadata().key_value_metadata().unwrap().clone();
+    let version = kv.iter().find(|k| k.key == "trajlog.shard_format_version").unwrap();
+    assert_eq!(version.value.as_deref(), Some("4"));
+    let group = reader.get_row_group(0).unwrap();
+    let pages: Vec<u32> = group
+        .get_column_page_reader(0)
+        .unwrap()
+        .map(|p| match p.unwrap() {
+            parquet::column::page::Page::DataPageV2 { num_rows, .. } => num_rows,
+            other => panic!("not a v2 data page: {:?}", other.page_type()),
+        })
+        .collect();
+    assert_eq!(pages, [256, 304 - 256], "trace_id's pages");
+}

@@ -77,13 +77,13 @@ fn manifest_checksum(dir: &Path, shard: &Path) -> Option<ShardChecksum> {
     m.shards.iter().find(|s| s.path == format!("steps/{name}")).unwrap().checksum
 }
 
-/// The recorded column chunk ranges of a shard this build wrote (format 3).
+/// The recorded column chunk ranges of a shard this build wrote (format 4).
 fn chunk_ranges(shard: &Path) -> Vec<(u64, u64)> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let reader = SerializedFileReader::new(std::fs::File::open(shard).unwrap()).unwrap();
     let kv = reader.metadata().file_metadata().key_value_metadata().unwrap();
     let version = kv.iter().find(|k| k.key == META_FORMAT_VERSION).unwrap().value.clone();
-    assert_eq!(version.as_deref(), Some("3"));
+    assert_eq!(version.as_deref(), Some("4"));
     let text = kv.iter().find(|k| k.key == META_CHUNK_CRC32).unwrap().value.clone().unwrap();
     let rgs = decode_chunk_crcs(&text).unwrap();
     assert!(rgs.len() >= 5, "several row groups");
@@ -334,7 +334,7 @@ fn unknown_shard_format_is_incompatible() {
     use parquet::file::properties::WriterProperties;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("part-000001-0000.parquet");
-    for (version, incompatible) in [(4, true), (0, true), (1, false)] {
+    for (version, incompatible) in [(5, true), (0, true), (1, false)] {
         let props = WriterProperties::builder()
             .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), version.to_string())]))
             .build();
@@ -350,8 +350,8 @@ fn unknown_shard_format_is_incompatible() {
             assert!(result.is_ok(), "format 1 files carry no checksums and still open");
         }
     }
-    // Formats 2 and 3 without their checksum list are corrupt, not silently unchecked.
-    for version in [2, 3] {
+    // Formats 2 to 4 without their checksum list are corrupt, not silently unchecked.
+    for version in [2, 3, 4] {
         let props = WriterProperties::builder()
             .set_key_value_metadata(Some(vec![KeyValue::new(META_FORMAT_VERSION.into(), version.to_string())]))
             .build();

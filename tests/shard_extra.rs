@@ -98,16 +98,7 @@ fn gateway_calls() -> Vec<Call> {
 
 /// Append `calls`, seal every session, compact everything; the calls by id.
 fn compact_all(dir: &Path, calls: &[Call], opts: &CompactOptions) -> (Store, BTreeMap<String, Call>) {
-    let store = Store::open(dir, Options::default()).unwrap();
-    for c in calls {
-        store.append(c.clone()).unwrap();
-    }
-    let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
-    for s in &sessions {
-        store.seal_session(s).unwrap();
-    }
-    let report = store.compact(opts).unwrap();
-    assert_eq!(report.calls as usize, calls.len());
+    let store = compact_sealed(dir, calls, opts);
     (store, calls.iter().map(|c| (c.trace_id.clone(), c.clone())).collect())
 }
 
@@ -207,7 +198,7 @@ fn steps_hold_the_raw_bodies_as_plain_json() {
     let (_store, by_id) = compact_all(dir.path(), &calls, &CompactOptions::default());
     let (mut moved_raw, mut moved_order, mut gateway_rows) = (0, 0, 0);
     for (batch, version) in steps_batches(dir.path()) {
-        assert_eq!(version, "3");
+        assert_eq!(version, "4");
         let text = |name: &str| batch.column_by_name(name).unwrap().as_string::<i32>().clone();
         let (ids, extra, order) = (text("trace_id"), text("extra"), text("key_order"));
         let raw = [("raw_request", text("raw_request")), ("raw_response", text("raw_response"))];

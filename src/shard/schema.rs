@@ -8,8 +8,10 @@ use std::sync::Arc;
 /// in each file's key-value metadata under [`META_FORMAT_VERSION`]. Version 2
 /// adds the column chunk checksums ([`META_CHUNK_CRC32`], shard.md §7);
 /// version 3 the `raw_request`, `raw_response`, `key_order` and
-/// `extra_splice` columns of `steps` (shard.md §2.1).
-pub const SHARD_FORMAT_VERSION: u32 = 3;
+/// `extra_splice` columns of `steps` (shard.md §2.1); version 4 writes
+/// data pages v2 of at most [`crate::limits::SHARD_PAGE_ROWS`] rows (shard.md
+/// §1), with the columns and checksums of version 3.
+pub const SHARD_FORMAT_VERSION: u32 = 4;
 /// The oldest shard format this build reads (version 1: no checksums).
 pub const SHARD_FORMAT_VERSION_MIN: u32 = 1;
 pub const META_FORMAT_VERSION: &str = "trajlog.shard_format_version";
@@ -22,7 +24,7 @@ fn list_of(item: DataType, nullable_items: bool) -> DataType {
     DataType::List(Arc::new(Field::new("item", item, nullable_items)))
 }
 
-/// One row per call, as this build writes it (shard format 3).
+/// One row per call, as this build writes it (shard format 4).
 pub fn steps_schema() -> Arc<Schema> {
     steps_schema_of(SHARD_FORMAT_VERSION)
 }

@@ -15,13 +15,14 @@ use crate::shard::schema::{
     SHARD_FORMAT_VERSION,
 };
 use crate::error::{Error, ErrorKind, Result};
+use crate::limits::SHARD_PAGE_ROWS;
 use crate::format::manifest::{ManifestShard, PendingRename, ShardChecksum};
 use arrow_array::RecordBatch;
 use arrow_schema::Schema;
 use parquet::arrow::ArrowWriter;
-use parquet::basic::{Compression, ZstdLevel};
+use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::file::metadata::KeyValue;
-use parquet::file::properties::{EnabledStatistics, WriterProperties};
+use parquet::file::properties::{EnabledStatistics, WriterProperties, WriterVersion};
 use parquet::schema::types::ColumnPath;
 use std::fs::File;
 use std::io::Write;
@@ -185,6 +186,14 @@ impl TableWriter {
             .set_bloom_filter_enabled(false)
             // Row groups are cut explicitly by the caller (one flush per group).
             .set_max_row_group_row_count(None)
+            // Format 4 (shard.md §1): data pages v2 of at most
+            // `SHARD_PAGE_ROWS` rows, their values plain as in format 3
+            // (the v2 writer would otherwise pick delta encodings), so a
+            // read of a few rows skips the pages before them undecoded.
+            .set_writer_version(WriterVersion::PARQUET_2_0)
+            .set_encoding(Encoding::PLAIN)
+            .set_data_page_row_count_limit(SHARD_PAGE_ROWS)
+            .set_write_batch_size(SHARD_PAGE_ROWS)
             .set_key_value_metadata(Some(vec![
                 KeyValue::new(META_FORMAT_VERSION.to_owned(), SHARD_FORMAT_VERSION.to_string()),
                 KeyValue::new(META_TABLE.to_owned(), table.to_owned()),

@@ -255,3 +255,19 @@ pub fn segment_frames(path: &Path) -> Vec<(u64, u8, u64)> {
     }
     out
 }
+
+/// Append `calls` to a new store in `dir`, seal every session and compact
+/// them all with `opts` (every call compacted).
+pub fn compact_sealed(dir: &Path, calls: &[Call], opts: &CompactOptions) -> Store {
+    let store = Store::open(dir, trajlog::Options::default()).unwrap();
+    for c in calls {
+        store.append(c.clone()).unwrap();
+    }
+    let sessions: std::collections::BTreeSet<&str> = calls.iter().map(|c| c.session_id.as_str()).collect();
+    for s in &sessions {
+        store.seal_session(s).unwrap();
+    }
+    let report = store.compact(opts).unwrap();
+    assert_eq!(report.calls as usize, calls.len());
+    store
+}

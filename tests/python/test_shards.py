@@ -51,7 +51,7 @@ def test_pyarrow_reads_steps_and_trajectories_exactly(compacted_store):
     for table in ("steps", "trajectories"):
         for f in (store / "shards" / table).glob("*.parquet"):
             meta = pq.ParquetFile(f).metadata
-            assert meta.metadata[b"trajlog.shard_format_version"] == b"3"
+            assert meta.metadata[b"trajlog.shard_format_version"] == b"4"
             assert meta.metadata[b"trajlog.table"] == table.encode()
             assert meta.row_group(0).column(0).compression == "ZSTD"
 
