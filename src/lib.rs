@@ -86,7 +86,7 @@ pub mod trace_json;
 pub mod verify;
 
 pub use compact::{
-    merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, COPY_FORWARD_MAX,
+    merge_tier, CompactOptions, CompactReport, Selection, ShardCompression, COPY_FORWARD_MAX, DEFAULT_BATCH_CALLS,
     DEFAULT_COLLECT_DEAD_FRACTION, DEFAULT_COPY_FORWARD, DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
 };
 pub use error::{Error, ErrorKind, Result};

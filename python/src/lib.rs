@@ -880,6 +880,7 @@ impl NativeStore {
         merge_fanout = Some(trajlog::DEFAULT_MERGE_FANOUT),
         max_calls = None,
         copy_forward = Some(trajlog::DEFAULT_COPY_FORWARD),
+        batch_calls = None,
     ))]
     fn compact<'py>(
         &self,
@@ -889,6 +890,7 @@ impl NativeStore {
         merge_fanout: Option<u32>,
         max_calls: Option<u64>,
         copy_forward: Option<f64>,
+        batch_calls: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let store = self.get()?;
         let options = CompactOptions::default()
@@ -896,7 +898,8 @@ impl NativeStore {
             .collect_dead_fraction(collect_dead)
             .merge_fanout(merge_fanout)
             .max_calls(max_calls)
-            .copy_forward(copy_forward);
+            .copy_forward(copy_forward)
+            .batch_calls(batch_calls);
         let r = py.detach(|| store.compact(&options)).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("sessions", r.sessions)?;
@@ -925,6 +928,8 @@ impl NativeStore {
         d.set_item("copied_sessions", r.copied_sessions)?;
         d.set_item("copied_calls", r.copied_calls)?;
         d.set_item("copied_bytes", r.copied_bytes)?;
+        // Publications made: more than one past `batch_calls` calls.
+        d.set_item("publications", r.publications)?;
         Ok(d)
     }
 

@@ -170,22 +170,46 @@ def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
             store.set_reward(0.5, trace_id="never")
 
 
+def _three_sealed_sessions(store):
+    """Sessions y (3 calls, oldest), z (1) and x (2), sealed."""
+    for s, (first, n) in {"x": (3.0, 2), "y": (1.0, 3), "z": (2.0, 1)}.items():
+        for i in range(n):
+            store.append(trace_id=f"{s}{i}", session_id=s, prompt_token_ids=[i], completion_token_ids=[1], timestamp=first + i / 10)
+        store.seal(s)
+
+
+def _refuses_counts(store, name):
+    """`compact` refuses a count that is not a positive integer, naming it."""
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(trajlog.InvalidInputError, match=name):
+            store.compact(**{name: bad})
+
+
 def test_compact_in_batches_of_max_calls(tmp_path):
     """`max_calls`: whole sessions, oldest first, until none is left."""
     with trajlog.Store(tmp_path / "s") as store:
-        for s, (first, n) in {"x": (3.0, 2), "y": (1.0, 3), "z": (2.0, 1)}.items():
-            for i in range(n):
-                store.append(trace_id=f"{s}{i}", session_id=s, prompt_token_ids=[i], completion_token_ids=[1], timestamp=first + i / 10)
-            store.seal(s)
-        for bad in (0, -1, 1.5, True):
-            with pytest.raises(trajlog.InvalidInputError, match="max_calls"):
-                store.compact(max_calls=bad)
+        _three_sealed_sessions(store)
+        _refuses_counts(store, "max_calls")
         first = store.compact(max_calls=4)
         assert (first["sessions"], first["calls"], first["sessions_left"]) == (2, 4, 1)
         assert store.get("y0").is_compacted and store.get("z0").is_compacted and not store.get("x0").is_compacted
         second = store.compact(max_calls=4)
         assert (second["sessions"], second["calls"], second["sessions_left"]) == (1, 2, 0)
         assert store.compact()["sessions_left"] == 0
+
+
+def test_compact_publishes_in_steps_of_batch_calls(tmp_path):
+    """`batch_calls`: one compaction, published in steps of whole sessions,
+    oldest first, until every selected session is compacted."""
+    with trajlog.Store(tmp_path / "s") as store:
+        _three_sealed_sessions(store)
+        _refuses_counts(store, "batch_calls")
+        r = store.compact(batch_calls=2)
+        # y (3 calls, larger than the batch) alone, then z (1; x's 2 more
+        # would pass 2), then x.
+        assert (r["sessions"], r["calls"], r["sessions_left"], r["publications"]) == (3, 6, 0, 3)
+        assert all(store.get(f"{s}0").is_compacted for s in "xyz")
+        assert store.compact(batch_calls=None)["publications"] == 1
 
 
 def test_a_straggler_is_copied_forward_out_of_the_segments_it_kept(tmp_path):

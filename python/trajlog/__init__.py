@@ -560,6 +560,7 @@ class Store:
         merge_fanout: Optional[int] = 8,
         max_calls: Optional[int] = None,
         copy_forward: Optional[float] = 0.25,
+        batch_calls: Optional[int] = None,
     ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.
@@ -567,8 +568,17 @@ class Store:
         `max_calls` limits one compaction to about that many calls: whole
         sessions, oldest first (one larger than the limit goes alone); the
         result's `sessions_left` says how many selected sessions are left
-        for the next call. A large backlog compacted in several such calls
-        peaks lower in memory than in one.
+        for the next call.
+
+        With `batch_calls`, a compaction publishes its shards in steps of at
+        most about that many calls (new ones and those collection and
+        merging write again, together), one after another until every
+        session selected when it began is compacted: what a publication
+        builds grows with its calls (about 0.3 KB each), so a large backlog
+        is not built at once, at the cost of time (each step rewrites the
+        shard index file). `None` (the default): one publication, in which
+        collection and merging write at most 2**20 calls again. The result's
+        `publications` says how many were made.
 
         Earlier compactions whose rows are at least `collect_dead` dead
         (deleted or replaced calls; any with no live row left) are rewritten
@@ -595,17 +605,23 @@ class Store:
                 raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not an integer")
             if not 2 <= merge_fanout <= 2**32 - 1:
                 raise InvalidInputError(f"invalid merge_fanout: {merge_fanout!r} is not between 2 and 4294967295")
-        if max_calls is not None:
-            if isinstance(max_calls, bool) or not isinstance(max_calls, int):
-                raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not an integer")
-            if not 1 <= max_calls <= 2**64 - 1:
-                raise InvalidInputError(f"invalid max_calls: {max_calls!r} is not between 1 and 18446744073709551615")
         if copy_forward is not None:
             copy_forward = _finite("copy_forward", copy_forward, non_negative=True)
             if copy_forward > 0.5:
                 raise InvalidInputError(f"invalid copy_forward: {copy_forward!r} is not a fraction between 0 and 0.5")
+        for name, value in (("max_calls", max_calls), ("batch_calls", batch_calls)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise InvalidInputError(f"invalid {name}: {value!r} is not an integer")
+                if not 1 <= value <= 2**64 - 1:
+                    raise InvalidInputError(f"invalid {name}: {value!r} is not between 1 and 18446744073709551615")
         return self._native.compact(
-            _finite("older_than", older_than, non_negative=True), collect_dead, merge_fanout, max_calls, copy_forward
+            _finite("older_than", older_than, non_negative=True),
+            collect_dead,
+            merge_fanout,
+            max_calls,
+            copy_forward,
+            batch_calls,
         )
 
     def audit(self) -> dict:

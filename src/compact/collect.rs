@@ -35,6 +35,9 @@ pub(super) struct Plan {
     pub moved: BTreeMap<String, Vec<u32>>,
     /// Dead rows in the generations replaced.
     pub dead_rows: u64,
+    /// Live rows in the generations replaced: what the compaction writes
+    /// again.
+    pub moved_rows: u64,
     /// The `steps` files (of every generation) with a dead row.
     pub with_dead_rows: HashSet<u32>,
     /// Generations left alone because a `steps` file's footer could not be
@@ -64,9 +67,20 @@ pub fn merge_tier(rows: u64, fanout: u32) -> Option<u32> {
 
 /// Choose the generations to rewrite: those whose dead rows are at least
 /// `fraction` of their rows (any with a dead row when `fraction` is 0), any
-/// with no live row left, and, with `merge_fanout` F, every generation of a
-/// merge tier that holds F or more; never one in `excluded`. O(live calls).
-pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<u32>, excluded: &HashSet<u64>) -> Plan {
+/// with no live row left, and, with `merge_fanout` F, the generations of a
+/// merge tier that holds F or more; never one in `excluded`. With a
+/// `budget`, the live rows written again stay within it (format-spec/shard.md
+/// §6.1, §6.2): generations to collect are taken oldest first while they
+/// fit (the first whatever its size, so that collection always
+/// progresses), then each full tier's oldest generations while they fit,
+/// at least two or none. O(live calls).
+pub(super) fn plan(
+    snap: &Snapshot,
+    fraction: Option<f64>,
+    merge_fanout: Option<u32>,
+    excluded: &HashSet<u64>,
+    budget: Option<u64>,
+) -> Plan {
     if fraction.is_none() && merge_fanout.is_none() {
         return Plan::default();
     }
@@ -105,16 +119,34 @@ pub(super) fn plan(snap: &Snapshot, fraction: Option<f64>, merge_fanout: Option<
         }
         let dead = rows - live;
         let collect = fraction.is_some_and(|f| dead > 0 && (*live == 0 || dead as f64 >= f * *rows as f64));
-        if collect {
+        let fits = budget.is_none_or(|b| plan.moved_rows.saturating_add(*live) <= b);
+        if collect && (fits || plan.moved_rows == 0) {
             plan.generations.push(g);
+            plan.moved_rows = plan.moved_rows.saturating_add(*live);
+        } else if collect {
+            // Past the budget: collected by a later compaction.
         } else if let Some(tier) = merge_fanout.and_then(|f| merge_tier(*rows, f)) {
             tiers.entry(tier).or_default().push(g);
         }
     }
     if let Some(fanout) = merge_fanout {
         for generations in tiers.into_values().filter(|gs| gs.len() >= fanout as usize) {
-            plan.merged.extend(&generations);
-            plan.generations.extend(generations);
+            // Oldest first (the map's order), while the budget holds them.
+            let mut taken = Vec::new();
+            let mut rows = 0u64;
+            for g in generations {
+                let live = per_generation.get(&g).map_or(0, |e| e.1);
+                if budget.is_some_and(|b| plan.moved_rows.saturating_add(rows).saturating_add(live) > b) {
+                    break;
+                }
+                rows = rows.saturating_add(live);
+                taken.push(g);
+            }
+            if taken.len() >= 2 {
+                plan.moved_rows = plan.moved_rows.saturating_add(rows);
+                plan.merged.extend(&taken);
+                plan.generations.extend(taken);
+            }
         }
     }
     plan.generations.sort_unstable();

@@ -97,6 +97,21 @@ pub struct CompactOptions {
     /// large backlog compacted in several of these peaks lower than in one
     /// (`trajlog compact --batch-calls`). `None` (the default): no limit.
     pub max_calls: Option<u64>,
+    /// The largest publication: with `Some(n)` a compaction writes its
+    /// shards and publishes them in steps of at most about `n` calls — the
+    /// new calls of whole sessions (oldest first) and the live calls that
+    /// collection and merging write again, together — one after another
+    /// until every session chosen when it began is compacted (or
+    /// `max_calls` is reached). What a publication builds (the rows it
+    /// writes, the shard index file's changes) grows with its calls, about
+    /// 0.3 KB each, so this bounds that part of a compaction's memory by
+    /// configuration (format-spec/shard.md §6.4); each step also rewrites
+    /// the shard index file, so a large backlog takes longer (10M tiny
+    /// calls in steps of 2^20: 5.0 GB and 396 s against 6.3 GB and 164 s
+    /// in one). A session larger than `n` goes alone. Default `None`: one
+    /// publication of every new call chosen; collection and merging still
+    /// write at most [`DEFAULT_BATCH_CALLS`] live calls again in it.
+    pub batch_calls: Option<u64>,
     /// The copy-forward collector (format-spec/shard.md §6.3): after the
     /// publication, a sealed segment kept only by unfinished sessions
     /// (stragglers) whose live calls in segments take at most this fraction
@@ -122,6 +137,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("collect_dead_fraction", &self.collect_dead_fraction)
             .field("merge_fanout", &self.merge_fanout)
             .field("max_calls", &self.max_calls)
+            .field("batch_calls", &self.batch_calls)
             .field("copy_forward", &self.copy_forward)
             .finish()
     }
@@ -140,6 +156,7 @@ impl Default for CompactOptions {
             collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
             merge_fanout: Some(DEFAULT_MERGE_FANOUT),
             max_calls: None,
+            batch_calls: None,
             copy_forward: Some(DEFAULT_COPY_FORWARD),
         }
     }
@@ -152,6 +169,12 @@ pub const COPY_FORWARD_MAX: f64 = 0.5;
 
 /// [`CompactOptions::copy_forward`]'s default.
 pub const DEFAULT_COPY_FORWARD: f64 = 0.25;
+
+/// The live calls collection and merging write again in one publication
+/// when [`CompactOptions::batch_calls`] is `None` (else that): 2^20, ~0.35
+/// GB of what a publication builds. Before this bound a merge took a whole
+/// tier: eight generations of ~1M rows made one publication of 8M rows.
+pub const DEFAULT_BATCH_CALLS: u64 = 1 << 20;
 
 /// [`CompactOptions::collect_dead_fraction`]'s default.
 pub const DEFAULT_COLLECT_DEAD_FRACTION: f64 = 0.2;
@@ -227,6 +250,14 @@ impl CompactOptions {
         self.max_calls = v;
         self
     }
+    /// Publish in steps of at most about this many calls, new and moved
+    /// together (`None`: one publication; see
+    /// [`CompactOptions::batch_calls`]).
+    #[must_use]
+    pub fn batch_calls(mut self, v: Option<u64>) -> Self {
+        self.batch_calls = v;
+        self
+    }
 
     /// Called after each session with (sessions done, sessions selected, calls).
     #[must_use]
@@ -288,6 +319,47 @@ pub struct CompactReport {
     pub copied_sessions: u64,
     pub copied_calls: u64,
     pub copied_bytes: u64,
+    /// Publications made ([`CompactOptions::batch_calls`]): 1 for a
+    /// compaction that fit one.
+    pub publications: usize,
+}
+
+impl CompactReport {
+    /// Add what the next publication of the same compaction did.
+    fn absorb(&mut self, r: CompactReport) {
+        self.sessions += r.sessions;
+        self.calls += r.calls;
+        self.trajectories += r.trajectories;
+        self.token_bytes += r.token_bytes;
+        self.shards.extend(r.shards);
+        self.shard_bytes += r.shard_bytes;
+        self.retired_segments += r.retired_segments;
+        self.elapsed += r.elapsed;
+        // A session with a damaged call is chosen again by each: once.
+        for d in r.sessions_damaged {
+            if !self.sessions_damaged.iter().any(|(s, _)| *s == d.0) {
+                self.sessions_damaged.push(d);
+            }
+        }
+        self.collected_generations.extend(r.collected_generations);
+        self.merged_generations.extend(r.merged_generations);
+        self.moved_calls += r.moved_calls;
+        self.dropped_rows += r.dropped_rows;
+        self.collected_bytes += r.collected_bytes;
+        for d in r.collect_skipped {
+            if !self.collect_skipped.iter().any(|(g, _)| *g == d.0) {
+                self.collect_skipped.push(d);
+            }
+        }
+        self.sessions_left = r.sessions_left;
+        // What the last one left for later is what is left.
+        self.collect_deferred = r.collect_deferred;
+        self.deletions_skipped = r.deletions_skipped;
+        self.copied_sessions += r.copied_sessions;
+        self.copied_calls += r.copied_calls;
+        self.copied_bytes += r.copied_bytes;
+        self.publications += r.publications;
+    }
 }
 
 fn text(field: &str, bytes: Option<Vec<u8>>) -> Result<Option<String>> {
@@ -545,13 +617,47 @@ fn take_up_to(mut chosen: Vec<(f64, u64, String)>, max_calls: Option<u64>) -> (V
     (taken, left)
 }
 
-/// [`run`], calling `before_publish` once the shards are staged, before they
-/// are published (tests use it to change the store meanwhile).
+/// [`run`], calling `before_publish` once the shards of each publication
+/// are staged, before they are published (tests use it to change the store
+/// meanwhile). Publishes in steps of at most about
+/// [`CompactOptions::batch_calls`] calls until every selected session is
+/// compacted (or `max_calls` is reached).
 pub(crate) fn run_with(
     store: &Store,
     opts: &CompactOptions,
     before_publish: &mut dyn FnMut(),
 ) -> Result<CompactReport> {
+    check_options(opts)?;
+    let mut total = CompactReport::default();
+    let mut budget = opts.batch_calls;
+    // The sessions this compaction takes, chosen by its first publication
+    // (`max_calls` applied): sessions sealed meanwhile wait for the next
+    // compaction, so that a steady flow of them cannot keep this one going.
+    let mut taking: Option<std::collections::HashSet<String>> = None;
+    let mut left_by_max = 0;
+    loop {
+        let first = taking.is_none();
+        let done = (total.sessions as u64, total.calls + total.moved_calls);
+        let (r, left) = publish_one(store, opts, &mut taking, budget, done, before_publish)?;
+        if first {
+            left_by_max = left;
+        }
+        let compacted_nothing = r.sessions == 0;
+        total.absorb(r);
+        if opts.batch_calls.is_none() || total.sessions_left == 0 {
+            total.sessions_left += left_by_max;
+            return Ok(total);
+        }
+        // Sessions with damaged calls are never compacted and stay chosen,
+        // oldest first: a publication that took only those compacted
+        // nothing. The next takes twice as many calls, until one compacts
+        // something or takes every session left.
+        budget = if compacted_nothing { budget.map(|n| n.saturating_mul(2)) } else { opts.batch_calls };
+    }
+}
+
+/// Refuse options out of their ranges, naming the option.
+fn check_options(opts: &CompactOptions) -> Result<()> {
     if opts.steps_row_group_rows == 0 || opts.trajectories_row_group_rows == 0 {
         return Err(Error::invalid("row_group_rows", "must be at least 1"));
     }
@@ -579,11 +685,35 @@ pub(crate) fn run_with(
     if opts.max_calls == Some(0) {
         return Err(Error::invalid("max_calls", "must be at least 1 (None: no limit)"));
     }
+    if opts.batch_calls == Some(0) {
+        return Err(Error::invalid("batch_calls", "must be at least 1 (None: one publication)"));
+    }
     if let Selection::OlderThan(s) = opts.selection {
         if !s.is_finite() || s < 0.0 {
             return Err(Error::invalid("older_than", format!("{s} is not a finite, non-negative number of seconds")));
         }
     }
+    Ok(())
+}
+
+/// One publication: what collection and merging write again, then the new
+/// calls of the sessions in `taking` (whole sessions, oldest first, at
+/// least one) within what that leaves of `budget` calls
+/// ([`CompactOptions::batch_calls`]; without one, collection and merging
+/// within [`DEFAULT_BATCH_CALLS`] and the new calls unbounded). The first
+/// publication of a compaction (`taking` is `None`) sets `taking` to the
+/// sessions chosen then, up to `max_calls`, and returns how many that
+/// left besides its report (`sessions_left`: those of `taking` left for
+/// the next publication). `done`: the sessions and calls of the earlier
+/// publications, for the progress.
+fn publish_one(
+    store: &Store,
+    opts: &CompactOptions,
+    taking: &mut Option<std::collections::HashSet<String>>,
+    budget: Option<u64>,
+    done: (u64, u64),
+    before_publish: &mut dyn FnMut(),
+) -> Result<(CompactReport, usize)> {
     let started = Instant::now();
     // Seal the active segment so that what gets compacted can be retired, and
     // compact what is durable then.
@@ -605,7 +735,13 @@ pub(crate) fn run_with(
             chosen_sessions.push((s.first_timestamp, s.calls as u64, s.session_id));
         }
     });
-    let (selected, sessions_left) = take_up_to(chosen_sessions, opts.max_calls);
+    let mut left_by_max = 0;
+    let taking = taking.get_or_insert_with(|| {
+        let (taken, left) = take_up_to(chosen_sessions.clone(), opts.max_calls);
+        left_by_max = left;
+        taken.into_iter().collect()
+    });
+    chosen_sessions.retain(|(_, _, s)| taking.contains(s));
     let generation = compaction.generation();
     let shards_dir = store.dir().join(SHARDS_DIR);
     // A generation a damaged row keeps from being collected is left out and
@@ -616,10 +752,11 @@ pub(crate) fn run_with(
     // Generations a dead row of which must stay for now (see
     // `Snapshot::shards_holding_undroppable_dead_rows`).
     let mut deferred = std::collections::BTreeSet::new();
-    let (mut report, plan, compacted, mut staged) = loop {
+    let (mut report, plan, compacted, mut staged, sessions_left) = loop {
         let plan = loop {
             let not_now: std::collections::HashSet<u64> = excluded.iter().chain(&deferred).copied().collect();
-            let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now);
+            let moves = budget.unwrap_or(DEFAULT_BATCH_CALLS);
+            let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now, Some(moves));
             // Only files with a dead row can hold one back (a merge of
             // live rows reads nothing here).
             let dead: std::collections::HashSet<u32> =
@@ -641,9 +778,22 @@ pub(crate) fn run_with(
                 break plan;
             }
         };
+        // New calls fill what the calls written again leave of the budget.
+        let room = budget.map(|b| b.saturating_sub(plan.moved_rows));
+        let (selected, sessions_left) = take_up_to(chosen_sessions.clone(), room);
+        // Progress over the whole compaction: this publication's sessions
+        // after the earlier ones', and those left for the next.
+        let mut opts = opts.clone();
+        if let Some(progress) = opts.progress.take() {
+            let (sessions_before, calls_before) = done;
+            let left = sessions_left as u64;
+            opts.progress = Some(Arc::new(move |d, n, calls| {
+                progress(sessions_before + d, sessions_before + n + left, calls_before + calls)
+            }));
+        }
         let mut report = CompactReport::default();
-        match write_shards(&snap, opts, generation, &shards_dir, &selected, &plan, &mut report)? {
-            Written::Done { compacted, staged } => break (report, plan, compacted, staged),
+        match write_shards(&snap, &opts, generation, &shards_dir, &selected, &plan, &mut report)? {
+            Written::Done { compacted, staged } => break (report, plan, compacted, staged, sessions_left),
             Written::Retry { generations, error } => {
                 for g in generations {
                     if excluded.insert(g) {
@@ -689,5 +839,6 @@ pub(crate) fn run_with(
     // writer that merged 800k rows kept ~300 MB more heap without this.
     crate::storage::mmap::trim_heap();
     report.elapsed = started.elapsed();
-    Ok(report)
+    report.publications = 1;
+    Ok((report, left_by_max))
 }

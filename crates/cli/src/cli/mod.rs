@@ -191,10 +191,13 @@ enum Command {
         #[arg(long)]
         no_copy_forward: bool,
         /// Compact in batches of about this many calls (whole sessions,
-        /// oldest first), one compaction after another until none is left:
-        /// a large backlog then peaks lower in memory than in one
-        /// compaction (what a compaction builds grows with what it
-        /// compacts). Each batch prints its line. Default: one compaction.
+        /// oldest first, with what collection and merging write again), one
+        /// compaction after another until none is left, each printing its
+        /// line: a large backlog then peaks lower in memory than in one
+        /// compaction (what a compaction builds grows with what it writes),
+        /// but takes longer (each batch rewrites the shard index file).
+        /// Default: one compaction (collection and merging in it write at
+        /// most 1,048,576 calls again).
         #[arg(long, value_name = "CALLS", value_parser = clap::value_parser!(u64).range(1..))]
         batch_calls: Option<u64>,
     },

@@ -27,7 +27,8 @@ pub struct CompactArgs {
     /// `--copy-forward` (`None`: `--no-copy-forward`).
     pub copy_forward: Option<f64>,
     /// `--batch-calls`: one compaction after another, each of about this
-    /// many calls (`None`: one compaction of everything selected).
+    /// many calls (what they write again included), a line each (`None`:
+    /// one compaction of everything selected).
     pub batch_calls: Option<u64>,
 }
 
@@ -43,7 +44,8 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .compression(args.compression.parse()?)
             .collect_dead_fraction(args.collect_dead)
             .merge_fanout(args.merge_fanout)
-            .copy_forward(args.copy_forward),
+            .copy_forward(args.copy_forward)
+            .batch_calls(args.batch_calls),
     );
     // Sessions with damaged calls, each once (a later batch chooses them again).
     let mut damaged = std::collections::BTreeSet::new();
@@ -91,13 +93,14 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
 fn print_report(r: &trajlog::CompactReport) {
     let secs = r.elapsed.as_secs_f64().max(1e-9);
     println!(
-        "compacted {} sessions, {} calls, {} trajectories: {} of token payload into {} shard files ({}) in {:.2} s ({:.0} MB/s); retired {} segments; peak RSS {}",
+        "compacted {} sessions, {} calls, {} trajectories: {} of token payload into {} shard files ({}){} in {:.2} s ({:.0} MB/s); retired {} segments; peak RSS {}",
         r.sessions,
         r.calls,
         r.trajectories,
         human_bytes(r.token_bytes),
         r.shards.len(),
         human_bytes(r.shard_bytes),
+        if r.publications > 1 { format!(", {} publications", r.publications) } else { String::new() },
         secs,
         r.token_bytes as f64 / 1e6 / secs,
         r.retired_segments,
