@@ -8,8 +8,9 @@
 #   reading one session (`trajlog show`, from the shards), the two
 #   whole-store scans (`trajlog export` of every call, `trajlog audit`),
 #   the library's open, read-only and writable, with VmRSS right after it,
-#   and a read-only store's refresh after 1,000 appends
-#   (examples/open_cost.rs),
+#   the first read of one session after a read-only open (8 calls, full
+#   prompts, from the shards), and a read-only store's refresh after 1,000
+#   appends (examples/open_cost.rs),
 # and report bytes on disk. One markdown table, one row per size. Each store
 # starts with one straggler: a session of one call, never sealed, so never
 # compacted (as an agent that crashed mid-rollout leaves it); "on disk" and
@@ -23,6 +24,8 @@
 #        so that 10M calls fit a small disk
 #   SHAPE=gateway bash benches/scale.sh 20000   # the rLLM gateway's realistic
 #        traces (chat history, raw request and response) at the default sizes
+#   BATCH_CALLS=1048576 bash benches/scale.sh    # the first compaction in
+#        batches (`trajlog compact --batch-calls`): lower peak, longer
 #
 # Needs the release binaries (cargo build --release; cargo build --release
 # --example open_cost) and /usr/bin/time. The
@@ -78,7 +81,9 @@ for calls in "${sizes[@]}"; do
     "$bin" generate --store "$dir" --sessions "$sessions" "${call_shape[@]}" >&2
     gen_s=$(awk "BEGIN { print $(date +%s.%N) - $started }")
     measure ls_log "$bin" ls --store "$dir"
-    measure compact1 "$bin" compact --store "$dir"
+    batch=()
+    [ -n "${BATCH_CALLS:-}" ] && batch=(--batch-calls "$BATCH_CALLS")
+    measure compact1 "$bin" compact --store "$dir" "${batch[@]}"
     measure ls_shards "$bin" ls --store "$dir"
     "$bin" generate --store "$dir" --sessions 50 "${call_shape[@]}" --first-session "$sessions" >&2
     measure compact2 "$bin" compact --store "$dir"
@@ -90,14 +95,15 @@ for calls in "${sizes[@]}"; do
     # (which stay in the store: measured last).
     open_ro=$(open_cost "$dir")
     open_w=$(open_cost "$dir" --writable)
+    read1=$("$oc" "$dir" --session "task-$((sessions / 8 / 2)):0" | sed -n 's/^read session .* in \([0-9.]*\) ms$/\1 ms/p')
     refresh=$("$oc" "$dir" --refresh 1000 | sed -n 's/^refresh after 1000 appends: \([0-9.]*\) ms.*/\1 ms/p')
     disk=$(du -sm "$dir" | cut -f1)
     shards=$(du -sm "$dir/shards" | cut -f1)
     segs=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' | wc -l)
     segs_mb=$(find "$dir" -maxdepth 1 -name 'seg-*.tlog' -exec du -cm {} + | tail -1 | cut -f1)
-    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $m_export | $m_audit | $open_ro | $open_w | $refresh | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
+    rows+=("| $calls | $(printf '%.0f' "$gen_s") s | $m_ls_log | $m_compact1 | $m_ls_shards | $m_compact2 | $m_show | $m_export | $m_audit | $open_ro | $open_w | $read1 | $refresh | $disk MB ($shards MB shards) | $segs ($segs_mb MB) |")
 done
 echo
-echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | export all | audit | open read-only (VmRSS after) | open writable | refresh after 1,000 appends | on disk | segments left |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| calls | generate | open + ls (log) | compact all | open + ls (shards) | compact 50 new | show 1 session | export all | audit | open read-only (VmRSS after) | open writable | first read of 1 session | refresh after 1,000 appends | on disk | segments left |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
