@@ -14,11 +14,6 @@ use std::path::Path;
 use trajlog::limits::SHARD_PAGE_ROWS;
 use trajlog::{Call, CompactOptions, Store};
 
-/// Append `calls`, seal every session and compact them all.
-fn compact_all(dir: &Path, calls: &[Call]) -> Store {
-    compact_sealed(dir, calls, &CompactOptions::default())
-}
-
 /// Per shard file of `table`: per row group, per column, the rows of each
 /// data page, after checking that every data page is a v2 page.
 fn page_rows(dir: &Path, table: &str) -> Vec<Vec<Vec<Vec<u32>>>> {
@@ -61,7 +56,7 @@ fn page_rows(dir: &Path, table: &str) -> Vec<Vec<Vec<Vec<u32>>>> {
 fn shards_are_written_in_v2_pages_of_at_most_the_page_rows() {
     let dir = tempdir();
     let calls = chained_calls(88, 8);
-    let _store = compact_all(dir.path(), &calls);
+    let _store = compact_sealed(dir.path(), &calls, &CompactOptions::default());
     let steps = page_rows(dir.path(), "steps");
     assert_eq!(steps.len(), 1, "one file");
     assert_eq!(steps[0].len(), 1, "one row group");
@@ -105,7 +100,7 @@ proptest! {
             c.session_uids.clear();
         }
         let dir = tempdir();
-        let store = compact_all(dir.path(), &calls);
+        let store = compact_sealed(dir.path(), &calls, &CompactOptions::default());
         let by_session: BTreeMap<&str, Vec<&Call>> = calls.iter().fold(BTreeMap::new(), |mut m, c| {
             m.entry(c.session_id.as_str()).or_default().push(c);
             m

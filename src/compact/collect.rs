@@ -68,9 +68,9 @@ pub fn merge_tier(rows: u64, fanout: u32) -> Option<u32> {
 /// Choose the generations to rewrite: those whose dead rows are at least
 /// `fraction` of their rows (any with a dead row when `fraction` is 0), any
 /// with no live row left, and, with `merge_fanout` F, the generations of a
-/// merge tier that holds F or more; never one in `excluded`. With a
-/// `budget`, the live rows written again stay within it (format-spec/shard.md
-/// §6.1, §6.2): generations to collect are taken oldest first while they
+/// merge tier that holds F or more; never one in `excluded`. The live rows
+/// written again stay within `budget` (format-spec/shard.md §6.4):
+/// generations to collect are taken oldest first while they
 /// fit (the first whatever its size, so that collection always
 /// progresses), then each full tier's oldest generations while they fit,
 /// at least two or none. O(live calls).
@@ -79,7 +79,7 @@ pub(super) fn plan(
     fraction: Option<f64>,
     merge_fanout: Option<u32>,
     excluded: &HashSet<u64>,
-    budget: Option<u64>,
+    budget: u64,
 ) -> Plan {
     if fraction.is_none() && merge_fanout.is_none() {
         return Plan::default();
@@ -119,7 +119,7 @@ pub(super) fn plan(
         }
         let dead = rows - live;
         let collect = fraction.is_some_and(|f| dead > 0 && (*live == 0 || dead as f64 >= f * *rows as f64));
-        let fits = budget.is_none_or(|b| plan.moved_rows.saturating_add(*live) <= b);
+        let fits = plan.moved_rows.saturating_add(*live) <= budget;
         if collect && (fits || plan.moved_rows == 0) {
             plan.generations.push(g);
             plan.moved_rows = plan.moved_rows.saturating_add(*live);
@@ -136,7 +136,7 @@ pub(super) fn plan(
             let mut rows = 0u64;
             for g in generations {
                 let live = per_generation.get(&g).map_or(0, |e| e.1);
-                if budget.is_some_and(|b| plan.moved_rows.saturating_add(rows).saturating_add(live) > b) {
+                if plan.moved_rows.saturating_add(rows).saturating_add(live) > budget {
                     break;
                 }
                 rows = rows.saturating_add(live);

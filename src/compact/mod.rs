@@ -336,21 +336,13 @@ impl CompactReport {
         self.retired_segments += r.retired_segments;
         self.elapsed += r.elapsed;
         // A session with a damaged call is chosen again by each: once.
-        for d in r.sessions_damaged {
-            if !self.sessions_damaged.iter().any(|(s, _)| *s == d.0) {
-                self.sessions_damaged.push(d);
-            }
-        }
+        extend_new_keys(&mut self.sessions_damaged, r.sessions_damaged);
         self.collected_generations.extend(r.collected_generations);
         self.merged_generations.extend(r.merged_generations);
         self.moved_calls += r.moved_calls;
         self.dropped_rows += r.dropped_rows;
         self.collected_bytes += r.collected_bytes;
-        for d in r.collect_skipped {
-            if !self.collect_skipped.iter().any(|(g, _)| *g == d.0) {
-                self.collect_skipped.push(d);
-            }
-        }
+        extend_new_keys(&mut self.collect_skipped, r.collect_skipped);
         self.sessions_left = r.sessions_left;
         // What the last one left for later is what is left.
         self.collect_deferred = r.collect_deferred;
@@ -359,6 +351,15 @@ impl CompactReport {
         self.copied_calls += r.copied_calls;
         self.copied_bytes += r.copied_bytes;
         self.publications += r.publications;
+    }
+}
+
+/// Append the pairs of `more` whose key `to` does not hold yet.
+fn extend_new_keys<K: PartialEq, V>(to: &mut Vec<(K, V)>, more: Vec<(K, V)>) {
+    for (k, v) in more {
+        if !to.iter().any(|(have, _)| *have == k) {
+            to.push((k, v));
+        }
     }
 }
 
@@ -595,26 +596,25 @@ fn write_shards(
 /// calls, session)) and how many it leaves: all without a limit, else
 /// whole sessions oldest first (ties by id) until the next would pass
 /// `max_calls`, at least one; returned by id.
-fn take_up_to(mut chosen: Vec<(f64, u64, String)>, max_calls: Option<u64>) -> (Vec<String>, usize) {
+fn take_up_to(chosen: &[(f64, u64, String)], max_calls: Option<u64>) -> (Vec<String>, usize) {
     let Some(max) = max_calls else {
-        return (chosen.into_iter().map(|(_, _, s)| s).collect(), 0);
+        return (chosen.iter().map(|(_, _, s)| s.clone()).collect(), 0);
     };
-    chosen.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.2.cmp(&b.2)));
+    let mut oldest: Vec<&(f64, u64, String)> = chosen.iter().collect();
+    oldest.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.2.cmp(&b.2)));
     let mut calls = 0u64;
     let mut taken = 0;
-    for (_, n, _) in &chosen {
+    for (_, n, _) in &oldest {
         if taken > 0 && calls.saturating_add(*n) > max {
             break;
         }
         calls = calls.saturating_add(*n);
         taken += 1;
     }
-    let left = chosen.len() - taken;
-    chosen.truncate(taken);
     // In the order an unlimited compaction takes them (the maps' order).
-    let mut taken: Vec<String> = chosen.into_iter().map(|(_, _, s)| s).collect();
-    taken.sort_unstable();
-    (taken, left)
+    let mut ids: Vec<String> = oldest.iter().take(taken).map(|(_, _, s)| s.clone()).collect();
+    ids.sort_unstable();
+    (ids, chosen.len() - taken)
 }
 
 /// [`run`], calling `before_publish` once the shards of each publication
@@ -636,12 +636,9 @@ pub(crate) fn run_with(
     let mut taking: Option<std::collections::HashSet<String>> = None;
     let mut left_by_max = 0;
     loop {
-        let first = taking.is_none();
         let done = (total.sessions as u64, total.calls + total.moved_calls);
         let (r, left) = publish_one(store, opts, &mut taking, budget, done, before_publish)?;
-        if first {
-            left_by_max = left;
-        }
+        left_by_max += left;
         let compacted_nothing = r.sessions == 0;
         total.absorb(r);
         if opts.batch_calls.is_none() || total.sessions_left == 0 {
@@ -703,7 +700,7 @@ fn check_options(opts: &CompactOptions) -> Result<()> {
 /// within [`DEFAULT_BATCH_CALLS`] and the new calls unbounded). The first
 /// publication of a compaction (`taking` is `None`) sets `taking` to the
 /// sessions chosen then, up to `max_calls`, and returns how many that
-/// left besides its report (`sessions_left`: those of `taking` left for
+/// left (0 for the later ones) besides its report (`sessions_left`: those of `taking` left for
 /// the next publication). `done`: the sessions and calls of the earlier
 /// publications, for the progress.
 fn publish_one(
@@ -737,7 +734,7 @@ fn publish_one(
     });
     let mut left_by_max = 0;
     let taking = taking.get_or_insert_with(|| {
-        let (taken, left) = take_up_to(chosen_sessions.clone(), opts.max_calls);
+        let (taken, left) = take_up_to(&chosen_sessions, opts.max_calls);
         left_by_max = left;
         taken.into_iter().collect()
     });
@@ -752,11 +749,12 @@ fn publish_one(
     // Generations a dead row of which must stay for now (see
     // `Snapshot::shards_holding_undroppable_dead_rows`).
     let mut deferred = std::collections::BTreeSet::new();
+    // What collection and merging may write again (format-spec/shard.md §6.4).
+    let moves = budget.unwrap_or(DEFAULT_BATCH_CALLS);
     let (mut report, plan, compacted, mut staged, sessions_left) = loop {
         let plan = loop {
             let not_now: std::collections::HashSet<u64> = excluded.iter().chain(&deferred).copied().collect();
-            let moves = budget.unwrap_or(DEFAULT_BATCH_CALLS);
-            let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now, Some(moves));
+            let plan = collect::plan(&snap, opts.collect_dead_fraction, opts.merge_fanout, &not_now, moves);
             // Only files with a dead row can hold one back (a merge of
             // live rows reads nothing here).
             let dead: std::collections::HashSet<u32> =
@@ -780,7 +778,7 @@ fn publish_one(
         };
         // New calls fill what the calls written again leave of the budget.
         let room = budget.map(|b| b.saturating_sub(plan.moved_rows));
-        let (selected, sessions_left) = take_up_to(chosen_sessions.clone(), room);
+        let (selected, sessions_left) = take_up_to(&chosen_sessions, room);
         // Progress over the whole compaction: this publication's sessions
         // after the earlier ones', and those left for the next.
         let mut opts = opts.clone();
