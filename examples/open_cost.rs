@@ -45,7 +45,7 @@ fn main() -> trajlog::Result<()> {
     let snap = store.snapshot();
     let layers = snap.index_layers();
     println!(
-        "open ({}): {open_s:.4} s; {} live calls, {} in the frozen layer; VmRSS {} kB, RssAnon {} kB, VmHWM {} kB",
+        "open ({}): {open_s:.6} s; {} live calls, {} in the frozen layer; VmRSS {} kB, RssAnon {} kB, VmHWM {} kB",
         if writable { "writable" } else { "read-only" },
         layers.calls,
         layers.frozen_calls,

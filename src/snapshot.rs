@@ -427,7 +427,7 @@ impl Snapshot {
     /// annotations) may have missed what the damaged block held until this
     /// says so. Reopening the store does without the file.
     pub fn check_index(&self) -> Result<()> {
-        match crate::store::lazy_damage(&self.view.shards) {
+        match crate::store::lazy_damage(&self.view.shards, &self.view.index) {
             None => Ok(()),
             Some(e) => Err(e),
         }

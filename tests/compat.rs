@@ -1058,7 +1058,12 @@ fn fixture_v12_z() -> Call {
 /// cache `shards/index.tsa`
 /// (format-spec/shard-index.md §7), which lists that segment.
 fn write_fixture_v12() {
-    let dir = fixture_v12_dir();
+    write_fixture_v12_in(&fixture_v12_dir());
+}
+
+/// The v12 fixture's content written into `dir`.
+fn write_fixture_v12_in(dir: &std::path::Path) {
+    let dir = dir.to_path_buf();
     assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
     let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
     for c in fixture_calls().into_iter().chain([fixture_v12_z()]) {
@@ -1099,18 +1104,25 @@ fn check_fixture_v12(dir: &std::path::Path) -> trajlog::Snapshot {
     snap
 }
 
+/// [`check_fixture_v12`] read through the cache, which `trajlog verify`
+/// finds sound; the cache's bytes.
+fn check_fixture_v12_cached(dir: &std::path::Path) -> Vec<u8> {
+    let cache = std::fs::read(dir.join("shards/index.tsa")).expect("the fixture has an annotation cache");
+    let snap = check_fixture_v12(dir);
+    assert_eq!(snap.index_layers().cached_annotation_segments, 1, "{:?}", snap.index_layers());
+    drop(snap);
+    let report = trajlog::verify::verify_dir(dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    cache
+}
+
 #[test]
 fn reads_the_v12_fixture_through_its_annotation_cache() {
     if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v12_dir().exists() {
         write_fixture_v12();
     }
     let dir = fixture_v12_dir();
-    let cache = std::fs::read(dir.join("shards/index.tsa")).expect("the fixture has an annotation cache");
-    let snap = check_fixture_v12(&dir);
-    assert_eq!(snap.index_layers().cached_annotation_segments, 1, "{:?}", snap.index_layers());
-    drop(snap);
-    let report = trajlog::verify::verify_dir(&dir).unwrap();
-    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+    let cache = check_fixture_v12_cached(&dir);
     // Without the cache the same answers; a writer writes it back as it was.
     let copy = tempfile::tempdir().unwrap();
     copy_dir(&dir, copy.path());
@@ -1119,7 +1131,72 @@ fn reads_the_v12_fixture_through_its_annotation_cache() {
     assert_eq!(snap.index_layers().cached_annotation_segments, 0);
     drop(snap);
     Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
-    assert_eq!(std::fs::read(copy.path().join("shards/index.tsa")).unwrap(), cache);
+    // Written back as version 2 (store format 17): the same header after
+    // the version, tables and trace rewards, then block checksums.
+    let written = std::fs::read(copy.path().join("shards/index.tsa")).unwrap();
+    assert_eq!(written[8..12], 2u32.to_le_bytes());
+    assert_eq!(written[..8], cache[..8]);
+    assert_eq!(written[12..cache.len() - 8], cache[12..cache.len() - 8]);
+    let snap = check_fixture_v12(copy.path());
+    assert_eq!(snap.index_layers().cached_annotation_segments, 1);
+}
+
+fn fixture_v17_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v17")
+}
+
+/// Where the per-session reward table of annotation cache `b` starts
+/// (format-spec/shard-index.md §7).
+fn cache_rewards_at(b: &[u8]) -> usize {
+    let word = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+    let (listed, sessions) = (word(12), word(20));
+    40 + 24 * listed + 2 * (sessions.div_ceil(2) * 8) + 2 * (sessions.div_ceil(64) * 8)
+}
+
+/// Store format 17: the v12 fixture's content, its annotation cache
+/// written as version 2 (block checksums of its per-session tables, which
+/// a read-only open checks as lookups read them).
+#[test]
+fn reads_the_v17_fixture_through_its_block_checked_annotation_cache() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v17_dir().exists() {
+        write_fixture_v12_in(&fixture_v17_dir());
+    }
+    let dir = fixture_v17_dir();
+    let cache = check_fixture_v12_cached(&dir);
+    assert_eq!(cache[8..12], 2u32.to_le_bytes(), "version 2");
+
+    // A flipped bit in the rewards table: the read-only open reads no
+    // table, so it opens through the cache; the lookup of a reward misses,
+    // and every read that returns a Result reports the damage, naming the
+    // file, until a refresh loads the view without the cache.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let path = copy.path().join("shards/index.tsa");
+    let mut bad = cache.clone();
+    bad[cache_rewards_at(&cache)] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    let store = Store::open_read_only(copy.path()).unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.index_layers().cached_annotation_segments, 1);
+    assert_eq!(snap.session_reward("z"), None, "the lookup read the bad block");
+    let err = snap.session("z", None, None).unwrap_err();
+    assert!(matches!(err.kind(), trajlog::ErrorKind::Corrupt { .. }), "{err}");
+    assert!(err.to_string().contains("index.tsa"), "{err}");
+    assert!(snap.get("z/0").is_err(), "every Result read reports it");
+    drop(snap);
+    store.refresh().unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.index_layers().cached_annotation_segments, 0);
+    assert_eq!(snap.session_reward("z"), Some(3.5));
+    assert_eq!(snap.session("z", None, None).unwrap().len(), 1);
+    drop((snap, store));
+    let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+    assert!(report.problems.iter().any(|p| format!("{p:?}").contains("annotation cache")), "{report:?}");
+    // A writer checks it whole, does without it and writes it anew.
+    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), cache);
+    let snap = check_fixture_v12(copy.path());
+    assert_eq!(snap.index_layers().cached_annotation_segments, 1);
 }
 
 fn fixture_v13_dir() -> PathBuf {

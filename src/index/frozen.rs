@@ -459,6 +459,13 @@ impl Frozen {
         true
     }
 
+    /// What failed of the annotation cache's blocks that its seals and
+    /// rewards are read from (a read-only open checks them as lookups read
+    /// them), once one did.
+    pub fn cache_damage(&self) -> Option<crate::error::Error> {
+        self.cached.as_ref().and_then(|c| c.sealed.damage())
+    }
+
     /// The index of a frozen session's first row.
     pub fn first_row(&self, session: u32) -> Option<u32> {
         self.sessions.at(session as usize).map(|s| s.first_row)

@@ -432,7 +432,7 @@ fn block_check(
     if first != n || LAZY.iter().any(|k| sections.get(*k as usize).is_none_or(Option::is_none)) {
         return None;
     }
-    BlockCheck::new(map.clone(), path, sections, crcs)
+    BlockCheck::new(map.clone(), path, sections, crcs, crate::storage::table::INDEX_FILE_NOTE)
 }
 
 /// A section's place in the file.

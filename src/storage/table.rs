@@ -34,17 +34,27 @@ pub(crate) struct BlockCheck {
     whole: Box<[AtomicBool]>,
     /// The first block that failed: its offset in the file, and what.
     damage: OnceLock<(u64, String)>,
+    /// What the file is and how a view does without it, for the error.
+    note: &'static str,
 }
+
+/// [`BlockCheck`]'s note for the shard index file.
+pub(crate) const INDEX_FILE_NOTE: &str = "a lookup of this read-only view may have missed (a read-only open checks \
+     the shard index file a block at a time, as lookups read it). The file is a cache of the shards: \
+     `Store::refresh` loads the view again without it, and a writable open (`trajlog compact`, any writer) writes \
+     it anew";
 
 impl BlockCheck {
     /// `sections[k]`: section `k`'s (byte offset, length, first block in
     /// `crcs`), or `None` for one not checked here; `None` unless `crcs`
-    /// has a crc for every block.
+    /// has a crc for every block. `note` ends the error of a failed block:
+    /// what a lookup that met it did, and how to do without the file.
     pub(crate) fn new(
         map: Arc<Mapping>,
         path: &std::path::Path,
         sections: Vec<Option<(usize, usize, usize)>>,
         crcs: Table<u32>,
+        note: &'static str,
     ) -> Option<BlockCheck> {
         let blocks = crcs.len();
         for (offset, len, first) in sections.iter().flatten() {
@@ -62,6 +72,7 @@ impl BlockCheck {
             good: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             whole,
             damage: OnceLock::new(),
+            note,
         })
     }
 
@@ -115,16 +126,7 @@ impl BlockCheck {
     /// What failed, once a block did, as the error a read reports.
     pub(crate) fn damage(&self) -> Option<crate::error::Error> {
         let (at, what) = self.damage.get()?;
-        Some(crate::error::Error::corrupt(
-            &self.path,
-            *at,
-            format!(
-                "{what}: a lookup of this read-only view may have missed (a read-only open checks the shard \
-                 index file a block at a time, as lookups read it). The file is a cache of the shards: \
-                 `Store::refresh` loads the view again without it, and a writable open (`trajlog compact`, any \
-                 writer) writes it anew"
-            ),
-        ))
+        Some(crate::error::Error::corrupt(&self.path, *at, format!("{what}: {}", self.note)))
     }
 
     /// How many blocks were checked and passed (for tests).
@@ -265,6 +267,15 @@ impl<T: Pod> Table<T> {
         self.raw().get(at..at + n)
     }
 
+    /// What failed of the blocks of the file it lies in, once one did (a
+    /// lazily checked table's; `None` for any other).
+    pub(crate) fn damage(&self) -> Option<crate::error::Error> {
+        match self {
+            Table::Mapped { check: Some((c, _)), .. } => c.damage(),
+            _ => None,
+        }
+    }
+
     /// Whether this table lies in `map` (the same mapping object).
     pub(crate) fn is_in(&self, map: &Arc<Mapping>) -> bool {
         matches!(self, Table::Mapped { map: m, .. } if Arc::ptr_eq(m, map))
@@ -346,7 +357,7 @@ mod tests {
         std::fs::write(&path, &bytes).expect("write");
         let file = std::fs::File::open(&path).expect("open");
         let map = Arc::new(Mapping::map(&file, bytes.len() as u64, &path).expect("map"));
-        let check = BlockCheck::new(map.clone(), &path, vec![Some((0, bytes.len(), 0))], Table::from(crcs))
+        let check = BlockCheck::new(map.clone(), &path, vec![Some((0, bytes.len(), 0))], Table::from(crcs), "test")
             .expect("covers the table");
         let check = Arc::new(check);
         let table = Table::<u64>::mapped(&map, 0, words.len()).expect("aligned").checked_by(&check, 0);

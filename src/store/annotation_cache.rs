@@ -35,7 +35,7 @@ use crate::index::frozen::{set_bit, Frozen};
 use crate::shard::index_file::ShardIndex;
 use crate::storage::fault::Faults;
 use crate::storage::mmap::Mapping;
-use crate::storage::table::Table;
+use crate::storage::table::{BlockCheck, Table, CHECK_BLOCK};
 use std::sync::Arc;
 
 /// The cache's file name, in `DIR/shards/`.
@@ -43,10 +43,47 @@ pub(crate) const CACHE_FILE_NAME: &str = "index.tsa";
 /// What [`crate::storage::write_atomic`] leaves behind on a crash.
 pub(crate) const CACHE_TMP_NAME: &str = "index.tsa.tmp";
 const MAGIC: &[u8; 8] = b"TRJLSAN1";
-/// The version written and read here.
-pub(crate) const CACHE_VERSION: u32 = 1;
+/// The version written here: 2, with block checksums of the per-session
+/// tables. Version 1 (one crc32 of the whole file) is read too.
+pub(crate) const CACHE_VERSION: u32 = 2;
 const HEADER_LEN: usize = 40;
 const LISTED_LEN: usize = 24;
+
+/// [`BlockCheck`]'s note for the cache.
+const CACHE_NOTE: &str = "a seal or reward this read-only view read from it may be missing (a read-only open \
+     checks the annotation cache a block at a time, as lookups read it). The file is a cache of the log's \
+     annotation segments: `Store::refresh` loads the view again without it, and a writable open (`trajlog \
+     compact`, any writer) writes it anew";
+
+/// The (byte offset, length) of each per-session table, each padded to 8
+/// bytes, in file order — `last`, `last_reward`, `sealed`, `has_reward`,
+/// `rewards` — for `sessions` frozen sessions, the first at `at`.
+fn table_spans(at: usize, sessions: usize) -> Option<[(usize, usize); 5]> {
+    let segment_table = sessions.div_ceil(2).checked_mul(8)?;
+    let words = sessions.div_ceil(64).checked_mul(8)?;
+    let lens = [segment_table, segment_table, words, words, sessions.checked_mul(8)?];
+    let mut out = [(0, 0); 5];
+    let mut next = at;
+    for (o, len) in out.iter_mut().zip(lens) {
+        *o = (next, len);
+        next = next.checked_add(len)?;
+    }
+    Some(out)
+}
+
+/// How many block checksums (version 2) cover tables `spans`.
+fn block_count(spans: &[(usize, usize); 5]) -> usize {
+    spans.iter().map(|(_, len)| len.div_ceil(CHECK_BLOCK)).sum()
+}
+
+/// The crc32 of a version-2 file's bytes before `end`, outside the
+/// per-session tables `region` (which its block checksums cover).
+fn crc_outside(b: &[u8], region: std::ops::Range<usize>, end: usize) -> Option<u32> {
+    let mut h = crc32fast::Hasher::new();
+    h.update(b.get(..region.start)?);
+    h.update(b.get(region.end..end)?);
+    Some(h.finalize())
+}
 
 /// A segment the cache reflects, as its trailer names its footer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,10 +169,12 @@ impl AnnotationCache {
     /// The last listed segment with a record that concerns frozen session
     /// `session`, if any.
     pub fn last_naming(&self, session: u32) -> Option<u64> {
-        let i = self.last.at(session as usize)?.checked_sub(1)?;
         // A segment past the list (a table read in place is checked as it
-        // is read): the latest possible, so that anything conflicts and the
-        // open replays without the cache.
+        // is read), or an entry in a block that fails its check: the latest
+        // possible, so that anything conflicts and the open replays without
+        // the cache.
+        let Some(entry) = self.last.at(session as usize) else { return Some(u64::MAX) };
+        let i = entry.checked_sub(1)?;
         Some(self.listed.get(i as usize).map_or(u64::MAX, |l| l.id))
     }
 
@@ -213,7 +252,22 @@ impl AnnotationCache {
             b.extend_from_slice(&0u32.to_le_bytes());
             b.extend_from_slice(&bits.to_le_bytes());
         }
-        let crc = crc32fast::hash(&b);
+        // The block checksums of the per-session tables (written in the
+        // layout `table_spans` gives), then the crc32 of everything else.
+        let spans =
+            table_spans(HEADER_LEN + self.listed.len() * LISTED_LEN, self.sessions as usize).unwrap_or_default();
+        let crcs: Vec<u32> = spans
+            .iter()
+            .flat_map(|(at, len)| b.get(*at..at + len).unwrap_or_default().chunks(CHECK_BLOCK).map(crc32fast::hash))
+            .collect();
+        for crc in &crcs {
+            b.extend_from_slice(&crc.to_le_bytes());
+        }
+        if crcs.len() % 2 == 1 {
+            b.extend_from_slice(&0u32.to_le_bytes());
+        }
+        let region = spans[0].0..spans[4].0 + spans[4].1;
+        let crc = crc_outside(&b, region, b.len()).unwrap_or_default();
         b.extend_from_slice(&crc.to_le_bytes());
         b.extend_from_slice(&0u32.to_le_bytes());
         b
@@ -223,6 +277,18 @@ impl AnnotationCache {
     /// what is wrong otherwise.
     pub fn decode(b: &[u8]) -> std::result::Result<AnnotationCache, String> {
         let l = Layout::of(b)?;
+        if let Some((at, n)) = l.block_crcs {
+            let mut i = 0;
+            for (start, len) in l.spans {
+                for (k, block) in b.get(start..start + len).unwrap_or_default().chunks(CHECK_BLOCK).enumerate() {
+                    if le_u32(b, at + 4 * i) != Some(crc32fast::hash(block)) {
+                        return Err(format!("the block at offset {} fails its crc32", start + k * CHECK_BLOCK));
+                    }
+                    i += 1;
+                }
+            }
+            debug_assert_eq!(i, n);
+        }
         let words = |at: usize, n: usize| -> Table<u64> {
             (0..n).map(|i| le_u64(b, at + i * 8).unwrap_or(0)).collect::<Vec<u64>>().into()
         };
@@ -247,19 +313,62 @@ impl AnnotationCache {
         })
     }
 
-    /// Check the file mapped in `map` and read its per-session tables in
-    /// place (~16 bytes a frozen session: an open sets nothing per session).
-    /// Its segment tables are checked as they are read ([`AnnotationCache::last_naming`]).
-    pub fn decode_mapped(map: &Arc<Mapping>) -> std::result::Result<AnnotationCache, String> {
+    /// Check the file `path` mapped in `map` and read its per-session
+    /// tables in place (~16 bytes a frozen session: an open sets nothing
+    /// per session). Its segment tables are checked as they are read
+    /// ([`AnnotationCache::last_naming`]). With `lazy` (a read-only open)
+    /// and block checksums (version 2), the tables' blocks are checked as
+    /// lookups first read them, and one that fails is recorded
+    /// ([`Table::damage`]): the lookup misses. Else every byte is checked
+    /// here.
+    pub fn decode_mapped(map: &Arc<Mapping>, path: &Path, lazy: bool) -> std::result::Result<AnnotationCache, String> {
         let l = Layout::of(map.bytes())?;
         let n = l.sessions as usize;
         let bad = || "a table is misaligned".to_owned();
+        let check = match l.block_crcs {
+            None => None,
+            Some((at, blocks)) => {
+                let crcs = Table::<u32>::mapped(map, at, blocks).ok_or_else(bad)?;
+                let mut first = 0;
+                let sections = l
+                    .spans
+                    .iter()
+                    .map(|(start, len)| {
+                        let s = Some((*start, *len, first));
+                        first += len.div_ceil(CHECK_BLOCK);
+                        s
+                    })
+                    .collect();
+                let check = Arc::new(
+                    BlockCheck::new(map.clone(), path, sections, crcs, CACHE_NOTE)
+                        .ok_or("the block checksums do not cover the tables")?,
+                );
+                if !lazy && !(0..l.spans.len()).all(|k| check.ok_whole(k)) {
+                    return Err(check.damage().map_or_else(|| "a block fails its crc32".into(), |e| e.to_string()));
+                }
+                Some(check)
+            }
+        };
+        let table = |k: usize, at: usize, count: usize| -> std::result::Result<Table<u64>, String> {
+            let t = Table::mapped(map, at, count).ok_or_else(bad)?;
+            Ok(match &check {
+                Some(c) => t.checked_by(c, k),
+                None => t,
+            })
+        };
+        let table32 = |k: usize, at: usize| -> std::result::Result<Table<u32>, String> {
+            let t = Table::mapped(map, at, n).ok_or_else(bad)?;
+            Ok(match &check {
+                Some(c) => t.checked_by(c, k),
+                None => t,
+            })
+        };
         Ok(AnnotationCache {
-            last: Table::mapped(map, l.last, n).ok_or_else(bad)?,
-            last_reward: Table::mapped(map, l.last_reward, n).ok_or_else(bad)?,
-            sealed: Table::mapped(map, l.sealed, l.words).ok_or_else(bad)?,
-            has_reward: Table::mapped(map, l.has_reward, l.words).ok_or_else(bad)?,
-            rewards: Table::mapped(map, l.rewards, n).ok_or_else(bad)?,
+            last: table32(0, l.last)?,
+            last_reward: table32(1, l.last_reward)?,
+            sealed: table(2, l.sealed, l.words)?,
+            has_reward: table(3, l.has_reward, l.words)?,
+            rewards: table(4, l.rewards, n)?,
             index: l.index,
             listed: l.listed,
             sessions: l.sessions,
@@ -269,8 +378,9 @@ impl AnnotationCache {
 }
 
 /// Where a file's parts are (format-spec/shard-index.md §7), checked: magic,
-/// version, length, crc32, the listed segments' order and the trace
-/// rewards' order.
+/// version, length, crc32 (version 1: of the whole file; version 2: of
+/// what the block checksums do not cover), the listed segments' order and
+/// the trace rewards' order.
 struct Layout {
     index: IndexKey,
     listed: Vec<Listed>,
@@ -282,6 +392,10 @@ struct Layout {
     sealed: usize,
     has_reward: usize,
     rewards: usize,
+    /// The per-session tables' (byte offset, padded length), in file order.
+    spans: [(usize, usize); 5],
+    /// Version 2: where its block checksums are, and how many.
+    block_crcs: Option<(usize, usize)>,
     trace_rewards: Vec<(u32, u64)>,
 }
 
@@ -291,8 +405,8 @@ impl Layout {
             return Err("not an annotation cache (bad magic)".into());
         }
         let version = le_u32(b, 8).unwrap_or(0);
-        if version != CACHE_VERSION {
-            return Err(format!("annotation cache version {version}, this build reads {CACHE_VERSION}"));
+        if version != 1 && version != CACHE_VERSION {
+            return Err(format!("annotation cache version {version}, this build reads 1 and {CACHE_VERSION}"));
         }
         let short = || "the file is shorter than its header says".to_owned();
         let listed_n = le_u32(b, 12).ok_or_else(short)? as usize;
@@ -300,20 +414,27 @@ impl Layout {
         let sessions = le_u32(b, 20).ok_or_else(short)?;
         let traces_n = usize::try_from(le_u64(b, 32).ok_or_else(short)?).map_err(|_| short())?;
         let words = (sessions as usize).div_ceil(64);
-        let body = listed_n
+        let spans = listed_n
             .checked_mul(LISTED_LEN)
-            .and_then(|l| l.checked_add((sessions as usize).div_ceil(2).checked_mul(16)?))
-            .and_then(|l| l.checked_add(words.checked_mul(16)?))
-            .and_then(|l| l.checked_add((sessions as usize).checked_mul(8)?))
-            .and_then(|l| l.checked_add(traces_n.checked_mul(16)?))
             .and_then(|l| l.checked_add(HEADER_LEN))
+            .and_then(|at| table_spans(at, sessions as usize))
             .ok_or_else(short)?;
+        let [(last, _), (last_reward, _), (sealed, _), (has_reward, _), (rewards, rewards_len)] = spans;
+        let region = last..rewards.checked_add(rewards_len).ok_or_else(short)?;
+        let traces_at = region.end;
+        let crcs_at = traces_n.checked_mul(16).and_then(|t| t.checked_add(traces_at)).ok_or_else(short)?;
+        let blocks = if version == 1 { 0 } else { block_count(&spans) };
+        let body = blocks.div_ceil(2).checked_mul(8).and_then(|c| c.checked_add(crcs_at)).ok_or_else(short)?;
         let Some(whole) = body.checked_add(8) else { return Err(short()) };
         if b.len() != whole {
             return Err(format!("{} bytes, its header says {whole}", b.len()));
         }
-        if le_u32(b, body) != Some(crc32fast::hash(b.get(..body).unwrap_or_default())) || le_u32(b, body + 4) != Some(0)
-        {
+        let crc = if version == 1 {
+            Some(crc32fast::hash(b.get(..body).unwrap_or_default()))
+        } else {
+            crc_outside(b, region, body)
+        };
+        if le_u32(b, body) != crc || le_u32(b, body + 4) != Some(0) {
             return Err("the file fails its crc32".into());
         }
         let mut at = HEADER_LEN;
@@ -329,12 +450,6 @@ impl Layout {
         if !listed.windows(2).all(|w| matches!(w, [a, b] if a.id < b.id)) {
             return Err("the listed segments are not in increasing id order".into());
         }
-        let segment_table = (sessions as usize).div_ceil(2) * 8;
-        let (last, last_reward) = (at, at + segment_table);
-        let sealed = last_reward + segment_table;
-        let has_reward = sealed + words * 8;
-        let rewards = has_reward + words * 8;
-        let traces_at = rewards + sessions as usize * 8;
         let mut trace_rewards = Vec::with_capacity(traces_n);
         for i in 0..traces_n {
             let p = traces_at + i * 16;
@@ -343,7 +458,22 @@ impl Layout {
         if !trace_rewards.windows(2).all(|w| matches!(w, [a, b] if a.0 < b.0)) {
             return Err("the trace rewards are not sorted by row".into());
         }
-        Ok(Layout { index, listed, sessions, words, last, last_reward, sealed, has_reward, rewards, trace_rewards })
+        // An odd count ends with a zero word (the crc32 covers it).
+        let block_crcs = (version != 1).then_some((crcs_at, blocks));
+        Ok(Layout {
+            index,
+            listed,
+            sessions,
+            words,
+            last,
+            last_reward,
+            sealed,
+            has_reward,
+            rewards,
+            spans,
+            block_crcs,
+            trace_rewards,
+        })
     }
 }
 
@@ -450,10 +580,12 @@ pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &F
     let _ = crate::storage::write_atomic(&dir.join(SHARDS_DIR), CACHE_FILE_NAME, &c.encode(), faults);
 }
 
-/// The cache an open can use: read and checked, keyed to the index file on
-/// disk, each listed segment listed sealed in `manifest` with the footer the
-/// cache names. `None` otherwise.
-pub(crate) fn usable(dir: &Path, manifest: &Manifest) -> Option<AnnotationCache> {
+/// The cache an open can use: read and checked (with `lazy`, a read-only
+/// open's, the per-session tables of a version-2 file a block at a time as
+/// lookups read them, [`AnnotationCache::decode_mapped`]), keyed to the
+/// index file on disk, each listed segment listed sealed in `manifest` with
+/// the footer the cache names. `None` otherwise.
+pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<AnnotationCache> {
     use std::os::unix::fs::FileExt;
     let shards_dir = dir.join(SHARDS_DIR);
     // Mapped, its per-session tables read in place (the open's frozen layer
@@ -462,7 +594,7 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest) -> Option<AnnotationCache>
     let file = File::open(&path).ok()?;
     let len = file.metadata().ok()?.len();
     let map = Arc::new(Mapping::map(&file, len, &path).ok()?);
-    let c = AnnotationCache::decode_mapped(&map);
+    let c = AnnotationCache::decode_mapped(&map, &path, lazy);
     map.release_pages();
     let c = c.ok()?;
     if index_key_on_disk(&shards_dir)? != c.index {
@@ -498,7 +630,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
         Ok(c) => c,
         Err(what) => return Some(what),
     };
-    let c = usable(dir, manifest).filter(|u| *u == c)?;
+    let c = usable(dir, manifest, false).filter(|u| *u == c)?;
     let ix = ShardIndex::open(&shards_dir).ok().flatten()?;
     let frozen = ix.frozen();
     if !c.listed.is_empty() && frozen.session_count() != c.sessions {
@@ -574,7 +706,7 @@ mod tests {
             std::fs::write(&path, &b).expect("write");
             let file = File::open(&path).expect("open");
             let map = Arc::new(Mapping::map(&file, b.len() as u64, &path).expect("map"));
-            let mapped = AnnotationCache::decode_mapped(&map).expect("decodes");
+            let mapped = AnnotationCache::decode_mapped(&map, &path, false).expect("decodes");
             assert_eq!(mapped.encode(), b);
             assert_eq!(mapped.session(64), (true, Some(-0.0)));
             if five == 2 {
@@ -623,6 +755,99 @@ mod tests {
         let mut longer = b.clone();
         longer.push(0);
         assert!(AnnotationCache::decode(&longer).is_err());
+    }
+
+    /// The version-1 file of the same contents as version-2 file `b`:
+    /// version 1, no block checksums, one crc32 of the whole file.
+    fn as_version_1(b: &[u8]) -> Vec<u8> {
+        let l = Layout::of(b).expect("a valid file");
+        let (crcs_at, _) = l.block_crcs.expect("version 2");
+        let mut v1 = b[..crcs_at].to_vec();
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let crc = crc32fast::hash(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        v1.extend_from_slice(&0u32.to_le_bytes());
+        v1
+    }
+
+    /// Files written by earlier builds (version 1, one crc32 for the whole
+    /// file) read as before, mapped or copied, and refuse any flipped byte.
+    #[test]
+    fn a_version_1_file_reads_as_before() {
+        let c = sample();
+        let v1 = as_version_1(&c.encode());
+        assert_eq!(AnnotationCache::decode(&v1).expect("decodes"), c);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v1");
+        std::fs::write(&path, &v1).expect("write");
+        let map = Arc::new(Mapping::map(&File::open(&path).expect("open"), v1.len() as u64, &path).expect("map"));
+        for lazy in [false, true] {
+            let mapped = AnnotationCache::decode_mapped(&map, &path, lazy).expect("decodes");
+            assert_eq!(mapped, c);
+            assert_eq!(mapped.encode(), c.encode(), "written back as version 2");
+        }
+        for at in 0..v1.len() {
+            let mut bad = v1.clone();
+            bad[at] ^= 0x10;
+            assert!(AnnotationCache::decode(&bad).is_err(), "byte {at}");
+        }
+    }
+
+    /// A read-only open maps a version-2 file without reading its tables:
+    /// each lookup checks the blocks it reads, a block that fails makes the
+    /// lookup miss (a segment-table lookup counts as naming the last
+    /// segment, so the open replays without the cache) and is recorded as
+    /// an error naming the file; a whole check (a writer's) refuses it.
+    #[test]
+    fn a_lazily_mapped_cache_checks_the_blocks_lookups_read() {
+        let n = 5000u32;
+        let mut c = AnnotationCache::empty(IndexKey { dir_crc32: 1, len: 2 }, n);
+        c.listed = vec![Listed { id: 4, footer_offset: 10, footer_crc32: 11 }];
+        let (mut last, mut has_reward, mut rewards) = (vec![0u32; n as usize], vec![0u64; 79], vec![0u64; n as usize]);
+        for s in 0..n {
+            last[s as usize] = 1;
+            set_bit(&mut has_reward, s);
+            rewards[s as usize] = f64::from(s).to_bits();
+        }
+        (c.last, c.has_reward, c.rewards) = (last.into(), has_reward.into(), rewards.into());
+        let b = c.encode();
+        let l = Layout::of(&b).expect("valid");
+        let (rewards_at, rewards_len) = l.spans[4];
+        assert_eq!(rewards_len.div_ceil(CHECK_BLOCK), 3, "the rewards table spans three blocks");
+        let (last_at, _) = l.spans[0];
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = |bytes: &[u8], name: &str, lazy: bool| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).expect("write");
+            let map =
+                Arc::new(Mapping::map(&File::open(&path).expect("open"), bytes.len() as u64, &path).expect("map"));
+            AnnotationCache::decode_mapped(&map, &path, lazy)
+        };
+        let reward = |c: &AnnotationCache, s: u32| c.rewards.at(s as usize).map(|b| f64::from_bits(*b));
+
+        // Undamaged: lazily mapped, it reads as the copy does.
+        let good = open(&b, "good", true).expect("decodes");
+        assert_eq!(good, c);
+        assert!(good.rewards.damage().is_none());
+
+        // A flipped byte in the rewards table's third block, and one in the
+        // segment table's first.
+        let mut bad = b.clone();
+        bad[rewards_at + 2 * CHECK_BLOCK + 5] ^= 0x40;
+        bad[last_at + 3] ^= 0x01;
+        assert!(AnnotationCache::decode(&bad).is_err());
+        let err = open(&bad, "whole", false).expect_err("a whole check refuses it");
+        assert!(err.contains("/whole") && err.contains("crc32"), "{err}");
+        let lazy = open(&bad, "lazy", true).expect("a lazy open reads no table");
+        assert_eq!(reward(&lazy, 7), Some(7.0));
+        assert_eq!(reward(&lazy, 4000), Some(4000.0), "the second block is good");
+        assert!(lazy.rewards.damage().is_none());
+        assert_eq!(reward(&lazy, 4999), None, "the third block fails");
+        let e = lazy.rewards.damage().expect("recorded").to_string();
+        assert!(e.contains("/lazy") && e.contains("annotation cache") && e.contains("crc32"), "{e}");
+        assert_eq!(lazy.last_naming(4999), Some(4), "a good block of the segment table");
+        assert_eq!(lazy.last_naming(0), Some(u64::MAX), "a failed block names the latest segment");
+        assert!(lazy.conflicts(0, Loc { segment: 1, offset: 0 }));
     }
 
     /// Counts whose sizes add up past `usize::MAX` (found by review: the

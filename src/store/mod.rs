@@ -313,7 +313,7 @@ impl Store {
         let view = lock(&self.inner.view).clone();
         // A view whose lookups met a damaged block of the shard index file
         // is loaded again checking the file whole: it is then done without.
-        let damaged = recovery::lazy_damage(&view.shards).is_some();
+        let damaged = recovery::lazy_damage(&view.shards, &view.index).is_some();
         // Anything the incremental step cannot read makes a whole load,
         // which reports it if it persists.
         let step = point
@@ -324,7 +324,7 @@ impl Store {
         // lookup: loaded whole instead, without the file.
         let mut stepped_damage = false;
         let step = step.filter(|(stepped, _)| {
-            stepped_damage = recovery::lazy_damage(&stepped.shards).is_some();
+            stepped_damage = recovery::lazy_damage(&stepped.shards, &stepped.index).is_some();
             !stepped_damage
         });
         let damaged = damaged || stepped_damage;

@@ -235,24 +235,27 @@ pub(super) fn load_dir(
     keep_reward: &dyn Fn(Loc) -> bool,
     lazy: bool,
 ) -> Result<Loaded> {
-    // A read-only open (`lazy`) checks the shard index file's tables a
-    // block at a time, as its replay and later lookups read them (a writer
-    // checks the whole file). A block that failed during the replay may
-    // have made a lookup miss: the open is done again, checking the file
-    // whole, which it then does without (it decodes the shards).
+    // A read-only open (`lazy`) checks the tables of the shard index file
+    // and of the annotation cache a block at a time, as its replay and
+    // later lookups read them (a writer checks both files whole). A block
+    // that failed during the replay may have made a lookup miss: the open
+    // is done again, checking the files whole, and does without the one
+    // that fails (it decodes the shards, or replays the annotation
+    // segments).
     let lazy = lazy && !writable;
     let loaded = load_dir_lazy(dir, manifest.clone(), recovery, writable, keep_reward, lazy)?;
-    if lazy_damage(&loaded.shards).is_some() {
+    if lazy_damage(&loaded.shards, &loaded.index).is_some() {
         return load_dir_lazy(dir, manifest, recovery, writable, keep_reward, false);
     }
     Ok(loaded)
 }
 
-/// The error of a block of the shard index file that failed its check
-/// since a read-only open mapped it (checked a block at a time, as lookups
-/// read it): a lookup may have missed.
-pub(crate) fn lazy_damage(shards: &crate::shard::set::ShardSet) -> Option<Error> {
-    shards.index_file().and_then(|ix| ix.damage())
+/// The error of a block of the shard index file or of the annotation
+/// cache that failed its check since a read-only open mapped it (both are
+/// checked a block at a time, as lookups read them): a lookup may have
+/// missed.
+pub(crate) fn lazy_damage(shards: &crate::shard::set::ShardSet, index: &Index) -> Option<Error> {
+    shards.index_file().and_then(|ix| ix.damage()).or_else(|| index.frozen().cache_damage())
 }
 
 /// [`load_dir`], checking the shard index file a block at a time if `lazy`.
@@ -268,7 +271,7 @@ fn load_dir_lazy(
     // the listed ones too.
     let cache = match recovery {
         RecoveryMode::SkipCorrupted => None,
-        _ => annotation_cache::usable(dir, &manifest),
+        _ => annotation_cache::usable(dir, &manifest, lazy),
     };
     let mut used = CacheUse::NotUsed;
     if let Some(cache) = cache {
