@@ -707,6 +707,10 @@ impl Snapshot {
                 }
             }
         }
+        // The lookups of every call in segments read pages all over the
+        // placements (a merge of 1M rows on 10M: ~0.7 GB resident, at the
+        // peak of the compaction that asked): given back.
+        self.release_pages();
         self.view
             .shards
             .files()
@@ -863,8 +867,45 @@ impl Snapshot {
     }
 
     /// The primary sessions of the live calls served from the shards `ids`,
-    /// each with the shard ids it has live calls in. O(live calls).
+    /// each with the shard ids it has live calls in (ascending). Reads the
+    /// index columns of those files and looks each row up: O(their rows ×
+    /// log rows), not O(live calls) (a merge of 1M rows on 10M compacted
+    /// calls looked up every call: seconds, and ~0.7 GB of the index file's
+    /// pages resident at the compaction's peak).
     pub(crate) fn sessions_in_shards(
+        &self,
+        ids: &std::collections::HashSet<u32>,
+    ) -> std::collections::BTreeMap<String, Vec<u32>> {
+        let mut out: std::collections::BTreeMap<String, Vec<u32>> = std::collections::BTreeMap::new();
+        let mut ids_sorted: Vec<u32> = ids.iter().copied().collect();
+        ids_sorted.sort_unstable();
+        let (shards, index) = (&self.view.shards, &self.view.index);
+        let mut rows = Vec::new();
+        for id in ids_sorted {
+            let Some(f) = shards.file(id) else { continue };
+            rows.clear();
+            if f.index_rows(&mut rows).is_err() {
+                // Its rows unknown: every live call looked up instead.
+                return self.sessions_in_shards_by_calls(ids);
+            }
+            for r in &rows {
+                // Served from this file (one placement per position) and
+                // the live call of its trace id.
+                let served = shards.position(r.loc).is_some_and(|p| p.shard == id);
+                if let Some(s) = r.sessions.first().filter(|_| served && index.is_live_at(&r.trace_id, r.loc)) {
+                    let shards = out.entry(s.to_string()).or_default();
+                    if shards.last() != Some(&id) {
+                        shards.push(id);
+                    }
+                }
+            }
+        }
+        debug_assert_eq!(out, self.sessions_in_shards_by_calls(ids), "the rows' answer is the calls'");
+        out
+    }
+
+    /// [`Snapshot::sessions_in_shards`] by a look-up of every live call.
+    fn sessions_in_shards_by_calls(
         &self,
         ids: &std::collections::HashSet<u32>,
     ) -> std::collections::BTreeMap<String, Vec<u32>> {
@@ -879,6 +920,9 @@ impl Snapshot {
                     shards.push(pos.shard);
                 }
             }
+        }
+        for shards in out.values_mut() {
+            shards.sort_unstable();
         }
         out
     }

@@ -177,6 +177,12 @@ impl ShardSet {
         self.extra.len()
     }
 
+    /// Rows of files the shard index file does not describe, but those of
+    /// the slots `gone`.
+    pub(crate) fn undescribed_rows_but(&self, gone: &std::collections::HashSet<u32>) -> usize {
+        self.extra.iter().filter(|p| !gone.contains(&p.shard)).count()
+    }
+
     /// The slots the shard index file describes (its shard numbers').
     pub(crate) fn described_slots(&self) -> Vec<u32> {
         let n = self.index.as_ref().map_or(0, |ix| ix.shards().len()) as u32;
@@ -189,13 +195,32 @@ impl ShardSet {
     /// When no obsolete file has rows in the base table, the base table
     /// (and the shard index file describing it) is kept and the new rows
     /// join `extra`; else every row is copied into one table, described by
-    /// no file.
+    /// no file. (A publication places its files after writing their shard
+    /// index file, when it does: `store/publish.rs`.)
+    #[cfg(test)]
     pub fn published(
         &self,
         obsolete: &[u32],
         added: Vec<ShardFile>,
         rows: impl IntoIterator<Item = (Loc, ShardPos)>,
     ) -> (ShardSet, Vec<Arc<ShardFile>>) {
+        let (files, emptied) = self.published_files(obsolete, added);
+        (self.place(files, obsolete, rows), emptied)
+    }
+
+    /// Whether [`ShardSet::published`] with these obsolete files keeps the
+    /// base table and its shard index file (no obsolete file has rows in
+    /// it: a merge of files added since the file was written).
+    pub(crate) fn keeps_base(&self, obsolete: &[u32]) -> bool {
+        let described = self.described_slots();
+        obsolete.is_empty() || (self.index.is_some() && !obsolete.iter().any(|s| described.contains(s)))
+    }
+
+    /// The files of [`ShardSet::published`], no row placed, and the files
+    /// emptied: for a publication that writes their shard index file first
+    /// ([`ShardSet::with_index`] then places them) or places them
+    /// ([`ShardSet::place`]).
+    pub(crate) fn published_files(&self, obsolete: &[u32], added: Vec<ShardFile>) -> (ShardSet, Vec<Arc<ShardFile>>) {
         let mut files = self.files.clone();
         let mut emptied = Vec::new();
         for id in obsolete {
@@ -204,23 +229,31 @@ impl ShardSet {
             }
         }
         files.extend(added.into_iter().map(|f| Some(Arc::new(f))));
+        (ShardSet { files, ..ShardSet::default() }, emptied)
+    }
+
+    /// `published` (the files of [`ShardSet::published_files`] of this set
+    /// and `obsolete`) with every row placed: this set's rows but those of
+    /// the obsolete files, and `rows`, the added files'.
+    pub(crate) fn place(
+        &self,
+        published: ShardSet,
+        obsolete: &[u32],
+        rows: impl IntoIterator<Item = (Loc, ShardPos)>,
+    ) -> ShardSet {
+        let files = published.files;
         let new = rows.into_iter().map(|(loc, pos)| Placement::new(loc, pos, NOT_FROZEN));
-        // The base table stays when no obsolete file has rows in it (a merge
-        // of files added since the shard index file was written).
-        let described = self.described_slots();
-        let base_kept = obsolete.is_empty() || (self.index.is_some() && !obsolete.iter().any(|s| described.contains(s)));
-        if base_kept {
+        if self.keeps_base(obsolete) {
             let gone: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
             let kept = self.extra.iter().filter(|p| !gone.contains(&p.shard)).copied();
             let extra = sorted(kept.chain(new).collect());
-            let set = ShardSet {
+            return ShardSet {
                 files,
                 base: self.base.clone(),
                 slot_of: self.slot_of.clone(),
                 extra: Arc::new(extra),
                 index: self.index.clone(),
             };
-            return (set, emptied);
         }
         let obsolete: std::collections::HashSet<u32> = obsolete.iter().copied().collect();
         let kept = self.base.iter().filter_map(|p| {
@@ -229,7 +262,7 @@ impl ShardSet {
         });
         let kept_extra = self.extra.iter().filter(|p| !obsolete.contains(&p.shard)).copied();
         let placements = sorted(kept.chain(kept_extra).chain(new).collect());
-        (ShardSet { files, base: Arc::new(placements.into()), ..ShardSet::default() }, emptied)
+        ShardSet { files, base: Arc::new(placements.into()), ..ShardSet::default() }
     }
 
     /// The file of shard `id`, if this set still has it.

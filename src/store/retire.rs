@@ -10,9 +10,30 @@ const ANNOTATION_SEGMENTS_FANOUT: u32 = 8;
 /// The annotation a footer entry stands for: from the entry itself (seals,
 /// and rewards since segment format 4), else from its record body; None
 /// when the body is damaged.
-fn annotation_at(seg: &SegmentRef, e: &crate::format::segment::FooterEntry) -> Option<Annotation> {
-    crate::segment::recovery::annotation_of_entry(e)
+fn annotation_at(seg: &SegmentRef, e: &crate::format::segment::FooterEntryRef<'_>) -> Option<Annotation> {
+    crate::segment::recovery::annotation_of_entry_ref(e)
         .or_else(|| seg.body_at(e.frame_offset).ok().and_then(|b| decode_annotation(b).ok()))
+}
+
+/// Whether a footer entry stands for an annotation a retirement carries
+/// forward (a seal or a reward): not a call, a session deletion or a
+/// session-moved record.
+fn carried_kind(kind: u8) -> bool {
+    kind != KIND_CALL && kind != KIND_DELETE_SESSION && kind != crate::format::record::KIND_MOVE_SESSION
+}
+
+/// The footer of sealed segment `seg`, checked, its entries read in place
+/// (a segment of carried annotations holds millions: decoded into owned
+/// entries, ~0.2 GB at 10M calls); `None` when it does not read.
+fn footer_of(seg: &SegmentRef) -> Option<crate::format::segment::CheckedFooter<'_>> {
+    let trailer = crate::format::segment::read_trailer(seg.mapped_bytes())?;
+    crate::format::segment::check_footer(seg.mapped_bytes(), &trailer).ok()
+}
+
+/// The annotations a retirement of `seg` carries forward, from its footer
+/// (every entry of a carried kind read: `None` otherwise).
+fn carried_annotations(seg: &SegmentRef) -> Option<Vec<Annotation>> {
+    footer_of(seg)?.iter().filter(|e| carried_kind(e.kind)).map(|e| annotation_at(seg, &e)).collect()
 }
 
 /// What [`Writer::retire`] will do: retire these segments, carrying these
@@ -183,7 +204,10 @@ impl Writer {
         // annotations then carried into one segment), so they stay few and
         // each annotation is rewritten O(log) times. Replaying a current
         // annotation changes nothing, so they add nothing to `kept_sessions`.
-        let mut annotation_only: Vec<(u64, Vec<Annotation>)> = Vec::new();
+        // By id, with its annotation count: their annotations are read again
+        // for those retired (held for all, they were the larger part of a
+        // compaction's peak at 10M calls: ~0.3 GB).
+        let mut annotation_only: Vec<(u64, u64)> = Vec::new();
         // The frozen layer and the placements are the same shard index
         // file's: a compacted record's liveness from its frozen row.
         let same_file = self
@@ -200,42 +224,40 @@ impl Writer {
                 break;
             }
             let Some(seg) = self.sealed_segments.get(&ms.id) else { break };
-            let trailer = crate::format::segment::read_trailer(seg.mapped_bytes());
-            let entries = match trailer.map(|t| crate::format::segment::decode_footer(seg.mapped_bytes(), &t)) {
-                Some(Ok(entries)) => entries,
-                // Its records are unknown: nothing after it can be judged.
-                _ => break,
-            };
-            let mut anns = Vec::new();
+            // Its records are unknown: nothing after it can be judged.
+            let Some(footer) = footer_of(seg) else { break };
+            // Its entries, and of them the seals and rewards, all current.
+            let (mut entries, mut anns, mut all_current) = (0usize, 0usize, true);
             // Kept for a reason copying forward does not lift.
             let mut needed = false;
             // Kept by these sessions' records (live calls in segments).
             let mut keepers: Vec<&str> = Vec::new();
             let mut keeper_set: HashSet<&str> = HashSet::new();
-            for e in &entries {
+            for e in footer.iter() {
+                entries += 1;
                 if e.kind == KIND_CALL {
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
-                    if in_segments(e.session_id.as_str()) && !below_floor(self, e.session_id.as_str(), loc) {
+                    if in_segments(e.session_id) && !below_floor(self, e.session_id, loc) {
                         // Copied forward, the record would be dead before the
                         // floor, and still kept if its trace has a shard row
                         // or a record in a kept segment before it (the rules
                         // below): copying would not free the segment.
                         if copy_forward.is_none()
-                            || self.shard_traces.contains(e.id.as_str())
-                            || kept_traces.contains(&crate::index::frozen::id_hash(&e.id))
+                            || self.shard_traces.contains(e.id)
+                            || kept_traces.contains(&crate::index::frozen::id_hash(e.id))
                         {
                             needed = true;
                             break;
                         }
-                        if keeper_set.insert(e.session_id.as_str()) {
-                            keepers.push(e.session_id.as_str());
+                        if keeper_set.insert(e.session_id) {
+                            keepers.push(e.session_id);
                         }
                         continue;
                     }
                     // A dead call whose trace has a shard row: this record (or
                     // the deletion after it) is what keeps that row dead.
-                    let live = is_live_at(e.id.as_str(), loc);
-                    if !live && self.shard_traces.contains(e.id.as_str()) {
+                    let live = is_live_at(e.id, loc);
+                    if !live && self.shard_traces.contains(e.id) {
                         needed = true;
                         break;
                     }
@@ -243,22 +265,23 @@ impl Writer {
                     // it (or what killed it, kept with it) keeps that one dead.
                     // (A live one here is compacted: its shard row stands at
                     // its position and supersedes the earlier record.)
-                    if !live && kept_traces.contains(&crate::index::frozen::id_hash(&e.id)) {
+                    if !live && kept_traces.contains(&crate::index::frozen::id_hash(e.id)) {
                         needed = true;
                         break;
                     }
                 } else if e.kind == KIND_DELETE_SESSION {
-                    if self.shard_sessions.contains(e.id.as_str()) || kept_sessions.contains(e.id.as_str()) {
+                    if self.shard_sessions.contains(e.id) || kept_sessions.contains(e.id) {
                         needed = true;
                         break;
                     }
                 } else if e.kind == crate::format::record::KIND_MOVE_SESSION {
                     // Changes no call, and is not carried: a floor lost
                     // with its segment only keeps more (shard.md §6.3).
-                } else if let Some(ann) = annotation_at(seg, e) {
+                } else if let Some(ann) = annotation_at(seg, &e) {
                     // Seals and (since segment format 4) rewards come from the
                     // footer: retiring reads no record body.
-                    anns.push(ann);
+                    anns += 1;
+                    all_current = all_current && self.is_current(&ann);
                 } else {
                     // A damaged annotation (the store was opened past it):
                     // its value cannot be carried forward, so it stays.
@@ -267,11 +290,13 @@ impl Writer {
                 }
             }
             if !needed && keepers.is_empty() {
-                if !entries.is_empty() && anns.len() == entries.len() && anns.iter().all(|a| self.is_current(a)) {
+                if entries > 0 && anns == entries && all_current {
                     // Retiring it would append the same records again.
-                    annotation_only.push((ms.id, anns));
+                    annotation_only.push((ms.id, anns as u64));
                 } else {
-                    annotations.extend(anns);
+                    // Read again (each read above, so this does not fail).
+                    let Some(carried) = carried_annotations(seg) else { break };
+                    annotations.extend(carried);
                     retire.push(ms.id);
                 }
                 continue;
@@ -279,14 +304,14 @@ impl Writer {
             if !needed {
                 // Its frames' bytes (a small segment's header and footer
                 // would make copies alone in it look like a small part).
-                let frames: u64 = entries.iter().map(|e| frame_bytes(u64::from(e.body_len))).sum();
+                let frames: u64 = footer.iter().map(|e| frame_bytes(u64::from(e.body_len))).sum();
                 candidates.push((ms.id, frames, keepers.iter().map(|s| (*s).to_owned()).collect()));
             }
-            for e in &entries {
+            for e in footer.iter() {
                 if e.kind == KIND_CALL {
-                    kept_sessions.insert(e.session_id.clone());
-                    kept_sessions.extend(e.session_uids.iter().cloned());
-                    kept_traces.insert(crate::index::frozen::id_hash(&e.id));
+                    kept_sessions.insert(e.session_id.to_owned());
+                    kept_sessions.extend(e.session_uids.iter().map(str::to_owned));
+                    kept_traces.insert(crate::index::frozen::id_hash(e.id));
                     continue;
                 }
                 if e.kind == crate::format::record::KIND_MOVE_SESSION {
@@ -295,7 +320,7 @@ impl Writer {
                 // A record of a kept segment that cannot be read (a damaged
                 // one the store was opened past): what it names is unknown,
                 // so nothing after it is judged.
-                let Some(ann) = annotation_at(seg, e) else { break 'segments };
+                let Some(ann) = annotation_at(seg, &e) else { break 'segments };
                 if let Annotation::Seal { session_id }
                 | Annotation::Reward { target: Target::Session(session_id), .. } = ann
                 {
@@ -303,16 +328,19 @@ impl Writer {
                 }
             }
         }
-        let mut tiers: std::collections::BTreeMap<u32, Vec<(u64, Vec<Annotation>)>> = Default::default();
-        for (id, anns) in annotation_only {
-            if let Some(tier) = crate::compact::merge_tier(anns.len() as u64, ANNOTATION_SEGMENTS_FANOUT) {
-                tiers.entry(tier).or_default().push((id, anns));
+        let mut tiers: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
+        for (id, count) in annotation_only {
+            if let Some(tier) = crate::compact::merge_tier(count, ANNOTATION_SEGMENTS_FANOUT) {
+                tiers.entry(tier).or_default().push(id);
             }
         }
         for group in tiers.into_values().filter(|g| g.len() >= ANNOTATION_SEGMENTS_FANOUT as usize) {
-            for (id, anns) in group {
-                annotations.extend(anns);
-                retire.push(id);
+            // Read as above; one that no longer reads is kept.
+            for id in group {
+                if let Some(anns) = self.annotations_of(id) {
+                    annotations.extend(anns);
+                    retire.push(id);
+                }
             }
         }
         let moves = match copy_forward {
@@ -320,6 +348,12 @@ impl Writer {
             None => Vec::new(),
         };
         Ok(Plan { retire, annotations, moves })
+    }
+
+    /// The annotations of sealed segment `id` (one of current annotations
+    /// only), from its footer; `None` when it does not read.
+    fn annotations_of(&self, id: u64) -> Option<Vec<Annotation>> {
+        carried_annotations(self.sealed_segments.get(&id)?)
     }
 
     /// The sessions to copy forward (shard.md §6.3): for each candidate
