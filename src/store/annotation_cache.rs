@@ -71,6 +71,15 @@ fn table_spans(at: usize, sessions: usize) -> Option<[(usize, usize); 5]> {
     Some(out)
 }
 
+/// The block checksums (version 2) of tables `spans` of file bytes `b`:
+/// per table in order, the crc32 of each CHECK_BLOCK bytes from its start.
+fn table_block_crcs(b: &[u8], spans: &[(usize, usize); 5]) -> Vec<u32> {
+    spans
+        .iter()
+        .flat_map(|(at, len)| b.get(*at..at + len).unwrap_or_default().chunks(CHECK_BLOCK).map(crc32fast::hash))
+        .collect()
+}
+
 /// How many block checksums (version 2) cover tables `spans`.
 fn block_count(spans: &[(usize, usize); 5]) -> usize {
     spans.iter().map(|(_, len)| len.div_ceil(CHECK_BLOCK)).sum()
@@ -256,10 +265,7 @@ impl AnnotationCache {
         // layout `table_spans` gives), then the crc32 of everything else.
         let spans =
             table_spans(HEADER_LEN + self.listed.len() * LISTED_LEN, self.sessions as usize).unwrap_or_default();
-        let crcs: Vec<u32> = spans
-            .iter()
-            .flat_map(|(at, len)| b.get(*at..at + len).unwrap_or_default().chunks(CHECK_BLOCK).map(crc32fast::hash))
-            .collect();
+        let crcs = table_block_crcs(&b, &spans);
         for crc in &crcs {
             b.extend_from_slice(&crc.to_le_bytes());
         }
@@ -277,17 +283,12 @@ impl AnnotationCache {
     /// what is wrong otherwise.
     pub fn decode(b: &[u8]) -> std::result::Result<AnnotationCache, String> {
         let l = Layout::of(b)?;
-        if let Some((at, n)) = l.block_crcs {
-            let mut i = 0;
-            for (start, len) in l.spans {
-                for (k, block) in b.get(start..start + len).unwrap_or_default().chunks(CHECK_BLOCK).enumerate() {
-                    if le_u32(b, at + 4 * i) != Some(crc32fast::hash(block)) {
-                        return Err(format!("the block at offset {} fails its crc32", start + k * CHECK_BLOCK));
-                    }
-                    i += 1;
+        if let Some((at, _)) = l.block_crcs {
+            for (i, crc) in table_block_crcs(b, &l.spans).into_iter().enumerate() {
+                if le_u32(b, at + 4 * i) != Some(crc) {
+                    return Err(format!("block checksum {i} of the per-session tables fails"));
                 }
             }
-            debug_assert_eq!(i, n);
         }
         let words = |at: usize, n: usize| -> Table<u64> {
             (0..n).map(|i| le_u64(b, at + i * 8).unwrap_or(0)).collect::<Vec<u64>>().into()
@@ -301,11 +302,11 @@ impl AnnotationCache {
         };
         let n = l.sessions as usize;
         Ok(AnnotationCache {
-            last: segments(l.last)?,
-            last_reward: segments(l.last_reward)?,
-            sealed: words(l.sealed, l.words),
-            has_reward: words(l.has_reward, l.words),
-            rewards: words(l.rewards, n),
+            last: segments(l.at(0))?,
+            last_reward: segments(l.at(1))?,
+            sealed: words(l.at(2), l.words),
+            has_reward: words(l.at(3), l.words),
+            rewards: words(l.at(4), n),
             index: l.index,
             listed: l.listed,
             sessions: l.sessions,
@@ -349,26 +350,27 @@ impl AnnotationCache {
                 Some(check)
             }
         };
-        let table = |k: usize, at: usize, count: usize| -> std::result::Result<Table<u64>, String> {
-            let t = Table::mapped(map, at, count).ok_or_else(bad)?;
-            Ok(match &check {
+        // Table `k` of `count` elements, checked by `check` if any.
+        fn table<T: bytemuck::Pod>(
+            map: &Arc<Mapping>,
+            l: &Layout,
+            check: Option<&Arc<BlockCheck>>,
+            k: usize,
+            count: usize,
+        ) -> std::result::Result<Table<T>, String> {
+            let t = Table::mapped(map, l.at(k), count).ok_or_else(|| "a table is misaligned".to_owned())?;
+            Ok(match check {
                 Some(c) => t.checked_by(c, k),
                 None => t,
             })
-        };
-        let table32 = |k: usize, at: usize| -> std::result::Result<Table<u32>, String> {
-            let t = Table::mapped(map, at, n).ok_or_else(bad)?;
-            Ok(match &check {
-                Some(c) => t.checked_by(c, k),
-                None => t,
-            })
-        };
+        }
+        let check = check.as_ref();
         Ok(AnnotationCache {
-            last: table32(0, l.last)?,
-            last_reward: table32(1, l.last_reward)?,
-            sealed: table(2, l.sealed, l.words)?,
-            has_reward: table(3, l.has_reward, l.words)?,
-            rewards: table(4, l.rewards, n)?,
+            last: table(map, &l, check, 0, n)?,
+            last_reward: table(map, &l, check, 1, n)?,
+            sealed: table(map, &l, check, 2, l.words)?,
+            has_reward: table(map, &l, check, 3, l.words)?,
+            rewards: table(map, &l, check, 4, n)?,
             index: l.index,
             listed: l.listed,
             sessions: l.sessions,
@@ -386,13 +388,8 @@ struct Layout {
     listed: Vec<Listed>,
     sessions: u32,
     words: usize,
-    /// Byte offsets of the per-session tables.
-    last: usize,
-    last_reward: usize,
-    sealed: usize,
-    has_reward: usize,
-    rewards: usize,
-    /// The per-session tables' (byte offset, padded length), in file order.
+    /// The per-session tables' (byte offset, padded length), in file order:
+    /// `last`, `last_reward`, `sealed`, `has_reward`, `rewards`.
     spans: [(usize, usize); 5],
     /// Version 2: where its block checksums are, and how many.
     block_crcs: Option<(usize, usize)>,
@@ -419,8 +416,8 @@ impl Layout {
             .and_then(|l| l.checked_add(HEADER_LEN))
             .and_then(|at| table_spans(at, sessions as usize))
             .ok_or_else(short)?;
-        let [(last, _), (last_reward, _), (sealed, _), (has_reward, _), (rewards, rewards_len)] = spans;
-        let region = last..rewards.checked_add(rewards_len).ok_or_else(short)?;
+        let [(first, _), _, _, _, (rewards, rewards_len)] = spans;
+        let region = first..rewards.checked_add(rewards_len).ok_or_else(short)?;
         let traces_at = region.end;
         let crcs_at = traces_n.checked_mul(16).and_then(|t| t.checked_add(traces_at)).ok_or_else(short)?;
         let blocks = if version == 1 { 0 } else { block_count(&spans) };
@@ -460,20 +457,12 @@ impl Layout {
         }
         // An odd count ends with a zero word (the crc32 covers it).
         let block_crcs = (version != 1).then_some((crcs_at, blocks));
-        Ok(Layout {
-            index,
-            listed,
-            sessions,
-            words,
-            last,
-            last_reward,
-            sealed,
-            has_reward,
-            rewards,
-            spans,
-            block_crcs,
-            trace_rewards,
-        })
+        Ok(Layout { index, listed, sessions, words, spans, block_crcs, trace_rewards })
+    }
+
+    /// The byte offset of per-session table `k` (file order).
+    fn at(&self, k: usize) -> usize {
+        self.spans.get(k).map_or(0, |s| s.0)
     }
 }
 
