@@ -224,6 +224,33 @@ fn a_damaged_cache_costs_time_not_data() {
         assert!(problems.iter().any(|p| p.what.contains("annotation cache")), "byte {at}: {problems:?}");
     }
     assert!(not_used > 0 && reported > 0, "both outcomes met: {not_used} not used, {reported} reported");
+    // A writer checks it a block at a time too: it does without it (and
+    // writes it anew), or its views' reads that meet a bad block report it,
+    // its next flush refuses further writes and removes the file, and the
+    // next open writes it anew. Never another answer.
+    let mut writer_reported = 0;
+    for at in (0..good.len()).step_by(good.len().div_ceil(24)) {
+        let mut bad = good.clone();
+        bad[at] ^= 0x5a;
+        std::fs::write(&path, &bad).unwrap();
+        let store = Store::open(dir.path(), small_segments()).unwrap();
+        match fingerprint_checked(&store.snapshot(), &ids) {
+            Ok(f) => {
+                assert_eq!(f, writer, "byte {at}, writer");
+                store.close().unwrap();
+            }
+            Err(e) => {
+                assert!(e.to_string().contains("index.tsa"), "byte {at}: {e}");
+                assert_eq!(store.flush().unwrap_err().kind(), &trajlog::ErrorKind::Poisoned, "byte {at}");
+                assert!(!path.exists(), "byte {at}: removed");
+                drop(store);
+                drop(Store::open(dir.path(), small_segments()).unwrap());
+                assert_eq!(std::fs::read(&path).unwrap(), good, "byte {at}: written anew");
+                writer_reported += 1;
+            }
+        }
+    }
+    assert!(writer_reported > 0, "a writer's read met a bad block");
     // Cut short: the same.
     std::fs::write(&path, &good[..good.len() / 2]).unwrap();
     assert_eq!(fingerprint(&Store::open_read_only(dir.path()).unwrap().snapshot(), &ids), writer);

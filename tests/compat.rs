@@ -1192,8 +1192,13 @@ fn reads_the_v17_fixture_through_its_block_checked_annotation_cache() {
     drop((snap, store));
     let report = trajlog::verify::verify_dir(copy.path()).unwrap();
     assert!(report.problems.iter().any(|p| format!("{p:?}").contains("annotation cache")), "{report:?}");
-    // A writer checks it whole, does without it and writes it anew.
-    Store::open(copy.path(), Options::default()).unwrap().close().unwrap();
+    // A writer that sets the cache aside (here: the fixture's reward is
+    // newer than the rewards side table) checks it whole, and writes it
+    // anew when a block fails (tests/annotation_cache.rs: one that uses it).
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    assert_eq!(store.snapshot().index_layers().cached_annotation_segments, 0);
+    assert_eq!(store.snapshot().session_reward("z"), Some(3.5));
+    store.close().unwrap();
     assert_eq!(std::fs::read(&path).unwrap(), cache);
     let snap = check_fixture_v12(copy.path());
     assert_eq!(snap.index_layers().cached_annotation_segments, 1);

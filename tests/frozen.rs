@@ -192,9 +192,18 @@ fn a_read_only_open_checks_the_shard_index_file_a_block_at_a_time() {
     assert_eq!(fingerprint(&ro.snapshot(), &ids(&all)), want);
     drop(ro);
 
-    // A writable open checks the whole file: it does without it, answers
-    // the same, and writes it anew (the same bytes: a function of the
-    // shards).
+    // A writable open checks it a block at a time too: the reads of its
+    // views that meet the block fail alike, and its next flush refuses
+    // further writes and removes the file (a cache of the shards).
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.snapshot().index_layers().index_file_bytes, saved.len() as u64, "the open used the file");
+    let err = fingerprint_checked(&store.snapshot(), &ids(&all)).unwrap_err();
+    assert!(matches!(err.kind(), ErrorKind::Corrupt { path, .. } if path == &index), "{err}");
+    assert_eq!(store.flush().unwrap_err().kind(), &ErrorKind::Poisoned);
+    assert!(!index.exists());
+    drop(store);
+    // The next open does without it, answers the same, and writes it anew
+    // (the same bytes: a function of the shards).
     let store = Store::open(dir.path(), small_segments()).unwrap();
     assert_eq!(fingerprint(&store.snapshot(), &ids(&all)), want);
     drop(store);
@@ -214,15 +223,6 @@ fn a_read_only_open_checks_the_shard_index_file_a_block_at_a_time() {
 #[test]
 fn a_refresh_whose_replay_meets_a_damaged_block_loads_the_store_again() {
     let dir = tempdir();
-    let tiny = |s: usize, k: usize| Call {
-        trace_id: format!("x{s}-{k}"),
-        session_id: format!("s{s}"),
-        timestamp: (s * 10 + k) as f64,
-        prompt_token_ids: vec![1, 2, s as u32],
-        completion_token_ids: vec![4, k as u32],
-        logprobs: Some(vec![-0.5, -0.25]),
-        ..Default::default()
-    };
     // 1,500 compacted sessions: their 24-byte entries take three blocks.
     let store = Store::open(dir.path(), small_segments()).unwrap();
     for s in 0..1500 {
@@ -252,8 +252,12 @@ fn a_refresh_whose_replay_meets_a_damaged_block_loads_the_store_again() {
     let ro = Store::open_read_only(dir.path()).unwrap();
     assert_eq!(ro.snapshot().index_layers().index_file_bytes, saved.len() as u64, "used lazily");
     ro.snapshot().check_index().unwrap();
-    // A writer (which checks the file whole, does without it and writes
-    // it anew) appends a second call to that session.
+    // A writer's append to that session meets the block too: refused, and
+    // the file removed; the writer's next open writes it anew, and the
+    // append is taken.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.append(tiny(s, 1)).err().unwrap().kind(), &ErrorKind::Poisoned);
+    drop(store);
     let store = Store::open(dir.path(), small_segments()).unwrap();
     store.append(tiny(s, 1)).unwrap();
     store.flush().unwrap();
@@ -520,4 +524,156 @@ fn a_frozen_sealed_session_refuses_appends_until_deleted() {
     c.trace_id = "new-2".into();
     assert!(store.append(c).is_err(), "sealed again");
     store.close().unwrap();
+}
+
+/// A tiny call `k` of session `s{s}`.
+fn tiny(s: usize, k: usize) -> Call {
+    Call {
+        trace_id: format!("x{s}-{k}"),
+        session_id: format!("s{s}"),
+        timestamp: (s * 10 + k) as f64,
+        prompt_token_ids: vec![1, 2, s as u32],
+        completion_token_ids: vec![4, k as u32],
+        logprobs: Some(vec![-0.5, f32::from_bits(0x8000_0001)]),
+        ..Default::default()
+    }
+}
+
+/// 1,500 sessions of one call each, every one sealed and compacted, the
+/// shard index file written by a writable open; returns the file's bytes.
+fn sealed_and_compacted(dir: &Path) -> Vec<u8> {
+    let store = Store::open(dir, small_segments()).unwrap();
+    for s in 0..1500 {
+        store.append(tiny(s, 0)).unwrap();
+        store.seal_session(&format!("s{s}")).unwrap();
+    }
+    store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    store.close().unwrap();
+    drop(Store::open(dir, small_segments()).unwrap());
+    std::fs::read(dir.join("shards").join("index.tsi")).unwrap()
+}
+
+/// Every call of the 1,500 sessions, exactly (ids, tokens, logprob bits).
+fn all_exact(store: &Store) {
+    let snap = store.snapshot();
+    assert!(snap.sessions().len() >= 1500);
+    for s in (0..1500).step_by(37).chain([1499]) {
+        let calls = snap.session(&format!("s{s}"), None, None).unwrap();
+        let want = tiny(s, 0);
+        assert_eq!(calls.len(), 1, "s{s}");
+        let c = &calls[0];
+        assert_eq!(c.trace_id(), want.trace_id);
+        assert_eq!(c.prompt().unwrap(), want.prompt_token_ids);
+        assert_eq!(c.completion_token_ids(), want.completion_token_ids.as_slice());
+        let bits: Vec<u32> = c.logprobs().unwrap().iter().map(|l| l.to_bits()).collect();
+        assert_eq!(bits, want.logprobs.unwrap().iter().map(|l| l.to_bits()).collect::<Vec<_>>());
+        assert!(snap.is_sealed(&format!("s{s}")));
+    }
+    snap.check_index().unwrap();
+}
+
+/// A writable open checks the shard index file a block at a time too (at
+/// 10M calls it is 1.2 GB): an append whose admission lookup reads a
+/// damaged block — here, whether a compacted session is sealed — must not
+/// act on a miss. The append is refused, the store refuses further writes,
+/// and the file (a cache of the shards) is removed; the next open rebuilds
+/// it, byte for byte, and the session refuses appends as sealed again.
+#[test]
+fn a_writer_whose_lookup_meets_a_damaged_block_refuses_the_write_and_the_next_open_rebuilds_the_file() {
+    let dir = tempdir();
+    let saved = sealed_and_compacted(dir.path());
+    let index = dir.path().join("shards").join("index.tsi");
+    // The session whose entry is the 1,000th (the second block), by name.
+    let (sessions_at, sessions_len) = section_of(&saved, 4);
+    let (text_at, _) = section_of(&saved, 6);
+    assert!(sessions_len > 2 * 16_384, "{sessions_len}");
+    let u64_at = |at: usize| u64::from_le_bytes(saved[at..at + 8].try_into().unwrap()) as usize;
+    let session_at = |n: usize| {
+        let entry = sessions_at + n * 24;
+        let (name_at, name_len) = (u64_at(entry + 8), u64_at(entry + 16) & 0xffff_ffff);
+        let name = std::str::from_utf8(&saved[text_at + name_at..text_at + name_at + name_len]).unwrap();
+        name[1..].parse::<usize>().unwrap()
+    };
+    let (s, good) = (session_at(1000), session_at(100));
+    let entry = sessions_at + 1000 * 24;
+    // One bit of a neighbour's hash, in the same block (the second).
+    let mut damaged = saved.clone();
+    damaged[entry + 5 * 24 + 2] ^= 0x08;
+    std::fs::write(&index, &damaged).unwrap();
+
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.snapshot().index_layers().index_file_bytes, saved.len() as u64, "used lazily");
+    // A session in a good block still refuses appends as sealed.
+    let err = store.append(tiny(good, 1)).err().unwrap();
+    assert!(err.message().contains("is sealed"), "{err}");
+    // The sealed session in the damaged block: its lookup misses, and the
+    // append is refused naming the file, never written.
+    let err = store.append(tiny(s, 1)).err().unwrap();
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+    assert!(err.message().contains("index.tsi") && err.message().contains("crc32"), "{err}");
+    assert!(!index.exists(), "the damaged file is removed");
+    // No further write is taken.
+    assert_eq!(store.append(tiny(2000, 0)).err().unwrap().kind(), &ErrorKind::Poisoned);
+    drop(store);
+
+    // The next open decodes the shards and writes the file anew.
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(std::fs::read(&index).unwrap(), saved, "rewritten as it was");
+    let err = store.append(tiny(s, 1)).err().unwrap();
+    assert!(err.message().contains("is sealed"), "{err}");
+    store.append(tiny(2000, 0)).unwrap();
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), 1501, "nothing refused was written");
+    assert!(snap.get(&tiny(s, 1).trace_id).unwrap().is_none());
+    drop(snap);
+    store.close().unwrap();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), 1501);
+    drop(snap);
+    all_exact(&store);
+}
+
+/// A block no lookup of the writer reads (a session name) is found by the
+/// compaction, which reads the file whole before it merges from it: the
+/// compaction is refused and the file removed; after a reopen (which
+/// rebuilds it) the compaction runs, and every call reads exactly.
+#[test]
+fn a_compaction_checks_the_whole_shard_index_file_before_it_reads_it() {
+    let dir = tempdir();
+    let saved = sealed_and_compacted(dir.path());
+    let index = dir.path().join("shards").join("index.tsi");
+    let (text_at, text_len) = section_of(&saved, 6);
+    let mut damaged = saved.clone();
+    damaged[text_at + text_len - 3] ^= 0x40;
+    std::fs::write(&index, &damaged).unwrap();
+
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(store.snapshot().index_layers().index_file_bytes, saved.len() as u64, "used lazily");
+    // New sessions: their lookups read no damaged block.
+    for s in 2000..2010 {
+        store.append(tiny(s, 0)).unwrap();
+    }
+    store.flush().unwrap();
+    let err = store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap_err();
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+    assert!(err.message().contains("index.tsi") && err.message().contains("crc32"), "{err}");
+    assert!(!index.exists(), "the damaged file is removed");
+    drop(store);
+
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    assert_eq!(std::fs::read(&index).unwrap(), saved, "rewritten as it was");
+    assert_eq!(store.snapshot().call_count(), 1510, "the acknowledged appends are kept");
+    let report = store.compact(&CompactOptions::default().selection(Selection::OlderThan(0.0))).unwrap();
+    assert_eq!(report.sessions, 10);
+    let snap = store.snapshot();
+    assert_eq!(snap.call_count(), 1510);
+    for s in 2000..2010 {
+        let calls = snap.session(&format!("s{s}"), None, None).unwrap();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].completion_token_ids(), tiny(s, 0).completion_token_ids.as_slice());
+    }
+    drop(snap);
+    all_exact(&store);
 }

@@ -466,6 +466,16 @@ impl Frozen {
         self.cached.as_ref().and_then(|c| c.sealed.damage())
     }
 
+    /// What failed of the lazily checked blocks of its own tables (the
+    /// shard index file's, when a lazy open mapped them), once one did.
+    pub fn table_damage(&self) -> Option<crate::error::Error> {
+        self.text
+            .damage()
+            .or_else(|| self.rows.damage())
+            .or_else(|| self.sessions.damage())
+            .or_else(|| self.by_trace.damage())
+    }
+
     /// The index of a frozen session's first row.
     pub fn first_row(&self, session: u32) -> Option<u32> {
         self.sessions.at(session as usize).map(|s| s.first_row)

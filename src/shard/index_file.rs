@@ -407,6 +407,7 @@ fn block_check(
     path: &Path,
     kinds: &[u32],
     ranges: &[std::ops::Range<usize>],
+    note: &'static str,
 ) -> Option<BlockCheck> {
     let at = kinds.iter().position(|k| *k == BLOCK_CRCS)?;
     let r = ranges.get(at)?.clone();
@@ -432,7 +433,7 @@ fn block_check(
     if first != n || LAZY.iter().any(|k| sections.get(*k as usize).is_none_or(Option::is_none)) {
         return None;
     }
-    BlockCheck::new(map.clone(), path, sections, crcs, crate::storage::table::INDEX_FILE_NOTE)
+    BlockCheck::new(map.clone(), path, sections, crcs, note)
 }
 
 /// A section's place in the file.
@@ -482,7 +483,7 @@ impl ShardIndex {
     /// none, `Err(what)` when it is damaged or of another version (the
     /// caller then does without it).
     pub(crate) fn open(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
-        Self::open_with(shards_dir, false)
+        Self::open_with(shards_dir, None)
     }
 
     /// [`ShardIndex::open`], but with block checksums (section 10) the
@@ -491,10 +492,20 @@ impl ShardIndex {
     /// ([`ShardIndex::damage`]). For a read-only open: a writer checks the
     /// whole file, whose tables its publications copy.
     pub(crate) fn open_lazy(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
-        Self::open_with(shards_dir, true)
+        Self::open_with(shards_dir, Some(crate::storage::table::INDEX_FILE_NOTE))
     }
 
-    fn open_with(shards_dir: &Path, lazy: bool) -> std::result::Result<Option<ShardIndex>, String> {
+    /// [`ShardIndex::open_lazy`] for a writer: its lookups check the blocks
+    /// they read as a reader's do, and whatever reads the tables whole (a
+    /// publication, a retirement) calls [`ShardIndex::check_whole`] first.
+    /// A failed block's error says what the writer does about it.
+    pub(crate) fn open_lazy_for_writer(shards_dir: &Path) -> std::result::Result<Option<ShardIndex>, String> {
+        Self::open_with(shards_dir, Some(crate::storage::table::WRITER_INDEX_FILE_NOTE))
+    }
+
+    /// `lazy`: the note of the block check's errors, or `None` to check
+    /// the whole file here.
+    fn open_with(shards_dir: &Path, lazy: Option<&'static str>) -> std::result::Result<Option<ShardIndex>, String> {
         let path = shards_dir.join(INDEX_FILE_NAME);
         let file = match File::open(&path) {
             Ok(f) => f,
@@ -535,7 +546,7 @@ impl ShardIndex {
         // Lazily: the tables' blocks, per the block checksums (when the
         // file has them), are checked as they are read, not here.
         let kinds: Vec<u32> = directory.chunks_exact(DIR_ENTRY_LEN).map(|e| le_u32(e, 0).unwrap_or(0)).collect();
-        let check = if lazy { block_check(&map, &path, &kinds, &ranges) } else { None };
+        let check = lazy.and_then(|note| block_check(&map, &path, &kinds, &ranges, note));
         let whole: Vec<std::ops::Range<usize>> = kinds
             .iter()
             .zip(&ranges)
@@ -664,10 +675,19 @@ impl ShardIndex {
         self.check.as_ref()?.damage()
     }
 
-    /// Whether its tables are checked a block at a time (a read-only
-    /// open's), not whole at the open.
-    pub(crate) fn is_lazy(&self) -> bool {
-        self.check.is_some()
+    /// Check every block of the tables not checked yet (a lazy open's;
+    /// nothing to do for a file checked whole at its open): what reads them
+    /// whole — a publication's merge, a retirement — must not read a
+    /// damaged table as an empty one. The pages read are given back after.
+    pub(crate) fn check_whole(&self) -> Result<()> {
+        let Some(check) = &self.check else { return Ok(()) };
+        let ok = check.ok_all();
+        self.release_pages();
+        match (ok, check.damage()) {
+            (true, None) => Ok(()),
+            (_, Some(e)) => Err(e),
+            (false, None) => Err(Error::corrupt(check.path(), 0, "a block fails its crc32")),
+        }
     }
 
     /// The lazy block check, for tests.

@@ -97,6 +97,9 @@ pub(crate) fn write_merged(
     added: &[RowRef<'_>],
     faults: &Faults,
 ) -> Result<bool> {
+    // A lazily checked file (a writable open maps it so) is read whole
+    // here: never a damaged table read as an empty one.
+    old.check_whole()?;
     let frozen = old.frozen();
     let Some(plan) = plan(old, &frozen, renumber, added) else { return Ok(false) };
     write(shards_dir, keys, old, renumber, &plan, faults)?;
@@ -109,9 +112,8 @@ fn plan<'a>(
     renumber: &dyn Fn(u32) -> Option<u32>,
     added: &[RowRef<'a>],
 ) -> Option<Plan<'a>> {
-    // A writer's file, checked whole at its open: a lazily checked one
-    // (a read-only open's) could hand out empty tables here.
-    debug_assert!(!old.is_lazy(), "a publication merges from a file checked whole");
+    // Checked whole by the caller ([`write_merged`]): a lazily checked
+    // table that failed would read as an empty one.
     let placements = old.placements();
     let placements = placements.as_slice();
     let rows = frozen.rows();

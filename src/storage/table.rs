@@ -44,6 +44,12 @@ pub(crate) const INDEX_FILE_NOTE: &str = "a lookup of this read-only view may ha
      `Store::refresh` loads the view again without it, and a writable open (`trajlog compact`, any writer) writes \
      it anew";
 
+/// [`BlockCheck`]'s note for the shard index file of a writer (a writable
+/// open checks it a block at a time too).
+pub(crate) const WRITER_INDEX_FILE_NOTE: &str = "a lookup of the writer may have missed (a writable open checks the \
+     shard index file a block at a time, as lookups read it): the store refuses further writes, and removes the \
+     file, a cache of the shards, at its next write, flush or close; the next open rebuilds it from the shards";
+
 impl BlockCheck {
     /// `sections[k]`: section `k`'s (byte offset, length, first block in
     /// `crcs`), or `None` for one not checked here; `None` unless `crcs`
@@ -94,17 +100,35 @@ impl BlockCheck {
 
     /// Check every block of section `section`; whether all pass.
     pub(crate) fn ok_whole(&self, section: usize) -> bool {
-        let Some(Some((_, len, _))) = self.sections.get(section) else { return true };
+        let Some(Some((offset, len, _))) = self.sections.get(section) else { return true };
         if self.whole.get(section).is_some_and(|w| w.load(Ordering::Acquire)) {
             return true;
         }
-        let ok = self.ok(section, 0..*len);
+        // 16 MiB at a time, each step's pages given back after it: a check
+        // of a whole 1.2 GB file leaves nothing resident.
+        const STEP: usize = 1024 * CHECK_BLOCK;
+        let ok = (0..len.div_ceil(STEP)).all(|k| {
+            let range = k * STEP..((k + 1) * STEP).min(*len);
+            let ok = self.ok(section, range.clone());
+            self.map.release_range(offset + range.start..offset + range.end);
+            ok
+        });
         if ok {
             if let Some(w) = self.whole.get(section) {
                 w.store(true, Ordering::Release);
             }
         }
         ok
+    }
+
+    /// The file it checks.
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Check every block of every section; whether all pass.
+    pub(crate) fn ok_all(&self) -> bool {
+        (0..self.sections.len()).all(|k| self.ok_whole(k))
     }
 
     fn block(&self, i: usize, bytes: std::ops::Range<usize>) -> bool {

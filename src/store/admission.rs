@@ -132,6 +132,11 @@ impl Sealed {
         }
     }
 
+    /// What failed of the lazily checked blocks its base's lookups read.
+    pub(super) fn damage(&self) -> Option<crate::error::Error> {
+        self.base.frozen().table_damage().or_else(|| self.base.frozen().cache_damage())
+    }
+
     /// A seal appended, as record `seq`.
     pub(super) fn insert(&mut self, session: String, seq: u64) {
         self.since.insert(session, (true, seq));

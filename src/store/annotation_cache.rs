@@ -55,6 +55,13 @@ const CACHE_NOTE: &str = "a seal or reward this read-only view read from it may 
      annotation segments: `Store::refresh` loads the view again without it, and a writable open (`trajlog \
      compact`, any writer) writes it anew";
 
+/// [`BlockCheck`]'s note for the cache of a writer (a writable open checks
+/// it a block at a time too).
+const WRITER_CACHE_NOTE: &str = "a seal or reward the writer read from it may be missing (a writable open \
+     checks the annotation cache a block at a time, as lookups read it): the store refuses further writes, and \
+     removes the file, a cache of the log's annotation segments, at its next write, flush or close; the next \
+     open replays those segments and writes it anew";
+
 /// The (byte offset, length) of each per-session table, each padded to 8
 /// bytes, in file order — `last`, `last_reward`, `sealed`, `has_reward`,
 /// `rewards` — for `sessions` frozen sessions, the first at `at`.
@@ -173,6 +180,16 @@ impl AnnotationCache {
             rewards: vec![0; sessions as usize].into(),
             trace_rewards: Vec::new(),
         }
+    }
+
+    /// Check every block of its per-session tables (those a lazy open
+    /// checks as lookups read them): whether all pass.
+    pub fn check_whole(&self) -> bool {
+        // A whole slice checks every block of its table first; the tables
+        // share the file's one block check, whose damage any of them says.
+        let _ = (self.last.as_slice(), self.last_reward.as_slice(), self.sealed.as_slice());
+        let _ = (self.has_reward.as_slice(), self.rewards.as_slice());
+        self.last.damage().is_none()
     }
 
     /// The last listed segment with a record that concerns frozen session
@@ -322,7 +339,19 @@ impl AnnotationCache {
     /// lookups first read them, and one that fails is recorded
     /// ([`Table::damage`]): the lookup misses. Else every byte is checked
     /// here.
+    #[cfg(test)]
     pub fn decode_mapped(map: &Arc<Mapping>, path: &Path, lazy: bool) -> std::result::Result<AnnotationCache, String> {
+        Self::decode_mapped_as(map, path, lazy, false)
+    }
+
+    /// [`AnnotationCache::decode_mapped`]; `writer`: a failed block's error
+    /// says what a writer does about it.
+    fn decode_mapped_as(
+        map: &Arc<Mapping>,
+        path: &Path,
+        lazy: bool,
+        writer: bool,
+    ) -> std::result::Result<AnnotationCache, String> {
         let l = Layout::of(map.bytes())?;
         let n = l.sessions as usize;
         let bad = || "a table is misaligned".to_owned();
@@ -341,8 +370,14 @@ impl AnnotationCache {
                     })
                     .collect();
                 let check = Arc::new(
-                    BlockCheck::new(map.clone(), path, sections, crcs, CACHE_NOTE)
-                        .ok_or("the block checksums do not cover the tables")?,
+                    BlockCheck::new(
+                        map.clone(),
+                        path,
+                        sections,
+                        crcs,
+                        if writer { WRITER_CACHE_NOTE } else { CACHE_NOTE },
+                    )
+                    .ok_or("the block checksums do not cover the tables")?,
                 );
                 if !lazy && !(0..l.spans.len()).all(|k| check.ok_whole(k)) {
                     return Err(check.damage().map_or_else(|| "a block fails its crc32".into(), |e| e.to_string()));
@@ -566,6 +601,11 @@ pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: Index
 pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &Faults) {
     let Some(key) = key_of(ix) else { return };
     let c = build(dir, manifest, ix, key);
+    // Built from lookups of a lazily checked file: one that met a damaged
+    // block may have missed (the writer's own check then refuses writes).
+    if ix.damage().is_some() {
+        return;
+    }
     let _ = crate::storage::write_atomic(&dir.join(SHARDS_DIR), CACHE_FILE_NAME, &c.encode(), faults);
 }
 
@@ -574,7 +614,7 @@ pub(crate) fn write(dir: &Path, manifest: &Manifest, ix: &ShardIndex, faults: &F
 /// lookups read them, [`AnnotationCache::decode_mapped`]), keyed to the
 /// index file on disk, each listed segment listed sealed in `manifest` with
 /// the footer the cache names. `None` otherwise.
-pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<AnnotationCache> {
+pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool, writer: bool) -> Option<AnnotationCache> {
     use std::os::unix::fs::FileExt;
     let shards_dir = dir.join(SHARDS_DIR);
     // Mapped, its per-session tables read in place (the open's frozen layer
@@ -583,7 +623,7 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<Anno
     let file = File::open(&path).ok()?;
     let len = file.metadata().ok()?.len();
     let map = Arc::new(Mapping::map(&file, len, &path).ok()?);
-    let c = AnnotationCache::decode_mapped(&map, &path, lazy);
+    let c = AnnotationCache::decode_mapped_as(&map, &path, lazy, writer);
     map.release_pages();
     let c = c.ok()?;
     if index_key_on_disk(&shards_dir)? != c.index {
@@ -619,7 +659,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
         Ok(c) => c,
         Err(what) => return Some(what),
     };
-    let c = usable(dir, manifest, false).filter(|u| *u == c)?;
+    let c = usable(dir, manifest, false, false).filter(|u| *u == c)?;
     let ix = ShardIndex::open(&shards_dir).ok().flatten()?;
     let frozen = ix.frozen();
     if !c.listed.is_empty() && frozen.session_count() != c.sessions {

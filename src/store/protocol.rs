@@ -163,9 +163,21 @@ impl RowCounts {
         self.base.as_slice()
     }
 
-    /// How many rows carry hash `h`.
+    /// How many rows carry hash `h`. The base table's blocks are checked
+    /// as read (a lazily checked shard index file's): one that fails counts
+    /// as a row, and is recorded ([`RowCounts::damage`]).
     fn count_hash(&self, h: u64) -> usize {
-        (occurrences(&self.base, h) + occurrences(&self.extra, h)).saturating_sub(occurrences(&self.removed, h))
+        let base = match (self.base.partition_point(|x| *x < h), self.base.partition_point(|x| *x <= h)) {
+            (Some(lo), Some(hi)) => hi - lo,
+            _ => 1,
+        };
+        (base + occurrences(&self.extra, h)).saturating_sub(occurrences(&self.removed, h))
+    }
+
+    /// What failed of the base table's blocks, once one did (a table of a
+    /// lazily checked shard index file).
+    pub(crate) fn damage(&self) -> Option<Error> {
+        self.base.damage()
     }
 
     /// How many rows carry `id` (or another id of its hash: conservative).

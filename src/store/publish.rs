@@ -64,7 +64,17 @@ impl Store {
     /// can be retired, make everything durable, reserve a shard generation.
     pub(crate) fn begin_compaction(&self) -> Result<Compaction> {
         let base = self.control(|reply| Cmd::BeginCompaction { reply })?;
-        Ok(Compaction { inner: self.inner.clone(), base: Some(base) })
+        // What a compaction reads of the shard index file it reads whole
+        // (a publication's merge, a retirement, the plan's row counts): the
+        // blocks a writable open left unchecked are checked here, in the
+        // compacting thread, not in the writer's.
+        let checked = base.view.shards.index_file().map_or(Ok(()), |ix| ix.check_whole());
+        let compaction = Compaction { inner: self.inner.clone(), base: Some(base) };
+        if let Err(e) = checked {
+            drop(compaction);
+            return Err(self.inner.index_damaged(&e));
+        }
+        Ok(compaction)
     }
 
     /// Publish the staged shards of `compaction`, which compacted `sessions`:

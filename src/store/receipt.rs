@@ -83,6 +83,28 @@ impl Inner {
         self.queue.stop(error);
     }
 
+    /// A block of the shard index file or of the annotation cache failed
+    /// its check under one of the writer's lookups (a writable open checks
+    /// both a block at a time): the lookup may have missed, so no further
+    /// write is accepted. The file, a cache (of the shards, of the
+    /// annotation segments), is removed, so that the next open does without
+    /// it and writes it anew rather than meet the block again. Returns the
+    /// error the write gets.
+    pub(super) fn index_damaged(&self, cause: &Error) -> Error {
+        let shards_dir = self.dir.join(SHARDS_DIR);
+        let caches = [crate::shard::index_file::INDEX_FILE_NAME, annotation_cache::CACHE_FILE_NAME];
+        if let ErrorKind::Corrupt { path, .. } = cause.kind() {
+            let name = path.file_name().and_then(|n| n.to_str());
+            if let Some(name) = caches.into_iter().find(|c| Some(*c) == name) {
+                if recovery::remove_if_present(&shards_dir.join(name)).is_ok() {
+                    let _ = crate::storage::sync_dir(&shards_dir, &self.options.faults);
+                }
+            }
+        }
+        self.poison(cause);
+        Error::poisoned(cause)
+    }
+
     /// Send the writer thread a command that needs no sequence number. The
     /// channel is unbounded, so this never blocks on a busy writer.
     pub(super) fn send(&self, cmd: Cmd) -> Result<()> {

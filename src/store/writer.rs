@@ -123,6 +123,7 @@ impl Writer {
         }
         // The store is shutting down (it flushed first).
         self.commit(true);
+        self.check_index();
         if !self.poisoned() {
             if let Some(active) = self.active.as_mut() {
                 if let Err(e) = active.trim() {
@@ -150,6 +151,21 @@ impl Writer {
         self.pending.clear();
     }
 
+    /// After a command's lookups: if one read a damaged block of the shard
+    /// index file (a writable open checks it a block at a time) it may have
+    /// missed, so nothing more is written ([`Inner::index_damaged`]).
+    fn check_index(&mut self) {
+        if self.poisoned() {
+            return;
+        }
+        let counts = [&self.shard_traces, &self.shard_sessions];
+        if let Some(e) = super::recovery::writer_damage(&self.shards, &self.index, &counts) {
+            self.inner.index_damaged(&e);
+            self.buf.clear();
+            self.pending.clear();
+        }
+    }
+
     pub(super) fn handle(&mut self, cmd: Cmd) {
         match cmd {
             // The permits are dropped at the end of their arm, giving the
@@ -159,6 +175,7 @@ impl Writer {
                     if let Err(e) = self.append_call(*call, docs, docs_parent_seq, seq) {
                         self.fail(&e);
                     }
+                    self.check_index();
                 }
                 self.written_seq = seq;
             }
@@ -169,16 +186,25 @@ impl Writer {
                             if let (Annotation::Reward { target, .. }, 1..) = (&ann, count) {
                                 self.note_reward(target);
                             }
-                            if let Some(reply) = reply {
+                            // A count from lookups that met a damaged block
+                            // is not sent: the caller gets the poison.
+                            self.check_index();
+                            if let (Some(reply), false) = (reply, self.poisoned()) {
                                 let _ = reply.send(count);
                             }
                         }
-                        Err(e) => self.fail(&e),
+                        Err(e) => {
+                            self.fail(&e);
+                            self.check_index();
+                        }
                     }
                 }
                 self.written_seq = seq;
             }
             Cmd::Flush { fsync, reply } => {
+                // Damage a read of the writer's views met since (the blocks
+                // are shared) is said by the flush.
+                self.check_index();
                 self.commit(fsync);
                 let result = match self.inner.poisoned_error() {
                     Some(e) => Err(e),
