@@ -816,6 +816,10 @@ fn publish_one(
     report.dropped_rows = plan.dead_rows;
     report.collected_bytes = collect::bytes_of(&shards_dir, &plan.generations);
     drop(snap);
+    // The rows decoded for the shards were freed in small blocks that glibc
+    // keeps resident: given back before the publication allocates its own
+    // (a 1M-row merge on a 10M-call store: ~0.15 GB of the peak).
+    crate::storage::mmap::trim_heap();
     staged.retain(|p| p.shard.rows > 0);
     before_publish();
     let obsolete =

@@ -212,8 +212,14 @@ fn prepare(
         }
     }
     drop(rows);
+    // Each change is a binary search of the index file's hash tables (80 MB
+    // each at 10M calls): a large publication touches most of their pages,
+    // given back after each.
+    let release = || base_index.as_ref().map(|ix| ix.release_pages());
     let mut shard_traces = base.shard_traces.changed(gone_traces, new_traces);
+    release();
     let mut shard_sessions = base.shard_sessions.changed(gone_sessions, new_sessions);
+    release();
     let base_set = &base.view.shards;
     let (published, emptied) = base_set.published_files(&obsolete.shard_ids, files);
     // The file is written anew for the first shards, when a collection
