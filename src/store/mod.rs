@@ -466,6 +466,7 @@ impl Store {
             recovery::writer_damage(&view.shards, &view.index, &[])
         });
         if let Some(e) = damage {
+            drop(s);
             return Err(self.inner.index_damaged(&e));
         }
         s.next_seq += 1;
