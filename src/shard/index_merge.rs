@@ -114,23 +114,36 @@ fn plan<'a>(
 ) -> Option<Plan<'a>> {
     // Checked whole by the caller ([`write_merged`]): a lazily checked
     // table that failed would read as an empty one.
-    let placements = old.placements();
-    let placements = placements.as_slice();
+    let table = old.placements();
+    let placements = table.as_slice();
     let rows = frozen.rows();
     if u32::try_from(rows.len() + old.hot_rows().len() + added.len()).is_err() {
         return None;
     }
-    // The old frozen rows whose file is gone.
+    // The old frozen rows whose file is gone. (The placements are walked
+    // once here, their pages given back as it goes: 0.35 GB at 10M.)
     let mut removed = vec![false; rows.len()];
-    for p in placements.iter().filter(|p| p.frozen_row != NOT_FROZEN && renumber(p.shard).is_none()) {
-        if let Some(r) = removed.get_mut(p.frozen_row as usize) {
-            *r = true;
+    let mut any_removed = false;
+    for (n, p) in placements.iter().enumerate() {
+        if n.is_multiple_of(RELEASE_EVERY) {
+            table.release_before(n);
+        }
+        if p.frozen_row != NOT_FROZEN && renumber(p.shard).is_none() {
+            if let Some(r) = removed.get_mut(p.frozen_row as usize) {
+                *r = true;
+                any_removed = true;
+            }
         }
     }
+    table.release_before(placements.len());
     let (mut gone_traces, mut gone_sessions) = (Vec::new(), Vec::new());
-    for (r, _) in rows.iter().zip(&removed).filter(|(_, gone)| **gone) {
-        gone_traces.push(id_hash(frozen.trace_id(r)));
-        gone_sessions.push(frozen.session_hash(r.session));
+    if any_removed {
+        // (Only the gone rows' pages are read.)
+        for (r, _) in rows.iter().zip(&removed).filter(|(_, gone)| **gone) {
+            gone_traces.push(id_hash(frozen.trace_id(r)));
+            gone_sessions.push(frozen.session_hash(r.session));
+        }
+        old.release_pages();
     }
     let mut loose: Vec<RowRef<'a>> = Vec::with_capacity(old.hot_rows().len() + added.len());
     for h in old.hot_rows() {
@@ -157,14 +170,28 @@ fn plan<'a>(
     if locs.windows(2).any(|w| w.first() == w.get(1)) {
         return None;
     }
+    // Nor an added row at an old one's position: one forward walk of both,
+    // sorted by position (a binary search per added row touched most of the
+    // placements' pages at once).
+    let mut next = locs.iter().peekable();
+    for (n, p) in placements.iter().enumerate() {
+        if next.peek().is_none() {
+            break;
+        }
+        if n.is_multiple_of(RELEASE_EVERY) {
+            table.release_before(n);
+        }
+        while next.next_if(|l| **l < p.loc()).is_some() {}
+        if next.peek().is_some_and(|l| **l == p.loc()) && renumber(p.shard).is_some() {
+            return None;
+        }
+    }
+    table.release_before(placements.len());
+    drop(locs);
     let at_old = |loc: Loc| {
         let i = placements.partition_point(|p| p.loc() < loc);
         placements.get(i).filter(|p| p.loc() == loc && renumber(p.shard).is_some())
     };
-    if added.iter().any(|r| at_old(r.loc).is_some()) {
-        return None;
-    }
-    drop(locs);
 
     // The hot sessions, as `cold_rows` finds them over the new file's rows.
     let mut hot_sessions: HashSet<u64> = HashSet::new();
@@ -286,6 +313,8 @@ fn plan<'a>(
         gone_sessions,
         names_len: 0,
     };
+    // (Reading every frozen row: their pages given back as it goes.)
+    let mut rows_done = Releaser { old, at: 0 };
     for g in &mut groups {
         names_len += plan.group_name(g).len() as u64;
         let first = next;
@@ -297,7 +326,9 @@ fn plan<'a>(
             next += 1;
         });
         g.rows = next - first;
+        rows_done.advance(g.rows as usize);
     }
+    old.release_pages();
     hot.extend(plan.loose.iter().zip(&loose_frozen).filter(|(_, f)| **f == NOT_FROZEN).map(|(r, _)| *r));
     hot.sort_by_key(|r| r.loc);
     plan.groups = groups;
@@ -436,6 +467,23 @@ impl<'s, 'w, T: bytemuck::Pod> Batch<'s, 'w, T> {
     }
 }
 
+/// Gives the old file's resident pages back each time the rows a loop
+/// has read pass a multiple of [`RELEASE_EVERY`].
+struct Releaser<'a> {
+    old: &'a ShardIndex,
+    at: usize,
+}
+
+impl Releaser<'_> {
+    fn advance(&mut self, rows: usize) {
+        let before = self.at;
+        self.at = self.at.saturating_add(rows);
+        if before / RELEASE_EVERY != self.at / RELEASE_EVERY {
+            self.old.release_pages();
+        }
+    }
+}
+
 fn write(
     shards_dir: &Path,
     keys: &[ShardKey],
@@ -491,6 +539,8 @@ fn write(
     })?;
     old.release_pages();
     w.section(FROZEN_ROWS, |out| {
+        // By rows, not sessions: 1M sessions of 8 rows read 0.3 GB of rows.
+        let mut rows_done = Releaser { old, at: 0 };
         let mut batch = Batch::new(out);
         let mut ids_at = plan.names_len;
         for (gi, g) in plan.groups.iter().enumerate() {
@@ -504,7 +554,7 @@ fn write(
                 ids_at += u64::from(len);
             });
             result?;
-            release(gi + 1);
+            rows_done.advance(g.rows as usize);
         }
         batch.finish()
     })?;
@@ -568,14 +618,15 @@ fn write(
             flush(&mut buf, out)?;
             release(gi + 1);
         }
-        for (gi, g) in plan.groups.iter().enumerate() {
+        let mut rows_done = Releaser { old, at: 0 };
+        for g in &plan.groups {
             plan.for_each_row(g, |src| {
                 let id = plan.trace_of(src).0.as_bytes();
                 buf.extend_from_slice(id);
                 n += id.len() as u64;
             });
             flush(&mut buf, out)?;
-            release(gi + 1);
+            rows_done.advance(g.rows as usize);
         }
         out.put(&buf)?;
         Ok(n)

@@ -300,6 +300,16 @@ impl<T: Pod> Table<T> {
         }
     }
 
+    /// Give back this process's resident pages of elements `..end` (a
+    /// mapped table's; an owned one holds none): a reader that walks the
+    /// table once, forward, keeps only what it reads next resident.
+    pub(crate) fn release_before(&self, end: usize) {
+        if let Table::Mapped { map, start, len, .. } = self {
+            let bytes = end.min(*len).saturating_mul(std::mem::size_of::<T>());
+            map.release_range(*start..start.saturating_add(bytes));
+        }
+    }
+
     /// Whether this table lies in `map` (the same mapping object).
     pub(crate) fn is_in(&self, map: &Arc<Mapping>) -> bool {
         matches!(self, Table::Mapped { map: m, .. } if Arc::ptr_eq(m, map))

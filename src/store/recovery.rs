@@ -785,7 +785,13 @@ impl RowFeed {
         match &mut self.ordered {
             Some((placements, at)) => {
                 let rest = placements.get(*at..).unwrap_or_default();
+                let before = *at;
                 *at += rest.iter().take_while(|p| p.loc() < loc).count();
+                // What was walked is not read again: its pages (32 bytes a
+                // row, 350 MB at 11M) are given back every 1M rows.
+                if before >> 20 != *at >> 20 {
+                    placements.release_before(*at);
+                }
                 placements.get(*at).is_some_and(|p| p.loc() == loc)
             }
             None => shards.is_compacted(loc),
