@@ -120,22 +120,36 @@ fn plan<'a>(
     if u32::try_from(rows.len() + old.hot_rows().len() + added.len()).is_err() {
         return None;
     }
-    // The old frozen rows whose file is gone. (The placements are walked
-    // once here, their pages given back as it goes: 0.35 GB at 10M.)
+    // No two rows at one log position (a full build keeps the later
+    // shard's placement; leave that case to it).
+    let mut locs: Vec<Loc> = added.iter().map(|r| r.loc).collect();
+    locs.sort_unstable();
+    if locs.windows(2).any(|w| w.first() == w.get(1)) {
+        return None;
+    }
+    // One forward walk of the placements (0.35 GB at 10M, their pages given
+    // back as it goes): the old frozen rows whose file is gone, and no
+    // added row at a kept old one's position (both sorted by position).
     let mut removed = vec![false; rows.len()];
     let mut any_removed = false;
-    for (n, p) in placements.iter().enumerate() {
-        if n.is_multiple_of(RELEASE_EVERY) {
-            table.release_before(n);
-        }
-        if p.frozen_row != NOT_FROZEN && renumber(p.shard).is_none() {
+    let mut next = locs.iter().peekable();
+    let mut walked = Releaser { old, at: 0 };
+    for p in placements {
+        walked.advance(1);
+        let kept = renumber(p.shard).is_some();
+        if p.frozen_row != NOT_FROZEN && !kept {
             if let Some(r) = removed.get_mut(p.frozen_row as usize) {
                 *r = true;
                 any_removed = true;
             }
         }
+        while next.next_if(|l| **l < p.loc()).is_some() {}
+        if kept && next.peek().is_some_and(|l| **l == p.loc()) {
+            return None;
+        }
     }
-    table.release_before(placements.len());
+    drop(locs);
+    old.release_pages();
     let (mut gone_traces, mut gone_sessions) = (Vec::new(), Vec::new());
     if any_removed {
         // (Only the gone rows' pages are read.)
@@ -163,31 +177,6 @@ fn plan<'a>(
     loose.extend_from_slice(added);
     gone_traces.sort_unstable();
     gone_sessions.sort_unstable();
-    // No two rows at one log position (a full build keeps the later
-    // shard's placement; leave that case to it).
-    let mut locs: Vec<Loc> = added.iter().map(|r| r.loc).collect();
-    locs.sort_unstable();
-    if locs.windows(2).any(|w| w.first() == w.get(1)) {
-        return None;
-    }
-    // Nor an added row at an old one's position: one forward walk of both,
-    // sorted by position (a binary search per added row touched most of the
-    // placements' pages at once).
-    let mut next = locs.iter().peekable();
-    for (n, p) in placements.iter().enumerate() {
-        if next.peek().is_none() {
-            break;
-        }
-        if n.is_multiple_of(RELEASE_EVERY) {
-            table.release_before(n);
-        }
-        while next.next_if(|l| **l < p.loc()).is_some() {}
-        if next.peek().is_some_and(|l| **l == p.loc()) && renumber(p.shard).is_some() {
-            return None;
-        }
-    }
-    table.release_before(placements.len());
-    drop(locs);
     let at_old = |loc: Loc| {
         let i = placements.partition_point(|p| p.loc() < loc);
         placements.get(i).filter(|p| p.loc() == loc && renumber(p.shard).is_some())
@@ -467,8 +456,8 @@ impl<'s, 'w, T: bytemuck::Pod> Batch<'s, 'w, T> {
     }
 }
 
-/// Gives the old file's resident pages back each time the rows a loop
-/// has read pass a multiple of [`RELEASE_EVERY`].
+/// Gives the old file's resident pages back each time the entries (rows,
+/// sessions) a loop has read pass a multiple of [`RELEASE_EVERY`].
 struct Releaser<'a> {
     old: &'a ShardIndex,
     at: usize,
@@ -492,11 +481,6 @@ fn write(
     plan: &Plan<'_>,
     faults: &Faults,
 ) -> Result<()> {
-    let release = |n: usize| {
-        if n.is_multiple_of(RELEASE_EVERY) {
-            old.release_pages();
-        }
-    };
     let mut w = FileWriter::create(shards_dir, faults)?;
     w.section(SHARDS, |out| {
         out.put(&encode_shards(keys))?;
@@ -519,8 +503,9 @@ fn write(
             .collect();
         let mut batch = Batch::new(out);
         let mut j = 0;
-        for (n, p) in old.placements().iter().enumerate() {
-            release(n + 1);
+        let mut walked = Releaser { old, at: 0 };
+        for p in old.placements().iter() {
+            walked.advance(1);
             let Some(shard) = renumber(p.shard) else { continue };
             while let Some((loc, i)) = added.get(j).filter(|(loc, _)| *loc < p.loc()) {
                 put_added(&mut batch, plan, *loc, *i)?;
@@ -562,12 +547,13 @@ fn write(
     w.section(FROZEN_SESSIONS, |out| {
         let mut batch = Batch::new(out);
         let (mut name_at, mut first_row) = (0u64, 0u32);
-        for (gi, g) in plan.groups.iter().enumerate() {
+        let mut walked = Releaser { old, at: 0 };
+        for g in &plan.groups {
             let name_len = plan.group_name(g).len() as u32;
             batch.push(FrozenSession::new(g.hash, name_at, name_len, first_row))?;
             name_at += u64::from(name_len);
             first_row += g.rows;
-            release(gi + 1);
+            walked.advance(1);
         }
         batch.finish()
     })?;
@@ -585,8 +571,9 @@ fn write(
         added.sort_unstable();
         let mut batch = Batch::new(out);
         let mut j = 0;
-        for (n, e) in plan.frozen.by_trace().iter().enumerate() {
-            release(n + 1);
+        let mut walked = Releaser { old, at: 0 };
+        for e in plan.frozen.by_trace().iter() {
+            walked.advance(1);
             let Some(row) = plan.remap.get(e.row() as usize).copied().filter(|r| *r != NOT_FROZEN) else { continue };
             let e = TraceEntry::new(e.hash(), row);
             while let Some(a) = added.get(j).filter(|a| **a < e) {
@@ -611,12 +598,13 @@ fn write(
             }
             Ok(())
         };
-        for (gi, g) in plan.groups.iter().enumerate() {
+        let mut walked = Releaser { old, at: 0 };
+        for g in &plan.groups {
             let name = plan.group_name(g).as_bytes();
             buf.extend_from_slice(name);
             n += name.len() as u64;
             flush(&mut buf, out)?;
-            release(gi + 1);
+            walked.advance(1);
         }
         let mut rows_done = Releaser { old, at: 0 };
         for g in &plan.groups {

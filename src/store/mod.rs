@@ -444,27 +444,23 @@ impl Store {
             let view = lock(&self.inner.view).clone();
             s.sealed.rebase(view.index.clone(), durable_seq);
         }
+        let view = lock(&self.inner.view).clone();
         let current: Option<Arc<[Arc<str>]>> = match s.calls_in_flight.get(call.trace_id.as_str()) {
             Some((seq, sessions)) if *seq > durable_seq => {
                 (!sessions.first().is_some_and(|p| s.deleted_after(p, *seq))).then(|| sessions.clone())
             }
-            _ => {
-                let view = lock(&self.inner.view).clone();
-                view.index
-                    .live(call.trace_id.as_str())
-                    .filter(|m| !m.primary_session().is_some_and(|p| s.deleted_after(p, durable_seq)))
-                    .map(|m| m.sessions())
-            }
+            _ => view
+                .index
+                .live(call.trace_id.as_str())
+                .filter(|m| !m.primary_session().is_some_and(|p| s.deleted_after(p, durable_seq)))
+                .map(|m| m.sessions()),
         };
         if let Some(current) = current {
             check_trace_id(&call, &current, &s.sealed)?;
         }
         // The lookups above read the shard index file a block at a time: if
         // one met a damaged block it may have missed (a seal, a trace id).
-        let damage = s.sealed.damage().or_else(|| {
-            let view = lock(&self.inner.view).clone();
-            recovery::writer_damage(&view.shards, &view.index, &[])
-        });
+        let damage = s.sealed.damage().or_else(|| recovery::writer_damage(&view.shards, &view.index, &[]));
         if let Some(e) = damage {
             drop(s);
             return Err(self.inner.index_damaged(&e));

@@ -193,10 +193,7 @@ impl Writer {
                                 let _ = reply.send(count);
                             }
                         }
-                        Err(e) => {
-                            self.fail(&e);
-                            self.check_index();
-                        }
+                        Err(e) => self.fail(&e),
                     }
                 }
                 self.written_seq = seq;
