@@ -411,6 +411,9 @@ impl Snapshot {
         if let Some(ix) = self.view.shards.index_file() {
             ix.release_pages();
         }
+        // An older shard index file's, when a publication replaced the file
+        // and the writer's frozen layer still reads the old one.
+        self.view.index.frozen().release_pages();
     }
 
     fn segment(&self, id: u64) -> Result<&SegmentRef> {
@@ -701,9 +704,19 @@ impl Snapshot {
                 }
             }
         } else {
+            // Every call, the frozen ones of an older file's rows too (a
+            // writer's, until it reopens or rebuilds its index: walked in
+            // order, its pages given back as the walk goes when the
+            // process holds many), each placed by a binary search of the
+            // placements (whose pages the searches keep reading).
+            let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+            let frozen_apart = !shards.index_file().is_some_and(|ix| index.frozen().is_in(ix.mapping()));
             for call in index.live_calls() {
                 if let Some(pos) = shards.position(call.loc()) {
                     *live.entry(pos.shard).or_default() += 1;
+                }
+                if frozen_apart {
+                    budget.tick(|| index.frozen().release_pages());
                 }
             }
         }

@@ -368,6 +368,12 @@ impl Frozen {
         self.rows.at(row as usize)
     }
 
+    /// Give back this process's resident pages of the file its tables are
+    /// mapped from, if they are (see `Mapping::release_pages`).
+    pub fn release_pages(&self) {
+        self.rows.release_mapping();
+    }
+
     /// Whether its tables are the ones of the mapped file `map`.
     pub fn is_in(&self, map: &Arc<crate::storage::mmap::Mapping>) -> bool {
         self.rows.is_in(map)

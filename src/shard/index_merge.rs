@@ -189,8 +189,12 @@ fn plan<'a>(
     }
     let mut by_hash: Vec<(u64, u32)> = loose.iter().enumerate().map(|(i, r)| (id_hash(r.trace_id), i as u32)).collect();
     by_hash.sort_unstable();
+    // Each added row's trace id is looked up in the old frozen layer (its
+    // pages given back as the lookups pile up).
+    let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
     let mut i = 0;
     while i < by_hash.len() {
+        budget.tick(|| old.release_pages());
         let h = by_hash.get(i).map_or(0, |e| e.0);
         let run = by_hash.get(i..).unwrap_or_default().iter().take_while(|e| e.0 == h).count();
         let old_rows: Vec<u32> =
@@ -235,6 +239,7 @@ fn plan<'a>(
         // The next old session that stays frozen (the rows of one that is
         // hot now join the hot rows).
         while s < frozen.session_count() {
+            budget.tick(|| old.release_pages());
             let range = frozen.row_range(s);
             let alive = range.clone().any(|r| !removed.get(r as usize).copied().unwrap_or(true));
             if !alive {

@@ -182,6 +182,70 @@ fn page_size() -> usize {
     usize::try_from(n).ok().filter(|n| *n > 0).unwrap_or(4096)
 }
 
+/// This process's resident pages of mapped files, in bytes (the `shared`
+/// field of `/proc/self/statm`: file pages and shared memory); `None` where
+/// that is not known.
+fn resident_file_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+        let shared: u64 = statm.split_whitespace().nth(2)?.parse().ok()?;
+        Some(shared.saturating_mul(page_size() as u64))
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
+/// A bound on the mapped-file pages a long walk of random lookups keeps
+/// resident: binary searches of the index files' tables (a retirement's or
+/// a liveness count's lookups of 1M calls in segments on a 10M-call store)
+/// touch pages all over them, each counted against the process until it is
+/// given back. [`PageBudget::tick`] after each lookup reads what is
+/// resident every [`PageBudget::EVERY`] ticks (one small read of
+/// `/proc/self/statm`) and runs `release` once it passes the budget; the
+/// pages lookups touch again (the top of each binary search) fault back in
+/// from the page cache. Where the resident pages are not known it releases
+/// every `EVERY × 64` ticks.
+pub(crate) struct PageBudget {
+    ticks: u64,
+    next_check: u64,
+    max_bytes: u64,
+}
+
+impl PageBudget {
+    /// Lookups between two readings of the resident pages.
+    pub(crate) const EVERY: u64 = 1024;
+
+    /// The budget a compaction's walks use: what they keep of the index
+    /// files resident beside the heap (format-spec: none; README "Scale").
+    pub(crate) const COMPACTION_BYTES: u64 = 256 << 20;
+
+    pub(crate) fn new(max_bytes: u64) -> PageBudget {
+        PageBudget { ticks: 0, next_check: Self::EVERY, max_bytes }
+    }
+
+    /// One lookup done; `release` gives the walk's mappings' pages back.
+    pub(crate) fn tick(&mut self, release: impl FnOnce()) {
+        self.ticks_n(1, release);
+    }
+
+    /// `n` lookups done (see [`PageBudget::tick`]).
+    pub(crate) fn ticks_n(&mut self, n: u64, release: impl FnOnce()) {
+        self.ticks = self.ticks.saturating_add(n);
+        if self.ticks < self.next_check {
+            return;
+        }
+        self.next_check = self.ticks.saturating_add(Self::EVERY);
+        let over = match resident_file_bytes() {
+            Some(bytes) => bytes > self.max_bytes,
+            None => (self.ticks / Self::EVERY).is_multiple_of(64),
+        };
+        if over {
+            release();
+        }
+    }
+}
+
 /// Give the heap's free pages back to the system (glibc's `malloc_trim`).
 /// An open frees the per-row structures it decoded from the shards (about
 /// 120 bytes a compacted call, in small blocks among the blocks it keeps);
@@ -200,6 +264,29 @@ pub(crate) fn trim_heap() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A budget of no bytes releases at each reading (every `EVERY`
+    /// lookups: this test binary's own mapped pages are resident); an
+    /// unbounded one never does.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_page_budget_releases_only_past_its_bytes_and_only_at_a_reading() {
+        let mut released = 0;
+        let mut tight = PageBudget::new(0);
+        for _ in 0..PageBudget::EVERY - 1 {
+            tight.tick(|| released += 1);
+        }
+        assert_eq!(released, 0, "no reading before EVERY lookups");
+        tight.tick(|| released += 1);
+        assert_eq!(released, 1);
+        tight.ticks_n(PageBudget::EVERY * 3, || released += 1);
+        assert_eq!(released, 2, "one reading for a batch of lookups");
+        let mut loose = PageBudget::new(u64::MAX);
+        for _ in 0..PageBudget::EVERY * 65 {
+            loose.tick(|| released += 1);
+        }
+        assert_eq!(released, 2);
+    }
 
     /// The two-thread crc32 of a large mapping equals the one-thread one,
     /// section by section, for empty, unaligned and out-of-range sections.
@@ -223,3 +310,4 @@ mod tests {
         assert_eq!(map.crc32s_transient(&[3..1000, 0..0]), vec![Some(crc32fast::hash(&bytes[3..1000])), Some(0)]);
     }
 }
+

@@ -310,6 +310,14 @@ impl<T: Pod> Table<T> {
         }
     }
 
+    /// Give back this process's resident pages of the mapping this table
+    /// lies in (all of it: the other tables of its file too).
+    pub(crate) fn release_mapping(&self) {
+        if let Table::Mapped { map, .. } = self {
+            map.release_pages();
+        }
+    }
+
     /// Whether this table lies in `map` (the same mapping object).
     pub(crate) fn is_in(&self, map: &Arc<Mapping>) -> bool {
         matches!(self, Table::Mapped { map: m, .. } if Arc::ptr_eq(m, map))

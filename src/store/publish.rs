@@ -225,9 +225,8 @@ fn prepare(
     // The file is written anew for the first shards, when a collection
     // takes away files it describes (the shard set would be one table
     // again, `ShardSet::place`), or when the files it does not describe hold
-    // more than 1/INDEX_REWRITE_DIVISOR of its rows: each row is rewritten
-    // O(1) times on average, and an open decodes that fraction at most. A
-    // merge of files added since (the usual small merge) leaves it.
+    // too many rows ([`index_rewrite_due`]). A merge of files added since
+    // (the usual small merge) leaves it.
     let keeps_base = base_set.keeps_base(&obsolete.shard_ids);
     let write_index = match &base_index {
         _ if base_set.files().next().is_none() => true,
@@ -236,8 +235,7 @@ fn prepare(
         Some(ix) => {
             let gone: HashSet<u32> = obsolete.shard_ids.iter().copied().collect();
             let kept_extra = base_set.undescribed_rows_but(&gone);
-            kept_extra.saturating_add(placements.len()).saturating_mul(crate::limits::INDEX_REWRITE_DIVISOR)
-                > ix.placements().len()
+            index_rewrite_due(kept_extra.saturating_add(placements.len()), ix.placements().len())
         }
     };
     // With the file written, the set is placed by its tables: a set that
@@ -305,6 +303,18 @@ fn prepare(
         in_segments,
         copy_forward: None,
     })
+}
+
+/// Whether a publication writes the shard index file anew when the `steps`
+/// files it does not describe would hold `undescribed` rows beside the
+/// `described` ones (format-spec/shard-index.md §1): past 1/8 of them (each
+/// row is then written again O(1) times on average) or past
+/// [`crate::limits::INDEX_UNDESCRIBED_MAX`] (an open decodes those rows and
+/// keeps them in its maps: bounded whatever the history, at the cost of a
+/// rewrite of a large file every that many rows).
+fn index_rewrite_due(undescribed: usize, described: usize) -> bool {
+    undescribed > crate::limits::INDEX_UNDESCRIBED_MAX
+        || undescribed.saturating_mul(crate::limits::INDEX_REWRITE_DIVISOR) > described
 }
 
 /// A publication rebuilds the writer's index when the calls that stay in
@@ -570,5 +580,25 @@ impl Writer {
         let (retired_segments, copied_forward) = self.retire(&p.in_segments, p.copy_forward)?;
         self.delta.forget_segments(&retired_segments);
         Ok(PublishOutcome { retired_segments, copied_forward, deletions_skipped: Vec::new() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::index_rewrite_due;
+    use crate::limits::INDEX_UNDESCRIBED_MAX;
+
+    /// Small stores follow the 1/8 rule; large ones rewrite once the rows
+    /// not described pass the bound, long before 1/8 of them.
+    #[test]
+    fn the_index_file_is_rewritten_past_an_eighth_or_past_the_bound() {
+        assert!(!index_rewrite_due(6, 48));
+        assert!(index_rewrite_due(7, 48));
+        assert!(!index_rewrite_due(INDEX_UNDESCRIBED_MAX, 10_000_000));
+        assert!(index_rewrite_due(INDEX_UNDESCRIBED_MAX + 1, 10_000_000));
+        // 1M rows beside 10M: the rows a batched compaction of a 1M
+        // backlog left an open to decode before the bound.
+        assert!(index_rewrite_due(1_000_000, 10_000_000));
+        assert!(!index_rewrite_due(0, 0));
     }
 }

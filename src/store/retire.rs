@@ -174,6 +174,15 @@ impl Writer {
         })
     }
 
+    /// Give back the resident pages of the shard index file and of the
+    /// frozen layer's (an older file's, until the index is rebuilt).
+    pub(super) fn release_index_pages(&self) {
+        if let Some(ix) = self.shards.index_file() {
+            ix.release_pages();
+        }
+        self.index.frozen().release_pages();
+    }
+
     /// Decide what [`Writer::retire`] retires and, with `copy_forward`,
     /// which sessions to copy forward first.
     fn plan_retirement(
@@ -191,6 +200,10 @@ impl Writer {
         };
         let mut retire = Vec::new();
         let mut annotations = Vec::new();
+        // Each call's liveness and row counts are binary searches of the
+        // index files: a walk of 1M calls in segments would keep most of a
+        // 10M-call store's file resident.
+        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
         // Copy-forward candidates: sealed segments kept only by sessions
         // with live calls in segments (their id, frame bytes, those
         // sessions).
@@ -247,6 +260,10 @@ impl Writer {
             let mut keeper_set: HashSet<&str> = HashSet::new();
             for e in footer.iter() {
                 entries += 1;
+                budget.tick(|| {
+                    seg.release_pages();
+                    self.release_index_pages();
+                });
                 if e.kind == KIND_CALL {
                     let loc = Loc { segment: ms.id, offset: e.frame_offset };
                     if in_segments(e.session_id) && !below_floor(self, e.session_id, loc) {
@@ -550,6 +567,8 @@ impl Writer {
             self.roll()?;
         }
         let mut carried_count = 0;
+        // Each one's current value is a lookup of the index files.
+        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
         for ann in order.into_iter().filter_map(|(_, _, i)| annotations.get(i)) {
             if let Some(a) = self.current(ann) {
                 self.append_annotation(&a)?;
@@ -559,6 +578,7 @@ impl Writer {
                     self.write_buf()?;
                 }
             }
+            budget.tick(|| self.release_index_pages());
         }
         drop(annotations);
         self.write_buf()?;
