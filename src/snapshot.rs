@@ -894,6 +894,9 @@ impl Snapshot {
         ids_sorted.sort_unstable();
         let (shards, index) = (&self.view.shards, &self.view.index);
         let mut rows = Vec::new();
+        // Each row is looked up in the index files (a merge of 1M rows on
+        // 10M calls: ~0.8 GB of their pages before they were given back).
+        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
         for id in ids_sorted {
             let Some(f) = shards.file(id) else { continue };
             rows.clear();
@@ -904,6 +907,7 @@ impl Snapshot {
             for r in &rows {
                 // Served from this file (one placement per position) and
                 // the live call of its trace id.
+                budget.tick(|| self.release_pages());
                 let served = shards.position(r.loc).is_some_and(|p| p.shard == id);
                 if let Some(s) = r.sessions.first().filter(|_| served && index.is_live_at(&r.trace_id, r.loc)) {
                     let shards = out.entry(s.to_string()).or_default();

@@ -58,12 +58,12 @@ struct Group {
 /// Everything the merge works out before it writes.
 struct Plan<'a> {
     frozen: &'a Frozen,
-    /// Old hot rows that stay, then the added rows (their shard numbers the
-    /// new file's).
+    /// The added rows (their shard numbers the new file's), then the old
+    /// hot rows that stay.
     loose: Vec<RowRef<'a>>,
-    /// How many of `loose` are old hot rows (they have placements and
-    /// hashes in the old file already).
-    kept_hot: usize,
+    /// How many of `loose` are added rows (the others are old hot rows:
+    /// they have placements and hashes in the old file already).
+    added_rows: usize,
     /// Old frozen rows whose file is gone.
     removed: Vec<bool>,
     /// The loose rows that are frozen, sorted as a frozen layer lists them.
@@ -94,7 +94,7 @@ pub(crate) fn write_merged(
     keys: &[ShardKey],
     old: &ShardIndex,
     renumber: &dyn Fn(u32) -> Option<u32>,
-    added: &[RowRef<'_>],
+    added: Vec<RowRef<'_>>,
     faults: &Faults,
 ) -> Result<bool> {
     // A lazily checked file (a writable open maps it so) is read whole
@@ -110,7 +110,7 @@ fn plan<'a>(
     old: &'a ShardIndex,
     frozen: &'a Frozen,
     renumber: &dyn Fn(u32) -> Option<u32>,
-    added: &[RowRef<'a>],
+    added: Vec<RowRef<'a>>,
 ) -> Option<Plan<'a>> {
     // Checked whole by the caller ([`write_merged`]): a lazily checked
     // table that failed would read as an empty one.
@@ -159,7 +159,10 @@ fn plan<'a>(
         }
         old.release_pages();
     }
-    let mut loose: Vec<RowRef<'a>> = Vec::with_capacity(old.hot_rows().len() + added.len());
+    // The added rows are taken as they are, not copied (1M rows: ~80 MB),
+    // the old hot rows that stay after them (the caller leaves room).
+    let added_rows = added.len();
+    let mut loose = added;
     for h in old.hot_rows() {
         match renumber(h.pos.shard) {
             Some(shard) => {
@@ -173,8 +176,6 @@ fn plan<'a>(
             }
         }
     }
-    let kept_hot = loose.len();
-    loose.extend_from_slice(added);
     gone_traces.sort_unstable();
     gone_sessions.sort_unstable();
     let at_old = |loc: Loc| {
@@ -296,7 +297,7 @@ fn plan<'a>(
     let mut plan = Plan {
         frozen,
         loose,
-        kept_hot,
+        added_rows,
         removed,
         cold,
         groups: Vec::new(),
@@ -495,14 +496,14 @@ fn write(
     // rows' by log position.
     w.section(PLACEMENTS, |out| {
         let mut added: Vec<(Loc, usize)> =
-            plan.loose.iter().enumerate().skip(plan.kept_hot).map(|(i, r)| (r.loc, i)).collect();
+            plan.loose.iter().enumerate().take(plan.added_rows).map(|(i, r)| (r.loc, i)).collect();
         added.sort_unstable();
         // Old hot rows that are frozen now, by log position.
         let thawed_out: HashMap<Loc, u32> = plan
             .loose
             .iter()
             .zip(&plan.loose_frozen)
-            .take(plan.kept_hot)
+            .skip(plan.added_rows)
             .filter(|(_, f)| **f != NOT_FROZEN)
             .map(|(r, f)| (r.loc, *f))
             .collect();
@@ -632,7 +633,7 @@ fn write(
     // Every row's hashes: the old ones but those of rows whose file is
     // gone, merged with the added rows'.
     w.section(TRACE_HASHES, |out| {
-        let mut added: Vec<u64> = plan.loose.iter().skip(plan.kept_hot).map(|r| id_hash(r.trace_id)).collect();
+        let mut added: Vec<u64> = plan.loose.iter().take(plan.added_rows).map(|r| id_hash(r.trace_id)).collect();
         added.sort_unstable();
         let mut batch = Batch::new(out);
         merge_hashes(&old.trace_hashes(), &plan.gone_traces, &added, |v| batch.push(v))?;
@@ -641,7 +642,7 @@ fn write(
     old.release_pages();
     w.section(SESSION_HASHES, |out| {
         let mut added: Vec<u64> =
-            plan.loose.iter().skip(plan.kept_hot).flat_map(|r| r.sessions.iter().map(id_hash)).collect();
+            plan.loose.iter().take(plan.added_rows).flat_map(|r| r.sessions.iter().map(id_hash)).collect();
         added.sort_unstable();
         let mut batch = Batch::new(out);
         merge_hashes(&old.session_hashes(), &plan.gone_sessions, &added, |v| batch.push(v))?;
@@ -761,7 +762,7 @@ mod tests {
             let got_dir = tempfile::tempdir().expect("tempdir");
             let added_refs: Vec<RowRef<'_>> = added.iter().map(RowRef::from).collect();
             assert!(
-                write_merged(got_dir.path(), &new_keys, &old, &renumber, &added_refs, &None).expect("merge"),
+                write_merged(got_dir.path(), &new_keys, &old, &renumber, added_refs.clone(), &None).expect("merge"),
                 "seed {seed}: merged"
             );
             let got = std::fs::read(got_dir.path().join(super::super::index_file::INDEX_FILE_NAME)).expect("read");
@@ -785,7 +786,7 @@ mod tests {
         let again = ShardRow { pos: ShardPos { shard: 1, row_group: 0, row: 0 }, ..old_rows[3].clone() };
         let out = tempfile::tempdir().expect("tempdir");
         let keys2: Vec<ShardKey> = keys(1, "a").into_iter().chain(keys(1, "b")).collect();
-        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), &[RowRef::from(&again)], &None).expect("merge");
+        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), vec![RowRef::from(&again)], &None).expect("merge");
         assert!(!merged);
         assert!(!out.path().join(super::super::index_file::INDEX_FILE_NAME).exists());
     }

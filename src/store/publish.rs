@@ -377,9 +377,10 @@ fn write_index_file(
         // From the file it replaces, streamed (shard/index_merge.rs): the
         // same bytes as a build from every row, in memory O(the rows added).
         let renumber = |k: u32| base.slot(k).filter(|s| !gone.contains(s)).and_then(number);
-        let added: Vec<crate::index::frozen::RowRef<'_>> =
-            undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from).collect();
-        match crate::shard::index_merge::write_merged(shards_dir, &keys, ix, &renumber, &added, faults) {
+        // With room for the old file's hot rows, which the merge appends.
+        let mut added = Vec::with_capacity(undescribed.len() + new_rows.len() + ix.hot_rows().len());
+        added.extend(undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from));
+        match crate::shard::index_merge::write_merged(shards_dir, &keys, ix, &renumber, added, faults) {
             Ok(true) => {
                 return crate::shard::index_file::ShardIndex::open(shards_dir)
                     .ok()
