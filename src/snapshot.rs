@@ -709,7 +709,7 @@ impl Snapshot {
             // order, its pages given back as the walk goes when the
             // process holds many), each placed by a binary search of the
             // placements (whose pages the searches keep reading).
-            let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+            let mut budget = crate::storage::mmap::PageBudget::compaction();
             let frozen_apart = !shards.index_file().is_some_and(|ix| index.frozen().is_in(ix.mapping()));
             for call in index.live_calls() {
                 if let Some(pos) = shards.position(call.loc()) {
@@ -896,7 +896,7 @@ impl Snapshot {
         let mut rows = Vec::new();
         // Each row is looked up in the index files (a merge of 1M rows on
         // 10M calls: ~0.8 GB of their pages before they were given back).
-        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+        let mut budget = crate::storage::mmap::PageBudget::compaction();
         for id in ids_sorted {
             let Some(f) = shards.file(id) else { continue };
             rows.clear();

@@ -501,7 +501,7 @@ fn write_shards(
         let mut trajs = TrajectoriesBuilder::default();
         let mut compacted = Vec::new();
         let mut released_at = 0;
-        let mut index_pages = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+        let mut index_pages = crate::storage::mmap::PageBudget::compaction();
         for (done, sid) in order.iter().enumerate() {
             let is_fresh = fresh.contains(sid);
             let take = |c: &CallView<'_>| match c.shard {

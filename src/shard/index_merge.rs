@@ -192,7 +192,7 @@ fn plan<'a>(
     by_hash.sort_unstable();
     // Each added row's trace id is looked up in the old frozen layer (its
     // pages given back as the lookups pile up).
-    let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+    let mut budget = crate::storage::mmap::PageBudget::compaction();
     let mut i = 0;
     while i < by_hash.len() {
         budget.tick(|| old.release_pages());

@@ -216,12 +216,17 @@ impl PageBudget {
     /// Lookups between two readings of the resident pages.
     pub(crate) const EVERY: u64 = 1024;
 
-    /// The budget a compaction's walks use: what they keep of the index
-    /// files resident beside the heap (format-spec: none; README "Scale").
-    pub(crate) const COMPACTION_BYTES: u64 = 256 << 20;
+    /// What a compaction's walks keep of the index files resident beside
+    /// the heap.
+    const COMPACTION_BYTES: u64 = 256 << 20;
 
-    pub(crate) fn new(max_bytes: u64) -> PageBudget {
+    fn new(max_bytes: u64) -> PageBudget {
         PageBudget { ticks: 0, next_check: Self::EVERY, max_bytes }
+    }
+
+    /// The budget of a compaction's walks (256 MiB of mapped-file pages).
+    pub(crate) fn compaction() -> PageBudget {
+        Self::new(Self::COMPACTION_BYTES)
     }
 
     /// One lookup done; `release` gives the walk's mappings' pages back.

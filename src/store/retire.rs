@@ -203,7 +203,7 @@ impl Writer {
         // Each call's liveness and row counts are binary searches of the
         // index files: a walk of 1M calls in segments would keep most of a
         // 10M-call store's file resident.
-        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+        let mut budget = crate::storage::mmap::PageBudget::compaction();
         // Copy-forward candidates: sealed segments kept only by sessions
         // with live calls in segments (their id, frame bytes, those
         // sessions).
@@ -568,7 +568,7 @@ impl Writer {
         }
         let mut carried_count = 0;
         // Each one's current value is a lookup of the index files.
-        let mut budget = crate::storage::mmap::PageBudget::new(crate::storage::mmap::PageBudget::COMPACTION_BYTES);
+        let mut budget = crate::storage::mmap::PageBudget::compaction();
         for ann in order.into_iter().filter_map(|(_, _, i)| annotations.get(i)) {
             if let Some(a) = self.current(ann) {
                 self.append_annotation(&a)?;
