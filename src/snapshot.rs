@@ -690,35 +690,33 @@ impl Snapshot {
                 }
             }
             let frozen = index.frozen();
-            for range in index.thawed_rows() {
-                for r in range.filter_map(|r| frozen.row(r)) {
-                    if let Some(c) = shards.position(r.loc()).and_then(|p| per_slot.get_mut(p.shard as usize)) {
+            let thawed = index.thawed_rows().into_iter().flatten().filter_map(|r| frozen.row(r)).map(|r| r.loc());
+            positions_in_order(
+                shards,
+                thawed,
+                || (),
+                |shard| {
+                    if let Some(c) = per_slot.get_mut(shard as usize) {
                         *c = c.saturating_sub(1);
                     }
-                }
-            }
+                },
+            );
             live.extend(per_slot.into_iter().enumerate().filter(|(_, n)| *n > 0).map(|(s, n)| (s as u32, n)));
-            for m in index.hot_calls().values() {
-                if let Some(pos) = shards.position(m.loc) {
-                    *live.entry(pos.shard).or_default() += 1;
-                }
-            }
+            let hot = index.hot_calls().values().map(|m| m.loc);
+            positions_in_order(shards, hot, || (), |shard| *live.entry(shard).or_default() += 1);
         } else {
             // Every call, the frozen ones of an older file's rows too (a
-            // writer's, until it reopens or rebuilds its index: walked in
-            // order, its pages given back as the walk goes when the
-            // process holds many), each placed by a binary search of the
-            // placements (whose pages the searches keep reading).
-            let mut budget = crate::storage::mmap::PageBudget::compaction();
-            let frozen_apart = !shards.index_file().is_some_and(|ix| index.frozen().is_in(ix.mapping()));
-            for call in index.live_calls() {
-                if let Some(pos) = shards.position(call.loc()) {
-                    *live.entry(pos.shard).or_default() += 1;
-                }
-                if frozen_apart {
-                    budget.tick(|| index.frozen().release_pages());
-                }
-            }
+            // writer's, until it reopens or rebuilds its index: read in
+            // order, its pages given back after each chunk).
+            let locs = index.live_calls().map(|c| c.loc());
+            positions_in_order(
+                shards,
+                locs,
+                || index.frozen().release_pages(),
+                |shard| {
+                    *live.entry(shard).or_default() += 1;
+                },
+            );
         }
         // The lookups of every call in segments read pages all over the
         // placements (a merge of 1M rows on 10M: ~0.7 GB resident, at the
@@ -1148,5 +1146,32 @@ fn keep_recent<V>(map: &mut HashMap<Loc, V>, order: &mut VecDeque<Loc>, loc: Loc
         if let Some(old) = order.pop_front() {
             map.remove(&old);
         }
+    }
+}
+
+/// The shard (slot) of each of `locs` that a file of `shards` serves, to
+/// `each`: looked up a chunk of 2^20 at a time, sorted, in one walk of the
+/// placements ([`crate::shard::set::ShardSet::positions_sorted`]), with
+/// `after_chunk` run after each (16 MB of positions at a time, whatever
+/// the history).
+fn positions_in_order(
+    shards: &crate::shard::set::ShardSet,
+    locs: impl Iterator<Item = Loc>,
+    after_chunk: impl Fn(),
+    mut each: impl FnMut(u32),
+) {
+    const CHUNK: usize = 1 << 20;
+    let mut chunk: Vec<Loc> = Vec::new();
+    let mut locs = locs.peekable();
+    while locs.peek().is_some() {
+        chunk.clear();
+        chunk.extend(locs.by_ref().take(CHUNK));
+        chunk.sort_unstable();
+        shards.positions_sorted(&chunk, |pos| {
+            if let Some(p) = pos {
+                each(p.shard);
+            }
+        });
+        after_chunk();
     }
 }

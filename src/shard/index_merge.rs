@@ -152,10 +152,16 @@ fn plan<'a>(
     old.release_pages();
     let (mut gone_traces, mut gone_sessions) = (Vec::new(), Vec::new());
     if any_removed {
-        // (Only the gone rows' pages are read.)
-        for (r, _) in rows.iter().zip(&removed).filter(|(_, gone)| **gone) {
-            gone_traces.push(id_hash(frozen.trace_id(r)));
-            gone_sessions.push(frozen.session_hash(r.session));
+        // Every frozen row is read (their table: 0.25 GB at 10M rows), and
+        // the names of the gone ones: given back as the walk goes (a merge
+        // of 1M rows on 10M held 0.33 GB of them at its peak before).
+        let mut walked = Releaser { old, at: 0 };
+        for (r, gone) in rows.iter().zip(&removed) {
+            walked.advance(1);
+            if *gone {
+                gone_traces.push(id_hash(frozen.trace_id(r)));
+                gone_sessions.push(frozen.session_hash(r.session));
+            }
         }
         old.release_pages();
     }

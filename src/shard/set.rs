@@ -291,6 +291,33 @@ impl ShardSet {
         Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })
     }
 
+    /// [`ShardSet::position`] of each of `locs`, which are sorted: one walk
+    /// forward through the placements (a gallop from each to the next)
+    /// instead of a binary search each, so the table's pages are read in
+    /// order, at most once, and given back behind the walk every 1M rows.
+    /// A million lookups in random order read pages all over the table
+    /// (32 bytes a row: 0.35 GB at 11M rows) and, given back under a
+    /// budget, read them again and again.
+    pub(crate) fn positions_sorted(&self, locs: &[Loc], mut f: impl FnMut(Option<ShardPos>)) {
+        let mut at = 0usize;
+        for &loc in locs {
+            if let Ok(i) = self.extra.binary_search_by(|p| p.loc().cmp(&loc)) {
+                f(self.extra.get(i).map(Placement::pos));
+                continue;
+            }
+            let before = at;
+            // A block that does not check: the lookup misses, as in
+            // `base_at`, and the walk stays where it was.
+            at = self.base.partition_point_from(before, |p| p.loc() < loc).unwrap_or(before);
+            if before >> 20 != at >> 20 {
+                self.base.release_before(at);
+            }
+            let found = self.base.at(at).filter(|p| p.loc() == loc);
+            f(found.and_then(|p| Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })));
+        }
+        self.base.release_before(at);
+    }
+
     /// The placement of `loc` in the base table, if any: a binary search
     /// that checks the blocks it reads of a mapped table (a failed block
     /// misses; the shard index file records the damage).
@@ -374,4 +401,30 @@ mod tests {
         assert_eq!(set.position(loc(1, 16)), Some(pos(1, 6)));
         assert_eq!(set.base.len(), 2);
     }
+
+    /// A walk in log order answers what a lookup of each position does:
+    /// base rows, rows of files added since, positions no file serves.
+    #[test]
+    fn positions_walked_in_order_are_those_looked_up_one_by_one() {
+        let base: Vec<(Loc, ShardPos)> = (0..5_000u32).map(|i| (loc(1 + u64::from(i / 700), u64::from(i % 700) * 16), pos(i % 3, i))).collect();
+        let set = ShardSet::new(Vec::new(), base);
+        let (set, _) = set.published(&[], Vec::new(), [(loc(4, 8), pos(3, 0)), (loc(9, 0), pos(3, 1))]);
+        let mut state = 7u64;
+        let mut locs: Vec<Loc> = (0..3_000)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let r = state >> 33;
+                loc(r % 10, (r >> 8) % 720 * 8)
+            })
+            .collect();
+        locs.extend([loc(4, 8), loc(9, 0), loc(0, 0), loc(20, 0)]);
+        locs.sort_unstable();
+        let mut walked = Vec::new();
+        set.positions_sorted(&locs, |p| walked.push(p));
+        let looked_up: Vec<Option<ShardPos>> = locs.iter().map(|l| set.position(*l)).collect();
+        assert_eq!(walked, looked_up);
+        assert!(looked_up.iter().filter(|p| p.is_some()).count() > 100, "the test finds rows");
+        assert!(looked_up.iter().any(Option::is_none), "and misses some");
+    }
 }
+

@@ -254,6 +254,28 @@ impl<T: Pod> Table<T> {
         self.partition_point_in(0..self.len(), pred)
     }
 
+    /// [`Table::partition_point`] for a caller that knows every element
+    /// before `from` holds `pred`: a gallop forward from `from` (probes at
+    /// 1, 2, 4, … elements on, then a binary search between the last two),
+    /// so a walk in order reads O(log distance) elements near where it is,
+    /// never the elements it passes over.
+    pub(crate) fn partition_point_from(&self, from: usize, pred: impl Fn(&T) -> bool) -> Option<usize> {
+        let len = self.len();
+        let (mut lo, mut step) = (from.min(len), 1usize);
+        let hi = loop {
+            let probe = from.saturating_add(step - 1);
+            if probe >= len {
+                break len;
+            }
+            if !pred(self.at(probe)?) {
+                break probe;
+            }
+            lo = probe + 1;
+            step = step.saturating_mul(2);
+        };
+        self.partition_point_in(lo..hi, pred)
+    }
+
     /// [`Table::partition_point`] within elements `range` (the caller
     /// knows that those before it hold `pred` and those after do not).
     pub(crate) fn partition_point_in(
@@ -439,5 +461,41 @@ mod tests {
         assert_eq!(t.partition_point(|w| *w < per as u64 + 5), None);
         assert!(t.as_slice().is_empty());
         assert_eq!(t.len(), words.len());
+    }
+
+    proptest::proptest! {
+        /// A gallop from any point before which the predicate holds lands
+        /// where a binary search of the whole table does, in an owned
+        /// table and in a mapped, block-checked one.
+        #[test]
+        fn a_gallop_finds_the_partition_point_of_a_binary_search(
+            mut words in proptest::collection::vec(0u64..5_000, 0..3_000),
+            cut in 0u64..5_100,
+            from_frac in 0.0f64..1.0,
+        ) {
+            words.sort_unstable();
+            let pred = |w: &u64| *w < cut;
+            let expected = words.partition_point(pred);
+            let from = (expected as f64 * from_frac) as usize;
+            let owned = Table::from(words.clone());
+            proptest::prop_assert_eq!(owned.partition_point_from(from, pred), Some(expected));
+            proptest::prop_assert_eq!(owned.partition_point_from(expected, pred), Some(expected));
+            if !words.is_empty() {
+                let (_d, mapped, _check) = checked(&words, None);
+                proptest::prop_assert_eq!(mapped.partition_point_from(from, pred), Some(expected));
+            }
+        }
+    }
+
+    /// A gallop that meets a damaged block misses (`None`), as a binary
+    /// search that reads it does.
+    #[test]
+    fn a_gallop_into_a_damaged_block_misses() {
+        let per = CHECK_BLOCK / 8;
+        let words: Vec<u64> = (0..4 * per as u64).collect();
+        let (_d, t, check) = checked(&words, Some(2 * per * 8 + 16));
+        assert_eq!(t.partition_point_from(0, |w| *w < 5), Some(5), "stays in the first block");
+        assert_eq!(t.partition_point_from(5, |w| *w < 3 * per as u64 + 1), None);
+        assert!(check.damage().is_some());
     }
 }

@@ -512,10 +512,20 @@ enum Op {
 
 /// The ops of a segment's records, or `None` when one of them is not a seal
 /// or reward of a frozen target (the segment is then not listed).
-fn ops_of<'e>(frozen: &Frozen, id: u64, entries: impl Iterator<Item = FooterEntryRef<'e>>) -> Option<Vec<Op>> {
+fn ops_of<'e>(
+    frozen: &Frozen,
+    id: u64,
+    entries: impl Iterator<Item = FooterEntryRef<'e>>,
+    release: &dyn Fn(),
+) -> Option<Vec<Op>> {
     use crate::format::record::{KIND_REWARD, KIND_SEAL};
     let mut ops = Vec::new();
+    // A lookup per seal and reward in the index file's hash tables: a
+    // segment of a million carried seals reads pages all over them (0.2 GB
+    // at 10M rows), given back as the walk goes.
+    let mut budget = crate::storage::mmap::PageBudget::compaction();
     for e in entries {
+        budget.tick(release);
         ops.push(match (e.kind, e.reward_target) {
             (KIND_SEAL, _) => Op::Seal(frozen.session(e.id)?),
             (KIND_REWARD, 2) => Op::SessionReward(frozen.session(e.id)?, e.timestamp),
@@ -551,7 +561,11 @@ pub(crate) fn build(dir: &Path, manifest: &Manifest, ix: &ShardIndex, key: Index
             continue;
         }
         let Some(trailer) = read_trailer(seg.map.bytes()) else { continue };
-        let Some(ops) = ops_of(&frozen, ms.id, seg.entry_refs()) else { continue };
+        let release = || {
+            seg.map.release_pages();
+            frozen.release_pages();
+        };
+        let Some(ops) = ops_of(&frozen, ms.id, seg.entry_refs(), &release) else { continue };
         seg.map.release_pages();
         let n = c.listed.len() as u32 + 1;
         for op in ops {
