@@ -521,8 +521,8 @@ fn ops_of<'e>(
     use crate::format::record::{KIND_REWARD, KIND_SEAL};
     let mut ops = Vec::new();
     // A lookup per seal and reward in the index file's hash tables: a
-    // segment of a million carried seals reads pages all over them (0.2 GB
-    // at 10M rows), given back as the walk goes.
+    // segment of the 1.25M carried seals of a 10M-call store reads pages
+    // all over them, given back as the walk goes.
     let mut budget = crate::storage::mmap::PageBudget::compaction();
     for e in entries {
         budget.tick(release);

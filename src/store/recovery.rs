@@ -818,9 +818,10 @@ impl RowFeed {
         keep: &dyn Fn(Loc) -> bool,
     ) {
         // Each seal, reward or call of a frozen session is a lookup in the
-        // index file's hash tables: a segment of a million carried seals
-        // reads pages all over them (0.3 GB at 10M rows, at the peak of a
-        // publication's rebuild), given back as the replay goes.
+        // index file's hash tables: a segment of the 1.25M carried seals of
+        // a 10M-call store reads pages all over them, given back as the
+        // replay goes (at most a reading of /proc/self/statm per 1,024
+        // entries otherwise).
         let mut budget = crate::storage::mmap::PageBudget::compaction();
         for e in entries {
             budget.tick(|| {
