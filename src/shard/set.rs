@@ -305,14 +305,9 @@ impl ShardSet {
                 f(self.extra.get(i).map(Placement::pos));
                 continue;
             }
-            let before = at;
             // A block that does not check: the lookup misses, as in
             // `base_at`, and the walk stays where it was.
-            at = self.base.partition_point_from(before, |p| p.loc() < loc).unwrap_or(before);
-            if before >> 20 != at >> 20 {
-                self.base.release_before(at);
-            }
-            let found = self.base.at(at).filter(|p| p.loc() == loc);
+            let found = self.base.walk_to(&mut at, |p| p.loc() < loc).filter(|p| p.loc() == loc);
             f(found.and_then(|p| Some(ShardPos { shard: self.slot(p.shard)?, ..p.pos() })));
         }
         self.base.release_before(at);

@@ -276,6 +276,20 @@ impl<T: Pod> Table<T> {
         self.partition_point_in(lo..hi, pred)
     }
 
+    /// One step of a walk in order: move `at` (every element before it
+    /// holds `pred`) to the partition point by a gallop
+    /// ([`Table::partition_point_from`]; unchanged when a block does not
+    /// check), give back the pages passed each time the walk crosses a
+    /// multiple of 2^20 elements, and return the element there.
+    pub(crate) fn walk_to(&self, at: &mut usize, pred: impl Fn(&T) -> bool) -> Option<&T> {
+        let before = *at;
+        *at = self.partition_point_from(before, pred).unwrap_or(before);
+        if before >> 20 != *at >> 20 {
+            self.release_before(*at);
+        }
+        self.at(*at)
+    }
+
     /// [`Table::partition_point`] within elements `range` (the caller
     /// knows that those before it hold `pred` and those after do not).
     pub(crate) fn partition_point_in(

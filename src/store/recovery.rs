@@ -784,21 +784,16 @@ impl RowFeed {
         }
         match &mut self.ordered {
             Some((placements, at)) => {
-                let before = *at;
                 // A gallop from where the last call was found: the next one
                 // is usually a few rows on, but the first call of a
                 // replayed segment can be millions on (every row compacted
                 // from segments retired since), whose pages a walk row by
                 // row would read: 0.3 GB at 10M rows, at the peak of a
-                // batched compaction. Unchanged when a block does not
-                // check (the call is then replayed from its record).
-                *at = placements.partition_point_from(before, |p| p.loc() < loc).unwrap_or(before);
-                // What was passed is not read again: its pages (32 bytes a
-                // row, 350 MB at 11M) are given back every 1M rows.
-                if before >> 20 != *at >> 20 {
-                    placements.release_before(*at);
-                }
-                placements.at(*at).is_some_and(|p| p.loc() == loc)
+                // batched compaction. The pages passed (32 bytes a row)
+                // are given back every 1M rows; a block that does not
+                // check leaves the walk where it was (the call is then
+                // replayed from its record).
+                placements.walk_to(at, |p| p.loc() < loc).is_some_and(|p| p.loc() == loc)
             }
             None => shards.is_compacted(loc),
         }
