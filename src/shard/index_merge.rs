@@ -55,6 +55,13 @@ struct Group {
     rows: u32,
 }
 
+/// Where [`write_merged`] writes.
+#[derive(Clone, Copy)]
+pub(crate) enum Dest<'a> {
+    Store(&'a Faults),
+    Scratch,
+}
+
 /// Everything the merge works out before it writes.
 struct Plan<'a> {
     frozen: &'a Frozen,
@@ -89,20 +96,28 @@ struct Plan<'a> {
 /// of `keys` already). `Ok(false)` when it cannot (two rows at one log
 /// position, or past the frozen layer's 32-bit numbers): the caller builds
 /// the file from every row instead.
+///
+/// `dest`: the store's shards directory (fsynced, with its faults), or a
+/// scratch one (`trajlog verify` builds its own copy of the file there,
+/// shard after shard: no fsyncs).
 pub(crate) fn write_merged(
     shards_dir: &Path,
     keys: &[ShardKey],
     old: &ShardIndex,
     renumber: &dyn Fn(u32) -> Option<u32>,
     added: Vec<RowRef<'_>>,
-    faults: &Faults,
+    dest: Dest<'_>,
 ) -> Result<bool> {
     // A lazily checked file (a writable open maps it so) is read whole
     // here: never a damaged table read as an empty one.
     old.check_whole()?;
     let frozen = old.frozen();
     let Some(plan) = plan(old, &frozen, renumber, added) else { return Ok(false) };
-    write(shards_dir, keys, old, renumber, &plan, faults)?;
+    let (w, faults) = match dest {
+        Dest::Store(faults) => (FileWriter::create(shards_dir, faults)?, faults),
+        Dest::Scratch => (FileWriter::create_scratch(shards_dir)?, &None),
+    };
+    write(w, shards_dir, keys, old, renumber, &plan, faults)?;
     Ok(true)
 }
 
@@ -486,6 +501,7 @@ impl Releaser<'_> {
 }
 
 fn write(
+    mut w: FileWriter,
     shards_dir: &Path,
     keys: &[ShardKey],
     old: &ShardIndex,
@@ -493,7 +509,6 @@ fn write(
     plan: &Plan<'_>,
     faults: &Faults,
 ) -> Result<()> {
-    let mut w = FileWriter::create(shards_dir, faults)?;
     w.section(SHARDS, |out| {
         out.put(&encode_shards(keys))?;
         Ok(keys.len() as u64)
@@ -665,14 +680,14 @@ fn put_added(batch: &mut Batch<'_, '_, Placement>, plan: &Plan<'_>, loc: Loc, i:
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::super::index_file::{build, write};
     use super::super::reader::{ShardPos, ShardRow};
     use super::*;
     use std::sync::Arc;
 
     /// A small deterministic generator (xorshift).
-    struct Rng(u64);
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
         fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
@@ -680,17 +695,17 @@ mod tests {
             self.0 ^= self.0 << 17;
             self.0
         }
-        fn below(&mut self, n: u64) -> u64 {
+        pub(crate) fn below(&mut self, n: u64) -> u64 {
             self.next() % n.max(1)
         }
     }
 
-    fn keys(n: usize, tag: &str) -> Vec<ShardKey> {
+    pub(crate) fn keys(n: usize, tag: &str) -> Vec<ShardKey> {
         (0..n).map(|i| ShardKey { path: format!("steps/part-{tag}-{i}.parquet"), len: 100 + i as u64, footer_crc32: i as u32 }).collect()
     }
 
     /// The file a build from every row writes, and its bytes.
-    fn full(dir: &Path, keys: &[ShardKey], rows: &[ShardRow]) -> Vec<u8> {
+    pub(crate) fn full(dir: &Path, keys: &[ShardKey], rows: &[ShardRow]) -> Vec<u8> {
         let mut refs: Vec<RowRef<'_>> = rows.iter().map(RowRef::from).collect();
         refs.sort_by_key(|r| r.loc);
         let built = build(&refs, true).expect("build");
@@ -704,7 +719,7 @@ mod tests {
     /// sessions, some trace ids reused from `reuse` (replacements, whose
     /// sessions then are hot), some rows moved from `moved` (a collection's
     /// live rows: same log position and ids, a new place).
-    fn rows(rng: &mut Rng, next_loc: &mut u64, first_shard: u32, files: u32, reuse: &[ShardRow], moved: &[ShardRow]) -> Vec<ShardRow> {
+    pub(crate) fn rows(rng: &mut Rng, next_loc: &mut u64, first_shard: u32, files: u32, reuse: &[ShardRow], moved: &[ShardRow]) -> Vec<ShardRow> {
         let mut out = Vec::new();
         let sessions: Vec<Arc<[Arc<str>]>> = (0..40).map(|s| Arc::from(vec![Arc::<str>::from(format!("task-{s}:0"))])).collect();
         let mut moved = moved.iter();
@@ -768,7 +783,7 @@ mod tests {
             let got_dir = tempfile::tempdir().expect("tempdir");
             let added_refs: Vec<RowRef<'_>> = added.iter().map(RowRef::from).collect();
             assert!(
-                write_merged(got_dir.path(), &new_keys, &old, &renumber, added_refs.clone(), &None).expect("merge"),
+                write_merged(got_dir.path(), &new_keys, &old, &renumber, added_refs.clone(), Dest::Store(&None)).expect("merge"),
                 "seed {seed}: merged"
             );
             let got = std::fs::read(got_dir.path().join(super::super::index_file::INDEX_FILE_NAME)).expect("read");
@@ -792,7 +807,7 @@ mod tests {
         let again = ShardRow { pos: ShardPos { shard: 1, row_group: 0, row: 0 }, ..old_rows[3].clone() };
         let out = tempfile::tempdir().expect("tempdir");
         let keys2: Vec<ShardKey> = keys(1, "a").into_iter().chain(keys(1, "b")).collect();
-        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), vec![RowRef::from(&again)], &None).expect("merge");
+        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), vec![RowRef::from(&again)], Dest::Store(&None)).expect("merge");
         assert!(!merged);
         assert!(!out.path().join(super::super::index_file::INDEX_FILE_NAME).exists());
     }

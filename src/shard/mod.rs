@@ -4,6 +4,7 @@
 //! (`crate::compact`) builds its rows and drives the writer.
 
 pub mod extra;
+pub(crate) mod index_check;
 pub(crate) mod index_file;
 pub(crate) mod index_merge;
 pub mod reader;

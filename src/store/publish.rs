@@ -380,7 +380,14 @@ fn write_index_file(
         // With room for the old file's hot rows, which the merge appends.
         let mut added = Vec::with_capacity(undescribed.len() + new_rows.len() + ix.hot_rows().len());
         added.extend(undescribed.iter().chain(&new_rows).map(crate::index::frozen::RowRef::from));
-        match crate::shard::index_merge::write_merged(shards_dir, &keys, ix, &renumber, added, faults) {
+        match crate::shard::index_merge::write_merged(
+            shards_dir,
+            &keys,
+            ix,
+            &renumber,
+            added,
+            crate::shard::index_merge::Dest::Store(faults),
+        ) {
             Ok(true) => {
                 return crate::shard::index_file::ShardIndex::open(shards_dir)
                     .ok()

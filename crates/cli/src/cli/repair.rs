@@ -20,8 +20,15 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
     for (path, fate) in &report.leftovers {
         println!("LEFTOVER {}: left by an interrupted operation, holds nothing live; {fate}", path.display());
     }
+    for (path, why) in &report.not_checked {
+        println!("NOT CHECKED {}: {why}", path.display());
+    }
+    let unchecked = match report.not_checked.len() {
+        0 => String::new(),
+        n => format!(" ({n} check(s) could not be made: NOT CHECKED above)"),
+    };
     let verdict = match (report.problems.len(), &report.torn_tail) {
-        (0, None) => "ok".to_owned(),
+        (0, None) => format!("ok{unchecked}"),
         (0, Some(_)) => "ok but for a torn tail (an interrupted write, no acknowledged record lost)".to_owned(),
         (n, _) => format!("{n} problems; see README \"When files are damaged or missing\""),
     };
