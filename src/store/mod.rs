@@ -241,6 +241,8 @@ impl Store {
             poisoned: AtomicBool::new(false),
             view: Mutex::new(view),
             compacting: Mutex::new(()),
+            #[cfg(test)]
+            verdicts_reused: AtomicU64::new(0),
         });
         let writer = Writer {
             inner: inner.clone(),
@@ -263,6 +265,7 @@ impl Store {
             buf: Vec::with_capacity(1 << 20),
             pending: Vec::new(),
             written_seq: 0,
+            annotation_verdicts: Default::default(),
             unsynced_since: None,
             last_sync: Instant::now() - Duration::from_secs(3600),
         };
@@ -305,6 +308,8 @@ impl Store {
             poisoned: AtomicBool::new(false),
             view: Mutex::new(Arc::new(view)),
             compacting: Mutex::new(()),
+            #[cfg(test)]
+            verdicts_reused: AtomicU64::new(0),
         });
         Ok(Store {
             inner,

@@ -26,6 +26,9 @@ pub(super) struct Inner {
     pub(super) view: Mutex<Arc<View>>,
     /// One compaction at a time (two would compact the same sessions twice).
     pub(super) compacting: Mutex<()>,
+    /// Retirement verdicts reused unread (store/retire.rs), for tests.
+    #[cfg(test)]
+    pub(super) verdicts_reused: AtomicU64,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

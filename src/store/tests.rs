@@ -761,3 +761,65 @@ fn a_uid_session_deleted_during_a_compaction_then_a_collection_right_after() {
     same_as_fresh(&store, dir.path(), &ids, "collected");
     store.close().expect("close");
 }
+
+/// Retirement keeps its verdict on a segment of current annotations only
+/// (store/retire.rs `AnnotationVerdicts`) while nothing it holds changes,
+/// and judges it again once a target of its changes: a session reward set
+/// again, a trace reward, a session deleted. (Debug builds also check every
+/// kept verdict against the segment's records.)
+#[test]
+fn kept_annotation_verdicts_are_judged_again_when_a_target_changes() {
+    use crate::compact::CompactOptions;
+    use std::sync::atomic::Ordering;
+    let dir = tempdir();
+    let options = Options::default().segment_bytes(64 * 1024);
+    let store = Store::open(dir.path(), options.clone()).expect("open");
+    let reused = |store: &Store| store.inner.verdicts_reused.load(Ordering::Relaxed);
+    // One session at a time, sealed and compacted: retirement carries the
+    // seals (and the rewards) into segments of annotations only.
+    let round = |store: &Store, s: usize| {
+        let id = format!("s{s}");
+        for n in 0..2 {
+            store.append(call(&id, n)).expect("append");
+        }
+        store.seal_session(&id).expect("seal");
+        let r = store.compact(&CompactOptions::default()).expect("compact");
+        assert_eq!(r.calls, 2, "{id}: {r:?}");
+    };
+    store.set_reward(Target::Session("s0".into()), 0.5).expect("reward");
+    round(&store, 0);
+    store.set_reward(Target::Trace("s0/1".into()), 0.25).expect("trace reward");
+    for s in 1..30 {
+        round(&store, s);
+    }
+    assert!(reused(&store) > 0, "verdicts are kept from one compaction to the next");
+    // Each change below makes an annotation of a kept segment stale: the
+    // next plan must judge that segment again (a kept stale verdict fails
+    // the debug check; in release it would keep the segment's sessions out
+    // of what later deletions must not uncover).
+    store.set_reward(Target::Session("s0".into()), 0.75).expect("reward again");
+    round(&store, 30);
+    store.set_reward(Target::Trace("s0/1".into()), 0.125).expect("trace reward again");
+    round(&store, 31);
+    // (s20's seal sits in a kept segment then.)
+    assert_eq!(store.delete_session("s20").expect("delete"), 2);
+    let voided = reused(&store);
+    round(&store, 32);
+    assert_eq!(reused(&store), voided, "a deletion voids every kept verdict");
+    let before = reused(&store);
+    round(&store, 33);
+    assert!(reused(&store) > before, "verdicts are kept again after a deletion voided them");
+    let check = |store: &Store| {
+        let snap = store.snapshot();
+        assert_eq!(snap.session_reward("s0"), Some(0.75));
+        assert_eq!(snap.trace_reward("s0/1"), Some(0.125));
+        assert!(!snap.is_sealed("s20") && snap.session_info("s20").is_none(), "s20 stays deleted");
+        assert!((1..34).filter(|s| *s != 20).all(|s| snap.is_sealed(&format!("s{s}"))));
+    };
+    check(&store);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), options).expect("reopen");
+    check(&reopened);
+    reopened.close().expect("close");
+    assert!(crate::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
+}

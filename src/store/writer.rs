@@ -37,6 +37,9 @@ pub(super) struct Writer {
     /// Footer entries of the frames in `buf`.
     pub(super) pending: Vec<FooterEntry>,
     pub(super) written_seq: u64,
+    /// Retirement's verdicts on segments of current annotations only, and
+    /// what changed since (store/retire.rs).
+    pub(super) annotation_verdicts: super::retire::AnnotationVerdicts,
     pub(super) unsynced_since: Option<Instant>,
     pub(super) last_sync: Instant,
 }
@@ -359,6 +362,9 @@ impl Writer {
         let sessions = self.index.sessions_of(&call.session_id, &call.session_uids);
         let replaced = self.index.apply_call(trace_id.clone(), CallMeta { loc, timestamp: call.timestamp, sessions });
         self.touch(&trace_id);
+        for id in std::iter::once(&call.trace_id).chain(std::iter::once(&call.session_id)).chain(&call.session_uids) {
+            self.annotation_verdicts.touch(id);
+        }
         // A trace reward stays with its trace id when the call is replaced,
         // and is written again after the new call (format-spec/record.md §6):
         // the record that set it sits before the new call, and the replay
@@ -483,6 +489,16 @@ impl Writer {
             for key in calls.iter() {
                 self.touch(&key.trace_id);
             }
+        }
+        match ann {
+            // Its calls' trace rewards go with it, unnamed here.
+            Annotation::DeleteSession { .. } => self.annotation_verdicts.void(),
+            Annotation::Seal { session_id }
+            | Annotation::MoveSession { session_id }
+            | Annotation::Reward { target: Target::Session(session_id), .. } => {
+                self.annotation_verdicts.touch(session_id.as_str())
+            }
+            Annotation::Reward { target: Target::Trace(t), .. } => self.annotation_verdicts.touch(t.as_str()),
         }
         Ok(apply_annotation(&mut self.index, ann, loc))
     }
