@@ -241,6 +241,7 @@ impl Store {
             poisoned: AtomicBool::new(false),
             view: Mutex::new(view),
             compacting: Mutex::new(()),
+            annotation_built: Mutex::new(None),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
         });
@@ -308,6 +309,7 @@ impl Store {
             poisoned: AtomicBool::new(false),
             view: Mutex::new(Arc::new(view)),
             compacting: Mutex::new(()),
+            annotation_built: Mutex::new(None),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
         });

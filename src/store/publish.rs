@@ -140,13 +140,20 @@ impl Store {
     /// Write the annotation cache (store/annotation_cache.rs) for the store
     /// as it stands after a publication, which may have retired listed
     /// segments, carried annotations into new ones or rewritten the shard
-    /// index file: here, in the compacting thread (one footer read per
-    /// sealed segment), while no other publication can run. Best effort:
-    /// without it, opens replay the annotation segments.
+    /// index file: here, in the compacting thread, while no other
+    /// publication can run — reading only the segments sealed since the
+    /// last publication's when that one's file still stands for the same
+    /// index file and segments (else one footer read per sealed segment).
+    /// Best effort: without it, opens replay the annotation segments.
     fn write_annotation_cache(&self, manifest: &Manifest) {
         let view = lock(&self.inner.view).clone();
-        let Some(ix) = view.shards.index_file() else { return };
-        super::annotation_cache::write(&self.inner.dir, manifest, ix, &self.inner.options.faults);
+        let mut last = lock(&self.inner.annotation_built);
+        let Some(ix) = view.shards.index_file() else {
+            *last = None;
+            return;
+        };
+        let dir = &self.inner.dir;
+        *last = super::annotation_cache::write_after(dir, manifest, ix, &self.inner.options.faults, last.as_ref());
     }
 }
 

@@ -26,6 +26,10 @@ pub(super) struct Inner {
     pub(super) view: Mutex<Arc<View>>,
     /// One compaction at a time (two would compact the same sessions twice).
     pub(super) compacting: Mutex<()>,
+    /// What the last publication's annotation cache build read, so that
+    /// the next reads only what was sealed since (store/annotation_cache.rs
+    /// `write_after`). Publications only (one at a time).
+    pub(super) annotation_built: Mutex<Option<super::annotation_cache::Built>>,
     /// Retirement verdicts reused unread (store/retire.rs), for tests.
     #[cfg(test)]
     pub(super) verdicts_reused: AtomicU64,

@@ -823,3 +823,50 @@ fn kept_annotation_verdicts_are_judged_again_when_a_target_changes() {
     reopened.close().expect("close");
     assert!(crate::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
 }
+
+/// The annotation cache a publication writes continues the last
+/// publication's build (only the segments sealed since are read) while the
+/// shard index file and the segments it lists stay, and starts from
+/// scratch when either goes; its bytes are a build's from scratch either
+/// way (debug builds compare the two at every continued build), and an
+/// open that uses it reads every seal and reward as they are.
+#[test]
+fn the_annotation_cache_continues_the_last_publications_build() {
+    use crate::compact::CompactOptions;
+    let dir = tempdir();
+    let options = Options::default().segment_bytes(64 * 1024);
+    let store = Store::open(dir.path(), options.clone()).expect("open");
+    let continued = |store: &Store| lock(&store.inner.annotation_built).as_ref().map(|b| b.continued);
+    let (mut went_on, mut started_over) = (0, 0);
+    for s in 0..40 {
+        let id = format!("s{s}");
+        for n in 0..2 {
+            store.append(call(&id, n)).expect("append");
+        }
+        store.seal_session(&id).expect("seal");
+        if s % 3 == 0 {
+            store.set_reward(Target::Session(id.clone()), f64::from(s)).expect("reward");
+        }
+        if s % 7 == 0 {
+            store.set_reward(Target::Trace(format!("{id}/0")), 0.5).expect("trace reward");
+        }
+        store.compact(&CompactOptions::default()).expect("compact");
+        match continued(&store) {
+            Some(true) => went_on += 1,
+            Some(false) => started_over += 1,
+            None => {}
+        }
+    }
+    assert!(went_on > 0 && started_over > 0, "continued {went_on}, from scratch {started_over}");
+    store.close().expect("close");
+    let reopened = Store::open_read_only(dir.path()).expect("open");
+    let snap = reopened.snapshot();
+    for s in 0..40 {
+        let id = format!("s{s}");
+        assert!(snap.is_sealed(&id), "{id}");
+        assert_eq!(snap.session_reward(&id), (s % 3 == 0).then_some(f64::from(s)), "{id}");
+        assert_eq!(snap.trace_reward(&format!("{id}/0")), (s % 7 == 0).then_some(0.5), "{id}");
+    }
+    let layers = snap.index_layers();
+    assert!(layers.cached_annotation_segments > 0, "the open used the cache: {layers:?}");
+}
