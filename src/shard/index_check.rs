@@ -285,6 +285,11 @@ mod tests {
         let dir2 = tempfile::tempdir().expect("tempdir");
         full(dir2.path(), &keys[..described], &first);
         assert!(matches!(check(dir2.path(), &keys, &all, 7), Verdict::Same));
+        // A file of no shards (a store whose shards were all collected)
+        // is what no rows make.
+        let empty = tempfile::tempdir().expect("tempdir");
+        full(empty.path(), &[], &[]);
+        assert!(matches!(check(empty.path(), &[], &[], 7), Verdict::Same));
         // A byte flipped: the file fails its section checksums.
         let mut damaged = bytes;
         let at = damaged.len() / 2;
