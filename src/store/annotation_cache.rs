@@ -688,10 +688,20 @@ pub(crate) fn write_after(
 ) -> Option<Built> {
     let key = key_of(ix)?;
     let path = dir.join(SHARDS_DIR).join(CACHE_FILE_NAME);
-    let on_disk = last.filter(|b| b.key == key).and_then(|_| std::fs::read(&path).ok());
-    let from = on_disk.and_then(|b| AnnotationCache::decode(&b).ok()).zip(last);
+    // Mapped, checked whole, its tables read in place (copied once, into
+    // the build), the pages given back after.
+    let on_disk = last.filter(|b| b.key == key).and_then(|_| {
+        let file = File::open(&path).ok()?;
+        let len = file.metadata().ok()?.len();
+        Mapping::map(&file, len, &path).ok().map(Arc::new)
+    });
+    let from =
+        on_disk.as_ref().and_then(|map| AnnotationCache::decode_mapped_as(map, &path, false, true).ok()).zip(last);
     let incremental = from.is_some();
     let (c, built) = build_on(dir, manifest, ix, key, from);
+    if let Some(map) = &on_disk {
+        map.release_pages();
+    }
     // Built from lookups of a lazily checked file: one that met a damaged
     // block may have missed (the writer's own check then refuses writes).
     if ix.damage().is_some() {
