@@ -696,7 +696,12 @@ impl Writer {
         let mut budget = crate::storage::mmap::PageBudget::compaction();
         for ann in order.into_iter().filter_map(|(_, _, i)| annotations.get(i)) {
             if let Some(a) = self.current(ann) {
-                self.append_annotation(&a)?;
+                // It states the value in force: nothing a kept verdict
+                // rests on changes (`carrying`: not noted).
+                self.carrying = true;
+                let appended = self.append_annotation(&a);
+                self.carrying = false;
+                appended?;
                 carried_count += 1;
                 if self.buf.len() >= super::writer::BATCH_BYTES_MAX {
                     // Bound the writer's memory, as appends do.

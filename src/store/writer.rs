@@ -40,6 +40,10 @@ pub(super) struct Writer {
     /// Retirement's verdicts on segments of current annotations only, and
     /// what changed since (store/retire.rs).
     pub(super) annotation_verdicts: super::retire::AnnotationVerdicts,
+    /// Set while retirement re-appends the current values of carried
+    /// annotations: they change no target, so are not noted against the
+    /// verdicts (a tier of 1.25M carried seals would note every session).
+    pub(super) carrying: bool,
     pub(super) unsynced_since: Option<Instant>,
     pub(super) last_sync: Instant,
 }
@@ -491,6 +495,7 @@ impl Writer {
             }
         }
         match ann {
+            _ if self.carrying => {}
             // Its calls' trace rewards go with it, unnamed here.
             Annotation::DeleteSession { .. } => self.annotation_verdicts.void(),
             Annotation::Seal { session_id }
