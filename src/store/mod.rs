@@ -267,7 +267,6 @@ impl Store {
             pending: Vec::new(),
             written_seq: 0,
             annotation_verdicts: Default::default(),
-            carrying: false,
             unsynced_since: None,
             last_sync: Instant::now() - Duration::from_secs(3600),
         };

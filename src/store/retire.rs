@@ -697,11 +697,8 @@ impl Writer {
         for ann in order.into_iter().filter_map(|(_, _, i)| annotations.get(i)) {
             if let Some(a) = self.current(ann) {
                 // It states the value in force: nothing a kept verdict
-                // rests on changes (`carrying`: not noted).
-                self.carrying = true;
-                let appended = self.append_annotation(&a);
-                self.carrying = false;
-                appended?;
+                // rests on changes (not noted).
+                self.append_annotation_noting(&a, false)?;
                 carried_count += 1;
                 if self.buf.len() >= super::writer::BATCH_BYTES_MAX {
                     // Bound the writer's memory, as appends do.

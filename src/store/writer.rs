@@ -40,10 +40,6 @@ pub(super) struct Writer {
     /// Retirement's verdicts on segments of current annotations only, and
     /// what changed since (store/retire.rs).
     pub(super) annotation_verdicts: super::retire::AnnotationVerdicts,
-    /// Set while retirement re-appends the current values of carried
-    /// annotations: they change no target, so are not noted against the
-    /// verdicts (a tier of 1.25M carried seals would note every session).
-    pub(super) carrying: bool,
     pub(super) unsynced_since: Option<Instant>,
     pub(super) last_sync: Instant,
 }
@@ -444,6 +440,14 @@ impl Writer {
     }
 
     pub(super) fn append_annotation(&mut self, ann: &Annotation) -> Result<u64> {
+        self.append_annotation_noting(ann, true)
+    }
+
+    /// [`Writer::append_annotation`]; `note`: note its target against
+    /// retirement's kept verdicts. Retirement's re-appends of the values in
+    /// force change no target and are not noted (a tier of 1.25M carried
+    /// seals would note every session).
+    pub(super) fn append_annotation_noting(&mut self, ann: &Annotation, note: bool) -> Result<u64> {
         if let Annotation::Reward { target: Target::Trace(t), .. } = ann {
             if self.index.live(t.as_str()).is_none() {
                 // Nothing to reward (`Store::set_reward` says so): no record.
@@ -495,7 +499,7 @@ impl Writer {
             }
         }
         match ann {
-            _ if self.carrying => {}
+            _ if !note => {}
             // Its calls' trace rewards go with it, unnamed here.
             Annotation::DeleteSession { .. } => self.annotation_verdicts.void(),
             Annotation::Seal { session_id }
