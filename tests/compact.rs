@@ -12,6 +12,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
+use trajlog::limits::TRAJECTORIES_ROW_GROUP_ROWS_MAX;
 use trajlog::{Call, CompactOptions, Options, Selection, Store, Target};
 use trajlog_sim::{simulate, Shape, SimConfig};
 
@@ -1243,6 +1244,84 @@ fn a_row_group_closes_at_its_rows_or_its_bytes() {
     let err = store3.compact(&CompactOptions::default().row_group_bytes(0)).unwrap_err();
     assert!(err.to_string().contains("row_group_bytes"), "{err}");
     drop((store, store2));
+}
+
+/// `trajectories` row groups of every published shard file, file by file
+/// in name order.
+fn trajectories_row_groups(dir: &Path) -> Vec<i64> {
+    let mut files: Vec<_> =
+        std::fs::read_dir(dir.join("shards/trajectories")).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let meta =
+            ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(f).unwrap()).unwrap().metadata().clone();
+        out.extend(meta.row_groups().iter().map(|g| g.num_rows()));
+    }
+    out
+}
+
+/// Sealed sessions of one tiny call each (~170 bytes of trajectory), whose
+/// calls are appended to a store at `dir`.
+fn tiny_sessions(dir: &Path, sessions: usize) -> (Store, BTreeMap<String, Call>) {
+    let store = Store::open(dir, Options::default()).unwrap();
+    let cfg = SimConfig {
+        sessions,
+        steps: 1,
+        system_tokens: 8,
+        completion_tokens: (2, 4),
+        tool_tokens: (1, 2),
+        break_every: 0,
+        shape: Shape::Lean,
+        ..SimConfig::default()
+    };
+    let batch = simulate(&cfg);
+    for s in &batch {
+        for c in &s.calls {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&s.session_id).unwrap();
+    }
+    (store, all_calls(&batch))
+}
+
+#[test]
+fn trajectories_row_groups_close_at_their_rows_once_they_hold_their_bytes() {
+    // The default: 300 tiny trajectories are far from 1 MiB, one row group
+    // (it was five, of 64 rows, before the minimum).
+    let dir = tempdir();
+    let (store, calls) = tiny_sessions(dir.path(), 300);
+    store.compact(&CompactOptions::default()).unwrap();
+    assert_eq!(trajectories_row_groups(dir.path()), vec![300]);
+    let snap = store.snapshot();
+    for (id, want) in &calls {
+        assert_same(&snap.get(id).unwrap().unwrap(), want);
+    }
+    // No minimum: rows alone close them.
+    let dir = tempdir();
+    let (store, _) = tiny_sessions(dir.path(), 300);
+    store.compact(&CompactOptions::default().trajectories_row_group_min_bytes(0)).unwrap();
+    assert_eq!(trajectories_row_groups(dir.path()), vec![64, 64, 64, 64, 44]);
+    // A minimum of ~24 rows' bytes keeps a group of 10 rows open past them.
+    let dir = tempdir();
+    let (store, _) = tiny_sessions(dir.path(), 300);
+    store
+        .compact(&CompactOptions::default().trajectories_row_group_rows(10).trajectories_row_group_min_bytes(4096))
+        .unwrap();
+    let groups = trajectories_row_groups(dir.path());
+    assert_eq!(groups.iter().sum::<i64>(), 300);
+    let (last, full) = groups.split_last().unwrap();
+    assert!(*last > 0 && full.len() >= 3, "{groups:?}");
+    assert!(full.iter().all(|g| *g > 10 && *g < 64), "{groups:?}");
+    drop(store);
+}
+
+#[test]
+fn a_trajectories_row_group_closes_at_its_rows_cap_whatever_its_bytes() {
+    let dir = tempdir();
+    let (store, _) = tiny_sessions(dir.path(), TRAJECTORIES_ROW_GROUP_ROWS_MAX + 4);
+    store.compact(&CompactOptions::default().trajectories_row_group_min_bytes(usize::MAX)).unwrap();
+    assert_eq!(trajectories_row_groups(dir.path()), vec![TRAJECTORIES_ROW_GROUP_ROWS_MAX as i64, 4]);
 }
 
 /// Retirement may take the prefix-delta parent of a record nothing reads

@@ -15,8 +15,9 @@ mod collect;
 
 use crate::error::{Error, Result};
 use crate::limits::{
-    DEFAULT_ROW_GROUP_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS,
-    RELEASE_PAGES_EVERY_BYTES, SCAN_DECODED_BYTES_MAX,
+    DEFAULT_ROW_GROUP_BYTES, DEFAULT_SHARD_BYTES, DEFAULT_STEPS_ROW_GROUP_ROWS,
+    DEFAULT_TRAJECTORIES_ROW_GROUP_MIN_BYTES, DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS, RELEASE_PAGES_EVERY_BYTES,
+    SCAN_DECODED_BYTES_MAX, TRAJECTORIES_ROW_GROUP_ROWS_MAX,
 };
 use crate::shard::schema::{steps_schema, trajectories_schema};
 pub use crate::shard::writer::ShardCompression;
@@ -57,8 +58,16 @@ pub struct CompactOptions {
     pub selection: Selection,
     /// Rows per `steps` row group, at most.
     pub steps_row_group_rows: usize,
-    /// Rows per `trajectories` row group, at most.
+    /// Rows at which a `trajectories` row group is closed once it holds
+    /// [`CompactOptions::trajectories_row_group_min_bytes`]; a group is
+    /// closed at [`TRAJECTORIES_ROW_GROUP_ROWS_MAX`] rows (or this many, if
+    /// more) whatever its bytes.
     pub trajectories_row_group_rows: usize,
+    /// Size (uncompressed estimate) a `trajectories` row group reaches
+    /// before its rows close it: groups of trajectories of tiny calls are
+    /// not closed at a few kilobytes (each costs the file's footer a record
+    /// per column, which every reader parses). 0: rows alone close it.
+    pub trajectories_row_group_min_bytes: usize,
     /// Size (uncompressed estimate) at which a row group of either table
     /// is closed, whatever its rows.
     pub row_group_bytes: usize,
@@ -130,6 +139,7 @@ impl std::fmt::Debug for CompactOptions {
             .field("selection", &self.selection)
             .field("steps_row_group_rows", &self.steps_row_group_rows)
             .field("trajectories_row_group_rows", &self.trajectories_row_group_rows)
+            .field("trajectories_row_group_min_bytes", &self.trajectories_row_group_min_bytes)
             .field("row_group_bytes", &self.row_group_bytes)
             .field("shard_bytes", &self.shard_bytes)
             .field("compression", &self.compression)
@@ -149,6 +159,7 @@ impl Default for CompactOptions {
             selection: Selection::SealedOnly,
             steps_row_group_rows: DEFAULT_STEPS_ROW_GROUP_ROWS,
             trajectories_row_group_rows: DEFAULT_TRAJECTORIES_ROW_GROUP_ROWS,
+            trajectories_row_group_min_bytes: DEFAULT_TRAJECTORIES_ROW_GROUP_MIN_BYTES,
             row_group_bytes: DEFAULT_ROW_GROUP_BYTES,
             shard_bytes: DEFAULT_SHARD_BYTES,
             compression: ShardCompression::default(),
@@ -197,10 +208,18 @@ impl CompactOptions {
         self.steps_row_group_rows = v;
         self
     }
-    /// Rows per `trajectories` row group, at most.
+    /// Rows at which a `trajectories` row group is closed once it holds
+    /// [`CompactOptions::trajectories_row_group_min_bytes`].
     #[must_use]
     pub fn trajectories_row_group_rows(mut self, v: usize) -> Self {
         self.trajectories_row_group_rows = v;
+        self
+    }
+    /// Size (uncompressed estimate) a `trajectories` row group reaches
+    /// before its rows close it; 0: rows alone close it.
+    #[must_use]
+    pub fn trajectories_row_group_min_bytes(mut self, v: usize) -> Self {
+        self.trajectories_row_group_min_bytes = v;
         self
     }
     /// Size (uncompressed estimate) at which a row group of either table
@@ -536,7 +555,7 @@ fn write_shards(
             for (k, t) in chains(&inputs).iter().enumerate() {
                 trajs.push(sid, k as u32, &group, t, session_reward);
                 report.trajectories += 1;
-                if trajs.rows >= opts.trajectories_row_group_rows || trajs.bytes >= opts.row_group_bytes {
+                if trajectories_group_full(opts, trajs.rows, trajs.bytes) {
                     let bytes = trajs.bytes;
                     traj_w.write_row_group(&trajs.finish()?, bytes)?;
                 }
@@ -656,6 +675,14 @@ pub(crate) fn run_with(
         // something or takes every session left.
         budget = if compacted_nothing { budget.map(|n| n.saturating_mul(2)) } else { opts.batch_calls };
     }
+}
+
+/// Whether a `trajectories` row group of `rows` rows and `bytes` bytes
+/// (uncompressed estimate) is closed.
+fn trajectories_group_full(opts: &CompactOptions, rows: usize, bytes: usize) -> bool {
+    bytes >= opts.row_group_bytes
+        || (rows >= opts.trajectories_row_group_rows && bytes >= opts.trajectories_row_group_min_bytes)
+        || rows >= opts.trajectories_row_group_rows.max(TRAJECTORIES_ROW_GROUP_ROWS_MAX)
 }
 
 /// Refuse options out of their ranges, naming the option.

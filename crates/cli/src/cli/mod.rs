@@ -160,6 +160,11 @@ enum Command {
         /// (uncompressed estimate), whatever its rows.
         #[arg(long, default_value_t = trajlog::limits::DEFAULT_ROW_GROUP_BYTES)]
         row_group_bytes: usize,
+        /// A `trajectories` row group is closed at its rows only once it
+        /// holds this many bytes (uncompressed estimate; at most 4096 rows
+        /// whatever its bytes); 0: rows alone close it.
+        #[arg(long, value_name = "BYTES", default_value_t = trajlog::limits::DEFAULT_TRAJECTORIES_ROW_GROUP_MIN_BYTES)]
+        trajectories_min_group_bytes: usize,
         /// zstd | zstd:LEVEL | none
         #[arg(long, default_value = "zstd")]
         compression: String,
@@ -409,6 +414,7 @@ pub fn main() -> i32 {
             shard_bytes,
             row_group_rows,
             row_group_bytes,
+            trajectories_min_group_bytes,
             compression,
             collect_dead,
             no_collect,
@@ -424,6 +430,7 @@ pub fn main() -> i32 {
                 shard_bytes,
                 row_group_rows,
                 row_group_bytes,
+                trajectories_min_group_bytes,
                 compression,
                 collect_dead: (!no_collect).then_some(collect_dead),
                 merge_fanout: (!no_merge).then_some(merge_fanout),

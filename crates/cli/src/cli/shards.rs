@@ -19,6 +19,8 @@ pub struct CompactArgs {
     pub shard_bytes: usize,
     pub row_group_rows: usize,
     pub row_group_bytes: usize,
+    /// `--trajectories-min-group-bytes`.
+    pub trajectories_min_group_bytes: usize,
     pub compression: String,
     /// `--collect-dead` (`None`: `--no-collect`).
     pub collect_dead: Option<f64>,
@@ -39,6 +41,7 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
             .selection(args.older_than.map_or(Selection::SealedOnly, Selection::OlderThan))
             .steps_row_group_rows(args.row_group_rows)
             .trajectories_row_group_rows((args.row_group_rows / 64).max(1))
+            .trajectories_row_group_min_bytes(args.trajectories_min_group_bytes)
             .row_group_bytes(args.row_group_bytes)
             .shard_bytes(args.shard_bytes)
             .compression(args.compression.parse()?)
