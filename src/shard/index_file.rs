@@ -19,6 +19,7 @@ use crate::format::record::Loc;
 use crate::index::frozen::{cold_rows, id_hash, AsRow, Frozen, FrozenRow, FrozenSession, FrozenTables, RowRef, TraceEntry};
 use crate::storage::fault::{self, Faults, Op};
 use crate::storage::mmap::Mapping;
+use crate::storage::WritebackFile;
 use crate::storage::table::{BlockCheck, Table, CHECK_BLOCK};
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Seek, SeekFrom, Write};
@@ -243,7 +244,7 @@ fn write_with(
 /// A section being written: its bytes go to the file through a running
 /// crc32.
 pub(crate) struct SectionSink<'a> {
-    w: &'a mut BufWriter<File>,
+    w: &'a mut BufWriter<WritebackFile>,
     crc: crc32fast::Hasher,
     len: u64,
     /// The crc32 of each full [`CHECK_BLOCK`] so far, and of the block
@@ -283,7 +284,7 @@ impl SectionSink<'_> {
 /// place, length and crc32 are known. Into a temporary file that
 /// [`FileWriter::finish`] fsyncs and renames over the file.
 pub(crate) struct FileWriter {
-    w: BufWriter<File>,
+    w: BufWriter<WritebackFile>,
     tmp: std::path::PathBuf,
     directory: Vec<u8>,
     sections: u32,
@@ -315,7 +316,7 @@ impl FileWriter {
             .truncate(true)
             .open(&tmp)
             .map_err(|e| io(&tmp, "create", e))?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let mut w = BufWriter::with_capacity(1 << 20, WritebackFile::new(file, durable));
         // Room for the header and the directory, written at the end.
         let at = HEADER_LEN + (SECTIONS.len() + 1) * DIR_ENTRY_LEN;
         w.write_all(&vec![0u8; at]).map_err(|e| io(&tmp, "write", e))?;
@@ -398,7 +399,7 @@ impl FileWriter {
         header.extend_from_slice(&sections.to_le_bytes());
         header.extend_from_slice(&crc32fast::hash(&directory).to_le_bytes());
         header.extend_from_slice(&0u32.to_le_bytes());
-        let mut file = w.into_inner().map_err(|e| io(&tmp, "write", e.into_error()))?;
+        let mut file = w.into_inner().map_err(|e| io(&tmp, "write", e.into_error()))?.into_inner();
         let written = (|| -> std::io::Result<()> {
             file.seek(SeekFrom::Start(0))?;
             file.write_all(&header)?;

@@ -1,5 +1,5 @@
-//! File I/O: memory mappings, the store lock and finding a sparse file's
-//! written part (the crate's only `unsafe`), atomic file replacement and
+//! File I/O: memory mappings, the store lock, finding a sparse file's
+//! written part and starting a file's writeback (the crate's only `unsafe`), atomic file replacement and
 //! directory fsync. Everything above this layer works on
 //! byte slices and `std::fs::File`.
 
@@ -67,6 +67,71 @@ pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8], faults: &Faults) -> Re
     sync_dir(dir, faults)
 }
 
+/// A file written front to back whose written bytes are handed to the
+/// kernel's writeback every [`WRITEBACK_BYTES`] as it goes
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, Linux; elsewhere a plain file),
+/// so that the fsync at its end finds little left to write. A large file
+/// (the shard index file: 1.3 GB at 10M calls) otherwise goes out in one
+/// burst of synchronous writes at that fsync, in the device queue ahead of
+/// the segment fsyncs that acknowledge appends. Starting writeback changes
+/// nothing of what is durable: the caller still fsyncs.
+pub(crate) struct WritebackFile {
+    file: File,
+    /// Bytes written from the start of the file.
+    written: u64,
+    /// Where the range not yet handed to writeback starts.
+    handed: u64,
+    /// Whether to start writeback at all (not for a scratch file, which
+    /// is never fsynced and may be deleted before it needs to be written).
+    on: bool,
+}
+
+/// How much [`WritebackFile`] writes between two writeback starts.
+pub(crate) const WRITEBACK_BYTES: u64 = 8 << 20;
+
+impl WritebackFile {
+    /// `file`, written from its start; `on`: start its writeback as it goes.
+    pub(crate) fn new(file: File, on: bool) -> WritebackFile {
+        WritebackFile { file, written: 0, handed: 0, on }
+    }
+
+    /// The file (to seek back and fsync).
+    pub(crate) fn into_inner(self) -> File {
+        self.file
+    }
+
+    #[cfg(target_os = "linux")]
+    fn start_writeback(&self, from: u64, len: u64) {
+        use std::os::fd::AsRawFd;
+        let (Ok(from), Ok(len)) = (libc::off64_t::try_from(from), libc::off64_t::try_from(len)) else { return };
+        // SAFETY: sync_file_range on a descriptor this value owns; it only
+        // starts writeback of pages already written. Best effort: an error
+        // here is one the caller's fsync reports.
+        unsafe {
+            libc::sync_file_range(self.file.as_raw_fd(), from, len, libc::SYNC_FILE_RANGE_WRITE);
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn start_writeback(&self, _from: u64, _len: u64) {}
+}
+
+impl Write for WritebackFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.file.write(buf)?;
+        self.written += n as u64;
+        if self.on && self.written - self.handed >= WRITEBACK_BYTES {
+            self.start_writeback(self.handed, self.written - self.handed);
+            self.handed = self.written;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
 /// Where the last data region of `file` (of length `len`) ends: every byte
 /// past it is a hole and reads as zero. `len` where the file system cannot say
 /// (no `SEEK_HOLE`), or on any error.
@@ -101,9 +166,47 @@ pub(crate) fn written_len(file: &File, len: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use super::written_len;
-    use std::io::Read;
+    use super::{written_len, WritebackFile, WRITEBACK_BYTES};
+    use std::io::{Read, Seek, SeekFrom, Write};
     use std::os::unix::fs::FileExt;
+
+    /// A file written through [`WritebackFile`] (writeback started at
+    /// every [`WRITEBACK_BYTES`], or never) holds exactly the bytes written,
+    /// whatever the sizes of the writes, and takes a header rewritten at its
+    /// start afterwards, as the shard index file's writer does.
+    #[test]
+    fn a_file_written_with_writeback_holds_exactly_what_was_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut want: Vec<u8> = Vec::new();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        while want.len() < 2 * WRITEBACK_BYTES as usize + 12_345 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            want.push(x as u8);
+        }
+        for on in [true, false] {
+            let path = dir.path().join(format!("f-{on}"));
+            let mut w = std::io::BufWriter::with_capacity(1 << 16, WritebackFile::new(std::fs::File::create(&path).unwrap(), on));
+            let mut at = 0;
+            let mut step = 1;
+            while at < want.len() {
+                let end = (at + step).min(want.len());
+                w.write_all(&want[at..end]).unwrap();
+                at = end;
+                step = step * 3 % 1_000_003 + 1;
+            }
+            let mut file = w.into_inner().map_err(|e| e.into_error()).unwrap().into_inner();
+            file.seek(SeekFrom::Start(0)).unwrap();
+            file.write_all(b"HEAD").unwrap();
+            file.sync_all().unwrap();
+            let mut got = Vec::new();
+            std::fs::File::open(&path).unwrap().read_to_end(&mut got).unwrap();
+            assert_eq!(got.len(), want.len());
+            assert_eq!(&got[..4], b"HEAD");
+            assert!(got[4..] == want[4..], "writeback {on}: the bytes differ");
+        }
+    }
 
     /// Every byte past `written_len` reads as zero, and a preallocated
     /// segment's unwritten tail is not counted (where the file system has
