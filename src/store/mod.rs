@@ -244,6 +244,8 @@ impl Store {
             annotation_built: Mutex::new(None),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
+            #[cfg(test)]
+            verdicts_adopted: AtomicU64::new(0),
         });
         let writer = Writer {
             inner: inner.clone(),
@@ -312,6 +314,8 @@ impl Store {
             annotation_built: Mutex::new(None),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
+            #[cfg(test)]
+            verdicts_adopted: AtomicU64::new(0),
         });
         Ok(Store {
             inner,

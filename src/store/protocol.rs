@@ -75,6 +75,10 @@ pub(super) struct CompactionBase {
     pub(super) view: Arc<View>,
     pub(super) shard_traces: RowCounts,
     pub(super) shard_sessions: RowCounts,
+    /// The epoch at which the compacting thread is to judge the base view's
+    /// sealed segments for retirement (store/retire.rs `prejudge`), when
+    /// the writer keeps no verdict.
+    pub(super) prejudge: Option<u64>,
 }
 
 /// Which ids (trace ids, or sessions) shard rows carry, live or not: what
@@ -242,6 +246,9 @@ pub(super) struct Prepared {
     pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,
     /// [`crate::CompactOptions::copy_forward`].
     pub(super) copy_forward: Option<f64>,
+    /// Retirement's verdicts on the base view's sealed segments, judged by
+    /// the compacting thread when [`CompactionBase::prejudge`] asked.
+    pub(super) prejudged: Option<super::retire::Prejudged>,
 }
 
 /// What publishing a compaction did.

@@ -296,6 +296,10 @@ fn prepare(
         } else {
             None
         };
+    // The first publication after an open: retirement's verdicts on the
+    // segments of carried seals and rewards, judged here instead of on the
+    // writer thread.
+    let prejudged = base.prejudge.map(|epoch| super::retire::prejudge(&base.view, epoch));
     drop(base.view);
     Ok(Prepared {
         token: base.token,
@@ -309,6 +313,7 @@ fn prepare(
         obsolete: obsolete.clone(),
         in_segments,
         copy_forward: None,
+        prejudged,
     })
 }
 
@@ -461,6 +466,7 @@ impl Writer {
             view: lock(&self.inner.view).clone(),
             shard_traces: self.shard_traces.clone(),
             shard_sessions: self.shard_sessions.clone(),
+            prejudge: self.annotation_verdicts.begin(),
         })
     }
 
@@ -591,6 +597,11 @@ impl Writer {
         self.shard_sessions = std::mem::take(&mut p.shard_sessions);
         for s in sessions {
             self.delta.forget(s);
+        }
+        if let Some(pre) = p.prejudged.take() {
+            let _taken = self.annotation_verdicts.adopt(pre);
+            #[cfg(test)]
+            self.inner.verdicts_adopted.fetch_add(_taken, std::sync::atomic::Ordering::Relaxed);
         }
         let (retired_segments, copied_forward) = self.retire(&p.in_segments, p.copy_forward)?;
         self.delta.forget_segments(&retired_segments);

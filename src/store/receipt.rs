@@ -33,6 +33,10 @@ pub(super) struct Inner {
     /// Retirement verdicts reused unread (store/retire.rs), for tests.
     #[cfg(test)]
     pub(super) verdicts_reused: AtomicU64,
+    /// Retirement verdicts judged by the compacting thread and taken by the
+    /// writer (store/retire.rs `prejudge`), for tests.
+    #[cfg(test)]
+    pub(super) verdicts_adopted: AtomicU64,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

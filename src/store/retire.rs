@@ -83,15 +83,33 @@ pub(crate) struct AnnotationVerdicts {
     /// targets (sessions, trace ids), sorted.
     segments: std::collections::HashMap<u64, (u64, Vec<u64>)>,
     /// Id hashes of the sessions and trace ids whose calls, seal or reward
-    /// the writer changed since the verdicts were made.
+    /// the writer changed since the verdicts were made (or since the
+    /// compaction under way began, [`AnnotationVerdicts::begin`]).
     touched: HashSet<u64>,
+    /// Note changes even with no verdict kept: a compaction began whose
+    /// thread judges the segments ([`prejudge`]).
+    recording: bool,
+    /// Counts the plans made and the voids: verdicts judged off this thread
+    /// at one epoch are adopted at that epoch only (`touched` then holds
+    /// every change since they were judged).
+    epoch: u64,
+}
+
+/// Verdicts on the sealed segments of a compaction's base view, judged by
+/// the compacting thread ([`prejudge`]) against that view's index, for the
+/// writer's first plan after an open (it keeps none yet, and judging
+/// 1.25M carried seals and rewards there held appends ~0.5 s).
+pub(crate) struct Prejudged {
+    epoch: u64,
+    /// Segment id, annotation count, target id hashes (sorted, distinct).
+    found: Vec<(u64, u64, Vec<u64>)>,
 }
 
 impl AnnotationVerdicts {
     /// Note that `id`'s calls, seal or reward changed (nothing to note
     /// while there is no verdict).
     pub(super) fn touch(&mut self, id: &str) {
-        if !self.segments.is_empty() {
+        if self.recording || !self.segments.is_empty() {
             self.touched.insert(crate::index::frozen::id_hash(id));
         }
     }
@@ -101,6 +119,48 @@ impl AnnotationVerdicts {
     pub(super) fn void(&mut self) {
         self.segments.clear();
         self.touched.clear();
+        self.epoch += 1;
+    }
+
+    /// A compaction begins (its base view is the writer's index as it is
+    /// now): the epoch at which its thread is to judge the sealed segments,
+    /// when no verdict is kept (the first compaction after an open, or
+    /// after a void), with every change from here on noted.
+    pub(super) fn begin(&mut self) -> Option<u64> {
+        if !self.segments.is_empty() {
+            return None;
+        }
+        self.recording = true;
+        Some(self.epoch)
+    }
+
+    /// The compaction under way ended without publishing: with no verdict
+    /// kept, changes are no longer noted (a writer whose compactions find
+    /// nothing to publish would note every id it writes).
+    pub(super) fn end(&mut self) {
+        if self.segments.is_empty() {
+            self.recording = false;
+            self.touched.clear();
+            self.epoch += 1;
+        }
+    }
+
+    /// Take the verdicts `pre` judged off this thread, unless a plan or a
+    /// void came between (then `touched` may lack a change since); a
+    /// verdict kept here stays as it is.
+    /// How many it took.
+    pub(super) fn adopt(&mut self, pre: Prejudged) -> u64 {
+        if pre.epoch != self.epoch {
+            return 0;
+        }
+        let mut taken = 0;
+        for (id, count, targets) in pre.found {
+            if let std::collections::hash_map::Entry::Vacant(e) = self.segments.entry(id) {
+                e.insert((count, targets));
+                taken += 1;
+            }
+        }
+        taken
     }
 
     /// Segment `id`'s annotation count, when an earlier plan found it of
@@ -134,6 +194,82 @@ impl AnnotationVerdicts {
             self.segments.insert(id, (count, targets));
         }
         self.touched.clear();
+        self.recording = false;
+        self.epoch += 1;
+    }
+}
+
+/// [`Prejudged`] verdicts on the sealed segments of `view` (a compaction's
+/// base view, taken at `epoch` of [`AnnotationVerdicts::begin`]): those
+/// of current annotations only, judged against `view`'s index as
+/// [`Writer::plan_retirement`] judges them. Reads every sealed segment's
+/// footer, giving its pages back after each.
+pub(crate) fn prejudge(view: &crate::snapshot::View, epoch: u64) -> Prejudged {
+    let release_index = || {
+        if let Some(ix) = view.shards.index_file() {
+            ix.release_pages();
+        }
+        view.index.frozen().release_pages();
+    };
+    let mut budget = crate::storage::mmap::PageBudget::compaction();
+    let mut found = Vec::new();
+    for (id, seg) in view.segments.iter().filter(|(_, s)| s.sealed) {
+        let _release = ReleaseOnDrop(seg);
+        if let Some((count, targets)) = annotation_only(&view.index, seg, &mut || budget.tick(release_index)) {
+            found.push((*id, count, targets));
+        }
+    }
+    Prejudged { epoch, found }
+}
+
+/// When sealed segment `seg` holds current annotations only (seals,
+/// rewards; current by `index`): their count and their targets' id hashes,
+/// sorted and distinct. `tick` runs once per entry read.
+fn annotation_only(index: &Index, seg: &SegmentRef, tick: &mut dyn FnMut()) -> Option<(u64, Vec<u64>)> {
+    let footer = footer_of(seg)?;
+    let mut targets = Vec::new();
+    for e in footer.iter() {
+        tick();
+        if !carried_kind(e.kind) {
+            return None;
+        }
+        let ann = annotation_at(seg, &e)?;
+        if !is_current(index, &ann) {
+            return None;
+        }
+        targets.push(target_hash(&ann));
+    }
+    let count = targets.len() as u64;
+    targets.sort_unstable();
+    targets.dedup();
+    (count > 0).then_some((count, targets))
+}
+
+/// The annotation that states the current value (by `index`) of `ann`'s
+/// target (a seal of a session still sealed, the reward in force), or None
+/// when nothing is set for it any more.
+fn current(index: &Index, ann: &Annotation) -> Option<Annotation> {
+    match ann {
+        Annotation::Seal { session_id } => index.is_sealed(session_id.as_str()).then(|| ann.clone()),
+        Annotation::Reward { target: Target::Session(s), .. } => index
+            .session_reward(s.as_str())
+            .map(|value| Annotation::Reward { target: Target::Session(s.clone()), value }),
+        Annotation::Reward { target: Target::Trace(t), .. } => {
+            index.trace_reward(t.as_str()).map(|value| Annotation::Reward { target: Target::Trace(t.clone()), value })
+        }
+        Annotation::DeleteSession { .. } | Annotation::MoveSession { .. } => None,
+    }
+}
+
+/// Whether replaying `ann` leaves a store whose index is `index` as it is:
+/// it states its target's current value (a reward bit for bit).
+fn is_current(index: &Index, ann: &Annotation) -> bool {
+    match (current(index, ann), ann) {
+        (Some(Annotation::Reward { value: now, .. }), Annotation::Reward { value, .. }) => {
+            now.to_bits() == value.to_bits()
+        }
+        (Some(Annotation::Seal { .. }), Annotation::Seal { .. }) => true,
+        _ => false,
     }
 }
 
@@ -150,34 +286,15 @@ fn target_hash(ann: &Annotation) -> u64 {
 }
 
 impl Writer {
-    /// The annotation that states the current value of `ann`'s target (a
-    /// seal of a session still sealed, the reward in force), or None when
-    /// nothing is set for it any more.
+    /// The annotation that states the current value of `ann`'s target
+    /// ([`current`] by this writer's index).
     fn current(&self, ann: &Annotation) -> Option<Annotation> {
-        match ann {
-            Annotation::Seal { session_id } => self.index.is_sealed(session_id.as_str()).then(|| ann.clone()),
-            Annotation::Reward { target: Target::Session(s), .. } => self
-                .index
-                .session_reward(s.as_str())
-                .map(|value| Annotation::Reward { target: Target::Session(s.clone()), value }),
-            Annotation::Reward { target: Target::Trace(t), .. } => self
-                .index
-                .trace_reward(t.as_str())
-                .map(|value| Annotation::Reward { target: Target::Trace(t.clone()), value }),
-            Annotation::DeleteSession { .. } | Annotation::MoveSession { .. } => None,
-        }
+        current(&self.index, ann)
     }
 
-    /// Whether replaying `ann` leaves the store as it is now: it states its
-    /// target's current value (a reward bit for bit).
+    /// Whether replaying `ann` leaves the store as it is now ([`is_current`]).
     fn is_current(&self, ann: &Annotation) -> bool {
-        match (self.current(ann), ann) {
-            (Some(Annotation::Reward { value: now, .. }), Annotation::Reward { value, .. }) => {
-                now.to_bits() == value.to_bits()
-            }
-            (Some(Annotation::Seal { .. }), Annotation::Seal { .. }) => true,
-            _ => false,
-        }
+        is_current(&self.index, ann)
     }
 
     /// Retire every sealed segment whose every record is no longer needed
@@ -493,15 +610,7 @@ impl Writer {
     /// judges it; else `None`. (What a kept verdict is checked against in
     /// debug builds.)
     fn current_annotations_only(&self, seg: &SegmentRef) -> Option<u64> {
-        let footer = footer_of(seg)?;
-        let mut count = 0u64;
-        for e in footer.iter() {
-            if !carried_kind(e.kind) || !annotation_at(seg, &e).is_some_and(|a| self.is_current(&a)) {
-                return None;
-            }
-            count += 1;
-        }
-        (count > 0).then_some(count)
+        annotation_only(&self.index, seg, &mut || {}).map(|(count, _)| count)
     }
 
     /// The annotations of sealed segment `id` (one of current annotations

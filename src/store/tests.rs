@@ -803,9 +803,13 @@ fn kept_annotation_verdicts_are_judged_again_when_a_target_changes() {
     round(&store, 31);
     // (s20's seal sits in a kept segment then.)
     assert_eq!(store.delete_session("s20").expect("delete"), 2);
-    let voided = reused(&store);
+    let adopted = |store: &Store| store.inner.verdicts_adopted.load(Ordering::Relaxed);
+    let (voided, adopted_before) = (reused(&store), adopted(&store));
     round(&store, 32);
-    assert_eq!(reused(&store), voided, "a deletion voids every kept verdict");
+    // Every verdict reused then was judged again, by the compacting thread
+    // (store/retire.rs `prejudge`: no verdict was kept).
+    assert!(adopted(&store) > adopted_before, "the compacting thread judged the segments again");
+    assert_eq!(reused(&store) - voided, adopted(&store) - adopted_before, "a deletion voids every kept verdict");
     let before = reused(&store);
     round(&store, 33);
     assert!(reused(&store) > before, "verdicts are kept again after a deletion voided them");
@@ -815,6 +819,101 @@ fn kept_annotation_verdicts_are_judged_again_when_a_target_changes() {
         assert_eq!(snap.trace_reward("s0/1"), Some(0.125));
         assert!(!snap.is_sealed("s20") && snap.session_info("s20").is_none(), "s20 stays deleted");
         assert!((1..34).filter(|s| *s != 20).all(|s| snap.is_sealed(&format!("s{s}"))));
+    };
+    check(&store);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), options).expect("reopen");
+    check(&reopened);
+    reopened.close().expect("close");
+    assert!(crate::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
+}
+
+/// After an open the writer keeps no retirement verdict: the first
+/// compaction's thread judges the segments of carried seals and rewards
+/// against its base view (store/retire.rs `prejudge`), and the writer takes
+/// those verdicts unless a target of theirs changed since the compaction
+/// began, which makes the writer judge that segment again. (Debug builds
+/// check every verdict taken against the segment's records: one judged
+/// stale would fail there.)
+#[test]
+fn verdicts_judged_by_the_compacting_thread_are_judged_again_when_a_target_changes_meanwhile() {
+    use crate::compact::CompactOptions;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempdir();
+    let options = Options::default().segment_bytes(64 * 1024);
+    let round = |store: &Store, s: usize| {
+        let id = format!("s{s}");
+        for n in 0..2 {
+            store.append(call(&id, n)).expect("append");
+        }
+        store.seal_session(&id).expect("seal");
+    };
+    let store = Store::open(dir.path(), options.clone()).expect("open");
+    store.set_reward(Target::Session("s0".into()), 0.5).expect("reward");
+    round(&store, 0);
+    store.compact(&CompactOptions::default()).expect("compact");
+    store.set_reward(Target::Trace("s0/1".into()), 0.25).expect("trace reward");
+    for s in 1..30 {
+        round(&store, s);
+        store.compact(&CompactOptions::default()).expect("compact");
+    }
+    let mut store = store;
+    let adopted = |store: &Store| store.inner.verdicts_adopted.load(Ordering::Relaxed);
+    let reused = |store: &Store| store.inner.verdicts_reused.load(Ordering::Relaxed);
+    // Three compactions, each with a change between its start and its
+    // publication: after a reopen, s0's session and trace rewards (carried
+    // in a segment of annotations) set again; then nothing; after another
+    // reopen, s7 (its seal carried) deleted.
+    for (s, change) in [(30, "rewards"), (31, "nothing"), (32, "deletion")] {
+        if change != "nothing" {
+            store.close().expect("close");
+            store = Store::open(dir.path(), options.clone()).expect("reopen");
+        }
+        round(&store, s);
+        let (to_main, from_compactor) = crossbeam_channel::bounded::<()>(1);
+        let (to_compactor, from_main) = crossbeam_channel::bounded::<()>(1);
+        let first = Arc::new(AtomicBool::new(true));
+        let opts = CompactOptions::default().progress(move |_, _, _| {
+            if first.swap(false, Ordering::SeqCst) {
+                let _ = to_main.send(());
+                let _ = from_main.recv();
+            }
+        });
+        let before = (adopted(&store), reused(&store));
+        std::thread::scope(|scope| {
+            let compaction = scope.spawn(|| store.compact(&opts));
+            from_compactor.recv().expect("the compaction began");
+            match change {
+                "rewards" => {
+                    store.set_reward(Target::Session("s0".into()), 0.75).expect("reward again");
+                    store.set_reward(Target::Trace("s0/1".into()), 0.125).expect("trace reward again");
+                }
+                "deletion" => assert_eq!(store.delete_session("s7").expect("delete"), 2),
+                _ => {}
+            }
+            to_compactor.send(()).expect("go on");
+            let report = compaction.join().expect("no panic").expect("compact");
+            assert_eq!(report.calls, 2, "{change}: {report:?}");
+        });
+        let (now_adopted, now_reused) = (adopted(&store), reused(&store));
+        match change {
+            // The first after the open: every verdict taken from its thread
+            // but those on s0's targets, judged again here.
+            "rewards" => assert!(now_adopted > before.0 && now_reused > before.1, "{change}"),
+            // Kept by the writer now: nothing judged off its thread.
+            "nothing" => assert!(now_adopted == before.0 && now_reused > before.1, "{change}"),
+            // The first after the reopen: the deletion voided what its
+            // thread judged (it also takes its calls' trace rewards, which
+            // the verdicts' targets do not name).
+            _ => assert_eq!(now_adopted, before.0, "{change}"),
+        }
+    }
+    let check = |store: &Store| {
+        let snap = store.snapshot();
+        assert_eq!(snap.session_reward("s0"), Some(0.75));
+        assert_eq!(snap.trace_reward("s0/1"), Some(0.125));
+        assert!(snap.session_info("s7").is_none(), "s7 stays deleted");
+        assert!((0..33).filter(|s| *s != 7).all(|s| snap.is_sealed(&format!("s{s}"))));
     };
     check(&store);
     store.close().expect("close");

@@ -222,6 +222,7 @@ impl Writer {
             Cmd::EndCompaction { token } => {
                 if self.journal.as_ref().is_some_and(|j| j.token == token) {
                     self.journal = None;
+                    self.annotation_verdicts.end();
                 }
             }
             Cmd::Publish { staged, sessions, mut prepared, reply } => {
