@@ -15,7 +15,6 @@
 
 use super::index_file::{self, ShardIndex, ShardKey};
 use super::reader::ShardRow;
-use crate::index::frozen::RowRef;
 use std::path::{Path, PathBuf};
 
 /// Rows folded into the copy at a time: ~150 MB of decoded rows.
@@ -177,8 +176,7 @@ impl IndexCheck {
                 index_file::write_scratch(&dir, &self.keys, &built.contents(&hot)).map_err(room)?;
             }
             Some(old) => {
-                let added: Vec<RowRef<'_>> = rows.iter().map(RowRef::from).collect();
-                let merged = super::index_merge::write_merged(&dir, &self.keys, old, &|k| Some(k), added, super::index_merge::Dest::Scratch)
+                let merged = super::index_merge::write_merged(&dir, &self.keys, old, &|k| Some(k), &[&rows], super::index_merge::Dest::Scratch)
                     .map_err(room)?;
                 if !merged {
                     return Err(not_checked(

@@ -27,6 +27,7 @@ use super::index_file::{
 use super::set::Placement;
 use crate::error::Result;
 use crate::format::record::Loc;
+use super::reader::ShardRow;
 use crate::index::frozen::{id_hash, Frozen, FrozenRow, FrozenSession, RowRef, TraceEntry};
 use crate::storage::fault::Faults;
 use std::cmp::Ordering;
@@ -62,12 +63,41 @@ pub(crate) enum Dest<'a> {
     Scratch,
 }
 
+/// The rows of the new file that are not old frozen rows: the added rows
+/// (their shard numbers the new file's), read in place from the caller's
+/// decoded rows (a [`RowRef`] copy of each was 80 bytes a row, 120 MB of a
+/// 1.5M-row publication's peak), then the old hot rows that stay.
+struct Loose<'a> {
+    added: Vec<&'a [ShardRow]>,
+    added_len: usize,
+    old_hot: Vec<RowRef<'a>>,
+}
+
+impl<'a> Loose<'a> {
+    fn len(&self) -> usize {
+        self.added_len + self.old_hot.len()
+    }
+
+    /// Row `i`: an added row's, then an old hot row's.
+    fn get(&self, mut i: usize) -> Option<RowRef<'a>> {
+        for part in &self.added {
+            match part.get(i) {
+                Some(r) => return Some(RowRef::from(r)),
+                None => i -= part.len(),
+            }
+        }
+        self.old_hot.get(i).copied()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = RowRef<'a>> + '_ {
+        self.added.iter().flat_map(|part| part.iter().map(RowRef::from)).chain(self.old_hot.iter().copied())
+    }
+}
+
 /// Everything the merge works out before it writes.
 struct Plan<'a> {
     frozen: &'a Frozen,
-    /// The added rows (their shard numbers the new file's), then the old
-    /// hot rows that stay.
-    loose: Vec<RowRef<'a>>,
+    loose: Loose<'a>,
     /// How many of `loose` are added rows (the others are old hot rows:
     /// they have placements and hashes in the old file already).
     added_rows: usize,
@@ -91,9 +121,9 @@ struct Plan<'a> {
 
 /// Rewrite the shard index file from `old` for the shards `keys`: the old
 /// file's rows whose shard `renumber` maps (to its number in `keys`) or
-/// drops (`None`: the file is gone), plus `added`, the rows of the shards
-/// `old` does not describe and of the new ones (their shard numbers those
-/// of `keys` already). `Ok(false)` when it cannot (two rows at one log
+/// drops (`None`: the file is gone), plus the rows of `added` (slices read
+/// in place), the rows of the shards `old` does not describe and of the
+/// new ones (their shard numbers those of `keys` already). `Ok(false)` when it cannot (two rows at one log
 /// position, or past the frozen layer's 32-bit numbers): the caller builds
 /// the file from every row instead.
 ///
@@ -105,7 +135,7 @@ pub(crate) fn write_merged(
     keys: &[ShardKey],
     old: &ShardIndex,
     renumber: &dyn Fn(u32) -> Option<u32>,
-    added: Vec<RowRef<'_>>,
+    added: &[&[ShardRow]],
     dest: Dest<'_>,
 ) -> Result<bool> {
     // A lazily checked file (a writable open maps it so) is read whole
@@ -125,19 +155,20 @@ fn plan<'a>(
     old: &'a ShardIndex,
     frozen: &'a Frozen,
     renumber: &dyn Fn(u32) -> Option<u32>,
-    added: Vec<RowRef<'a>>,
+    added: &[&'a [ShardRow]],
 ) -> Option<Plan<'a>> {
     // Checked whole by the caller ([`write_merged`]): a lazily checked
     // table that failed would read as an empty one.
     let table = old.placements();
     let placements = table.as_slice();
     let rows = frozen.rows();
-    if u32::try_from(rows.len() + old.hot_rows().len() + added.len()).is_err() {
+    let added_len: usize = added.iter().map(|part| part.len()).sum();
+    if u32::try_from(rows.len() + old.hot_rows().len() + added_len).is_err() {
         return None;
     }
     // No two rows at one log position (a full build keeps the later
     // shard's placement; leave that case to it).
-    let mut locs: Vec<Loc> = added.iter().map(|r| r.loc).collect();
+    let mut locs: Vec<Loc> = added.iter().flat_map(|part| part.iter().map(|r| r.loc)).collect();
     locs.sort_unstable();
     if locs.windows(2).any(|w| w.first() == w.get(1)) {
         return None;
@@ -180,16 +211,16 @@ fn plan<'a>(
         }
         old.release_pages();
     }
-    // The added rows are taken as they are, not copied (1M rows: ~80 MB),
-    // the old hot rows that stay after them (the caller leaves room).
-    let added_rows = added.len();
-    let mut loose = added;
+    // The added rows are read in place, not copied, the old hot rows that
+    // stay after them.
+    let added_rows = added_len;
+    let mut loose = Loose { added: added.to_vec(), added_len, old_hot: Vec::new() };
     for h in old.hot_rows() {
         match renumber(h.pos.shard) {
             Some(shard) => {
                 let mut r = RowRef::from(h);
                 r.pos.shard = shard;
-                loose.push(r);
+                loose.old_hot.push(r);
             }
             None => {
                 gone_traces.push(id_hash(&h.trace_id));
@@ -245,7 +276,7 @@ fn plan<'a>(
         .collect();
     cold.sort_unstable_by(|a, b| {
         a.0.cmp(&b.0).then_with(|| match (loose.get(a.1 as usize), loose.get(b.1 as usize)) {
-            (Some(x), Some(y)) => cmp_rows(x, y),
+            (Some(x), Some(y)) => cmp_rows(&x, &y),
             _ => Ordering::Equal,
         })
     });
@@ -345,7 +376,7 @@ fn plan<'a>(
         rows_done.advance(g.rows as usize);
     }
     old.release_pages();
-    hot.extend(plan.loose.iter().zip(&loose_frozen).filter(|(_, f)| **f == NOT_FROZEN).map(|(r, _)| *r));
+    hot.extend(plan.loose.iter().zip(&loose_frozen).filter(|(_, f)| **f == NOT_FROZEN).map(|(r, _)| r));
     hot.sort_by_key(|r| r.loc);
     plan.groups = groups;
     plan.remap = remap;
@@ -369,7 +400,7 @@ impl Plan<'_> {
         }
     }
 
-    fn loose_row(&self, cold_at: usize) -> Option<&RowRef<'_>> {
+    fn loose_row(&self, cold_at: usize) -> Option<RowRef<'_>> {
         self.cold.get(cold_at).and_then(|i| self.loose.get(*i as usize))
     }
 
@@ -781,9 +812,12 @@ pub(super) mod tests {
             let want_dir = tempfile::tempdir().expect("tempdir");
             let want = full(want_dir.path(), &new_keys, &all);
             let got_dir = tempfile::tempdir().expect("tempdir");
-            let added_refs: Vec<RowRef<'_>> = added.iter().map(RowRef::from).collect();
+            // In two parts, as a publication passes them (the rows of files
+            // the old one did not describe, the new files' rows), cut anywhere.
+            let cut = rng.below(added.len() as u64 + 1) as usize;
+            let (first, second) = added.split_at(cut);
             assert!(
-                write_merged(got_dir.path(), &new_keys, &old, &renumber, added_refs.clone(), Dest::Store(&None)).expect("merge"),
+                write_merged(got_dir.path(), &new_keys, &old, &renumber, &[first, second], Dest::Store(&None)).expect("merge"),
                 "seed {seed}: merged"
             );
             let got = std::fs::read(got_dir.path().join(super::super::index_file::INDEX_FILE_NAME)).expect("read");
@@ -807,7 +841,7 @@ pub(super) mod tests {
         let again = ShardRow { pos: ShardPos { shard: 1, row_group: 0, row: 0 }, ..old_rows[3].clone() };
         let out = tempfile::tempdir().expect("tempdir");
         let keys2: Vec<ShardKey> = keys(1, "a").into_iter().chain(keys(1, "b")).collect();
-        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), vec![RowRef::from(&again)], Dest::Store(&None)).expect("merge");
+        let merged = write_merged(out.path(), &keys2, &old, &|k| Some(k), &[std::slice::from_ref(&again)], Dest::Store(&None)).expect("merge");
         assert!(!merged);
         assert!(!out.path().join(super::super::index_file::INDEX_FILE_NAME).exists());
     }
