@@ -24,10 +24,10 @@ use super::index_file::{
     encode_hot, encode_shards, FileWriter, ShardIndex, ShardKey, FROZEN_ROWS, FROZEN_SESSIONS, HOT_ROWS,
     NOT_FROZEN, PLACEMENTS, SESSION_HASHES, SHARDS, TEXT, TRACE_HASHES, TRACE_TABLE,
 };
+use super::reader::ShardRow;
 use super::set::Placement;
 use crate::error::Result;
 use crate::format::record::Loc;
-use super::reader::ShardRow;
 use crate::index::frozen::{id_hash, Frozen, FrozenRow, FrozenSession, RowRef, TraceEntry};
 use crate::storage::fault::Faults;
 use std::cmp::Ordering;
@@ -123,9 +123,9 @@ struct Plan<'a> {
 /// file's rows whose shard `renumber` maps (to its number in `keys`) or
 /// drops (`None`: the file is gone), plus the rows of `added` (slices read
 /// in place), the rows of the shards `old` does not describe and of the
-/// new ones (their shard numbers those of `keys` already). `Ok(false)` when it cannot (two rows at one log
-/// position, or past the frozen layer's 32-bit numbers): the caller builds
-/// the file from every row instead.
+/// new ones (their shard numbers those of `keys` already). `Ok(false)` when
+/// it cannot (two rows at one log position, or past the frozen layer's
+/// 32-bit numbers): the caller builds the file from every row instead.
 ///
 /// `dest`: the store's shards directory (fsynced, with its faults), or a
 /// scratch one (`trajlog verify` builds its own copy of the file there,

@@ -209,8 +209,8 @@ fn prepare(
         // Read from where it will be once published.
         f.path = shards_dir.join(&p.shard.path);
         files.push(f);
-        // Grown to what they hold, not doubled (a large publication's peak:
-        // 1.5M rows, ~0.2 GB of them).
+        // Grown file by file to what they hold (a large publication's are
+        // ~100 MB each: not doubled, nor copied to double them).
         new_traces.reserve_exact(rows.len());
         new_sessions.reserve_exact(rows.iter().map(|r| r.sessions.len()).sum());
         placements.reserve_exact(rows.len());

@@ -147,8 +147,7 @@ impl AnnotationVerdicts {
 
     /// Take the verdicts `pre` judged off this thread, unless a plan or a
     /// void came between (then `touched` may lack a change since); a
-    /// verdict kept here stays as it is.
-    /// How many it took.
+    /// verdict kept here stays as it is. Returns how many it took.
     pub(super) fn adopt(&mut self, pre: Prejudged) -> u64 {
         if pre.epoch != self.epoch {
             return 0;
