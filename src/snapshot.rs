@@ -668,8 +668,28 @@ impl Snapshot {
 
     /// For a collection (compact/collect.rs): each published `steps` shard's
     /// id, path, rows (from its footer: an error when it cannot be decoded),
-    /// and rows that are the live call of their trace id. O(live calls).
+    /// and rows that are the live call of their trace id. O(live calls),
+    /// once per shard set and index trees (the set keeps the last count).
     pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, Result<u64>, u64)> {
+        let key = self.view.index.liveness_key();
+        let memo = self.view.shards.liveness_memo();
+        let live = match memo.get(&key) {
+            Some(live) => live,
+            None => {
+                let live = Arc::new(self.count_live_rows());
+                memo.put(key, live.clone());
+                live
+            }
+        };
+        self.view
+            .shards
+            .files()
+            .map(|f| (f.id, f.path.clone(), f.rows(), live.get(&f.id).copied().unwrap_or(0)))
+            .collect()
+    }
+
+    /// Live rows per shard id: [`Snapshot::shard_liveness`] counted.
+    pub(crate) fn count_live_rows(&self) -> HashMap<u32, u64> {
         let (shards, index) = (&self.view.shards, &self.view.index);
         let mut live: HashMap<u32, u64> = HashMap::new();
         let same_file =
@@ -722,11 +742,7 @@ impl Snapshot {
         // placements (a merge of 1M rows on 10M: ~0.7 GB resident, at the
         // peak of the compaction that asked): given back.
         self.release_pages();
-        self.view
-            .shards
-            .files()
-            .map(|f| (f.id, f.path.clone(), f.rows(), live.get(&f.id).copied().unwrap_or(0)))
-            .collect()
+        live
     }
 
     /// The dead rows of `steps` shard `id` (format-spec/shard.md §9): row

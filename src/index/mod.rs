@@ -237,6 +237,25 @@ pub struct Index {
     thaw_log: Option<Vec<(u32, Loc)>>,
 }
 
+/// What a count of live calls per shard file reads of an [`Index`] (its
+/// trace map, frozen layer and thawed sessions), held as O(1) clones: two
+/// keys of the same trees count the same (`ShardSet`'s liveness memo).
+pub(crate) struct LivenessKey {
+    traces: OrdMap<Arc<str>, Arc<CallMeta>>,
+    frozen: Arc<Frozen>,
+    thawed: imbl::OrdSet<u32>,
+}
+
+impl LivenessKey {
+    /// Whether `other` was taken from the same trees (not merely equal
+    /// ones: a tree changed since is another one).
+    pub(crate) fn same(&self, other: &LivenessKey) -> bool {
+        self.traces.ptr_eq(&other.traces)
+            && Arc::ptr_eq(&self.frozen, &other.frozen)
+            && self.thawed.ptr_eq(&other.thawed)
+    }
+}
+
 fn remove_key(calls: &mut CallList, key: &CallKey) {
     if let Ok(i) = calls.binary_search_by(|k| k.cmp_order(key)) {
         calls.remove(i);
@@ -260,6 +279,11 @@ impl Index {
     /// in the maps yet.
     pub(crate) fn take_thaws(&mut self) -> Vec<(u32, Loc)> {
         self.thaw_log.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// What a count of live calls per shard file reads of it.
+    pub(crate) fn liveness_key(&self) -> LivenessKey {
+        LivenessKey { traces: self.traces.clone(), frozen: self.frozen.clone(), thawed: self.thawed.clone() }
     }
 
     /// The frozen layer.

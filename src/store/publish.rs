@@ -178,6 +178,8 @@ fn prepare(
     faults: &crate::storage::fault::Faults,
 ) -> Result<Prepared> {
     let shards_dir = dir.join(SHARDS_DIR);
+    // Its collection plan has counted what it needed.
+    base.view.shards.liveness_memo().clear();
     let first_shard_id = u32::try_from(base.view.shards.slots())
         .map_err(|_| Error::new(ErrorKind::Io, "too many shard files (more than u32::MAX)"))?;
     // The rows the obsolete files take away and the new files add, by the

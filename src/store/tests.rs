@@ -969,3 +969,52 @@ fn the_annotation_cache_continues_the_last_publications_build() {
     let layers = snap.index_layers();
     assert!(layers.cached_annotation_segments > 0, "the open used the cache: {layers:?}");
 }
+
+/// A shard set keeps its last count of live rows per file with the index
+/// trees it counted from (`ShardSet::liveness_memo`): another snapshot of
+/// the same view gets that count, and once the index changes (a compacted
+/// call replaced) the count is made again, equal to one from scratch.
+#[test]
+fn the_live_row_count_is_kept_for_the_same_index_and_made_again_after_a_change() {
+    use crate::compact::CompactOptions;
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for s in 0..6 {
+        let id = format!("s{s}");
+        for n in 0..3 {
+            store.append(call(&id, n)).expect("append");
+        }
+        if s < 5 {
+            store.seal_session(&id).expect("seal");
+        }
+    }
+    // Every session, s5 unsealed too.
+    store.compact(&CompactOptions::default().selection(crate::compact::Selection::OlderThan(0.0))).expect("compact");
+    let counts = |l: Vec<(u32, std::path::PathBuf, Result<u64>, u64)>| -> Vec<(u32, u64)> {
+        l.into_iter().map(|(id, _, _, live)| (id, live)).collect()
+    };
+    let fresh = |snap: &Snapshot| -> Vec<(u32, u64)> {
+        let live = snap.count_live_rows();
+        snap.view.shards.files().map(|f| (f.id, live.get(&f.id).copied().unwrap_or(0))).collect()
+    };
+    let snap = store.snapshot();
+    let key = snap.view.index.liveness_key();
+    let first = counts(snap.shard_liveness());
+    assert!(snap.view.shards.liveness_memo().get(&key).is_some(), "kept");
+    assert_eq!(first.iter().map(|(_, n)| n).sum::<u64>(), 18);
+    assert_eq!(first, fresh(&snap));
+    let other = store.snapshot();
+    assert!(other.view.shards.liveness_memo().get(&other.view.index.liveness_key()).is_some(), "the same trees");
+    assert_eq!(counts(other.shard_liveness()), first);
+    // A compacted call of unsealed s5 appended again (a replacement): its
+    // row is dead, and the kept count is not this index's.
+    store.append(call("s5", 1)).expect("append");
+    store.flush().expect("flush");
+    let after = store.snapshot();
+    assert!(after.view.shards.liveness_memo().get(&after.view.index.liveness_key()).is_none(), "another index");
+    let now = counts(after.shard_liveness());
+    assert_eq!(now.iter().map(|(_, n)| n).sum::<u64>(), 17);
+    assert_eq!(now, fresh(&after));
+    drop((snap, other, after));
+    store.close().expect("close");
+}
