@@ -669,15 +669,24 @@ impl Snapshot {
     /// For a collection (compact/collect.rs): each published `steps` shard's
     /// id, path, rows (from its footer: an error when it cannot be decoded),
     /// and rows that are the live call of their trace id. O(live calls),
-    /// once per shard set and index trees (the set keeps the last count).
+    /// or the count the shard set keeps for the same index trees.
     pub(crate) fn shard_liveness(&self) -> Vec<(u32, std::path::PathBuf, Result<u64>, u64)> {
+        self.shard_liveness_keeping(false)
+    }
+
+    /// [`Snapshot::shard_liveness`], the count kept by the shard set with
+    /// `keep` (for the next batch of a batched compaction: kept longer, the
+    /// index trees it holds would outlive the writer's maps).
+    pub(crate) fn shard_liveness_keeping(&self, keep: bool) -> Vec<(u32, std::path::PathBuf, Result<u64>, u64)> {
         let key = self.view.index.liveness_key();
         let memo = self.view.shards.liveness_memo();
         let live = match memo.get(&key) {
             Some(live) => live,
             None => {
                 let live = Arc::new(self.count_live_rows());
-                memo.put(key, live.clone());
+                if keep {
+                    memo.put(key, live.clone());
+                }
                 live
             }
         };

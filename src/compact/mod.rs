@@ -856,7 +856,15 @@ fn publish_one(
     before_publish();
     let obsolete =
         crate::store::Obsolete { generations: plan.generations, shard_ids: plan.shard_ids.into_iter().collect() };
-    let outcome = store.publish_compaction(compaction, staged.clone(), compacted, &obsolete, opts.copy_forward)?;
+    // A batched compaction (this call's next publication, or the next call
+    // of `trajlog compact --batch-calls`, which bounds each by `max_calls`):
+    // the live rows counted after this publication are kept for the next
+    // batch's collection plan. (Until the next publication forgets them,
+    // the count holds the index trees of after this one: those of the
+    // calls not compacted yet.)
+    let keep_liveness = opts.batch_calls.is_some() || opts.max_calls.is_some();
+    let outcome =
+        store.publish_compaction(compaction, staged.clone(), compacted, &obsolete, opts.copy_forward, keep_liveness)?;
     report.retired_segments = outcome.retired_segments.len();
     report.copied_sessions = outcome.copied_forward.sessions;
     report.copied_calls = outcome.copied_forward.calls;

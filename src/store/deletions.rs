@@ -79,6 +79,7 @@ pub(crate) fn dead_rows(
     manifest: &Manifest,
     shards_dir: &Path,
     previous: Option<&Table>,
+    keep_liveness: bool,
 ) -> (Table, Vec<(String, String)>) {
     let mut out = Deletions::new();
     let mut skipped = Vec::new();
@@ -87,7 +88,7 @@ pub(crate) fn dead_rows(
     // generation → (its dead trace ids, their sessions, whether every steps
     // file of it was kept)
     let mut generations: HashMap<u64, (HashSet<String>, BTreeSet<String>, bool)> = HashMap::new();
-    for (id, path, rows, live) in snap.shard_liveness() {
+    for (id, path, rows, live) in snap.shard_liveness_keeping(keep_liveness) {
         let rel = relative(shards_dir, &path);
         let rows = match rows {
             Ok(rows) => rows,
@@ -322,7 +323,7 @@ fn check_over(
 ) -> std::result::Result<DeletionsCheck, String> {
     let shards_dir = dir.join(SHARDS_DIR);
     let snap = store.snapshot();
-    let (dead, skipped) = dead_rows(&snap, manifest, &shards_dir, None);
+    let (dead, skipped) = dead_rows(&snap, manifest, &shards_dir, None, false);
     if let Some((path, e)) = skipped.first() {
         return Err(format!("not checked: shards/{path} cannot be read: {e}"));
     }
@@ -351,7 +352,10 @@ impl Store {
     /// publication can run). Nothing to do for a store without shards and
     /// without a table; an unchanged table is not rewritten. On failure the previous table stays. Returns the shard
     /// files that could not be read (see [`dead_rows`]).
-    pub(super) fn write_deletions(&self, manifest: &Manifest) -> Result<Vec<(String, String)>> {
+    /// `keep_liveness`: the compaction is batched, so the next batch's
+    /// collection plan counts the same live rows
+    /// (`Snapshot::shard_liveness_keeping`).
+    pub(super) fn write_deletions(&self, manifest: &Manifest, keep_liveness: bool) -> Result<Vec<(String, String)>> {
         let shards_dir = self.inner.dir.join(SHARDS_DIR);
         let file = shards_dir.join(DELETIONS_FILE);
         let previous = read(&file).ok();
@@ -367,7 +371,7 @@ impl Store {
         // An open that left damaged records out (skip-corrupted) may have
         // brought a listed row back to life: nothing listed is reused then.
         let previous = previous.filter(|_| snap.damage().is_empty());
-        let (table, skipped) = dead_rows(&snap, manifest, &shards_dir, previous.as_ref());
+        let (table, skipped) = dead_rows(&snap, manifest, &shards_dir, previous.as_ref(), keep_liveness);
         drop(snap);
         if previous.as_ref() != Some(&table) {
             let bytes = encode(&table)?;

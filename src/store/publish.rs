@@ -87,6 +87,7 @@ impl Store {
         sessions: Vec<String>,
         obsolete: &Obsolete,
         copy_forward: Option<f64>,
+        keep_liveness: bool,
     ) -> Result<PublishOutcome> {
         self.writable()?;
         let base = compaction.base.take().ok_or_else(Error::closed)?;
@@ -118,7 +119,7 @@ impl Store {
             // §9): a failure is reported, the shards stay published, and
             // the next publication writes the table.
             let written = match manifest {
-                Ok(Some(m)) => self.write_deletions(&m),
+                Ok(Some(m)) => self.write_deletions(&m, keep_liveness),
                 Ok(None) => Ok(Vec::new()),
                 Err(e) => Err(e),
             };

@@ -970,10 +970,11 @@ fn the_annotation_cache_continues_the_last_publications_build() {
     assert!(layers.cached_annotation_segments > 0, "the open used the cache: {layers:?}");
 }
 
-/// A shard set keeps its last count of live rows per file with the index
-/// trees it counted from (`ShardSet::liveness_memo`): another snapshot of
-/// the same view gets that count, and once the index changes (a compacted
-/// call replaced) the count is made again, equal to one from scratch.
+/// A shard set keeps its last count of live rows per file, when asked to,
+/// with the index trees it counted from (`ShardSet::liveness_memo`):
+/// another snapshot of the same view gets that count, and once the index
+/// changes (a compacted call replaced) the count is made again, equal to
+/// one from scratch.
 #[test]
 fn the_live_row_count_is_kept_for_the_same_index_and_made_again_after_a_change() {
     use crate::compact::CompactOptions;
@@ -999,7 +1000,11 @@ fn the_live_row_count_is_kept_for_the_same_index_and_made_again_after_a_change()
     };
     let snap = store.snapshot();
     let key = snap.view.index.liveness_key();
+    // Counted without keeping (what a publication with no batch after it
+    // does), then kept.
     let first = counts(snap.shard_liveness());
+    assert!(snap.view.shards.liveness_memo().get(&key).is_none(), "not kept");
+    assert_eq!(counts(snap.shard_liveness_keeping(true)), first);
     assert!(snap.view.shards.liveness_memo().get(&key).is_some(), "kept");
     assert_eq!(first.iter().map(|(_, n)| n).sum::<u64>(), 18);
     assert_eq!(first, fresh(&snap));
@@ -1012,7 +1017,7 @@ fn the_live_row_count_is_kept_for_the_same_index_and_made_again_after_a_change()
     store.flush().expect("flush");
     let after = store.snapshot();
     assert!(after.view.shards.liveness_memo().get(&after.view.index.liveness_key()).is_none(), "another index");
-    let now = counts(after.shard_liveness());
+    let now = counts(after.shard_liveness_keeping(true));
     assert_eq!(now.iter().map(|(_, n)| n).sum::<u64>(), 17);
     assert_eq!(now, fresh(&after));
     drop((snap, other, after));
