@@ -813,19 +813,10 @@ fn kept_annotation_verdicts_are_judged_again_when_a_target_changes() {
     let before = reused(&store);
     round(&store, 33);
     assert!(reused(&store) > before, "verdicts are kept again after a deletion voided them");
-    let check = |store: &Store| {
-        let snap = store.snapshot();
-        assert_eq!(snap.session_reward("s0"), Some(0.75));
-        assert_eq!(snap.trace_reward("s0/1"), Some(0.125));
+    check_reopen_verify(store, dir.path(), options, |snap| {
         assert!(!snap.is_sealed("s20") && snap.session_info("s20").is_none(), "s20 stays deleted");
         assert!((1..34).filter(|s| *s != 20).all(|s| snap.is_sealed(&format!("s{s}"))));
-    };
-    check(&store);
-    store.close().expect("close");
-    let reopened = Store::open(dir.path(), options).expect("reopen");
-    check(&reopened);
-    reopened.close().expect("close");
-    assert!(crate::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
+    });
 }
 
 /// After an open the writer keeps no retirement verdict: the first
@@ -908,19 +899,33 @@ fn verdicts_judged_by_the_compacting_thread_are_judged_again_when_a_target_chang
             _ => assert_eq!(now_adopted, before.0, "{change}"),
         }
     }
-    let check = |store: &Store| {
+    check_reopen_verify(store, dir.path(), options, |snap| {
+        assert!(snap.session_info("s7").is_none(), "s7 stays deleted");
+        assert!((0..33).filter(|s| *s != 7).all(|s| snap.is_sealed(&format!("s{s}"))));
+    });
+}
+
+/// The verdict tests' last step: s0's rewards of 0.75 (session) and 0.125
+/// (trace `s0/1`) and `check` hold in `store`, and again after a reopen;
+/// then the closed store verifies clean.
+fn check_reopen_verify(
+    store: Store,
+    dir: &std::path::Path,
+    options: Options,
+    check: impl Fn(&crate::snapshot::Snapshot),
+) {
+    let check_all = |store: &Store| {
         let snap = store.snapshot();
         assert_eq!(snap.session_reward("s0"), Some(0.75));
         assert_eq!(snap.trace_reward("s0/1"), Some(0.125));
-        assert!(snap.session_info("s7").is_none(), "s7 stays deleted");
-        assert!((0..33).filter(|s| *s != 7).all(|s| snap.is_sealed(&format!("s{s}"))));
+        check(&snap);
     };
-    check(&store);
+    check_all(&store);
     store.close().expect("close");
-    let reopened = Store::open(dir.path(), options).expect("reopen");
-    check(&reopened);
+    let reopened = Store::open(dir, options).expect("reopen");
+    check_all(&reopened);
     reopened.close().expect("close");
-    assert!(crate::verify::verify_dir(dir.path()).expect("verify").problems.is_empty());
+    assert!(crate::verify::verify_dir(dir).expect("verify").problems.is_empty());
 }
 
 /// The annotation cache a publication writes continues the last
