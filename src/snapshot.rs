@@ -1186,7 +1186,9 @@ fn positions_in_order(
     mut each: impl FnMut(u32),
 ) {
     const CHUNK: usize = 1 << 20;
-    let mut chunk: Vec<Loc> = Vec::new();
+    // Its whole capacity at once (16 MiB): grown by doubling it reached
+    // 32 MiB.
+    let mut chunk: Vec<Loc> = Vec::with_capacity(CHUNK);
     let mut locs = locs.peekable();
     while locs.peek().is_some() {
         chunk.clear();

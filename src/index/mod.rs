@@ -55,7 +55,10 @@ const SMALL_SESSION_CALLS: usize = 32;
 #[derive(Debug, Clone)]
 pub enum CallList {
     Small(Arc<Vec<CallKey>>),
-    Large(imbl::Vector<CallKey>),
+    /// Boxed: inline, the persistent vector made every [`SessionEntry`]
+    /// 128 bytes instead of 80 (a session entry per session with calls in
+    /// segments, in the writer's maps).
+    Large(Box<imbl::Vector<CallKey>>),
 }
 
 impl Default for CallList {
@@ -110,7 +113,7 @@ impl CallList {
     pub fn skip(&self, start: usize) -> CallList {
         match self {
             CallList::Small(v) => CallList::Small(Arc::new(v.get(start..).unwrap_or_default().to_vec())),
-            CallList::Large(v) => CallList::Large(v.skip(start.min(v.len()))),
+            CallList::Large(v) => CallList::Large(Box::new(v.skip(start.min(v.len())))),
         }
     }
     pub fn binary_search_by(&self, f: impl FnMut(&CallKey) -> Ordering) -> Result<usize, usize> {
@@ -125,7 +128,7 @@ impl CallList {
             CallList::Small(v) => {
                 let mut large: imbl::Vector<CallKey> = v.iter().cloned().collect();
                 large.insert(at, key);
-                *self = CallList::Large(large);
+                *self = CallList::Large(Box::new(large));
             }
             CallList::Large(v) => v.insert(at, key),
         }
@@ -749,4 +752,14 @@ pub fn sessions_of(session_id: &str, uids: &[String]) -> Arc<[Arc<str>]> {
         }
     }
     out.into()
+}
+#[cfg(test)]
+mod size_tests {
+    /// A session entry is one per session in the writer's maps: its size
+    /// is a budget (the persistent vector of a long session is boxed).
+    #[test]
+    fn a_session_entry_stays_small() {
+        assert!(std::mem::size_of::<super::CallList>() <= 16);
+        assert!(std::mem::size_of::<super::SessionEntry>() <= 80, "{}", std::mem::size_of::<super::SessionEntry>());
+    }
 }
