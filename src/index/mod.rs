@@ -753,6 +753,7 @@ pub fn sessions_of(session_id: &str, uids: &[String]) -> Arc<[Arc<str>]> {
     }
     out.into()
 }
+
 #[cfg(test)]
 mod size_tests {
     /// A session entry is one per session in the writer's maps: its size
