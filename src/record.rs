@@ -118,6 +118,17 @@ impl ValidCall {
         Ok(ValidCall(call))
     }
 
+    /// Check `call` whose JSON documents (`messages`, `response_message`,
+    /// `metadata`, `extra`) the caller's own JSON writer
+    /// made from in-memory values (the Python binding's trace dict walker):
+    /// every check of [`Call::validate`] but parsing those documents again.
+    /// A writer that could emit text that is not JSON must use
+    /// [`ValidCall::new`]: a document that does not parse would fail its reads.
+    pub fn from_serialized_json(call: Call) -> Result<ValidCall> {
+        call.check(false)?;
+        Ok(ValidCall(call))
+    }
+
     pub fn call(&self) -> &Call {
         &self.0
     }

@@ -781,7 +781,14 @@ pub fn write_py_float(out: &mut String, v: f64) {
     // nearest to `v`, ties to even: exactly Python's repr digits (David Gay's
     // algorithm). Only its layout differs; take digits and exponent from it.
     let mut ryu_buf = ryu::Buffer::new();
-    let text = ryu_buf.format_finite(v.abs()).as_bytes();
+    let text = ryu_buf.format_finite(v.abs());
+    if (1e-4..1e16).contains(&v.abs()) {
+        // Here both lay the digits out positionally, alike ("0.000123",
+        // "12.5", "123.0"): Ryu's text is Python's (most logprobs).
+        out.push_str(text);
+        return;
+    }
+    let text = text.as_bytes();
     let (mantissa, exp_part) = match text.iter().position(|&c| c == b'e') {
         Some(i) => (text.get(..i).unwrap_or_default(), text.get(i + 1..).unwrap_or_default()),
         None => (text, &b""[..]),
@@ -1054,6 +1061,34 @@ mod py_float_tests {
             if !v.is_finite() || v == 0.0 {
                 continue;
             }
+            assert_eq!(py_float(v), reference(v), "{v:?}");
+        }
+    }
+
+    #[test]
+    fn the_positional_range_writes_what_both_passes_write() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for i in 0..200_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Logprob-like float32 values, and f64 values spread over the
+            // positional range's 20 decades and just around its bounds.
+            let unit = (x >> 11) as f64 / (1u64 << 53) as f64;
+            let v = match i % 4 {
+                0 => f64::from(-(unit as f32) * 20.0),
+                1 => 10f64.powf(unit * 20.0 - 4.0),
+                2 => 1e-4 * (1.0 + (unit - 0.5) * 1e-12),
+                _ => 1e16 * (1.0 + (unit - 0.5) * 1e-12),
+            };
+            if v == 0.0 {
+                continue;
+            }
+            assert_eq!(py_float(v), reference(v), "{v:?}");
+            assert_eq!(py_float(-v), reference(-v), "{:?}", -v);
+        }
+        let below = |x: f64| f64::from_bits(x.to_bits() - 1);
+        for v in [1e-4, below(1e-4), below(1e16), 1e16, 1e15, 123.0, 0.001, 2f64.powi(53), 5e15 + 1.0] {
             assert_eq!(py_float(v), reference(v), "{v:?}");
         }
     }

@@ -104,7 +104,33 @@ fn for_each_item<'py>(
     values: &Bound<'py, PyAny>,
     mut f: impl FnMut(usize, &Bound<'py, PyAny>) -> PyResult<()>,
 ) -> PyResult<()> {
-    if let Ok(list) = values.cast::<PyList>() {
+    if values.is_exact_instance_of::<PyList>() {
+        let py = values.py();
+        // SAFETY (the blocks below): `values` is a live `list`, which
+        // PyList_Size and PyList_GetItem take; PyList_GetItem returns a
+        // borrowed reference to the item at an index below the length just
+        // read. An exact `int` or `float` is handed on borrowed (`f` reads
+        // its value without running Python code); anything else is held,
+        // and the length read again after `f`.
+        let mut len = unsafe { pyo3::ffi::PyList_Size(values.as_ptr()) };
+        let mut i: pyo3::ffi::Py_ssize_t = 0;
+        while i < len {
+            let item = unsafe { pyo3::ffi::PyList_GetItem(values.as_ptr(), i) };
+            if item.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            let ty = unsafe { pyo3::ffi::Py_TYPE(item) };
+            let number = ty == std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type)
+                || ty == std::ptr::addr_of_mut!(pyo3::ffi::PyFloat_Type);
+            if number {
+                f(i as usize, &*unsafe { pyo3::Borrowed::from_ptr(py, item) })?;
+            } else {
+                f(i as usize, &unsafe { Bound::from_borrowed_ptr(py, item) })?;
+                len = unsafe { pyo3::ffi::PyList_Size(values.as_ptr()) };
+            }
+            i += 1;
+        }
+    } else if let Ok(list) = values.cast::<PyList>() {
         for (i, item) in list.iter().enumerate() {
             f(i, &item)?;
         }
@@ -301,10 +327,14 @@ struct Call {
     trace_id: String,
 }
 
-/// Append `call` with the GIL released; with `durable`, wait until it is durable.
-fn append_call(py: Python<'_>, store: &trajlog::Store, call: RCall, durable: bool) -> PyResult<()> {
+/// Append `call` with the GIL released; with `durable`, wait until it is
+/// durable. `serialized`: its JSON documents are the trace dict walker's
+/// output (JSON by construction), not parsed again.
+fn append_call(py: Python<'_>, store: &trajlog::Store, call: RCall, durable: bool, serialized: bool) -> PyResult<()> {
     py.detach(|| {
-        let receipt = store.append(call)?;
+        let call =
+            if serialized { trajlog::ValidCall::from_serialized_json(call)? } else { trajlog::ValidCall::new(call)? };
+        let receipt = store.append_valid(call)?;
         if durable {
             receipt.wait()?;
         }
@@ -622,7 +652,7 @@ impl NativeStore {
             metadata,
             extra,
         };
-        append_call(py, &*self.get()?, call, durable)
+        append_call(py, &*self.get()?, call, durable, !docs_are_text)
     }
 
     /// Append a gateway-shaped trace dict, walked here (see `trace_dict`):
@@ -631,7 +661,7 @@ impl NativeStore {
     fn append_trace(&self, py: Python<'_>, trace: &Bound<'_, PyDict>, durable: bool) -> PyResult<()> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let call = trace_dict::call_of_trace(py, trace, now)?;
-        append_call(py, &*self.get()?, call, durable)
+        append_call(py, &*self.get()?, call, durable, true)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
@@ -882,6 +912,7 @@ impl NativeStore {
         copy_forward = Some(trajlog::DEFAULT_COPY_FORWARD),
         batch_calls = None,
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn compact<'py>(
         &self,
         py: Python<'py>,

@@ -21,6 +21,7 @@
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::{ffi, Borrowed};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use std::cell::Cell;
 use std::fmt::Write as _;
@@ -57,39 +58,55 @@ fn refuse(path: &Path<'_>, why: String) -> PyErr {
     invalid_input(format!("invalid {}: {why}", path.render()))
 }
 
+/// What a byte of a string becomes in a JSON string literal: 0 for itself,
+/// `b'u'` for a `\u00XX` escape, or the letter of a short escape.
+static ESCAPE: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        t[b] = b'u';
+        b += 1;
+    }
+    t[b'"' as usize] = b'"';
+    t[b'\\' as usize] = b'\\';
+    t[b'\n' as usize] = b'n';
+    t[b'\r' as usize] = b'r';
+    t[b'\t' as usize] = b't';
+    t[0x08] = b'b';
+    t[0x0c] = b'f';
+    t
+};
+
 /// Write `s` as a JSON string literal (raw UTF-8, the escapes JSON requires).
 fn write_str(out: &mut String, s: &str) {
+    out.reserve(s.len() + 2);
     out.push('"');
-    let bytes = s.as_bytes();
-    let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let esc: &str = match b {
-            b'"' => "\\\"",
-            b'\\' => "\\\\",
-            b'\n' => "\\n",
-            b'\r' => "\\r",
-            b'\t' => "\\t",
-            0x08 => "\\b",
-            0x0c => "\\f",
-            0..=0x1f => "",
-            _ => continue,
-        };
-        out.push_str(&s[start..i]);
-        if esc.is_empty() {
-            let _ = write!(out, "\\u{b:04x}");
-        } else {
-            out.push_str(esc);
+    let mut rest = s;
+    while let Some(at) = rest.bytes().position(|b| ESCAPE[usize::from(b)] != 0) {
+        // `at` is an ASCII byte, so both cuts are on character boundaries.
+        let (plain, tail) = rest.split_at(at);
+        out.push_str(plain);
+        let b = tail.as_bytes().first().copied().unwrap_or_default();
+        match ESCAPE[usize::from(b)] {
+            b'u' => {
+                let _ = write!(out, "\\u{b:04x}");
+            }
+            letter => {
+                out.push('\\');
+                out.push(char::from(letter));
+            }
         }
-        start = i + 1;
+        rest = tail.get(1..).unwrap_or_default();
     }
-    out.push_str(&s[start..]);
+    out.push_str(rest);
     out.push('"');
 }
 
-/// A finite float as the shortest text that parses back to it; always with
-/// a `.` or an exponent, so it reads back as a float.
+/// A finite float as Python's `repr` writes it (`json.dumps`' text, so the
+/// docs block finds a logprob copied from the column): the shortest text
+/// that parses back to it, always with a `.` or an exponent.
 fn write_float(out: &mut String, v: f64) {
-    let _ = write!(out, "{v:?}");
+    trace_json::write_py_float(out, v);
 }
 
 fn text_of<'a>(path: &Path<'_>, s: &'a Bound<'_, PyString>) -> PyResult<std::borrow::Cow<'a, str>> {
@@ -101,16 +118,180 @@ fn text_of<'a>(path: &Path<'_>, s: &'a Bound<'_, PyString>) -> PyResult<std::bor
 /// Dict keys already written as JSON string literals, by the address of the
 /// key object (documents repeat the same key objects — `"role"`, `"logprob"`
 /// — many times). Only used while the trace, which keeps every key alive,
-/// is walked with the GIL held.
-type Keys = std::collections::HashMap<usize, String>;
+/// is walked with the GIL held; emptied whenever the walk runs Python code
+/// (which could free a key and reuse its address).
+type Keys = std::collections::HashMap<usize, String, std::hash::BuildHasherDefault<AddrHasher>>;
+
+/// Hashes an object's address: a multiply and a shift, not SipHash (the
+/// addresses come from CPython's allocator, not from a caller).
+#[derive(Default)]
+struct AddrHasher(u64);
+
+impl std::hash::Hasher for AddrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        // Objects are 16-byte aligned: the low bits carry nothing.
+        self.0 = ((n as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// Serialize one Python value as JSON text into `out`. `depth` counts the
 /// containers around `obj` within its document.
 fn write_value(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, depth: usize) -> PyResult<()> {
-    write_value_with(out, obj, path, depth, &mut Keys::new())
+    write_value_with(out, obj, path, depth, &mut Keys::default())
+}
+
+/// Whether `obj` is a `str`, `int`, `float`, `bool` or `None` of the exact
+/// built-in type: a leaf whose text is written without running Python code,
+/// so a borrowed reference to it stays valid while it is written.
+fn is_plain_leaf(obj: *mut ffi::PyObject) -> bool {
+    // SAFETY: `obj` is a live object (a borrowed reference from a live
+    // container); Py_TYPE reads its type and the type objects are static.
+    unsafe {
+        let ty = ffi::Py_TYPE(obj);
+        ty == std::ptr::addr_of_mut!(ffi::PyUnicode_Type)
+            || ty == std::ptr::addr_of_mut!(ffi::PyLong_Type)
+            || ty == std::ptr::addr_of_mut!(ffi::PyFloat_Type)
+            || ty == std::ptr::addr_of_mut!(ffi::PyBool_Type)
+            || obj == ffi::Py_None()
+    }
+}
+
+/// Serialize the list `list` (exact type) item by item. An item that is a
+/// plain leaf is written through a borrowed reference; any other is held
+/// while it is written (writing it may run Python code), and the length is
+/// read again after it.
+fn write_list(
+    out: &mut String,
+    list: &Bound<'_, PyAny>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
+    let py = list.py();
+    open(path, depth)?;
+    out.push('[');
+    // SAFETY (the three blocks below): `list` is a live `list`, which
+    // PyList_Size and PyList_GetItem take; PyList_GetItem returns a borrowed
+    // reference to the item at an index below the length just read.
+    let mut len = unsafe { ffi::PyList_Size(list.as_ptr()) };
+    let mut i: ffi::Py_ssize_t = 0;
+    while i < len {
+        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i) };
+        if item.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        if i > 0 {
+            out.push(',');
+        }
+        let at = Path::Index(path, i as usize);
+        if is_plain_leaf(item) {
+            write_value_with(out, &*unsafe { Borrowed::from_ptr(py, item) }, &at, depth + 1, keys)?;
+        } else {
+            let item = unsafe { Bound::from_borrowed_ptr(py, item) };
+            write_value_with(out, &item, &at, depth + 1, keys)?;
+            len = unsafe { ffi::PyList_Size(list.as_ptr()) };
+        }
+        i += 1;
+    }
+    out.push(']');
+    Ok(())
+}
+
+/// Serialize the dict `dict` (exact type) member by member, in its order,
+/// with `PyDict_Next`'s borrowed keys and values (a value that is not a
+/// plain leaf is held while it is written).
+fn write_dict(
+    out: &mut String,
+    dict: &Bound<'_, PyAny>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
+    let py = dict.py();
+    open(path, depth)?;
+    out.push('{');
+    // SAFETY: `dict` is a live `dict`; PyDict_Next hands out borrowed
+    // references to its key and value at `pos`, valid until the dict
+    // changes, which only Python code run while a held value is written
+    // could do (the size check below then refuses the document).
+    let size = unsafe { ffi::PyDict_Size(dict.as_ptr()) };
+    let mut pos: ffi::Py_ssize_t = 0;
+    let (mut k, mut v) = (std::ptr::null_mut(), std::ptr::null_mut());
+    let mut i = 0;
+    while unsafe { ffi::PyDict_Next(dict.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
+        let key = unsafe { Borrowed::from_ptr(py, k) };
+        if is_plain_leaf(v) {
+            write_member(out, i, &key, &*unsafe { Borrowed::from_ptr(py, v) }, path, depth, keys)?;
+        } else {
+            let value = unsafe { Bound::from_borrowed_ptr(py, v) };
+            write_member(out, i, &key, &value, path, depth, keys)?;
+            if unsafe { ffi::PyDict_Size(dict.as_ptr()) } != size {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                    "{}: the dict changed size while it was written",
+                    path.render()
+                )));
+            }
+        }
+        i += 1;
+    }
+    out.push('}');
+    Ok(())
 }
 
 fn write_value_with(
+    out: &mut String,
+    obj: &Bound<'_, PyAny>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
+    // The exact built-in types first, told by their type object alone.
+    let ptr = obj.as_ptr();
+    // SAFETY: `obj` is live; Py_TYPE reads its type, the type objects are
+    // static, and each call below takes an object of the type just checked.
+    let ty = unsafe { ffi::Py_TYPE(ptr) };
+    if ty == std::ptr::addr_of_mut!(ffi::PyUnicode_Type) {
+        // SAFETY: checked just above.
+        let s = unsafe { obj.cast_unchecked::<PyString>() };
+        write_str(out, &text_of(path, s)?);
+        return Ok(());
+    }
+    if ty == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+        let mut overflow = 0;
+        // SAFETY: an exact `int`; -1 with an overflow flag, or -1 with an
+        // exception set (not expected for an int), is handled below.
+        let v = unsafe { ffi::PyLong_AsLongAndOverflow(ptr, &mut overflow) };
+        if overflow == 0 && (v != -1 || PyErr::take(obj.py()).is_none()) {
+            out.push_str(itoa::Buffer::new().format(v));
+            return Ok(());
+        }
+    } else if ty == std::ptr::addr_of_mut!(ffi::PyFloat_Type) {
+        // SAFETY: an exact `float`, whose value PyFloat_AsDouble reads without failing.
+        let v = unsafe { ffi::PyFloat_AsDouble(ptr) };
+        if !v.is_finite() {
+            return Err(refuse(path, format!("{} is not a finite number; JSON has no NaN or Infinity", repr(obj))));
+        }
+        write_float(out, v);
+        return Ok(());
+    } else if ty == std::ptr::addr_of_mut!(ffi::PyList_Type) {
+        return write_list(out, obj, path, depth, keys);
+    } else if ty == std::ptr::addr_of_mut!(ffi::PyDict_Type) {
+        return write_dict(out, obj, path, depth, keys);
+    }
+    write_other(out, obj, path, depth, keys)
+}
+
+/// Serialize what is not one of the exact types `write_value_with` writes
+/// itself: `None`, bools, ints beyond 64 bits, subclasses, tuples.
+fn write_other(
     out: &mut String,
     obj: &Bound<'_, PyAny>,
     path: &Path<'_>,
@@ -131,6 +312,7 @@ fn write_value_with(
             // Beyond 64 bits, or an int subclass (an IntEnum): its decimal
             // digits, as `json.dumps` writes them (`int.__repr__`).
             _ => {
+                keys.clear(); // Python code runs
                 let digits = obj.py().get_type::<PyInt>().call_method1(intern!(obj.py(), "__repr__"), (obj,))?;
                 out.push_str(&digits.extract::<String>()?);
             }
@@ -164,18 +346,13 @@ fn write_value_with(
     } else if let Ok(dict) = obj.cast::<PyDict>() {
         open(path, depth)?;
         out.push('{');
-        if obj.is_exact_instance_of::<PyDict>() {
-            for (i, (k, v)) in dict.iter().enumerate() {
-                write_member(out, i, &k, &v, path, depth, keys)?;
-            }
-        } else {
-            // A dict subclass (an `OrderedDict` after `move_to_end`) may order
-            // its keys apart from the underlying dict: its `items()`, as
-            // `json.dumps` takes them.
-            for (i, item) in obj.call_method0(intern!(obj.py(), "items"))?.try_iter()?.enumerate() {
-                let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
-                write_member(out, i, &k, &v, path, depth, keys)?;
-            }
+        // A dict subclass (an `OrderedDict` after `move_to_end`) may order
+        // its keys apart from the underlying dict: its `items()`, as
+        // `json.dumps` takes them.
+        keys.clear(); // Python code runs
+        for (i, item) in dict.call_method0(intern!(obj.py(), "items"))?.try_iter()?.enumerate() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
+            write_member(out, i, &k, &v, path, depth, keys)?;
         }
         out.push('}');
     } else {
@@ -263,7 +440,7 @@ pub(crate) fn extra_arg(extra: Option<&Bound<'_, PyAny>>, is_text: bool) -> PyRe
         return Ok(None);
     }
     let mut out = String::from("{");
-    let mut keys = Keys::new();
+    let mut keys = Keys::default();
     for (i, (k, v)) in dict.iter().enumerate() {
         let Ok(key) = k.cast::<PyString>() else {
             return Err(invalid_input(format!("invalid extra fields: the key {} is not a string", repr(&k))));
@@ -328,36 +505,37 @@ fn logprobs(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Option<
     }
     let mut column = Vec::with_capacity(v.len().unwrap_or(0));
     let mut all_exact = true;
+    crate::for_each_item(v, |i, item| {
+        let (narrow, exact) = crate::logprob("logprobs", i, item)?;
+        // An int (even one a float32 holds) reads back as an int only from the verbatim values.
+        all_exact &= exact && (item.is_exact_instance_of::<PyFloat>() || !matches!(classify(item)?, Number::Int(_)));
+        column.push(narrow);
+        Ok(())
+    })?;
+    if all_exact {
+        return Ok((column, None));
+    }
+    // Not all exactly float32 (rare): the values as given, read again.
     let mut verbatim = String::from("[");
     let mut not_finite = None;
     crate::for_each_item(v, |i, item| {
-        let (narrow, exact) = crate::logprob("logprobs", i, item)?;
         if i > 0 {
             verbatim.push(',');
         }
         match classify(item)? {
-            Number::Float(x) => {
-                if x.is_finite() {
-                    write_float(&mut verbatim, x);
-                } else if not_finite.is_none() {
-                    not_finite = Some((i, repr(item)));
-                }
-                all_exact &= exact;
+            Number::Float(x) if x.is_finite() => write_float(&mut verbatim, x),
+            Number::Float(_) => {
+                not_finite.get_or_insert_with(|| (i, repr(item)));
             }
+            // An int reads back as an int only from the verbatim values.
             Number::Int(x) => {
-                // An int reads back as an int only from the verbatim values.
                 let _ = write!(verbatim, "{x}");
-                all_exact = false;
             }
-            _ => unreachable!("logprob() refuses everything else"),
+            _ => return Err(invalid_input(format!("invalid logprobs[{i}]: {} changed while it was read", repr(item)))),
         }
-        column.push(narrow);
         Ok(())
     })?;
     verbatim.push(']');
-    if all_exact {
-        return Ok((column, None));
-    }
     if let Some((i, r)) = not_finite {
         return Err(invalid_input(format!(
             "invalid logprobs[{i}]: {r} cannot be kept verbatim beside values that are not float32 \

@@ -248,3 +248,50 @@ def test_routing_matrices_go_to_their_column_and_read_back(tmp_path):
         store.append_trace(trace, durable=True)
         assert json.dumps(store.get("t").to_dict()) == json.dumps(trace)
         assert json.loads(store.get("t").to_json())["routing_matrices"] == ["AAEC", "AwQF"]
+
+
+def test_documents_are_written_as_json_dumps_writes_them(tmp_path):
+    """The walker writes a document as `json.dumps(doc, separators=(",", ":"),
+    ensure_ascii=False)` does, floats in Python's repr (`1e-05`, `1e+16`): the
+    text a DuckDB user reads from the shards, and the text in which the docs
+    block finds a logprob copied from the column."""
+    metadata = {
+        "floats": [1e-05, -2.099999983329326e-05, 1e16, 1e-4, 9999999999999998.0, 123.0, 0.1, 5e-324, -0.0,
+                   1.7976931348623157e308, 1.5e-07, 412.7384520000001],
+        "ints": [0, -1, 2**63 - 1, -(2**63), 2**64, -(2**100)],
+        "text": "quote \" back \\ ctl \x01\x1f \n\t é 日本 🎉 \u2028",
+        "nested": [{"a": [1, {"b": None}]}, (True, False), [], {}],
+    }
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append_trace({"trace_id": "t", "session_id": "s", "timestamp": 1.0, "metadata": metadata}, durable=True)
+        text = store.get("t").to_json()
+        assert json.dumps(metadata, separators=(",", ":"), ensure_ascii=False) in text
+        assert_same(store.get("t").to_dict()["metadata"], plain(metadata))
+
+
+def test_a_document_changed_while_it_is_walked_reads_back_as_json_dumps_saw_it(tmp_path):
+    """Python code run during the walk (a dict subclass's `items()`) may change
+    the containers around it: a list is read to its new end, as `json.dumps`
+    reads it, and a dict that changes size is refused, as `json.dumps` refuses
+    it (RuntimeError), with nothing written."""
+
+    class Shrinks(dict):
+        def items(self):
+            outer.clear()
+            return super().items()
+
+    class Grows(dict):
+        def items(self):
+            outer_dict["new"] = 1
+            return super().items()
+
+    outer = [1, 2.5, "x", Shrinks(a=1), 3, [4]]
+    outer_dict = {"a": Grows(b=1), "c": 2}
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append_trace({"trace_id": "t", "session_id": "s", "timestamp": 1.0, "metadata": outer}, durable=True)
+        assert store.get("t").to_dict()["metadata"] == [1, 2.5, "x", {"a": 1}]
+        with pytest.raises(RuntimeError, match="changed size"):
+            store.append_trace({"trace_id": "u", "session_id": "s", "timestamp": 1.0, "metadata": outer_dict}, durable=True)
+        store.flush()
+        assert store.get("u") is None
+        assert [c.trace_id for c in store.session("s")] == ["t"]
