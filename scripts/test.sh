@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n== %s (%s GB free)\n' "$*" "$(free_gb)"; }
+# Each step says when it starts (seconds into the run), so that a slow step is
+# plain in the log: CI's whole run should stay well under 40 minutes.
+step() { printf '\n== %s (%s GB free, %d s into the run)\n' "$*" "$(free_gb)" "$SECONDS"; }
 free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1024 / 1024}'; }
 # The whole run builds a debug, a release and a fuzz target tree plus a venv
 # (about 8 GB with torch). Say what the disk holds, so that a full disk is
@@ -86,5 +88,5 @@ cargo run --release --locked --quiet -- verify --store "$demo_dir"
 rm -rf "$(dirname "$demo_dir")"
 
 echo
-echo "disk: $(free_gb) GB free at the end"
+echo "disk: $(free_gb) GB free at the end; the run took $SECONDS s"
 echo "all checks passed"

@@ -504,7 +504,16 @@ fn gc_paused<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> 
 /// A stored call as the gateway-shaped trace dict `Call.to_dict()` returns:
 /// ids as ints, logprobs as the exact float32 values (or, when the trace
 /// kept them verbatim beside the column, as given).
-fn call_dict(py: Python<'_>, mut call: RCall) -> PyResult<Bound<'_, PyAny>> {
+fn call_dict(py: Python<'_>, call: RCall) -> PyResult<Bound<'_, PyAny>> {
+    call_dict_with(py, call, &mut trace_dict::KeyMemo::new())
+}
+
+/// [`call_dict`] with dict keys shared through `keys` (a session's calls).
+fn call_dict_with<'py>(
+    py: Python<'py>,
+    mut call: RCall,
+    keys: &mut trace_dict::KeyMemo<'py>,
+) -> PyResult<Bound<'py, PyAny>> {
     let logprobs = call.logprobs.take();
     let verbatim = call.extra.as_deref().is_some_and(has_verbatim_logprobs);
     let prompt = std::mem::take(&mut call.prompt_token_ids);
@@ -513,9 +522,13 @@ fn call_dict(py: Python<'_>, mut call: RCall) -> PyResult<Bound<'_, PyAny>> {
         call.logprobs = logprobs.as_ref().map(|_| Vec::new());
     }
     let text = trajlog::trace_json::export_call(&call);
-    let d = trace_dict::json_to_py(py, &text)?;
-    d.set_item(intern!(py, "prompt_token_ids"), PyList::new(py, prompt)?)?;
-    d.set_item(intern!(py, "completion_token_ids"), PyList::new(py, completion)?)?;
+    let prompt_list = PyList::new(py, &prompt)?;
+    let completion_list = PyList::new(py, &completion)?;
+    let pool =
+        trace_dict::IntPool { columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())] };
+    let d = trace_dict::json_to_py_with(py, &text, keys, &pool)?;
+    d.set_item(intern!(py, "prompt_token_ids"), prompt_list)?;
+    d.set_item(intern!(py, "completion_token_ids"), completion_list)?;
     if let (false, Some(lp)) = (verbatim, logprobs) {
         d.set_item(intern!(py, "logprobs"), PyList::new(py, lp.iter().map(|&x| f64::from(x)))?)?;
     }
@@ -733,7 +746,8 @@ impl NativeStore {
         let store = self.get()?;
         let snap = store.snapshot();
         let calls = py.detach(|| snap.session_calls(session_id, since, limit)).map_err(to_py)?;
-        gc_paused(py, || calls.into_iter().map(|c| call_dict(py, c)).collect())
+        let mut keys = trace_dict::KeyMemo::new();
+        gc_paused(py, || calls.into_iter().map(|c| call_dict_with(py, c, &mut keys)).collect())
     }
 
     /// One Arrow C Data Interface record batch per call of the session

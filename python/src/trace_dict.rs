@@ -13,7 +13,7 @@
 //! (`raw_response.choices[0].logprobs.content[17].logprob`); nothing is
 //! written then.
 //!
-//! Out: [`json_to_py`] parses a stored JSON text straight into Python objects
+//! Out: [`json_to_py_with`] parses a stored JSON text straight into Python objects
 //! (dicts keep the key order of the text; floats parsed exactly), falling back
 //! to Python's `json.loads` for a text it cannot map exactly (an integer
 //! beyond 64 bits, or nesting beyond serde_json's limit).
@@ -678,14 +678,75 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
 
 // ---- Out: JSON text straight into Python objects ----
 
+/// Dict keys already made into Python strings, by their text: a trace's
+/// documents repeat a few keys thousands of times (`"token"`, `"logprob"`,
+/// `"bytes"` in every logprobs entry), and a shared key object is neither
+/// allocated, decoded nor hashed again (`json.loads` memoizes its keys
+/// too). Bounded: keys past `KEY_MEMO_MAX` or longer than
+/// `KEY_MEMO_KEY_BYTES` are made afresh.
+pub(crate) struct KeyMemo<'py> {
+    // SipHash (std's default): the keys are the stored documents' text.
+    keys: std::collections::HashMap<Box<str>, Bound<'py, PyString>>,
+}
+
+const KEY_MEMO_MAX: usize = 4096;
+const KEY_MEMO_KEY_BYTES: usize = 64;
+
+impl<'py> KeyMemo<'py> {
+    pub(crate) fn new() -> Self {
+        KeyMemo { keys: Default::default() }
+    }
+
+    fn key(&mut self, py: Python<'py>, k: &str) -> Bound<'py, PyString> {
+        if let Some(s) = self.keys.get(k) {
+            return s.clone();
+        }
+        let s = PyString::new(py, k);
+        if k.len() <= KEY_MEMO_KEY_BYTES && self.keys.len() < KEY_MEMO_MAX {
+            self.keys.insert(k.into(), s.clone());
+        }
+        s
+    }
+}
+
+/// Int objects a document may share: the lists of a call's token columns
+/// (`prompt_token_ids`, `completion_token_ids`) with their values. An id at
+/// position `i` of any list of a document (`raw_response.prompt_token_ids`
+/// repeats the prompt) that equals the column's id at `i` is that column's
+/// int object, not a new one: ints are immutable, so one object of the
+/// value is as good as another, and thousands are neither allocated nor
+/// freed per call.
+pub(crate) struct IntPool<'a, 'py> {
+    pub(crate) columns: Vec<(&'a [u32], Bound<'py, PyList>)>,
+}
+
+impl<'py> IntPool<'_, 'py> {
+    /// The pooled int object of value `v` at list position `i`, if any.
+    fn get(&self, i: usize, v: u64) -> Option<Bound<'py, PyAny>> {
+        // CPython keeps its own objects of -5..=256.
+        if v <= 256 {
+            return None;
+        }
+        self.columns.iter().find(|(ids, _)| ids.get(i).is_some_and(|&x| u64::from(x) == v))?.1.get_item(i).ok()
+    }
+}
+
 /// Builds the Python object of one JSON value. `maybe_big` is set when a
 /// number could have been an integer beyond 64 bits (serde_json reads those
 /// as floats): the caller then parses the text with `json.loads` instead.
+/// `index`: the value's position in the list around it (`usize::MAX` when
+/// it is not in a list).
 #[derive(Clone, Copy)]
 struct PySeed<'a, 'py> {
     py: Python<'py>,
     maybe_big: &'a Cell<bool>,
+    keys: &'a std::cell::RefCell<&'a mut KeyMemo<'py>>,
+    pool: &'a IntPool<'a, 'py>,
+    index: usize,
 }
+
+/// A dict key: its memoized string.
+struct KeySeed<'a, 'py>(PySeed<'a, 'py>);
 
 fn de_err<E: serde::de::Error>(e: PyErr) -> E {
     E::custom(e.to_string())
@@ -695,6 +756,23 @@ impl<'de, 'py> DeserializeSeed<'de> for PySeed<'_, 'py> {
     type Value = Bound<'py, PyAny>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
+    }
+}
+
+impl<'de, 'py> DeserializeSeed<'de> for KeySeed<'_, 'py> {
+    type Value = Bound<'py, PyString>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de, 'py> Visitor<'de> for KeySeed<'_, 'py> {
+    type Value = Bound<'py, PyString>;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object key")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(self.0.keys.borrow_mut().key(self.0.py, v))
     }
 }
 
@@ -714,6 +792,9 @@ impl<'de, 'py> Visitor<'de> for PySeed<'_, 'py> {
         Ok(v.into_any())
     }
     fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        if let Some(shared) = self.pool.get(self.index, v) {
+            return Ok(shared);
+        }
         let Ok(v) = v.into_pyobject(self.py);
         Ok(v.into_any())
     }
@@ -728,27 +809,37 @@ impl<'de, 'py> Visitor<'de> for PySeed<'_, 'py> {
         Ok(PyString::new(self.py, v).into_any())
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let list = PyList::empty(self.py);
-        while let Some(item) = seq.next_element_seed(self)? {
-            list.append(item).map_err(de_err)?;
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element_seed(PySeed { index: items.len(), ..self })? {
+            items.push(item);
         }
-        Ok(list.into_any())
+        PyList::new(self.py, items).map(Bound::into_any).map_err(de_err)
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let dict = PyDict::new(self.py);
-        while let Some(key) = map.next_key_seed(self)? {
-            let value = map.next_value_seed(self)?;
+        let seed = PySeed { index: usize::MAX, ..self };
+        while let Some(key) = map.next_key_seed(KeySeed(seed))? {
+            let value = map.next_value_seed(seed)?;
             dict.set_item(key, value).map_err(de_err)?;
         }
         Ok(dict.into_any())
     }
 }
 
-/// The Python object of a JSON text (see the module doc).
-pub(crate) fn json_to_py<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+/// The Python object of a JSON text (see the module doc), with dict keys
+/// shared through `keys` (across the calls of one read) and ints through
+/// `pool`.
+pub(crate) fn json_to_py_with<'py>(
+    py: Python<'py>,
+    text: &str,
+    keys: &mut KeyMemo<'py>,
+    pool: &IntPool<'_, 'py>,
+) -> PyResult<Bound<'py, PyAny>> {
     let maybe_big = Cell::new(false);
+    let keys = std::cell::RefCell::new(keys);
     let mut de = serde_json::Deserializer::from_str(text);
-    let parsed = PySeed { py, maybe_big: &maybe_big }.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
+    let seed = PySeed { py, maybe_big: &maybe_big, keys: &keys, pool, index: usize::MAX };
+    let parsed = seed.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
     match parsed {
         Ok(v) if !maybe_big.get() => Ok(v),
         _ => py.import(intern!(py, "json"))?.call_method1(intern!(py, "loads"), (text,)),
