@@ -653,7 +653,7 @@ pub fn key_order(call: &Call, extra: &[(&str, bool)], order: &[&str]) -> Option<
 
 /// Reorder `plan` by a [`KEY_ORDER`] list: its keys first, in its order;
 /// the others after, in their default order.
-fn reorder(plan: &mut [(&str, bool)], order: &[String]) {
+pub fn reorder(plan: &mut [(&str, bool)], order: &[String]) {
     let position: std::collections::HashMap<&str, usize> =
         order.iter().enumerate().map(|(i, k)| (k.as_str(), i)).collect();
     plan.sort_by_key(|(k, _)| position.get(k).copied().unwrap_or(usize::MAX));

@@ -509,30 +509,110 @@ fn call_dict(py: Python<'_>, call: RCall) -> PyResult<Bound<'_, PyAny>> {
 }
 
 /// [`call_dict`] with dict keys shared through `keys` (a session's calls).
+///
+/// The dict is built key by key in the order `trace_json::export_call`
+/// writes them (its plan, or the trace's own order kept in `extra`): the
+/// columns straight from the call, each document parsed once, and `extra`
+/// parsed once into the values of its keys — no export text in between.
 fn call_dict_with<'py>(
     py: Python<'py>,
     mut call: RCall,
     keys: &mut trace_dict::KeyMemo<'py>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    use trajlog::trace_json::{export_plan, reorder, KEY_ORDER};
     let logprobs = call.logprobs.take();
-    let verbatim = call.extra.as_deref().is_some_and(has_verbatim_logprobs);
     let prompt = std::mem::take(&mut call.prompt_token_ids);
     let completion = std::mem::take(&mut call.completion_token_ids);
-    if !verbatim {
-        call.logprobs = logprobs.as_ref().map(|_| Vec::new());
-    }
-    let text = trajlog::trace_json::export_call(&call);
     let prompt_list = PyList::new(py, &prompt)?;
     let completion_list = PyList::new(py, &completion)?;
     let pool =
         trace_dict::IntPool { columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())] };
-    let d = trace_dict::json_to_py_with(py, &text, keys, &pool)?;
-    d.set_item(intern!(py, "prompt_token_ids"), prompt_list)?;
-    d.set_item(intern!(py, "completion_token_ids"), completion_list)?;
-    if let (false, Some(lp)) = (verbatim, logprobs) {
-        d.set_item(intern!(py, "logprobs"), PyList::new(py, lp.iter().map(|&x| f64::from(x)))?)?;
+    let extra = match call.extra.as_deref() {
+        Some(text) => {
+            let text = String::from_utf8_lossy(text);
+            Some(trace_dict::json_to_py_with(py, &text, keys, &pool)?.cast_into::<PyDict>()?)
+        }
+        None => None,
+    };
+    // The keys of `extra` (sorted, as the export reads them), each with
+    // whether its value is null.
+    let mut extra_keys: Vec<(String, bool)> = Vec::new();
+    let mut order: Option<Vec<String>> = None;
+    if let Some(extra) = &extra {
+        for (k, v) in extra.iter() {
+            let k: String = k.extract()?;
+            if k == KEY_ORDER {
+                order = v.extract().ok();
+            }
+            extra_keys.push((k, v.is_none()));
+        }
+        extra_keys.sort_unstable_by(|a, b| a.0.cmp(&b.0));
     }
-    Ok(d)
+    // Verbatim logprobs in `extra` (not all float32) win over the column.
+    let verbatim = extra_keys.iter().any(|(k, null)| k == "logprobs" && !null);
+    if !verbatim {
+        call.logprobs = logprobs.as_ref().map(|_| Vec::new());
+    }
+    let listed: Vec<(&str, bool)> = extra_keys.iter().map(|(k, null)| (k.as_str(), *null)).collect();
+    let mut plan = export_plan(&call, &listed);
+    if let Some(order) = &order {
+        reorder(&mut plan, order);
+    }
+    let d = PyDict::new(py);
+    let doc = |keys: &mut trace_dict::KeyMemo<'py>, doc: &Option<Vec<u8>>| -> PyResult<Bound<'py, PyAny>> {
+        match doc {
+            Some(text) => trace_dict::json_to_py_with(py, &String::from_utf8_lossy(text), keys, &pool),
+            None => Ok(py.None().into_bound(py)),
+        }
+    };
+    for (name, from_extra) in plan {
+        let value: Bound<'py, PyAny> = if from_extra {
+            match extra.as_ref().map(|e| e.get_item(name)).transpose()?.flatten() {
+                Some(v) => v,
+                None => continue,
+            }
+        } else {
+            match name {
+                "trace_id" => call.trace_id.as_str().into_pyobject(py)?.into_any(),
+                "session_id" => call.session_id.as_str().into_pyobject(py)?.into_any(),
+                "session_uids" => PyList::new(py, &call.session_uids)?.into_any(),
+                "timestamp" => finite_or_none(py, call.timestamp),
+                "model" => call.model.as_deref().unwrap_or_default().into_pyobject(py)?.into_any(),
+                "weight_version" => call.weight_version.unwrap_or_default().into_pyobject(py)?.into_any(),
+                "prompt_token_ids" => prompt_list.clone().into_any(),
+                "completion_token_ids" => completion_list.clone().into_any(),
+                "logprobs" => PyList::new(py, logprobs.iter().flatten().map(|&x| f64::from(x)))?.into_any(),
+                "finish_reason" => call.finish_reason.as_deref().unwrap_or_default().into_pyobject(py)?.into_any(),
+                "latency_ms" => finite_or_none(py, call.latency_ms.unwrap_or_default()),
+                "messages" => doc(keys, &call.messages)?,
+                "response_message" => doc(keys, &call.response_message)?,
+                "metadata" => doc(keys, &call.metadata)?,
+                "routing_matrices" => {
+                    let r = call.routing_matrices.as_deref().unwrap_or_default();
+                    match std::str::from_utf8(r)
+                        .ok()
+                        .filter(|s| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok())
+                    {
+                        Some(json) => trace_dict::json_to_py_with(py, json, keys, &pool)?,
+                        None => PyList::new(py, r.iter().map(|&b| u32::from(b)))?.into_any(),
+                    }
+                }
+                _ => py.None().into_bound(py),
+            }
+        };
+        d.set_item(keys.key(py, name), value)?;
+    }
+    Ok(d.into_any())
+}
+
+/// A float of a column (`timestamp`, `latency_ms`) as the export writes it:
+/// `None` when not finite.
+fn finite_or_none(py: Python<'_>, v: f64) -> Bound<'_, PyAny> {
+    if v.is_finite() {
+        pyo3::types::PyFloat::new(py, v).into_any()
+    } else {
+        py.None().into_bound(py)
+    }
 }
 
 /// An SDK record as the Python side passes it to `append_sdk_batch`.
@@ -742,12 +822,17 @@ impl NativeStore {
         session_id: &str,
         since: Option<f64>,
         limit: Option<usize>,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    ) -> PyResult<Bound<'py, PyList>> {
         let store = self.get()?;
         let snap = store.snapshot();
         let calls = py.detach(|| snap.session_calls(session_id, since, limit)).map_err(to_py)?;
         let mut keys = trace_dict::KeyMemo::new();
-        gc_paused(py, || calls.into_iter().map(|c| call_dict_with(py, c, &mut keys)).collect())
+        // The list too is made while the collector is paused: its allocation
+        // would otherwise start a collection over every object just built.
+        gc_paused(py, || {
+            let dicts = calls.into_iter().map(|c| call_dict_with(py, c, &mut keys)).collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, dicts)
+        })
     }
 
     /// One Arrow C Data Interface record batch per call of the session

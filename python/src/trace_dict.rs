@@ -697,7 +697,7 @@ impl<'py> KeyMemo<'py> {
         KeyMemo { keys: Default::default() }
     }
 
-    fn key(&mut self, py: Python<'py>, k: &str) -> Bound<'py, PyString> {
+    pub(crate) fn key(&mut self, py: Python<'py>, k: &str) -> Bound<'py, PyString> {
         if let Some(s) = self.keys.get(k) {
             return s.clone();
         }
