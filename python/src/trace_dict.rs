@@ -227,10 +227,12 @@ fn write_dict(
     let (mut k, mut v) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut i = 0;
     while unsafe { ffi::PyDict_Next(dict.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
-        let key = unsafe { Borrowed::from_ptr(py, k) };
         if is_plain_leaf(v) {
+            let key = unsafe { Borrowed::from_ptr(py, k) };
             write_member(out, i, &key, &*unsafe { Borrowed::from_ptr(py, v) }, path, depth, keys)?;
         } else {
+            // Both held: the key names the path of a refusal inside the value.
+            let key = unsafe { Bound::from_borrowed_ptr(py, k) };
             let value = unsafe { Bound::from_borrowed_ptr(py, v) };
             write_member(out, i, &key, &value, path, depth, keys)?;
             if unsafe { ffi::PyDict_Size(dict.as_ptr()) } != size {
@@ -349,10 +351,15 @@ fn write_other(
         // A dict subclass (an `OrderedDict` after `move_to_end`) may order
         // its keys apart from the underlying dict: its `items()`, as
         // `json.dumps` takes them.
-        keys.clear(); // Python code runs
+        // Its `items()` may be Python code handing out objects made for the
+        // occasion and freed after: their keys are cached apart, for this
+        // dict's walk only, and what was cached before is dropped.
+        keys.clear();
+        let mut own = Keys::default();
         for (i, item) in dict.call_method0(intern!(obj.py(), "items"))?.try_iter()?.enumerate() {
             let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
-            write_member(out, i, &k, &v, path, depth, keys)?;
+            write_member(out, i, &k, &v, path, depth, &mut own)?;
+            own.clear();
         }
         out.push('}');
     } else {

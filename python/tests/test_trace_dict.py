@@ -321,3 +321,20 @@ def test_read_dicts_share_the_columns_int_objects_in_lists_of_their_own(tmp_path
             assert raw["other"] == [1000, 5, 90000, 1014]
             raw["prompt_token_ids"][0] = -1
             assert d["prompt_token_ids"][0] == 1000
+
+
+def test_a_dict_subclass_handing_out_fresh_keys_reads_back_with_its_keys(tmp_path):
+    """A dict subclass whose `items()` makes a new key object for each member
+    (freed once written, its address free for the next one) is written with
+    each member's own key: the walker's key cache never outlives a key."""
+
+    class Fresh(dict):
+        def items(self):
+            for k, v in super().items():
+                yield k.encode().decode(), v
+
+    metadata = [Fresh({f"key-{i}": {"inner": i, f"k{i}": [i]} for i in range(200)}),
+                Fresh({f"other-{i}": i for i in range(200)}), {"plain": 1}]
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append_trace({"trace_id": "t", "session_id": "s", "timestamp": 1.0, "metadata": metadata}, durable=True)
+        assert store.get("t").to_dict()["metadata"] == json.loads(json.dumps(metadata))
