@@ -178,10 +178,14 @@ fn write_list(
     let py = list.py();
     open(path, depth)?;
     out.push('[');
-    // SAFETY (the three blocks below): `list` is a live `list`, which
+    // SAFETY (the blocks below): `list` is a live `list`, which
     // PyList_Size and PyList_GetItem take; PyList_GetItem returns a borrowed
-    // reference to the item at an index below the length just read.
+    // reference to the item at an index below the length just read, whose
+    // type Py_TYPE reads, and PyLong_AsLongAndOverflow takes an exact int.
     let mut len = unsafe { ffi::PyList_Size(list.as_ptr()) };
+    // Room for a list of token ids (most of a trace's long lists) at once,
+    // up to 16 MiB.
+    out.reserve(usize::try_from(len).unwrap_or_default().saturating_mul(7).min(16 << 20));
     let mut i: ffi::Py_ssize_t = 0;
     while i < len {
         let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i) };
@@ -190,6 +194,17 @@ fn write_list(
         }
         if i > 0 {
             out.push(',');
+        }
+        // An exact int that fits 64 bits, written here (the ids of a list
+        // of token ids): no dispatch, no path.
+        if unsafe { ffi::Py_TYPE(item) } == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+            let mut overflow = 0;
+            let v = unsafe { ffi::PyLong_AsLongAndOverflow(item, &mut overflow) };
+            if overflow == 0 && (v != -1 || PyErr::take(py).is_none()) {
+                out.push_str(itoa::Buffer::new().format(v));
+                i += 1;
+                continue;
+            }
         }
         let at = Path::Index(path, i as usize);
         if is_plain_leaf(item) {
