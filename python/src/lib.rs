@@ -529,7 +529,7 @@ fn call_dict_with<'py>(
         trace_dict::IntPool { columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())] };
     let extra = match call.extra.as_deref() {
         Some(text) => {
-            let text = String::from_utf8_lossy(text);
+            let text = utf8(text);
             Some(trace_dict::json_to_py_with(py, &text, keys, &pool)?.cast_into::<PyDict>()?)
         }
         None => None,
@@ -561,7 +561,7 @@ fn call_dict_with<'py>(
     let d = PyDict::new(py);
     let doc = |keys: &mut trace_dict::KeyMemo<'py>, doc: &Option<Vec<u8>>| -> PyResult<Bound<'py, PyAny>> {
         match doc {
-            Some(text) => trace_dict::json_to_py_with(py, &String::from_utf8_lossy(text), keys, &pool),
+            Some(text) => trace_dict::json_to_py_with(py, &utf8(text), keys, &pool),
             None => Ok(py.None().into_bound(py)),
         }
     };
@@ -603,6 +603,16 @@ fn call_dict_with<'py>(
         d.set_item(keys.key(py, name), value)?;
     }
     Ok(d.into_any())
+}
+
+/// A stored document as text: in place when it is UTF-8 (always, as the
+/// writers make them), else with the invalid bytes replaced, as the export
+/// reads it.
+fn utf8(text: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(text) {
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => String::from_utf8_lossy(text),
+    }
 }
 
 /// A float of a column (`timestamp`, `latency_ms`) as the export writes it:

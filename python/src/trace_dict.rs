@@ -704,30 +704,41 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
 /// documents repeat a few keys thousands of times (`"token"`, `"logprob"`,
 /// `"bytes"` in every logprobs entry), and a shared key object is neither
 /// allocated, decoded nor hashed again (`json.loads` memoizes its keys
-/// too). Bounded: keys past `KEY_MEMO_MAX` or longer than
-/// `KEY_MEMO_KEY_BYTES` are made afresh.
+/// too). A direct-mapped cache of `KEY_MEMO_SLOTS` slots: a key whose slot
+/// holds another is made afresh and takes the slot, so a lookup is O(1)
+/// whatever the keys (no chains for colliding keys to grow), and keys longer
+/// than `KEY_MEMO_KEY_BYTES` are never kept.
 pub(crate) struct KeyMemo<'py> {
-    // SipHash (std's default): the keys are the stored documents' text.
-    keys: std::collections::HashMap<Box<str>, Bound<'py, PyString>>,
+    slots: Vec<Option<(Box<str>, Bound<'py, PyString>)>>,
 }
 
-const KEY_MEMO_MAX: usize = 4096;
+const KEY_MEMO_SLOTS: usize = 1024;
 const KEY_MEMO_KEY_BYTES: usize = 64;
 
 impl<'py> KeyMemo<'py> {
     pub(crate) fn new() -> Self {
-        KeyMemo { keys: Default::default() }
+        KeyMemo { slots: Vec::new() }
     }
 
     pub(crate) fn key(&mut self, py: Python<'py>, k: &str) -> Bound<'py, PyString> {
-        if let Some(s) = self.keys.get(k) {
-            return s.clone();
+        if k.len() > KEY_MEMO_KEY_BYTES {
+            return PyString::new(py, k);
         }
-        let s = PyString::new(py, k);
-        if k.len() <= KEY_MEMO_KEY_BYTES && self.keys.len() < KEY_MEMO_MAX {
-            self.keys.insert(k.into(), s.clone());
+        if self.slots.is_empty() {
+            self.slots.resize_with(KEY_MEMO_SLOTS, || None);
         }
-        s
+        // FNV-1a over the key's bytes, folded to a slot.
+        let hash = k.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let at = (hash ^ (hash >> 32)) as usize % KEY_MEMO_SLOTS;
+        let Some(slot) = self.slots.get_mut(at) else { return PyString::new(py, k) };
+        match slot {
+            Some((text, s)) if **text == *k => s.clone(),
+            _ => {
+                let s = PyString::new(py, k);
+                *slot = Some((k.into(), s.clone()));
+                s
+            }
+        }
     }
 }
 
