@@ -525,13 +525,15 @@ fn call_dict_with<'py>(
     let completion = std::mem::take(&mut call.completion_token_ids);
     let prompt_list = PyList::new(py, &prompt)?;
     let completion_list = PyList::new(py, &completion)?;
-    let pool =
-        trace_dict::IntPool { columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())] };
+    let logprobs_list = logprobs.as_ref().map(|lp| PyList::new(py, lp.iter().map(|&x| f64::from(x)))).transpose()?;
+    let pool = trace_dict::IntPool {
+        columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())],
+        logprobs: logprobs.as_deref().zip(logprobs_list.clone()),
+    };
+    // `extra` is a JSON object (the boundary check refuses anything else; an
+    // export would read it as no extra fields, and so does this).
     let extra = match call.extra.as_deref() {
-        Some(text) => {
-            let text = utf8(text);
-            Some(trace_dict::json_to_py_with(py, &text, keys, &pool)?.cast_into::<PyDict>()?)
-        }
+        Some(text) => trace_dict::json_to_py_with(py, &utf8(text), keys, &pool)?.cast_into::<PyDict>().ok(),
         None => None,
     };
     // The keys of `extra` (sorted, as the export reads them), each with
@@ -581,7 +583,10 @@ fn call_dict_with<'py>(
                 "weight_version" => call.weight_version.unwrap_or_default().into_pyobject(py)?.into_any(),
                 "prompt_token_ids" => prompt_list.clone().into_any(),
                 "completion_token_ids" => completion_list.clone().into_any(),
-                "logprobs" => PyList::new(py, logprobs.iter().flatten().map(|&x| f64::from(x)))?.into_any(),
+                "logprobs" => match &logprobs_list {
+                    Some(list) => list.clone().into_any(),
+                    None => PyList::empty(py).into_any(),
+                },
                 "finish_reason" => call.finish_reason.as_deref().unwrap_or_default().into_pyobject(py)?.into_any(),
                 "latency_ms" => finite_or_none(py, call.latency_ms.unwrap_or_default()),
                 "messages" => doc(keys, &call.messages)?,

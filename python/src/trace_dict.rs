@@ -742,15 +742,19 @@ impl<'py> KeyMemo<'py> {
     }
 }
 
-/// Int objects a document may share: the lists of a call's token columns
-/// (`prompt_token_ids`, `completion_token_ids`) with their values. An id at
+/// Number objects a document may share with a call's columns. An id at
 /// position `i` of any list of a document (`raw_response.prompt_token_ids`
-/// repeats the prompt) that equals the column's id at `i` is that column's
-/// int object, not a new one: ints are immutable, so one object of the
-/// value is as good as another, and thousands are neither allocated nor
-/// freed per call.
+/// repeats the prompt) that equals a token column's id at `i` is that
+/// column list's int object, and a float of the entry at position `i` of a
+/// list (`raw_response...logprobs.content[i].logprob`) with the bits of the
+/// logprob column's `i`-th value is that list's float object, not new ones:
+/// numbers are immutable, so one object of the value is as good as
+/// another, and thousands are neither allocated nor freed per call.
 pub(crate) struct IntPool<'a, 'py> {
+    /// The token columns with their lists.
     pub(crate) columns: Vec<(&'a [u32], Bound<'py, PyList>)>,
+    /// The logprob column (widened) with its list.
+    pub(crate) logprobs: Option<(&'a [f32], Bound<'py, PyList>)>,
 }
 
 impl<'py> IntPool<'_, 'py> {
@@ -762,13 +766,20 @@ impl<'py> IntPool<'_, 'py> {
         }
         self.columns.iter().find(|(ids, _)| ids.get(i).is_some_and(|&x| u64::from(x) == v))?.1.get_item(i).ok()
     }
+
+    /// The pooled float object with the bits of `v` at list position `i`, if any.
+    fn float(&self, i: usize, v: f64) -> Option<Bound<'py, PyAny>> {
+        let (values, list) = self.logprobs.as_ref()?;
+        let lp = values.get(i)?;
+        (f64::from(*lp).to_bits() == v.to_bits()).then(|| list.get_item(i).ok()).flatten()
+    }
 }
 
 /// Builds the Python object of one JSON value. `maybe_big` is set when a
 /// number could have been an integer beyond 64 bits (serde_json reads those
 /// as floats): the caller then parses the text with `json.loads` instead.
-/// `index`: the value's position in the list around it (`usize::MAX` when
-/// it is not in a list).
+/// `index`: the value's position in the list around it, or, for a member
+/// of an object, the object's (`usize::MAX` outside any list).
 #[derive(Clone, Copy)]
 struct PySeed<'a, 'py> {
     py: Python<'py>,
@@ -836,6 +847,9 @@ impl<'de, 'py> Visitor<'de> for PySeed<'_, 'py> {
         if v.fract() == 0.0 && v.abs() >= 9.2e18 {
             self.maybe_big.set(true);
         }
+        if let Some(shared) = self.pool.float(self.index, v) {
+            return Ok(shared);
+        }
         Ok(PyFloat::new(self.py, v).into_any())
     }
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
@@ -850,9 +864,9 @@ impl<'de, 'py> Visitor<'de> for PySeed<'_, 'py> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let dict = PyDict::new(self.py);
-        let seed = PySeed { index: usize::MAX, ..self };
-        while let Some(key) = map.next_key_seed(KeySeed(seed))? {
-            let value = map.next_value_seed(seed)?;
+        // Members take the object's position (a logprobs entry's `logprob`).
+        while let Some(key) = map.next_key_seed(KeySeed(self))? {
+            let value = map.next_value_seed(self)?;
             dict.set_item(key, value).map_err(de_err)?;
         }
         Ok(dict.into_any())

@@ -298,16 +298,20 @@ def test_a_document_changed_while_it_is_walked_reads_back_as_json_dumps_saw_it(t
 
 
 def test_read_dicts_share_the_columns_int_objects_in_lists_of_their_own(tmp_path):
-    """A read builds each token id once: `raw_response.prompt_token_ids`
+    """A read builds each token id and logprob once: `raw_response.prompt_token_ids`
     (and any other list of a document with the column's id at the same
-    position) holds the column list's int objects, while every list stays a
-    list of its own (changing one changes no other)."""
+    position) holds the column list's int objects, a logprobs entry the
+    column's float object, while every list stays a list of its own
+    (changing one changes no other)."""
     prompt = [1000 + 7 * i for i in range(300)]
     completion = [90000 + i for i in range(40)]
+    logprobs = f32_exact(random.Random(1), 40)
+    content = [{"token": "x", "logprob": lp, "bytes": [120]} for lp in logprobs]
+    content[3]["logprob"] = -0.25  # not the column's value: a float of its own
     trace = {"trace_id": "t", "session_id": "s", "timestamp": 1.0, "prompt_token_ids": prompt,
-             "completion_token_ids": completion, "logprobs": f32_exact(random.Random(1), 40),
-             "raw_response": {"prompt_token_ids": prompt, "choices": [{"token_ids": completion}],
-                              "other": [1000, 5, 90000, 1014]}}
+             "completion_token_ids": completion, "logprobs": logprobs,
+             "raw_response": {"prompt_token_ids": prompt, "choices": [{"token_ids": completion,
+                              "logprobs": {"content": content}}], "other": [1000, 5, 90000, 1014]}}
     with trajlog.Store(tmp_path / "s") as store:
         store.append_trace(trace, durable=True)
         for d in (store.get("t").to_dict(), store.session_dicts("s")[0]):
@@ -316,6 +320,9 @@ def test_read_dicts_share_the_columns_int_objects_in_lists_of_their_own(tmp_path
             assert raw["prompt_token_ids"] is not d["prompt_token_ids"]
             assert all(a is b for a, b in zip(raw["prompt_token_ids"], d["prompt_token_ids"]))
             assert all(a is b for a, b in zip(raw["choices"][0]["token_ids"], d["completion_token_ids"]))
+            read = raw["choices"][0]["logprobs"]["content"]
+            assert [e["logprob"] is lp for e, lp in zip(read, d["logprobs"])] == [i != 3 for i in range(40)]
+            assert read[3]["logprob"] == -0.25
             # Same value at the same position: shared; elsewhere: equal values.
             assert raw["other"][0] is d["prompt_token_ids"][0]
             assert raw["other"] == [1000, 5, 90000, 1014]
