@@ -272,8 +272,9 @@ def test_documents_are_written_as_json_dumps_writes_them(tmp_path):
 def test_a_document_changed_while_it_is_walked_reads_back_as_json_dumps_saw_it(tmp_path):
     """Python code run during the walk (a dict subclass's `items()`) may change
     the containers around it: a list is read to its new end, as `json.dumps`
-    reads it, and a dict that changes size is refused, as `json.dumps` refuses
-    it (RuntimeError), with nothing written."""
+    reads it, and a dict that changes size is refused (RuntimeError) with
+    nothing written, where `json.dumps` would write the members it saw first
+    (it copies a dict's items before it writes them)."""
 
     class Shrinks(dict):
         def items(self):
