@@ -1050,13 +1050,19 @@ mod py_float_tests {
         out
     }
 
+    /// 200,000 xorshift values from `seed`, with their positions.
+    fn xorshift(seed: u64) -> impl Iterator<Item = (u32, u64)> {
+        (0..200_000u32).scan(seed, |x, i| {
+            *x ^= *x << 13;
+            *x ^= *x >> 7;
+            *x ^= *x << 17;
+            Some((i, *x))
+        })
+    }
+
     #[test]
     fn the_fast_path_writes_what_both_passes_write() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for i in 0..200_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for (i, x) in xorshift(0x9e37_79b9_7f4a_7c15) {
             let v = if i % 2 == 0 { f64::from(f32::from_bits(x as u32)) } else { f64::from_bits(x) };
             if !v.is_finite() || v == 0.0 {
                 continue;
@@ -1067,11 +1073,7 @@ mod py_float_tests {
 
     #[test]
     fn the_positional_range_writes_what_both_passes_write() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        for i in 0..200_000u32 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for (i, x) in xorshift(0x2545_f491_4f6c_dd1d) {
             // Logprob-like float32 values, and f64 values spread over the
             // positional range's 20 decades and just around its bounds.
             let unit = (x >> 11) as f64 / (1u64 << 53) as f64;

@@ -526,7 +526,7 @@ fn call_dict_with<'py>(
     let prompt_list = PyList::new(py, &prompt)?;
     let completion_list = PyList::new(py, &completion)?;
     let logprobs_list = logprobs.as_ref().map(|lp| PyList::new(py, lp.iter().map(|&x| f64::from(x)))).transpose()?;
-    let pool = trace_dict::IntPool {
+    let pool = trace_dict::NumberPool {
         columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())],
         logprobs: logprobs.as_deref().zip(logprobs_list.clone()),
     };

@@ -197,14 +197,9 @@ fn write_list(
         }
         // An exact int that fits 64 bits, written here (the ids of a list
         // of token ids): no dispatch, no path.
-        if unsafe { ffi::Py_TYPE(item) } == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
-            let mut overflow = 0;
-            let v = unsafe { ffi::PyLong_AsLongAndOverflow(item, &mut overflow) };
-            if overflow == 0 && (v != -1 || PyErr::take(py).is_none()) {
-                out.push_str(itoa::Buffer::new().format(v));
-                i += 1;
-                continue;
-            }
+        if unsafe { ffi::Py_TYPE(item) } == std::ptr::addr_of_mut!(ffi::PyLong_Type) && write_int(out, py, item) {
+            i += 1;
+            continue;
         }
         let at = Path::Index(path, i as usize);
         if is_plain_leaf(item) {
@@ -282,28 +277,63 @@ fn write_value_with(
         return Ok(());
     }
     if ty == std::ptr::addr_of_mut!(ffi::PyLong_Type) {
-        let mut overflow = 0;
-        // SAFETY: an exact `int`; -1 with an overflow flag, or -1 with an
-        // exception set (not expected for an int), is handled below.
-        let v = unsafe { ffi::PyLong_AsLongAndOverflow(ptr, &mut overflow) };
-        if overflow == 0 && (v != -1 || PyErr::take(obj.py()).is_none()) {
-            out.push_str(itoa::Buffer::new().format(v));
+        if write_int(out, obj.py(), ptr) {
             return Ok(());
         }
     } else if ty == std::ptr::addr_of_mut!(ffi::PyFloat_Type) {
         // SAFETY: an exact `float`, whose value PyFloat_AsDouble reads without failing.
-        let v = unsafe { ffi::PyFloat_AsDouble(ptr) };
-        if !v.is_finite() {
-            return Err(refuse(path, format!("{} is not a finite number; JSON has no NaN or Infinity", repr(obj))));
-        }
-        write_float(out, v);
-        return Ok(());
+        return write_finite(out, obj, path, unsafe { ffi::PyFloat_AsDouble(ptr) });
     } else if ty == std::ptr::addr_of_mut!(ffi::PyList_Type) {
         return write_list(out, obj, path, depth, keys);
     } else if ty == std::ptr::addr_of_mut!(ffi::PyDict_Type) {
         return write_dict(out, obj, path, depth, keys);
     }
     write_other(out, obj, path, depth, keys)
+}
+
+/// Write the exact `int` `item` if it fits 64 bits; false (nothing
+/// written) for a bigger one, which the general path writes.
+fn write_int(out: &mut String, py: Python<'_>, item: *mut ffi::PyObject) -> bool {
+    let mut overflow = 0;
+    // SAFETY: the caller checked that `item` is a live exact `int`; -1 with
+    // an overflow flag, or -1 with an exception set (not expected for an
+    // int), is handled below.
+    let v = unsafe { ffi::PyLong_AsLongAndOverflow(item, &mut overflow) };
+    if overflow == 0 && (v != -1 || PyErr::take(py).is_none()) {
+        out.push_str(itoa::Buffer::new().format(v));
+        return true;
+    }
+    false
+}
+
+/// Write the float value `v` of `obj`, or refuse it when not finite.
+fn write_finite(out: &mut String, obj: &Bound<'_, PyAny>, path: &Path<'_>, v: f64) -> PyResult<()> {
+    if !v.is_finite() {
+        return Err(refuse(path, format!("{} is not a finite number; JSON has no NaN or Infinity", repr(obj))));
+    }
+    write_float(out, v);
+    Ok(())
+}
+
+/// Write the items of a list or tuple (a subclass's own storage, as
+/// `json.dumps` reads it) as a JSON array.
+fn write_items<'py>(
+    out: &mut String,
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    path: &Path<'_>,
+    depth: usize,
+    keys: &mut Keys,
+) -> PyResult<()> {
+    open(path, depth)?;
+    out.push('[');
+    for (i, item) in items.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        write_value_with(out, &item, &Path::Index(path, i), depth + 1, keys)?;
+    }
+    out.push(']');
+    Ok(())
 }
 
 /// Serialize what is not one of the exact types `write_value_with` writes
@@ -335,31 +365,11 @@ fn write_other(
             }
         }
     } else if let Ok(f) = obj.cast::<PyFloat>() {
-        let v = f.value();
-        if !v.is_finite() {
-            return Err(refuse(path, format!("{} is not a finite number; JSON has no NaN or Infinity", repr(obj))));
-        }
-        write_float(out, v);
+        write_finite(out, obj, path, f.value())?;
     } else if let Ok(list) = obj.cast::<PyList>() {
-        open(path, depth)?;
-        out.push('[');
-        for (i, item) in list.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            write_value_with(out, &item, &Path::Index(path, i), depth + 1, keys)?;
-        }
-        out.push(']');
+        write_items(out, list.iter(), path, depth, keys)?;
     } else if let Ok(tuple) = obj.cast::<PyTuple>() {
-        open(path, depth)?;
-        out.push('[');
-        for (i, item) in tuple.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            write_value_with(out, &item, &Path::Index(path, i), depth + 1, keys)?;
-        }
-        out.push(']');
+        write_items(out, tuple.iter(), path, depth, keys)?;
     } else if let Ok(dict) = obj.cast::<PyDict>() {
         open(path, depth)?;
         out.push('{');
@@ -750,14 +760,14 @@ impl<'py> KeyMemo<'py> {
 /// logprob column's `i`-th value is that list's float object, not new ones:
 /// numbers are immutable, so one object of the value is as good as
 /// another, and thousands are neither allocated nor freed per call.
-pub(crate) struct IntPool<'a, 'py> {
+pub(crate) struct NumberPool<'a, 'py> {
     /// The token columns with their lists.
     pub(crate) columns: Vec<(&'a [u32], Bound<'py, PyList>)>,
     /// The logprob column (widened) with its list.
     pub(crate) logprobs: Option<(&'a [f32], Bound<'py, PyList>)>,
 }
 
-impl<'py> IntPool<'_, 'py> {
+impl<'py> NumberPool<'_, 'py> {
     /// The pooled int object of value `v` at list position `i`, if any.
     fn get(&self, i: usize, v: u64) -> Option<Bound<'py, PyAny>> {
         // CPython keeps its own objects of -5..=256.
@@ -785,7 +795,7 @@ struct PySeed<'a, 'py> {
     py: Python<'py>,
     maybe_big: &'a Cell<bool>,
     keys: &'a std::cell::RefCell<&'a mut KeyMemo<'py>>,
-    pool: &'a IntPool<'a, 'py>,
+    pool: &'a NumberPool<'a, 'py>,
     index: usize,
 }
 
@@ -880,7 +890,7 @@ pub(crate) fn json_to_py_with<'py>(
     py: Python<'py>,
     text: &str,
     keys: &mut KeyMemo<'py>,
-    pool: &IntPool<'_, 'py>,
+    pool: &NumberPool<'_, 'py>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let maybe_big = Cell::new(false);
     let keys = std::cell::RefCell::new(keys);
