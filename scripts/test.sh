@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # plain in the log: CI's whole run should stay well under 40 minutes.
 step() { printf '\n== %s (%s GB free, %d s into the run)\n' "$*" "$(free_gb)" "$SECONDS"; }
 free_gb() { df -Pk . | awk 'NR==2 {printf "%d", $4 / 1024 / 1024}'; }
-# The whole run builds a debug, a release and a fuzz target tree plus a venv
+# The whole run builds a debug and a fuzz target tree, the wheel, and a venv
 # (about 8 GB with torch). Say what the disk holds, so that a full disk is
 # plain in the log, and name the disk when a step fails.
 trap 'echo "error: a step failed; the disk now has $(free_gb) GB free" >&2' ERR
@@ -34,9 +34,19 @@ fi
 step "tests (unit, property, recovery, crash, integration, doc; every crate)"
 cargo test --workspace --locked
 
+# The steps below run the CLI and `trajlog serve` from the binary that step
+# built (the test profile, opt-level 1), rather than a release build of every
+# crate again (~7 minutes here). The benches are compiled in that profile too:
+# it links them against the dependencies already built.
+step "benches compile (test profile)"
+cargo test --workspace --locked --benches --no-run
+bin_dir="$PWD/target/ci-bin"
+mkdir -p "$bin_dir"
+cp target/debug/trajlog "$bin_dir/trajlog"
+export TRAJLOG_BIN="$bin_dir/trajlog"
 # The debug tree is not used again below. Where the disk is short, it goes, so
-# that the release, fuzz and Python builds have room (a local rerun then builds
-# it again).
+# that the fuzz and Python builds have room (a local rerun then builds it
+# again).
 if [ "$(free_gb)" -lt 20 ]; then
     echo "disk: $(free_gb) GB free; removing target/debug (not needed by the steps below)"
     rm -rf target/debug
@@ -45,11 +55,7 @@ fi
 step "fuzz (each target ${FUZZ_SECONDS:-10} s over its seed corpus; stable toolchain)"
 FUZZ_SECONDS="${FUZZ_SECONDS:-10}" bash scripts/fuzz.sh
 
-step "benches compile"
-cargo bench --workspace --locked --no-run
-
 step "python tests (the binding; pyarrow, DuckDB, HF datasets read the shards)"
-cargo build --release --locked --quiet
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import pytest, pyarrow, duckdb, datasets, numpy, aiosqlite, fastapi, uvicorn, httpx, openai, pytest_asyncio, yaml" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet --no-cache-dir --upgrade pip
@@ -73,18 +79,18 @@ fi
 # The Python package, built and installed the way users do it (maturin via pip).
 .venv/bin/pip install --quiet ./python
 # pytest exits 5 when it collected no test: that is a failure here too.
-TRAJLOG_BIN="$PWD/target/release/trajlog" .venv/bin/python -m pytest -q tests/python python/tests
+.venv/bin/python -m pytest -q tests/python python/tests
 
 step "rLLM's model-gateway tests, unchanged, against trajlog serve (compat/)"
 bash compat/run-rllm-suite.sh
 
-step "bench-gateway smoke run (release)"
-target/release/trajlog bench-gateway --sessions 2 --turns 2 --calls 8
+step "bench-gateway smoke run"
+"$TRAJLOG_BIN" bench-gateway --sessions 2 --turns 2 --calls 8
 
-step "demo smoke run (release)"
+step "demo smoke run"
 demo_dir="$(mktemp -d)/store"
-cargo run --release --locked --quiet -- demo --dir "$demo_dir" --sessions 16 --steps 6
-cargo run --release --locked --quiet -- verify --store "$demo_dir"
+"$TRAJLOG_BIN" demo --dir "$demo_dir" --sessions 16 --steps 6
+"$TRAJLOG_BIN" verify --store "$demo_dir"
 rm -rf "$(dirname "$demo_dir")"
 
 echo
