@@ -45,7 +45,11 @@ import tempfile
 import time
 import uuid
 
-import numpy as np
+# numpy's OpenBLAS threads spin after start-up and took ~2% of this 2-core
+# machine's samples; nothing here uses BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 import trajlog
 from trajlog.rllm import TrajlogTraceStore

@@ -33,7 +33,15 @@ pub fn record_decode(data: &[u8]) {
                 logprobs: rec.logprobs,
                 parent: None,
             };
-            let _ = crate::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
+            let resolved = crate::format::docs::open(d.block, d.present).and_then(|b| b.resolve(&cols));
+            // The template path checks what `resolve` checks, and renders
+            // what it renders.
+            let spliced = crate::format::docs::open(d.block, d.present).and_then(|b| b.resolve_but_extra(&cols));
+            assert_eq!(resolved.is_ok(), spliced.is_ok(), "resolve and resolve_but_extra disagree");
+            if let (Ok(docs), Ok((rest, Some(t)))) = (&resolved, &spliced) {
+                let text = t.render(rec.prompt_suffix, rec.completion, rec.logprobs, rest.messages.as_deref());
+                assert_eq!(text.ok().as_ref(), docs.extra.as_ref(), "a template renders other text");
+            }
         }
     }
     let _ = record::decode_annotation(bytes);

@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 pub use crate::format::docs::Docs;
-use crate::format::docs::{self, Columns};
+use crate::format::docs::{self, Columns, Spliced};
 use crate::format::record::{decode_call, CallRecord, Loc, Relation};
 use crate::index::Index;
 use crate::limits::MESSAGES_DELTA_DEPTH_MAX;
@@ -199,19 +199,28 @@ impl<'a> CallView<'a> {
         self.to_call_with_prompt(self.prompt()?)
     }
 
-    /// [`CallView::to_call`] with the full prompt already materialized.
-    pub(crate) fn to_call_with_prompt(&self, prompt: Vec<u32>) -> Result<Call> {
-        self.to_call_in(prompt, &Contexts::default())
+    /// [`CallView::to_call`], with `extra` left as a checked template
+    /// ([`Spliced`]) when the call keeps it in a docs block (the call's
+    /// `extra` is then `None`); see [`Snapshot::session_calls_spliced`].
+    pub fn to_call_spliced(&self) -> Result<(Call, Option<Spliced>)> {
+        let prompt = self.prompt()?;
+        let (docs, spliced) = self.resolve_docs(Some(&prompt), &Contexts::default(), Resolve::ButExtra, 0)?;
+        Ok((self.call_with_columns(docs, prompt), spliced))
     }
 
-    /// [`CallView::to_call_with_prompt`], taking a messages-delta parent's
-    /// documents from `ctx` when it has them.
-    pub(crate) fn to_call_in(&self, prompt: Vec<u32>, ctx: &Contexts) -> Result<Call> {
-        let mut call = self.call_with_docs(self.docs_in(Some(&prompt), ctx)?);
+    /// [`CallView::to_call`] with the full prompt already materialized.
+    pub(crate) fn to_call_with_prompt(&self, prompt: Vec<u32>) -> Result<Call> {
+        let (docs, _) = self.resolve_docs(Some(&prompt), &Contexts::default(), Resolve::All, 0)?;
+        Ok(self.call_with_columns(docs, prompt))
+    }
+
+    /// The call with its documents and its columns (`prompt` materialized).
+    fn call_with_columns(&self, docs: Docs, prompt: Vec<u32>) -> Call {
+        let mut call = self.call_with_docs(docs);
         call.prompt_token_ids = prompt;
         call.completion_token_ids = self.record.completion.to_vec();
         call.logprobs = self.record.logprobs.map(<[f32]>::to_vec);
-        Ok(call)
+        call
     }
 
     /// The call's four JSON documents (`messages`, `response_message`,
@@ -226,20 +235,28 @@ impl<'a> CallView<'a> {
     /// [`CallView::docs`] with the full prompt when the caller has it, and a
     /// messages-delta parent's documents from `ctx` when it has them.
     pub(crate) fn docs_in(&self, prompt: Option<&[u32]>, ctx: &Contexts) -> Result<Docs> {
-        self.resolve_docs(prompt, ctx, false, 0)
+        Ok(self.resolve_docs(prompt, ctx, Resolve::All, 0)?.0)
     }
 
-    /// The documents (`chat_only`: `messages` and `response_message` only),
-    /// `depth` ancestors below the call being read.
-    fn resolve_docs(&self, prompt: Option<&[u32]>, ctx: &Contexts, chat_only: bool, depth: u32) -> Result<Docs> {
+    /// The documents (see [`Resolve`]), `depth` ancestors below the call
+    /// being read.
+    fn resolve_docs(
+        &self,
+        prompt: Option<&[u32]>,
+        ctx: &Contexts,
+        mode: Resolve,
+        depth: u32,
+    ) -> Result<(Docs, Option<Spliced>)> {
         let r = &self.record;
+        let chat_only = mode == Resolve::Chat;
         let Some(d) = r.docs else {
-            return Ok(Docs {
+            let docs = Docs {
                 messages: r.messages.map(<[u8]>::to_vec),
                 response_message: r.response_message.map(<[u8]>::to_vec),
                 metadata: r.metadata.map(<[u8]>::to_vec),
                 extra: r.extra.map(<[u8]>::to_vec),
-            });
+            };
+            return Ok((docs, None));
         };
         let corrupt = |e: crate::format::DecodeError| match self.snapshot.segment(self.loc.segment) {
             Ok(seg) => Error::corrupt(seg.path.as_path(), self.loc.offset, format!("docs block: {}", e.what)),
@@ -274,7 +291,7 @@ impl<'a> CallView<'a> {
                         return Err(self.snapshot.corrupt(self, "parent is not an earlier record"));
                     }
                     let parent = self.snapshot.call_at(loc)?;
-                    resolved = parent.resolve_docs(None, ctx, true, depth + 1)?;
+                    resolved = parent.resolve_docs(None, ctx, Resolve::Chat, depth + 1)?.0;
                     Some(&resolved)
                 }
             },
@@ -283,7 +300,12 @@ impl<'a> CallView<'a> {
             Some(docs::Parent { messages: p.messages.as_deref()?, response_message: p.response_message.as_deref() })
         });
         let cols = Columns { prompt, completion: r.completion, logprobs: r.logprobs, parent };
-        if chat_only { block.resolve_chat(&cols) } else { block.resolve(&cols) }.map_err(corrupt)
+        match mode {
+            Resolve::All => block.resolve(&cols).map(|d| (d, None)),
+            Resolve::Chat => block.resolve_chat(&cols).map(|d| (d, None)),
+            Resolve::ButExtra => block.resolve_but_extra(&cols),
+        }
+        .map_err(corrupt)
     }
 
     /// An owned copy of everything but the token ids and logprobs (empty;
@@ -495,15 +517,40 @@ impl Snapshot {
     /// before (a window's first call walks its chain once): O(session tokens),
     /// where `to_call` on each view walks every call's chain.
     pub fn session_calls(&self, session_id: &str, since: Option<f64>, limit: Option<usize>) -> Result<Vec<Call>> {
+        Ok(self.session_calls_in(session_id, since, limit, Resolve::All)?.into_iter().map(|(c, _)| c).collect())
+    }
+
+    /// [`Snapshot::session_calls`], each call with its `extra` left as a
+    /// checked template ([`Spliced`]) when the call keeps it in a docs block
+    /// (the call's `extra` is then `None`): for a reader that builds the
+    /// values of `extra`'s copies of the columns straight from the columns
+    /// (the Python binding's dicts) instead of parsing their text.
+    pub fn session_calls_spliced(
+        &self,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+    ) -> Result<Vec<(Call, Option<Spliced>)>> {
+        self.session_calls_in(session_id, since, limit, Resolve::ButExtra)
+    }
+
+    fn session_calls_in(
+        &self,
+        session_id: &str,
+        since: Option<f64>,
+        limit: Option<usize>,
+        mode: Resolve,
+    ) -> Result<Vec<(Call, Option<Spliced>)>> {
         let mut ctx = Contexts::default();
         self.session(session_id, since, limit)?
             .iter()
             .map(|v| {
                 let prompt = ctx.prompt(v)?;
                 ctx.remember(v.loc, &prompt, v.completion_token_ids());
-                let call = v.to_call_in(prompt, &ctx)?;
+                let (docs, spliced) = v.resolve_docs(Some(&prompt), &ctx, mode, 0)?;
+                let call = v.call_with_columns(docs, prompt);
                 ctx.remember_chat(v.loc, &call.messages, &call.response_message);
-                Ok(call)
+                Ok((call, spliced))
             })
             .collect()
     }
@@ -1112,6 +1159,17 @@ impl Snapshot {
             self.view.segments.get(&call.loc.segment).map(|s| s.path.as_path().to_path_buf()).unwrap_or_default();
         Error::corrupt(path, call.loc.offset, what)
     }
+}
+
+/// Which documents [`CallView`] renders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resolve {
+    /// All four.
+    All,
+    /// `messages` and `response_message` (what a child's messages delta needs).
+    Chat,
+    /// All but `extra`, left as a [`Spliced`] template when it is in a docs block.
+    ButExtra,
 }
 
 /// Recent contexts (`prompt ++ completion`) of a session being read in order,

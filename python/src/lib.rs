@@ -10,6 +10,7 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyTuple};
 use std::sync::Arc;
 
 mod arrow_export;
+mod holes;
 mod trace_dict;
 
 use trajlog::rllm::SdkTrace;
@@ -451,8 +452,8 @@ impl Call {
     /// as the exact float32 values, or as given when they were not all
     /// float32), built here from the stored JSON documents.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let call = view(self.snap.get(), &self.trace_id)?.to_call().map_err(to_py)?;
-        gc_paused(py, || call_dict(py, call))
+        let (call, spliced) = view(self.snap.get(), &self.trace_id)?.to_call_spliced().map_err(to_py)?;
+        gc_paused(py, || call_dict_with(py, call, spliced, &mut trace_dict::KeyMemo::new()))
     }
 
     /// The gateway-shaped trace as JSON text (logprobs kept verbatim beside
@@ -503,20 +504,20 @@ fn gc_paused<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> 
 
 /// A stored call as the gateway-shaped trace dict `Call.to_dict()` returns:
 /// ids as ints, logprobs as the exact float32 values (or, when the trace
-/// kept them verbatim beside the column, as given).
-fn call_dict(py: Python<'_>, call: RCall) -> PyResult<Bound<'_, PyAny>> {
-    call_dict_with(py, call, &mut trace_dict::KeyMemo::new())
-}
-
-/// [`call_dict`] with dict keys shared through `keys` (a session's calls).
+/// kept them verbatim beside the column, as given); dict keys shared through
+/// `keys` (a session's calls).
 ///
 /// The dict is built key by key in the order `trace_json::export_call`
 /// writes them (its plan, or the trace's own order kept in `extra`): the
 /// columns straight from the call, each document parsed once, and `extra`
 /// parsed once into the values of its keys — no export text in between.
+///
+/// `spliced`: `extra` as its docs-block template (`call.extra` is then
+/// `None`), whose copies of the columns are made from the columns' lists.
 fn call_dict_with<'py>(
     py: Python<'py>,
     mut call: RCall,
+    spliced: Option<trajlog::Spliced>,
     keys: &mut trace_dict::KeyMemo<'py>,
 ) -> PyResult<Bound<'py, PyAny>> {
     use trajlog::trace_json::{export_plan, reorder, KEY_ORDER};
@@ -530,12 +531,41 @@ fn call_dict_with<'py>(
         columns: vec![(&prompt, prompt_list.clone()), (&completion, completion_list.clone())],
         logprobs: logprobs.as_deref().zip(logprobs_list.clone()),
     };
+    let doc = |keys: &mut trace_dict::KeyMemo<'py>, doc: &Option<Vec<u8>>| -> PyResult<Bound<'py, PyAny>> {
+        match doc {
+            Some(text) => trace_dict::json_to_py_with(py, &utf8(text), keys, &pool),
+            None => Ok(py.None().into_bound(py)),
+        }
+    };
+    // `messages`, once built (its copy in `extra` is a copy of it).
+    let mut messages: Option<Bound<'py, PyAny>> = None;
     // `extra` is a JSON object (the boundary check refuses anything else; an
     // export would read it as no extra fields, and so does this).
-    let extra = match call.extra.as_deref() {
-        Some(text) => trace_dict::json_to_py_with(py, &utf8(text), keys, &pool)?.cast_into::<PyDict>().ok(),
-        None => None,
-    };
+    let extra = match (call.extra.as_deref(), &spliced) {
+        (Some(text), _) => Some(trace_dict::json_to_py_with(py, &utf8(text), keys, &pool)?),
+        (None, Some(spliced)) => {
+            if spliced.holes.iter().any(|(_, h)| *h == trajlog::Hole::Messages) && messages.is_none() {
+                messages = Some(doc(keys, &call.messages)?);
+            }
+            let src = holes::Sources {
+                prompt: &prompt_list,
+                completion: &completion_list,
+                logprobs: logprobs_list.as_ref(),
+                messages: messages.as_ref(),
+            };
+            match holes::build(py, spliced, &src, keys, &pool)? {
+                Some(v) => Some(v),
+                None => {
+                    let text = spliced
+                        .render(&prompt, &completion, logprobs.as_deref(), call.messages.as_deref())
+                        .map_err(|e| py_error("CorruptError", format!("extra of trace {:?}: {e}", call.trace_id)))?;
+                    Some(trace_dict::json_to_py_with(py, &utf8(&text), keys, &pool)?)
+                }
+            }
+        }
+        (None, None) => None,
+    }
+    .and_then(|v| v.cast_into::<PyDict>().ok());
     // The keys of `extra` (sorted, as the export reads them), each with
     // whether its value is null.
     let mut extra_keys: Vec<(String, bool)> = Vec::new();
@@ -561,12 +591,6 @@ fn call_dict_with<'py>(
         reorder(&mut plan, order);
     }
     let d = PyDict::new(py);
-    let doc = |keys: &mut trace_dict::KeyMemo<'py>, doc: &Option<Vec<u8>>| -> PyResult<Bound<'py, PyAny>> {
-        match doc {
-            Some(text) => trace_dict::json_to_py_with(py, &utf8(text), keys, &pool),
-            None => Ok(py.None().into_bound(py)),
-        }
-    };
     for (name, from_extra) in plan {
         let value: Bound<'py, PyAny> = if from_extra {
             match extra.as_ref().map(|e| e.get_item(name)).transpose()?.flatten() {
@@ -589,7 +613,10 @@ fn call_dict_with<'py>(
                 },
                 "finish_reason" => call.finish_reason.as_deref().unwrap_or_default().into_pyobject(py)?.into_any(),
                 "latency_ms" => finite_or_none(py, call.latency_ms.unwrap_or_default()),
-                "messages" => doc(keys, &call.messages)?,
+                "messages" => match messages.take() {
+                    Some(m) => m,
+                    None => doc(keys, &call.messages)?,
+                },
                 "response_message" => doc(keys, &call.response_message)?,
                 "metadata" => doc(keys, &call.metadata)?,
                 "routing_matrices" => {
@@ -840,12 +867,15 @@ impl NativeStore {
     ) -> PyResult<Bound<'py, PyList>> {
         let store = self.get()?;
         let snap = store.snapshot();
-        let calls = py.detach(|| snap.session_calls(session_id, since, limit)).map_err(to_py)?;
+        let calls = py.detach(|| snap.session_calls_spliced(session_id, since, limit)).map_err(to_py)?;
         let mut keys = trace_dict::KeyMemo::new();
         // The list too is made while the collector is paused: its allocation
         // would otherwise start a collection over every object just built.
         gc_paused(py, || {
-            let dicts = calls.into_iter().map(|c| call_dict_with(py, c, &mut keys)).collect::<PyResult<Vec<_>>>()?;
+            let dicts = calls
+                .into_iter()
+                .map(|(c, spliced)| call_dict_with(py, c, spliced, &mut keys))
+                .collect::<PyResult<Vec<_>>>()?;
             PyList::new(py, dicts)
         })
     }

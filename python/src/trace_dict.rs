@@ -769,7 +769,7 @@ pub(crate) struct NumberPool<'a, 'py> {
 
 impl<'py> NumberPool<'_, 'py> {
     /// The pooled int object of value `v` at list position `i`, if any.
-    fn get(&self, i: usize, v: u64) -> Option<Bound<'py, PyAny>> {
+    pub(crate) fn get(&self, i: usize, v: u64) -> Option<Bound<'py, PyAny>> {
         // CPython keeps its own objects of -5..=256.
         if v <= 256 {
             return None;
@@ -778,7 +778,7 @@ impl<'py> NumberPool<'_, 'py> {
     }
 
     /// The pooled float object with the bits of `v` at list position `i`, if any.
-    fn float(&self, i: usize, v: f64) -> Option<Bound<'py, PyAny>> {
+    pub(crate) fn float(&self, i: usize, v: f64) -> Option<Bound<'py, PyAny>> {
         let (values, list) = self.logprobs.as_ref()?;
         let lp = values.get(i)?;
         (f64::from(*lp).to_bits() == v.to_bits()).then(|| list.get_item(i).ok()).flatten()

@@ -645,88 +645,238 @@ impl Block {
     fn resolve_fields(&self, cols: &Columns<'_>, fields: usize) -> Result<Docs, DecodeError> {
         let mut docs = Docs::default();
         let mut total = 0usize;
-        let mut scratch = String::new();
         for (field, text_range, splice_range) in self.docs.iter().filter(|(f, _, _)| *f < fields) {
             let text = self.payload.get(text_range.clone()).unwrap_or_default();
-            let mut out = Vec::with_capacity(text.len());
-            let mut pos = 0;
-            for splice in self.splices(splice_range) {
-                let s = splice?;
-                let err = |what: String| DecodeError::new(splice_range.start, format!("docs: {what}"));
-                if matches!(
-                    s.reference,
-                    REF_PROMPT | REF_COMPLETION | REF_MESSAGES | REF_PARENT_MESSAGES | REF_PARENT_RESPONSE
-                ) && s.arg != 0
-                {
-                    return Err(err(format!("splice reference {} with argument {}", s.reference, s.arg)));
-                }
-                if s.offset < pos || s.offset > text.len() {
-                    return Err(err(format!("splice offset {} out of order or past the text", s.offset)));
-                }
-                out.extend_from_slice(text.get(pos..s.offset).unwrap_or_default());
-                pos = s.offset;
-                scratch.clear();
-                match (s.reference, s.style) {
-                    (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
-                        let prompt = cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
-                        write_list(&mut out, prompt.iter().copied(), s.style);
-                    }
-                    (REF_COMPLETION, LIST_COMPACT | LIST_SPACED) => {
-                        write_list(&mut out, cols.completion.iter().copied(), s.style)
-                    }
-                    (REF_LOGPROB, FLOAT_PYTHON) => {
-                        let v = cols
-                            .logprobs
-                            .and_then(|lp| lp.get(s.arg as usize))
-                            .ok_or_else(|| err(format!("logprob {} is not in the column", s.arg)))?;
-                        write_py_float(&mut scratch, f64::from(*v));
-                    }
-                    (REF_TOKEN_BYTES, LIST_COMPACT | LIST_SPACED) => {
-                        let token = s
-                            .offset
-                            .checked_sub(s.arg as usize)
-                            .and_then(|at| string_value(text, at))
-                            .ok_or_else(|| err("the token of a bytes splice is not a string".into()))?;
-                        write_list(&mut out, token.bytes().map(u32::from), s.style);
-                    }
-                    (REF_MESSAGES, 0) => {
-                        let messages = docs
-                            .messages
-                            .as_deref()
-                            .filter(|_| *field == DOC_EXTRA)
-                            .ok_or_else(|| err("a messages splice without messages".into()))?;
-                        out.extend_from_slice(messages);
-                    }
-                    (REF_PARENT_MESSAGES, 0) if *field == 0 => {
-                        let parent = cols.parent.ok_or_else(|| err("the parent's documents are needed".into()))?;
-                        let history = parent
-                            .messages
-                            .split_last()
-                            .map(|(_, h)| h)
-                            .ok_or_else(|| err("the parent's messages are empty".into()))?;
-                        out.extend_from_slice(history);
-                    }
-                    (REF_PARENT_RESPONSE, 0) if *field == 0 => {
-                        let response = cols
-                            .parent
-                            .ok_or_else(|| err("the parent's documents are needed".into()))?
-                            .response_message
-                            .ok_or_else(|| err("the parent has no response_message".into()))?;
-                        out.extend_from_slice(response);
-                    }
-                    (r, st) => return Err(err(format!("unknown splice reference {r} style {st}"))),
-                }
-                out.extend_from_slice(scratch.as_bytes());
-                if total + out.len() > JSON_BYTES_PER_CALL_MAX as usize {
-                    return Err(err(format!("documents over their limit {JSON_BYTES_PER_CALL_MAX}")));
-                }
-            }
-            out.extend_from_slice(text.get(pos..).unwrap_or_default());
+            let holes = self.holes(*field, text, splice_range, cols, docs.messages.is_some())?;
+            let limit = (JSON_BYTES_PER_CALL_MAX as usize).saturating_sub(total);
+            let out = render(text, &holes, cols, docs.messages.as_deref(), limit)
+                .map_err(|what| DecodeError::new(splice_range.start, format!("docs: {what}")))?;
             total += out.len();
             *docs.slot(*field) = Some(out);
         }
         Ok(docs)
     }
+
+    /// Render `messages`, `response_message` and `metadata`, and leave
+    /// `extra` as its template with its splices checked (a [`Spliced`]) for a
+    /// reader that builds its values straight from the columns rather than
+    /// from their text. `extra` is rendered too (and `None` returned) when
+    /// its rendering could pass the documents' limit: [`Block::resolve`]
+    /// then gives the verdict.
+    pub fn resolve_but_extra(self, cols: &Columns<'_>) -> Result<(Docs, Option<Spliced>), DecodeError> {
+        let mut docs = self.resolve_fields(cols, DOC_EXTRA)?;
+        let Some((_, text_range, splice_range)) = self.docs.iter().find(|(f, _, _)| *f == DOC_EXTRA).cloned() else {
+            return Ok((docs, None));
+        };
+        let text = self.payload.get(text_range.clone()).unwrap_or_default();
+        let holes = self.holes(DOC_EXTRA, text, &splice_range, cols, docs.messages.is_some())?;
+        let used: usize = [&docs.messages, &docs.response_message, &docs.metadata]
+            .iter()
+            .map(|d| d.as_ref().map_or(0, Vec::len))
+            .sum();
+        let bound = rendered_bound(text, &holes, cols, docs.messages.as_deref());
+        if bound.is_none_or(|b| used.saturating_add(b) > JSON_BYTES_PER_CALL_MAX as usize) {
+            docs.extra = self.resolve(cols)?.extra;
+            return Ok((docs, None));
+        }
+        Ok((docs, Some(Spliced { payload: self.payload, text: text_range, holes })))
+    }
+
+    /// The splices of document `field` (its `text` and splice table), checked:
+    /// offsets in order and within the text, known references and styles,
+    /// arguments in range, the columns and documents they need present.
+    fn holes(
+        &self,
+        field: usize,
+        text: &[u8],
+        splice_range: &std::ops::Range<usize>,
+        cols: &Columns<'_>,
+        has_messages: bool,
+    ) -> Result<Vec<(usize, Hole)>, DecodeError> {
+        let err = |what: String| DecodeError::new(splice_range.start, format!("docs: {what}"));
+        let mut holes = Vec::with_capacity((splice_range.end - splice_range.start) / SPLICE_BYTES);
+        let mut pos = 0;
+        for splice in self.splices(splice_range) {
+            let s = splice?;
+            if matches!(s.reference, REF_PROMPT | REF_COMPLETION | REF_MESSAGES | REF_PARENT_MESSAGES | REF_PARENT_RESPONSE)
+                && s.arg != 0
+            {
+                return Err(err(format!("splice reference {} with argument {}", s.reference, s.arg)));
+            }
+            if s.offset < pos || s.offset > text.len() {
+                return Err(err(format!("splice offset {} out of order or past the text", s.offset)));
+            }
+            pos = s.offset;
+            let hole = match (s.reference, s.style) {
+                (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
+                    cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
+                    Hole::Prompt { spaced: s.style == LIST_SPACED }
+                }
+                (REF_COMPLETION, LIST_COMPACT | LIST_SPACED) => Hole::Completion { spaced: s.style == LIST_SPACED },
+                (REF_LOGPROB, FLOAT_PYTHON) => {
+                    if cols.logprobs.and_then(|lp| lp.get(s.arg as usize)).is_none() {
+                        return Err(err(format!("logprob {} is not in the column", s.arg)));
+                    }
+                    Hole::Logprob(s.arg)
+                }
+                (REF_TOKEN_BYTES, LIST_COMPACT | LIST_SPACED) => {
+                    let token_at = s
+                        .offset
+                        .checked_sub(s.arg as usize)
+                        .filter(|&at| string_value(text, at).is_some())
+                        .ok_or_else(|| err("the token of a bytes splice is not a string".into()))?;
+                    Hole::TokenBytes { token_at, spaced: s.style == LIST_SPACED }
+                }
+                (REF_MESSAGES, 0) if field == DOC_EXTRA && has_messages => Hole::Messages,
+                (REF_MESSAGES, 0) => return Err(err("a messages splice without messages".into())),
+                (REF_PARENT_MESSAGES | REF_PARENT_RESPONSE, 0) if field == 0 => {
+                    let parent = cols.parent.ok_or_else(|| err("the parent's documents are needed".into()))?;
+                    if s.reference == REF_PARENT_MESSAGES {
+                        if parent.messages.is_empty() {
+                            return Err(err("the parent's messages are empty".into()));
+                        }
+                        Hole::ParentMessages
+                    } else {
+                        parent.response_message.ok_or_else(|| err("the parent has no response_message".into()))?;
+                        Hole::ParentResponse
+                    }
+                }
+                (r, st) => return Err(err(format!("unknown splice reference {r} style {st}"))),
+            };
+            holes.push((s.offset, hole));
+        }
+        Ok(holes)
+    }
+}
+
+/// What a checked splice puts back at its offset (record.md §7.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hole {
+    /// The prompt column as a JSON list (`spaced`: `", "` between items).
+    Prompt { spaced: bool },
+    /// The completion column as a JSON list.
+    Completion { spaced: bool },
+    /// Logprob `i` of the column as Python writes the float.
+    Logprob(u32),
+    /// The UTF-8 bytes (a JSON list) of the token string literal that starts
+    /// at `token_at` in the template.
+    TokenBytes { token_at: usize, spaced: bool },
+    /// The call's `messages` document (in `extra` only).
+    Messages,
+    /// The prefix-delta parent's `messages` without its closing `]` (in
+    /// `messages` only).
+    ParentMessages,
+    /// The parent's `response_message` (in `messages` only).
+    ParentResponse,
+}
+
+/// The `extra` document of a docs block as its template and checked holes
+/// (see [`Block::resolve_but_extra`]). A reader may build each hole's value
+/// from the columns itself; [`Spliced::render`] gives the text.
+#[derive(Debug)]
+pub struct Spliced {
+    payload: Vec<u8>,
+    text: std::ops::Range<usize>,
+    /// (offset in [`Spliced::text`], what goes there), in offset order.
+    pub holes: Vec<(usize, Hole)>,
+}
+
+impl Spliced {
+    /// The template: the document's text with the holes' values cut out.
+    pub fn text(&self) -> &[u8] {
+        self.payload.get(self.text.clone()).unwrap_or_default()
+    }
+
+    /// The string literal at `at` of the template, unescaped (a token of
+    /// [`Hole::TokenBytes`]).
+    pub fn string_at(&self, at: usize) -> Option<std::borrow::Cow<'_, str>> {
+        string_value(self.text(), at)
+    }
+
+    /// The document's text, from the call's columns (those the block was
+    /// checked against) and its rendered `messages`.
+    pub fn render(
+        &self,
+        prompt: &[u32],
+        completion: &[u32],
+        logprobs: Option<&[f32]>,
+        messages: Option<&[u8]>,
+    ) -> Result<Vec<u8>, DecodeError> {
+        let cols = Columns { prompt: Some(prompt), completion, logprobs, parent: None };
+        render(self.text(), &self.holes, &cols, messages, JSON_BYTES_PER_CALL_MAX as usize)
+            .map_err(|what| DecodeError::new(0, format!("docs: {what}")))
+    }
+}
+
+/// `text` with each hole's value written at its offset; fails when the
+/// result would pass `limit` bytes or a hole's column or document is absent.
+fn render(
+    text: &[u8],
+    holes: &[(usize, Hole)],
+    cols: &Columns<'_>,
+    messages: Option<&[u8]>,
+    limit: usize,
+) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(text.len());
+    let mut scratch = String::new();
+    let mut pos = 0;
+    let style = |spaced: bool| if spaced { LIST_SPACED } else { LIST_COMPACT };
+    for &(offset, hole) in holes {
+        out.extend_from_slice(text.get(pos..offset).ok_or("a splice offset past the text")?);
+        pos = offset;
+        match hole {
+            Hole::Prompt { spaced } => {
+                let prompt = cols.prompt.ok_or("the prompt column is needed")?;
+                write_list(&mut out, prompt.iter().copied(), style(spaced));
+            }
+            Hole::Completion { spaced } => write_list(&mut out, cols.completion.iter().copied(), style(spaced)),
+            Hole::Logprob(i) => {
+                let v = cols.logprobs.and_then(|lp| lp.get(i as usize)).ok_or("a logprob not in the column")?;
+                scratch.clear();
+                write_py_float(&mut scratch, f64::from(*v));
+                out.extend_from_slice(scratch.as_bytes());
+            }
+            Hole::TokenBytes { token_at, spaced } => {
+                let token = string_value(text, token_at).ok_or("the token of a bytes splice is not a string")?;
+                write_list(&mut out, token.bytes().map(u32::from), style(spaced));
+            }
+            Hole::Messages => out.extend_from_slice(messages.ok_or("a messages splice without messages")?),
+            Hole::ParentMessages => {
+                let parent = cols.parent.ok_or("the parent's documents are needed")?;
+                let history = parent.messages.split_last().map(|(_, h)| h).ok_or("the parent's messages are empty")?;
+                out.extend_from_slice(history);
+            }
+            Hole::ParentResponse => {
+                let parent = cols.parent.ok_or("the parent's documents are needed")?;
+                out.extend_from_slice(parent.response_message.ok_or("the parent has no response_message")?);
+            }
+        }
+        if out.len() > limit {
+            return Err(format!("documents over their limit {JSON_BYTES_PER_CALL_MAX}"));
+        }
+    }
+    out.extend_from_slice(text.get(pos..).unwrap_or_default());
+    Ok(out)
+}
+
+/// At least the length of `text` rendered with `holes` (an upper bound,
+/// without rendering it); `None` when a hole's column or document is absent.
+fn rendered_bound(text: &[u8], holes: &[(usize, Hole)], cols: &Columns<'_>, messages: Option<&[u8]>) -> Option<usize> {
+    // A u32 in decimal is at most 10 digits, a separator 2 bytes; Python's
+    // repr of a finite double is at most 24 bytes ("-2.2250738585072014e-308").
+    let list = |n: usize| n.saturating_mul(12).saturating_add(2);
+    holes.iter().try_fold(text.len(), |acc, &(_, hole)| {
+        let len = match hole {
+            Hole::Prompt { .. } => list(cols.prompt?.len()),
+            Hole::Completion { .. } => list(cols.completion.len()),
+            Hole::Logprob(_) => 32,
+            Hole::TokenBytes { token_at, .. } => list(string_end(text, token_at)?.saturating_sub(token_at)),
+            Hole::Messages => messages?.len(),
+            Hole::ParentMessages => cols.parent?.messages.len(),
+            Hole::ParentResponse => cols.parent?.response_message?.len(),
+        };
+        Some(acc.saturating_add(len))
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -846,6 +996,15 @@ mod tests {
         let docs = b.resolve(&cols).expect("resolve");
         assert_eq!(docs.messages, call.messages);
         assert_eq!(docs.extra, call.extra);
+        // The template with its holes renders the same text.
+        let (rest, spliced) = open(&block, present).and_then(|b| b.resolve_but_extra(&cols)).expect("spliced");
+        assert_eq!(rest.messages, call.messages);
+        assert_eq!(rest.extra, None);
+        let spliced = spliced.expect("extra left as a template");
+        let text = spliced
+            .render(&call.prompt_token_ids, &call.completion_token_ids, call.logprobs.as_deref(), rest.messages.as_deref())
+            .expect("render");
+        assert_eq!(Some(text), call.extra);
         Some(docs)
     }
 
@@ -866,6 +1025,24 @@ mod tests {
         let refs: Vec<u8> = cuts.iter().map(|c| c.reference).collect();
         assert_eq!(refs, [REF_MESSAGES, REF_LOGPROB, REF_TOKEN_BYTES, REF_LOGPROB, REF_TOKEN_BYTES, REF_COMPLETION, REF_PROMPT]);
         assert!(round_trip(&call).is_some());
+        // The holes a reader builds values for: each token's bytes name where
+        // that token's literal is in the template.
+        let block = encode(&call, None).expect("a block").block;
+        let cols = Columns { prompt: Some(&call.prompt_token_ids), completion: &call.completion_token_ids, logprobs: call.logprobs.as_deref(), parent: None };
+        let (_, spliced) = open(&block, [true, false, false, true]).and_then(|b| b.resolve_but_extra(&cols)).expect("open");
+        let spliced = spliced.expect("a template");
+        let holes: Vec<Hole> = spliced.holes.iter().map(|h| h.1).collect();
+        let tokens: Vec<String> = holes
+            .iter()
+            .filter_map(|h| match *h {
+                Hole::TokenBytes { token_at, .. } => spliced.string_at(token_at).map(|t| t.into_owned()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(tokens, ["ab", "\u{e9}"]);
+        assert_eq!(holes.first(), Some(&Hole::Messages));
+        assert_eq!(holes.get(1), Some(&Hole::Logprob(0)));
+        assert_eq!(holes.last(), Some(&Hole::Prompt { spaced: true }));
     }
 
     #[test]
