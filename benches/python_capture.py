@@ -15,7 +15,8 @@ request and vLLM's raw response with every token id and logprob again; or
 messages, no raw bodies), the same token stream in every shape.
 
 Measured, per backend:
-  * per-call append latency p50/p99 and calls/s, token MB/s:
+  * per-call append latency p50/p99, calls/s, token MB/s, and the process's
+    CPU time per call (every thread: trajlog's writer, aiosqlite's worker):
       - trajlog `append` with Python lists, with numpy arrays (returns once the
         writer has the call; one `flush()` at the end makes it durable, and
         its time is included in the throughput);
@@ -336,12 +337,16 @@ def dir_bytes(path):
     return total
 
 
-def result(name, lat_ns, calls, nbytes, seconds, disk=None):
+def result(name, lat_ns, calls, nbytes, seconds, cpu_seconds, disk=None):
+    """One backend's row. `cpu_seconds`: this process's CPU time (every
+    thread: trajlog's writer, aiosqlite's worker) over the timed part, a
+    figure that a busy or stolen-from machine distorts less than calls/s."""
     p50, p99 = percentiles(lat_ns)
     return {
         "backend": name,
         "calls": calls,
         "calls_per_s": calls / seconds,
+        "cpu_us_per_call": cpu_seconds / calls * 1e6,
         "token_mb_per_s": nbytes / seconds / 1e6,
         "append_p50_us": p50,
         "append_p99_us": p99,
@@ -356,7 +361,7 @@ def bench_trajlog_append(calls, dicts, root, use_numpy):
     path = os.path.join(root, "trajlog-numpy" if use_numpy else "trajlog-list")
     store = trajlog.Store(path, durability="group")
     lat = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for c, d in zip(calls, dicts):
         if use_numpy:
             t = time.perf_counter_ns()
@@ -372,29 +377,30 @@ def bench_trajlog_append(calls, dicts, root, use_numpy):
             store.append_trace(d)
         lat.append(time.perf_counter_ns() - t)
     store.flush()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     store.close()
     name = "trajlog append (numpy)" if use_numpy else "trajlog append_trace (lists)"
-    return result(name, lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path)), path
+    return result(name, lat, len(calls), sum(map(payload_bytes, calls)), seconds, cpu, dir_bytes(path)), path
 
 
 async def time_store_trace(store, dicts):
     """Per-call latencies (ns) and total seconds of the gateway protocol's
-    `store_trace`, awaited one call at a time as the gateway does."""
+    `store_trace`, awaited one call at a time as the gateway does; and the
+    process's CPU seconds."""
     lat = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for d in dicts:
         t = time.perf_counter_ns()
         await store.store_trace(d["trace_id"], d["session_id"], d)
         lat.append(time.perf_counter_ns() - t)
-    return lat, time.perf_counter() - t0
+    return lat, time.perf_counter() - t0, time.process_time() - c0
 
 
 async def time_store_trace_concurrent(store, dicts):
     """`store_trace` from every session at once: one coroutine per session
     awaiting its calls in order (an agent waits for each answer), all
     sessions concurrently, as a gateway serving them does. Per-call
-    latencies (ns) and total seconds."""
+    latencies (ns), total seconds and the process's CPU seconds."""
     by_session = {}
     for d in dicts:
         by_session.setdefault(d["session_id"], []).append(d)
@@ -406,9 +412,9 @@ async def time_store_trace_concurrent(store, dicts):
             await store.store_trace(d["trace_id"], d["session_id"], d)
             lat.append(time.perf_counter_ns() - t)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(session(ds) for ds in by_session.values()))
-    return lat, time.perf_counter() - t0
+    return lat, time.perf_counter() - t0, time.process_time() - c0
 
 
 async def bench_concurrent(calls, dicts, root):
@@ -416,35 +422,35 @@ async def bench_concurrent(calls, dicts, root):
     rows = []
     path = os.path.join(root, "trajlog-gateway-concurrent")
     store = TrajlogTraceStore(path)
-    lat, seconds = await time_store_trace_concurrent(store, dicts)
+    lat, seconds, cpu = await time_store_trace_concurrent(store, dicts)
     await store.close()
     n = len({d["session_id"] for d in dicts})
     rows.append(result(f"trajlog store_trace, {n} sessions concurrently (durable each)", lat, len(calls),
-                       sum(map(payload_bytes, calls)), seconds, dir_bytes(path)))
+                       sum(map(payload_bytes, calls)), seconds, cpu, dir_bytes(path)))
     path = os.path.join(root, "rllm-sqlite-concurrent.db")
     sql = RllmStyleSqliteStore(path)
     await sql.open()
-    lat, seconds = await time_store_trace_concurrent(sql, dicts)
+    lat, seconds, cpu = await time_store_trace_concurrent(sql, dicts)
     await sql.close()
     rows.append(result(f"aiosqlite, {n} sessions concurrently (commit each)", lat, len(calls),
-                       sum(map(payload_bytes, calls)), seconds, sum(os.path.getsize(p) for p in glob.glob(path + "*"))))
+                       sum(map(payload_bytes, calls)), seconds, cpu, sum(os.path.getsize(p) for p in glob.glob(path + "*"))))
     return rows
 
 
 async def bench_gateway_protocol(calls, dicts, root):
     path = os.path.join(root, "trajlog-gateway")
     store = TrajlogTraceStore(path)
-    lat, seconds = await time_store_trace(store, dicts)
+    lat, seconds, cpu = await time_store_trace(store, dicts)
     await store.close()
-    return result("trajlog TrajlogTraceStore.store_trace (durable each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds, dir_bytes(path))
+    return result("trajlog TrajlogTraceStore.store_trace (durable each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds, cpu, dir_bytes(path))
 
 
 async def bench_sqlite(calls, dicts, root):
     path = os.path.join(root, "rllm-sqlite.db")
     store = RllmStyleSqliteStore(path)
     await store.open()
-    lat, seconds = await time_store_trace(store, dicts)
-    return result("aiosqlite, rLLM gateway style (commit each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds), store, path
+    lat, seconds, cpu = await time_store_trace(store, dicts)
+    return result("aiosqlite, rLLM gateway style (commit each)", lat, len(calls), sum(map(payload_bytes, calls)), seconds, cpu), store, path
 
 
 def bench_big_call(root, repeats):
@@ -578,12 +584,12 @@ def main(argv=None):
     base = sqlite_row
     print(f"\nappend path, {len(calls)} calls ({args.shape} shape), {total / 1e6:.1f} MB token payload, "
           f"{json_bytes / 1e6:.1f} MB as json.dumps text")
-    print(f"{'backend':<62} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'on disk':>10} {'vs sqlite':>9}")
+    print(f"{'backend':<62} {'calls/s':>9} {'token MB/s':>10} {'p50 µs':>9} {'p99 µs':>9} {'CPU µs/call':>11} {'on disk':>10} {'vs sqlite':>9}")
     concurrent_base = rows[-1]  # aiosqlite with every session concurrent
     for r in rows:
         disk = f"{r['bytes_on_disk'] / 1e6:.1f} MB" if r["bytes_on_disk"] is not None else "-"
         b = concurrent_base if "concurrently" in r["backend"] else base  # like against like
-        print(f"{r['backend']:<62} {r['calls_per_s']:>9.0f} {r['token_mb_per_s']:>10.1f} {r['append_p50_us']:>9.1f} {r['append_p99_us']:>9.1f} {disk:>10} {r['calls_per_s'] / b['calls_per_s']:>8.1f}×")
+        print(f"{r['backend']:<62} {r['calls_per_s']:>9.0f} {r['token_mb_per_s']:>10.1f} {r['append_p50_us']:>9.1f} {r['append_p99_us']:>9.1f} {r['cpu_us_per_call']:>11.0f} {disk:>10} {r['calls_per_s'] / b['calls_per_s']:>8.1f}×")
     print("\none 10k-token call (10,000 prompt + 500 completion tokens), trajlog append")
     for k, (p50, p99) in big.items():
         print(f"  {k:<6} p50 {p50:8.1f} µs   p99 {p99:8.1f} µs")

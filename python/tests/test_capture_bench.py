@@ -19,6 +19,7 @@ def test_capture_benchmark_smoke(tmp_path):
     assert sum("concurrently" in n for n in names) == 2
     for r in report["append"]:
         assert r["calls"] == 6 and r["calls_per_s"] > 0 and r["append_p99_us"] >= r["append_p50_us"] > 0
+        assert r["cpu_us_per_call"] > 0
         assert r["bytes_on_disk"] > 0
     assert set(report["big_call_append_us"]) == {"list", "numpy"}
     assert len(report["session_read"]) == 4
