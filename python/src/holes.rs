@@ -17,12 +17,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyList, PyString};
 use std::borrow::Cow;
 
-use crate::trace_dict::{KeyMemo, NumberPool};
+use crate::trace_dict::{KeyMemo, NumberPool, JSON_DEPTH_MAX};
 use trajlog::{Hole, Spliced};
 
-/// Containers nested deeper than this are left to the text path (the
-/// stored documents never nest deeper than `JSON_DEPTH_MAX`, 128).
-const DEPTH_MAX: usize = 128;
+/// Containers nested deeper than the walker writes them are left to the
+/// text path.
+const DEPTH_MAX: usize = JSON_DEPTH_MAX;
 
 /// What the holes are made of: the call's column lists (shared with the
 /// dict's own `prompt_token_ids`, `completion_token_ids` and `logprobs`) and

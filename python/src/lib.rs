@@ -544,7 +544,7 @@ fn call_dict_with<'py>(
     let extra = match (call.extra.as_deref(), &spliced) {
         (Some(text), _) => Some(trace_dict::json_to_py_with(py, &utf8(text), keys, &pool)?),
         (None, Some(spliced)) => {
-            if spliced.holes.iter().any(|(_, h)| *h == trajlog::Hole::Messages) && messages.is_none() {
+            if spliced.holes.iter().any(|(_, h)| *h == trajlog::Hole::Messages) {
                 messages = Some(doc(keys, &call.messages)?);
             }
             let src = holes::Sources {

@@ -31,7 +31,7 @@ use trajlog::trace_json::{self, KEY_ORDER};
 use trajlog::Call as RCall;
 
 /// How deeply the containers of one document may nest (`trajlog.JSON_DEPTH_MAX`).
-const JSON_DEPTH_MAX: usize = 128;
+pub(crate) const JSON_DEPTH_MAX: usize = 128;
 
 /// Where a value sits inside the trace; rendered only for an error message.
 #[derive(Clone, Copy)]

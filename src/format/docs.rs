@@ -787,12 +787,6 @@ impl Spliced {
         self.payload.get(self.text.clone()).unwrap_or_default()
     }
 
-    /// The string literal at `at` of the template, unescaped (a token of
-    /// [`Hole::TokenBytes`]).
-    pub fn string_at(&self, at: usize) -> Option<std::borrow::Cow<'_, str>> {
-        string_value(self.text(), at)
-    }
-
     /// The document's text, from the call's columns (those the block was
     /// checked against) and its rendered `messages`.
     pub fn render(
@@ -1035,7 +1029,7 @@ mod tests {
         let tokens: Vec<String> = holes
             .iter()
             .filter_map(|h| match *h {
-                Hole::TokenBytes { token_at, .. } => spliced.string_at(token_at).map(|t| t.into_owned()),
+                Hole::TokenBytes { token_at, .. } => string_value(spliced.text(), token_at).map(|t| t.into_owned()),
                 _ => None,
             })
             .collect();
