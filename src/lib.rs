@@ -94,4 +94,6 @@ pub use format::docs::{Hole, Spliced};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target, ValidCall};
 pub use snapshot::{CallView, Docs, IndexLayers, SegmentInfo, SessionInfo, Snapshot};
-pub use store::{Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store};
+pub use store::{
+    Durability, Options, Receipt, RecoveryEvent, RecoveryEventKind, RecoveryMode, RecoveryReport, Store, TryAppend,
+};

@@ -142,7 +142,7 @@ fn a_trace_id_is_unique_per_store() {
     store.append_durable(call("t", "a", 1)).expect("append");
     store.seal_session("a").expect("seal");
     store.set_reward(Target::Session("a".into()), 1.0).expect("reward");
-    let err = store.append(call("t", "b", 2)).err().expect("reused in another session");
+    let err = store.append(call("t", "b", 2)).expect_err("reused in another session");
     assert!(matches!(err.kind(), ErrorKind::InvalidInput { .. }), "{err}");
     assert!(err.message().contains("\"a\"") && err.message().contains("\"b\""), "{err}");
     store.flush().expect("flush");
@@ -154,7 +154,7 @@ fn a_trace_id_is_unique_per_store() {
     store.append(call("u", "c", 1)).expect("append");
     store.append(call("u", "c", 2)).expect("replace");
     // Not yet durable: the rule also holds against appends in flight.
-    let err = store.append(call("u", "d", 3)).err().expect("in flight, other session");
+    let err = store.append(call("u", "d", 3)).expect_err("in flight, other session");
     assert!(err.message().contains("\"c\""), "{err}");
     store.flush().expect("flush");
     assert_eq!(store.snapshot().get("u").expect("get").expect("present").record.prompt_suffix, &[2]);
@@ -168,7 +168,7 @@ fn a_trace_id_is_unique_per_store() {
     nested.session_uids = vec!["outer".into()];
     store.append_durable(nested).expect("append");
     store.seal_session("outer").expect("seal");
-    let err = store.append(call("w", "g", 2)).err().expect("would leave a sealed session");
+    let err = store.append(call("w", "g", 2)).expect_err("would leave a sealed session");
     assert!(err.message().contains("outer"), "{err}");
     store.close().expect("close");
 

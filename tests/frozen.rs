@@ -512,7 +512,7 @@ fn a_frozen_sealed_session_refuses_appends_until_deleted() {
     assert_eq!(store.snapshot().index_layers().frozen_calls, 48, "s0..s7 frozen");
     let mut c = all[0].clone();
     c.trace_id = "new-0".into();
-    let err = store.append(c.clone()).err().expect("s0 is sealed");
+    let err = store.append(c.clone()).expect_err("s0 is sealed");
     assert!(err.to_string().contains("sealed"), "{err}");
     // s3 is frozen too, but not sealed.
     let mut d = all[18].clone();

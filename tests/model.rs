@@ -407,7 +407,7 @@ fn apply(store: &Store, model: &mut Model, op: &Op) {
             let sealed = model.sealed.contains(&sid) || uids.iter().any(|u| model.sealed.contains(u));
             if sealed || elsewhere || out_of_sealed {
                 let err =
-                    result.err().expect("append to a sealed session or of a trace id of another session is refused");
+                    result.expect_err("append to a sealed session or of a trace id of another session is refused");
                 let invalid = matches!(err.kind(), ErrorKind::InvalidInput { .. });
                 assert!(invalid, "{}", err);
             } else {

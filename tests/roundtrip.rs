@@ -111,7 +111,7 @@ fn maximal_arrays_round_trip_and_one_more_is_refused() {
     let mut over = max.clone();
     over.trace_id = "over".into();
     over.prompt_token_ids.push(1);
-    let err = store.append(over).err().expect("over the limit");
+    let err = store.append(over).expect_err("over the limit");
     assert!(err.to_string().contains("PROMPT_TOKENS_MAX"), "{err}");
     store.close().unwrap();
     let snap = Store::open_read_only(dir.path()).unwrap().snapshot();

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 mod arrow_export;
 mod holes;
+mod nowait;
 mod trace_dict;
 
 use trajlog::rllm::SdkTrace;
@@ -689,7 +690,7 @@ fn calls_of(py: Python<'_>, snap: &Py<Snapshot>, ids: Vec<String>) -> PyResult<V
 #[pymethods]
 impl NativeStore {
     #[new]
-    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None, recovery = "tolerate-torn-tail", queue_bytes = None))]
+    #[pyo3(signature = (path, durability = "group", read_only = false, segment_bytes = None, group_commit_ms = None, queue_depth = None, recovery = "tolerate-torn-tail", queue_bytes = None, zero_ahead_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -701,6 +702,7 @@ impl NativeStore {
         queue_depth: Option<usize>,
         recovery: &str,
         queue_bytes: Option<u64>,
+        zero_ahead_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let recovery = recovery.parse::<trajlog::RecoveryMode>().map_err(to_py)?;
         let mut options =
@@ -716,6 +718,9 @@ impl NativeStore {
         }
         if let Some(v) = queue_bytes {
             options = options.queue_bytes(v);
+        }
+        if let Some(v) = zero_ahead_bytes {
+            options = options.zero_ahead_bytes(v);
         }
         let store = py
             .detach(|| {
@@ -797,6 +802,50 @@ impl NativeStore {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let call = trace_dict::call_of_trace(py, trace, now)?;
         append_call(py, &*self.get()?, call, durable, true)
+    }
+
+    /// Append a trace dict without waiting (for an event loop): the dict is
+    /// walked here as by `append_trace` (a refused field raises, nothing
+    /// written), and the record handed to the writer, which is asked for a
+    /// commit. Returns a `Receipt` to poll, or a `Deferred` when the
+    /// writer's queue is full (append it with `append_deferred` from a
+    /// thread that may wait). Never blocks on the writer.
+    fn append_trace_nowait(&self, py: Python<'_>, trace: &Bound<'_, PyDict>) -> PyResult<Py<PyAny>> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let call = trace_dict::call_of_trace(py, trace, now)?;
+        let store = self.get()?;
+        let appended = py
+            .detach(|| {
+                let appended = store.try_append_valid(trajlog::ValidCall::from_serialized_json(call)?)?;
+                if let trajlog::TryAppend::Appended(receipt) = &appended {
+                    receipt.sync_soon();
+                }
+                Ok(appended)
+            })
+            .map_err(to_py)?;
+        Ok(match appended {
+            trajlog::TryAppend::Appended(receipt) => Py::new(py, nowait::Receipt(receipt))?.into_any(),
+            trajlog::TryAppend::Full(call) => {
+                Py::new(py, nowait::Deferred(std::sync::Mutex::new(Some(*call))))?.into_any()
+            }
+        })
+    }
+
+    /// Append what `append_trace_nowait` deferred, waiting for room, and
+    /// return once it is durable. A `Deferred` is appended once.
+    fn append_deferred(&self, py: Python<'_>, deferred: &nowait::Deferred) -> PyResult<()> {
+        let store = self.get()?;
+        let call = deferred
+            .take()
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("this deferred record was appended already"))?;
+        py.detach(|| store.append_valid(call)?.wait()).map_err(to_py)
+    }
+
+    /// A `Waker` for an event loop: its `fileno()` becomes readable after
+    /// each commit that makes appends durable, and when the store fails or
+    /// closes. Each call registers a new one (kept until the store is dropped).
+    fn durable_waker(&self) -> PyResult<nowait::Waker> {
+        nowait::Waker::new(&*self.get()?).map_err(PyErr::from)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
@@ -1144,6 +1193,9 @@ impl NativeStore {
 fn _trajlog(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeStore>()?;
     m.add_class::<Call>()?;
+    m.add_class::<nowait::Receipt>()?;
+    m.add_class::<nowait::Deferred>()?;
+    m.add_class::<nowait::Waker>()?;
     m.add_class::<Snapshot>()?;
     m.add_function(wrap_pyfunction!(u32_array, m)?)?;
     m.add_function(wrap_pyfunction!(f32_array, m)?)?;

@@ -313,7 +313,11 @@ class Store:
     default: an interrupted write at the end is cut, damage refuses the open),
     "absolute" (anything `trajlog verify` would report refuses it) or
     "skip-corrupted" (damaged records are left out, every valid one kept);
-    `recovery_report()` lists what it cut or skipped.
+    `recovery_report()` lists what it cut or skipped. `zero_ahead_bytes`
+    (default 1 MiB) is how far past the last record the writer keeps the
+    active segment's blocks written with zeros after each fsync, so that a
+    durable append's fdatasync writes data alone; 0 turns it off (for
+    copy-on-write file systems such as btrfs or ZFS).
     """
 
     def __init__(
@@ -327,6 +331,7 @@ class Store:
         queue_depth: Optional[int] = None,
         recovery: str = "tolerate-torn-tail",
         queue_bytes: Optional[int] = None,
+        zero_ahead_bytes: Optional[int] = None,
     ):
         self.path = str(path)
         if not isinstance(recovery, str):
@@ -344,6 +349,7 @@ class Store:
             queue_depth=_count("queue_depth", queue_depth),
             recovery=recovery,
             queue_bytes=_count("queue_bytes", queue_bytes),
+            zero_ahead_bytes=_count("zero_ahead_bytes", zero_ahead_bytes),
         )
 
     def recovery_report(self) -> list:
@@ -453,13 +459,24 @@ class Store:
         written: NaN or infinite floats in a document, non-string dict keys,
         values JSON has no type for (sets, bytes, objects), documents nested
         deeper than `JSON_DEPTH_MAX`, bad token ids or logprobs."""
+        self._walk_trace(lambda t: self._native.append_trace(t, bool(durable)), trace)
+
+    def _append_trace_nowait(self, trace: dict):
+        """`append_trace` for an event loop: never waits for the writer.
+        Returns a native `Receipt` (poll it after a wake-up of
+        `_native.durable_waker()`), or a `Deferred` when the writer's queue is
+        full, for `_native.append_deferred` in a thread that may wait."""
+        return self._walk_trace(self._native.append_trace_nowait, trace)
+
+    @staticmethod
+    def _walk_trace(append, trace):
         if not isinstance(trace, dict):
             try:
                 trace = dict(trace)
             except (TypeError, ValueError):
                 raise InvalidInputError(f"invalid trace: a {type(trace).__name__} is not a dict") from None
         try:
-            self._native.append_trace(trace, bool(durable))
+            return append(trace)
         except (TypeError, OverflowError, UnicodeError) as e:  # a guard: the walker names what it refuses
             raise InvalidInputError(f"invalid trace: {e}") from e
 

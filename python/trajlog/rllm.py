@@ -17,6 +17,7 @@ also one nobody awaits (the gateway's `sync_traces=False`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -54,6 +55,13 @@ class _LazyStore:
         # flush has covered: a read flushes when the first is ahead.
         self._appended = 0
         self._visible = 0
+        # Stores made from an event loop without a thread (`_store_nowait`):
+        # the loop that watches the store's durability, the native store and
+        # its durability waker, and the (receipt, future) pairs not yet
+        # settled, in append order.
+        self._waker: Optional[tuple] = None
+        self._nowait_off = False
+        self._pending: collections.deque = collections.deque()
 
     def _get(self) -> Store:
         store = self._store
@@ -90,6 +98,105 @@ class _LazyStore:
         inner.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
         return await asyncio.shield(inner)
 
+    # -- stores from the event loop, without a thread --
+
+    def _nowait_loop(self, loop) -> bool:
+        """Whether a store from `loop` can take the thread-free path: the
+        store is open (an open can take long, so the first store opens it in
+        a thread), and `loop` is the one watching the store's durability:
+        the first loop to ask, or the next one once that loop is closed.
+        Stores from other loops use threads."""
+        store = self._store
+        if store is None or self._nowait_off:
+            return False
+        waker = self._waker
+        if waker is not None and waker[0] is loop and waker[1] is store._native:
+            return True
+        with self._lock:
+            waker = self._waker
+            if waker is not None:
+                if waker[0] is loop and waker[1] is store._native:
+                    return True
+                if not (waker[0].is_closed() or waker[1] is not store._native):
+                    return False
+                # Its loop is closed (or the store was reopened): what it
+                # left pending can no longer be settled there.
+                self._waker = None
+                self._pending.clear()
+            try:
+                waker = store._native.durable_waker()
+                loop.add_reader(waker.fileno(), self._on_durable)
+            except (NotImplementedError, AttributeError, OSError):
+                # No `add_reader` (Windows' proactor loop): threads it is.
+                self._nowait_off = True
+                return False
+            self._waker = (loop, store._native, waker)
+        return True
+
+    async def _store_nowait(self, trace: dict) -> None:
+        """Append `trace` on the loop's thread and wait, holding no thread,
+        until the group commit that covers it wakes the loop."""
+        store = self._store
+        receipt = store._append_trace_nowait(trace)
+        if not hasattr(receipt, "poll"):
+            # The writer's queue is full: wait for room in a thread.
+            await self._run_store(store._native.append_deferred, receipt)
+            return
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
+        self._pending.append((receipt, future))
+        # Cancelling the caller does not cancel the store: it was called, so it completes.
+        await asyncio.shield(future)
+
+    def _on_durable(self) -> None:
+        """The loop's callback on the durability file descriptor."""
+        waker = self._waker
+        if waker is not None:
+            self._settle(waker[2])
+
+    def _settle(self, waker) -> None:
+        """Take the wake-up, then settle every pending store that is durable
+        now, in order, and fail those the store will never make durable (a
+        failed write, a closed store). Runs on the waker's loop."""
+        waker.drain()
+        pending = self._pending
+        while pending:
+            receipt, future = pending[0]
+            try:
+                if not receipt.poll():
+                    break
+                error = None
+            except Exception as e:  # the store's error: poisoned or closed
+                error = e
+            pending.popleft()
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+    def _stop_waker(self) -> None:
+        """After the store closed: settle what is pending (durable, or failed
+        as closed) and stop watching, on the waker's loop."""
+        with self._lock:
+            waker, self._waker = self._waker, None
+        if waker is None:
+            return
+        loop, _native, waker = waker
+
+        def stop():
+            loop.remove_reader(waker.fileno())
+            self._settle(waker)
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            stop()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(stop)
+
     def _note_append(self) -> None:
         """Count an append that is not yet durable (and so not yet visible)."""
         with self._lock:
@@ -113,9 +220,17 @@ class _LazyStore:
         # takes its first step now and is then in flight.
         await asyncio.sleep(0)
         with self._lock:
-            pending = list(self._in_flight)
+            pending = [asyncio.wrap_future(f) for f in self._in_flight]
+        if self._pending:
+            waker = self._waker
+            if waker is not None and waker[0] is asyncio.get_running_loop():
+                pending += [f for _, f in self._pending]
+            else:
+                # Stores from another loop, already with the writer: the
+                # read's flush covers them.
+                self._note_append()
         if pending:
-            waits = asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
+            waits = asyncio.gather(*pending, return_exceptions=True)
             await asyncio.shield(waits)
 
     def _read_sync(self, fn, *args):
@@ -140,6 +255,7 @@ class _LazyStore:
             store, self._store = self._store, None
         if store is not None:
             store.close()
+        self._stop_waker()
 
     async def flush(self) -> None:
         """Barrier: everything stored before is durable; raises on failure."""
@@ -181,8 +297,21 @@ class TrajlogTraceStore(_LazyStore):
         self._get().append_trace(trace, durable=True)
 
     async def store_trace(self, trace_id: str, session_id: str, data: dict) -> None:
-        """Insert or replace (upsert) a trace; durable on return."""
-        await self._run_store(self._store_sync, trace_id, session_id, data)
+        """Insert or replace (upsert) a trace; durable on return.
+
+        Once the store is open, the dict is walked on the loop's thread and
+        the coroutine waits, holding no thread, for the group commit that
+        covers it (one wake-up of the loop per commit). The first store
+        (which opens the store), stores from a second loop and stores that
+        meet a full writer queue run in a worker thread instead."""
+        if self._nowait_loop(asyncio.get_running_loop()):
+            _check_ids(trace_id, session_id, data)
+            trace = dict(data)
+            trace["trace_id"] = trace_id
+            trace["session_id"] = session_id
+            await self._store_nowait(trace)
+        else:
+            await self._run_store(self._store_sync, trace_id, session_id, data)
 
     def _get_sync(self, trace_id: str) -> Optional[dict]:
         call = self._get().get(trace_id)

@@ -44,7 +44,7 @@ pub(crate) use deletions::{check as check_deletions, DELETIONS_FILE};
 pub use options::{Durability, Options, RecoveryMode};
 pub(crate) use protocol::PublishOutcome;
 pub(crate) use publish::Obsolete;
-pub use receipt::Receipt;
+pub use receipt::{Receipt, TryAppend};
 pub(crate) use recovery::{lazy_damage, load_for_repair, lock_dir};
 pub use recovery_report::{RecoveryEvent, RecoveryEventKind, RecoveryReport};
 pub(crate) use rewards::{check_file as check_rewards_file, REWARDS_FILE};
@@ -242,6 +242,7 @@ impl Store {
             view: Mutex::new(view),
             compacting: Mutex::new(()),
             annotation_built: Mutex::new(None),
+            listeners: Mutex::new(Vec::new()),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
             #[cfg(test)]
@@ -312,6 +313,7 @@ impl Store {
             view: Mutex::new(Arc::new(view)),
             compacting: Mutex::new(()),
             annotation_built: Mutex::new(None),
+            listeners: Mutex::new(Vec::new()),
             #[cfg(test)]
             verdicts_reused: AtomicU64::new(0),
             #[cfg(test)]
@@ -426,6 +428,35 @@ impl Store {
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;
+        self.append_admitted(call, permit)
+    }
+
+    /// [`Store::append_valid`] that never waits for room: when the queue is
+    /// full ([`Options::queue_depth`], [`Options::queue_bytes`]) or others
+    /// already wait for room, the call comes back untouched
+    /// ([`TryAppend::Full`]) to be appended later or from a thread that may
+    /// wait. For callers that must not block, such as an event loop.
+    pub fn try_append_valid(&self, call: ValidCall) -> Result<TryAppend> {
+        self.writable()?;
+        let Some(permit) = self.inner.queue.try_acquire(call_bytes(call.call()))? else {
+            return Ok(TryAppend::Full(Box::new(call)));
+        };
+        self.append_admitted(call.into_inner(), permit).map(TryAppend::Appended)
+    }
+
+    /// Call `listener` each time the store's durability state changes:
+    /// after each commit that makes appends durable (once per group
+    /// commit, however many records it covers), when the store is poisoned,
+    /// and when it closes. It runs on the writer thread (or the one that
+    /// poisons or closes the store), so it must be quick and must not
+    /// block or call into the store: it is meant to wake an event loop,
+    /// which then polls its receipts ([`Receipt::poll`]). A listener is
+    /// kept until the store is dropped.
+    pub fn on_durable(&self, listener: impl Fn() + Send + Sync + 'static) {
+        lock(&self.inner.listeners).push(Arc::new(listener));
+    }
+
+    fn append_admitted(&self, call: Call, permit: Permit) -> Result<Receipt> {
         // Structure-aware documents, made here so that appenders share the
         // work: `messages` as a delta against the session's previous append
         // (the writer checks that it is the parent it chooses).
@@ -620,6 +651,7 @@ impl Store {
             self.inner.durable_cv.notify_all();
         }
         self.inner.queue.stop(Error::closed());
+        self.inner.notify_listeners();
         if joined.is_err() {
             return Err(Error::new(ErrorKind::Io, "the writer thread panicked; reopen the store to recover"));
         }

@@ -151,6 +151,15 @@ pub struct Options {
     pub prompt_chain_max: u32,
     /// What opening does about damage in the log ([`RecoveryMode`]).
     pub recovery: RecoveryMode,
+    /// After each fsync, keep this many bytes past the last record of the
+    /// active segment written with zeros, so that the next records
+    /// overwrite blocks the file system has allocated and their fdatasync
+    /// writes data alone (no block allocation, no journal commit). Default
+    /// 1 MiB: on ext4 a 12 kB write + fdatasync took half the time and 40%
+    /// less CPU (src/segment/writer.rs). 0 turns it off: for a
+    /// copy-on-write file system (btrfs, ZFS), where an overwrite allocates
+    /// anyway and the zeros are extra writes.
+    pub zero_ahead_bytes: u64,
     /// Fault injection for the test suite; None in use.
     pub(crate) faults: crate::storage::fault::Faults,
 }
@@ -198,6 +207,12 @@ impl Options {
         self.recovery = v;
         self
     }
+    /// Set [`Options::zero_ahead_bytes`].
+    #[must_use]
+    pub fn zero_ahead_bytes(mut self, v: u64) -> Self {
+        self.zero_ahead_bytes = v;
+        self
+    }
     /// Fault injection (test suite only).
     #[cfg(feature = "internals")]
     #[doc(hidden)]
@@ -220,6 +235,7 @@ impl Default for Options {
             prompt_chain_max: crate::limits::PROMPT_CHAIN_MAX,
             faults: None,
             recovery: RecoveryMode::TolerateTornTail,
+            zero_ahead_bytes: crate::segment::writer::ZERO_AHEAD_DEFAULT,
         }
     }
 }

@@ -118,6 +118,23 @@ impl Queue {
         Ok(Permit { queue: self.clone(), bytes })
     }
 
+    /// [`Queue::acquire`] without waiting: `None` when the record would
+    /// wait (the queue is full, or others wait before it).
+    pub(super) fn try_acquire(self: &Arc<Self>, bytes: u64) -> Result<Option<Permit>> {
+        let mut s = lock(&self.state);
+        if let Some(e) = &s.stopped {
+            return Err(e.clone());
+        }
+        if s.next_ticket != s.serving || !s.fits(self.records_max, self.bytes_max, bytes) {
+            return Ok(None);
+        }
+        s.next_ticket += 1;
+        s.serving += 1;
+        s.records += 1;
+        s.bytes += bytes;
+        Ok(Some(Permit { queue: self.clone(), bytes }))
+    }
+
     fn release(&self, bytes: u64) {
         let mut s = lock(&self.state);
         s.records = s.records.saturating_sub(1);

@@ -30,6 +30,8 @@ pub(super) struct Inner {
     /// the next reads only what was sealed since (store/annotation_cache.rs
     /// `write_after`). Publications only (one at a time).
     pub(super) annotation_built: Mutex<Option<super::annotation_cache::Built>>,
+    /// Called each time the durability state changes ([`Store::on_durable`]).
+    pub(super) listeners: Mutex<Vec<Listener>>,
     /// Retirement verdicts reused unread (store/retire.rs), for tests.
     #[cfg(test)]
     pub(super) verdicts_reused: AtomicU64,
@@ -38,6 +40,9 @@ pub(super) struct Inner {
     #[cfg(test)]
     pub(super) verdicts_adopted: AtomicU64,
 }
+
+/// A durability listener ([`Store::on_durable`]).
+pub(super) type Listener = Arc<dyn Fn() + Send + Sync>;
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks leaves plain data behind; keep going.
@@ -92,6 +97,7 @@ impl Inner {
             error
         };
         self.queue.stop(error);
+        self.notify_listeners();
     }
 
     /// A block of the shard index file or of the annotation cache failed
@@ -136,11 +142,44 @@ impl Inner {
     }
 
     pub(super) fn advance(&self, seq: u64) {
-        let mut d = lock(&self.durable);
-        d.seq = d.seq.max(seq);
-        self.durable_seq.store(d.seq, Ordering::Release);
-        self.durable_cv.notify_all();
+        {
+            let mut d = lock(&self.durable);
+            d.seq = d.seq.max(seq);
+            self.durable_seq.store(d.seq, Ordering::Release);
+            self.durable_cv.notify_all();
+        }
+        self.notify_listeners();
     }
+
+    /// Run the durability listeners, holding none of the store's locks but
+    /// the list's own (a listener must not add a listener).
+    pub(super) fn notify_listeners(&self) {
+        let listeners = lock(&self.listeners);
+        for listener in listeners.iter() {
+            listener();
+        }
+    }
+
+    /// Durable up to which sequence number, and the error every later wait
+    /// gets (the store poisoned or closed), if any.
+    pub(super) fn durability(&self) -> (u64, Option<Error>) {
+        let d = lock(&self.durable);
+        let stopped = match (&d.poisoned, d.closed) {
+            (Some(p), _) => Some(Error::poisoned(p)),
+            (None, true) => Some(Error::closed()),
+            (None, false) => None,
+        };
+        (d.seq, stopped)
+    }
+}
+
+/// What [`Store::try_append_valid`] did with a call.
+#[derive(Debug)]
+pub enum TryAppend {
+    /// Appended: the receipt, as [`Store::append_valid`] returns it.
+    Appended(Receipt),
+    /// Not appended, the queue being full: the call, untouched.
+    Full(Box<ValidCall>),
 }
 
 /// Proof that an append was accepted; [`Receipt::wait`] blocks until it is
@@ -149,6 +188,12 @@ impl Inner {
 pub struct Receipt {
     pub(super) seq: u64,
     pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Receipt").field("seq", &self.seq).finish_non_exhaustive()
+    }
 }
 
 impl Receipt {
@@ -160,6 +205,32 @@ impl Receipt {
         }
         self.request_sync();
         self.inner.wait_durable(self.seq)
+    }
+
+    /// [`Receipt::wait`] without blocking: `Ok(true)` once the record is
+    /// durable, `Ok(false)` while it is not yet, and the error `wait` would
+    /// return once it never will be (the store poisoned or closed before).
+    /// For an event loop: ask for the commit with [`Receipt::sync_soon`],
+    /// then poll this from a [`Store::on_durable`] listener's wake-up.
+    pub fn poll(&self) -> Result<bool> {
+        if self.inner.durable_seq.load(Ordering::Acquire) >= self.seq {
+            return Ok(true);
+        }
+        match self.inner.durability() {
+            (seq, _) if seq >= self.seq => Ok(true),
+            (_, Some(e)) => Err(e),
+            (_, None) => Ok(false),
+        }
+    }
+
+    /// Ask for the record's group commit now rather than at the
+    /// `group_commit_ms` timer, as [`Receipt::wait`] does, without waiting.
+    /// Never blocks; does nothing once the record is durable, or with a
+    /// durability other than [`Durability::Group`].
+    pub fn sync_soon(&self) {
+        if self.inner.durable_seq.load(Ordering::Acquire) < self.seq {
+            self.request_sync();
+        }
     }
 
     /// Someone waits (group commit): ask the writer to commit after its

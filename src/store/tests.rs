@@ -269,6 +269,121 @@ fn a_failed_write_wakes_every_waiter_with_the_failure_s_kind() {
     }
 }
 
+/// A durability listener that counts its calls and wakes a test waiting for the next.
+fn listen(store: &Store) -> mpsc::Receiver<()> {
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    store.on_durable(move || {
+        let _ = lock(&tx).send(());
+    });
+    rx
+}
+
+/// Wait for wake-ups until `receipt` polls as done; its verdict.
+fn polled(receipt: &Receipt, woken: &mpsc::Receiver<()>) -> Result<()> {
+    loop {
+        match receipt.poll() {
+            Ok(true) => return Ok(()),
+            Ok(false) => woken.recv_timeout(NEVER).expect("the listener was called"),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A listening store whose writer is held writing `s/0`; its receipt.
+fn held_listening(dir: &Path) -> (Store, Arc<Gate>, mpsc::Receiver<()>, Receipt) {
+    let (store, gate) = gated(dir, Durability::Group);
+    let woken = listen(&store);
+    gate.arm();
+    let r1 = store.append(call("s", 0)).expect("append");
+    gate.wait_held();
+    (store, gate, woken, r1)
+}
+
+#[test]
+fn try_append_gives_the_call_back_when_full_and_a_listener_wakes_a_poller() {
+    let dir = tempdir();
+    let (store, gate, woken, r1) = held_listening(dir.path());
+    let r2 = store.append(call("s", 1)).expect("append");
+    // The queue of one holds s/1: a third append would wait.
+    let valid = ValidCall::new(call("s", 2)).expect("valid");
+    let back = match store.try_append_valid(valid.clone()).expect("not refused") {
+        TryAppend::Full(back) => back,
+        TryAppend::Appended(r) => panic!("appended as {r:?} into a full queue"),
+    };
+    assert_eq!(*back, valid, "the call comes back untouched");
+    assert!(!r1.poll().expect("no failure"), "s/0 is held before its commit");
+    r2.sync_soon();
+    gate.release(None);
+    polled(&r1, &woken).expect("durable");
+    polled(&r2, &woken).expect("durable");
+    let r3 = match store.try_append_valid(*back).expect("not refused") {
+        TryAppend::Appended(r) => r,
+        TryAppend::Full(_) => panic!("the queue is empty now"),
+    };
+    assert_eq!(r3.seq(), 3);
+    r3.sync_soon();
+    polled(&r3, &woken).expect("durable");
+    assert!(store.snapshot().get("s/2").expect("read").is_some(), "s/2 durable but not visible");
+    // Closing wakes the listener; a receipt made durable before still polls as done.
+    woken.try_iter().for_each(drop);
+    store.close().expect("closed");
+    assert!(woken.try_recv().is_ok(), "closing called the listener");
+    assert!(r3.poll().expect("durable before the close"));
+}
+
+#[test]
+fn a_failed_write_wakes_the_listener_and_polls_as_the_failure() {
+    let dir = tempdir();
+    let (store, gate, woken, r1) = held_listening(dir.path());
+    r1.sync_soon();
+    gate.release(Some(EIO));
+    let err = polled(&r1, &woken).expect_err("the write failed");
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+    let err = store.try_append_valid(ValidCall::new(call("s", 1)).expect("valid")).expect_err("refused");
+    assert_eq!(err.kind(), &ErrorKind::Poisoned, "{err}");
+}
+
+#[test]
+fn the_writer_keeps_zeros_written_ahead_of_the_active_segment_s_data_and_trims_them_on_close() {
+    use std::os::unix::fs::MetadataExt;
+    for ahead in [crate::segment::writer::ZERO_AHEAD_DEFAULT, 0] {
+        let dir = tempdir();
+        let store = Store::open(dir.path(), Options::default().zero_ahead_bytes(ahead)).expect("open");
+        for n in 0..20 {
+            store.append_durable(call("s", n)).expect("durable");
+        }
+        let (path, data_end) = {
+            let view = lock(&store.inner.view).clone();
+            let active = view.segments.get(&1).expect("the active segment");
+            (active.path.to_path_buf(), active.visible_len)
+        };
+        let allocated = std::fs::metadata(&path).expect("stat").blocks() * 512;
+        if ahead > 0 {
+            assert!(
+                allocated >= data_end + ahead,
+                "{allocated} bytes allocated for {data_end} of data and {ahead} ahead"
+            );
+        } else {
+            assert!(
+                allocated < data_end + (256 << 10),
+                "{allocated} bytes allocated for {data_end} of data, none ahead"
+            );
+        }
+        let mapped = std::fs::read(&path).expect("read");
+        assert!(mapped[data_end as usize..].iter().all(|b| *b == 0), "past the data: zeros");
+        store.close().expect("close");
+        assert_eq!(std::fs::metadata(&path).expect("stat").len(), data_end, "trimmed to the data on close");
+        let store = Store::open(dir.path(), Options::default()).expect("reopen");
+        assert_eq!(store.recovery_report().events.len(), 0, "nothing to cut: {:?}", store.recovery_report().events);
+        let snap = store.snapshot();
+        for n in 0..20 {
+            let id = format!("s/{n}");
+            assert_eq!(snap.get(&id).expect("read").expect("present").to_call().expect("decode"), call("s", n));
+        }
+    }
+}
+
 #[test]
 fn a_writer_panic_wakes_an_appender_waiting_for_room() {
     let dir = tempdir();

@@ -551,14 +551,15 @@ impl Writer {
             Durability::Buffered => true,
             _ => fsync || self.unsynced_since.is_none(),
         };
+        let mut synced = false;
         if fsync && self.unsynced_since.is_some() {
-            let synced = self.active().and_then(|a| a.sync());
-            if let Err(e) = synced {
+            if let Err(e) = self.active().and_then(|a| a.sync()) {
                 self.fail(&e);
                 return;
             }
             self.unsynced_since = None;
             self.last_sync = Instant::now();
+            synced = true;
         }
         if durable {
             match self.view() {
@@ -570,6 +571,12 @@ impl Writer {
                     self.inner.advance(self.written_seq);
                 }
                 Err(e) => self.fail(&e),
+            }
+        }
+        if synced && self.options.zero_ahead_bytes > 0 {
+            // After the acknowledgement: off the waiters' latency.
+            if let Some(active) = self.active.as_mut() {
+                active.zero_ahead(self.options.zero_ahead_bytes);
             }
         }
     }

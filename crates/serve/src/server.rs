@@ -46,6 +46,10 @@ struct App {
     /// The background tasks, awaited by the shutdown before it closes the
     /// store (a compaction under way holds the store: it is finished first).
     background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// Woken by the store's writer after each commit that makes appends
+    /// durable (and when the store fails or closes): captures waiting for
+    /// durability poll their receipts then, holding no thread.
+    durable: Arc<tokio::sync::Notify>,
 }
 
 impl App {
@@ -153,6 +157,9 @@ pub async fn start(config: Config) -> Result<Server, String> {
             w.weight,
         ));
     }
+    let durable = Arc::new(tokio::sync::Notify::new());
+    let wake = durable.clone();
+    store.on_durable(move || wake.notify_waiters());
     let app = Arc::new(App {
         config,
         store: Arc::new(store),
@@ -164,6 +171,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
         health_started: AtomicBool::new(false),
         stop: tokio::sync::watch::Sender::new(false),
         background: Mutex::new(Vec::new()),
+        durable,
     });
     if !app.router.list().is_empty() {
         start_health_checks(&app);
@@ -463,18 +471,27 @@ fn store_error(e: String) -> Response {
 }
 
 /// Hand a trace record to the store; with `Sync` durability, wait until it
-/// is durable (concurrent waits share one group commit).
+/// is durable (concurrent waits share one group commit). The record is
+/// appended on this task when the writer's queue has room (no thread hop),
+/// and the wait holds no thread: the writer wakes `app.durable` after each
+/// commit. A full queue waits for room on a blocking thread (back-pressure).
 async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> Result<(), String> {
-    let store = app.store.clone();
     let sync = app.config.durability == DurabilityMode::Sync;
     app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
-    let r = blocking(move || {
-        let receipt = store.append_valid(call?)?;
+    let r = async {
+        let receipt = match app.store.try_append_valid(call.map_err(|e| e.to_string())?) {
+            Ok(trajlog::TryAppend::Appended(receipt)) => receipt,
+            Ok(trajlog::TryAppend::Full(call)) => {
+                let store = app.store.clone();
+                blocking(move || store.append_valid(*call)).await?
+            }
+            Err(e) => return Err(e.to_string()),
+        };
         if sync {
-            receipt.wait()?;
+            durable(&app.durable, &receipt).await.map_err(|e| e.to_string())?;
         }
         Ok(())
-    })
+    }
     .await;
     app.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
     match &r {
@@ -485,6 +502,21 @@ async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> R
         }
     };
     r
+}
+
+/// Wait, holding no thread, until `receipt` is durable (or never will be).
+async fn durable(wake: &tokio::sync::Notify, receipt: &trajlog::Receipt) -> trajlog::Result<()> {
+    receipt.sync_soon();
+    loop {
+        // Registered before the poll, so a commit between the two still wakes it.
+        let woken = wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if receipt.poll()? {
+            return Ok(());
+        }
+        woken.await;
+    }
 }
 
 /// A stored call as the gateway's JSON: [`trajlog::trace_json::export_call`]

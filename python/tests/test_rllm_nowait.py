@@ -1,0 +1,202 @@
+"""`TrajlogTraceStore.store_trace` without a thread per call: once the store
+is open, the trace is appended on the loop's thread and the coroutine waits
+for a wake-up of the loop by the writer (the store's durability waker).
+
+Each test checks which path a store took through what it leaves behind
+(the worker threads' futures, the waker), and every verdict is about data
+read back, never about timing."""
+
+import asyncio
+import threading
+
+import pytest
+
+import trajlog
+from trajlog.rllm import TrajlogTraceStore
+
+from test_rllm import trace
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class CountingStore(TrajlogTraceStore):
+    """Counts the stores handed to worker threads."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.threaded = 0
+
+    def _submit(self, fn, *args):
+        self.threaded += 1
+        return super()._submit(fn, *args)
+
+
+def read_only(path, trace_id):
+    """The trace as another reader of the directory sees it (durable data only)."""
+    store = trajlog.Store(path, read_only=True)
+    try:
+        call = store.get(trace_id)
+        return None if call is None else call.to_dict()
+    finally:
+        store.close()
+
+
+def test_after_the_opening_store_each_store_is_durable_on_return_without_a_thread(tmp_path):
+    path = str(tmp_path / "s")
+
+    async def go():
+        store = CountingStore(path)
+        await store.store_trace("t0", "s1", trace(0))
+        assert store.threaded == 1, "the first store opens the store in a thread"
+        for i in range(1, 12):
+            await store.store_trace(f"t{i}", "s1", trace(i))
+            # Durable on return: a reader opening the directory now sees it.
+            assert read_only(path, f"t{i}") == trace(i)
+        assert store.threaded == 1, "later stores took no thread"
+        assert store._waker is not None and store._waker[0] is asyncio.get_running_loop()
+        assert not store._pending, "every store settled"
+        await store.close()
+        assert store._waker is None, "close stops watching the waker"
+
+    run(go())
+
+
+def test_concurrent_stores_from_one_loop_read_back_exact(tmp_path):
+    async def go():
+        store = CountingStore(str(tmp_path / "s"))
+        await store.store_trace("first", "s0", trace(0, session="s0"))
+        traces = {f"t{i}": trace(i, session=f"s{i % 8}", extra={"i": i, "f": 0.1 * i}) for i in range(256)}
+        await asyncio.gather(*(store.store_trace(k, t["session_id"], t) for k, t in traces.items()))
+        assert not store._pending
+        for k, t in traces.items():
+            assert await store.get_trace(k) == t
+        # Far below the stores' count: only stores that met a full queue
+        # (if any) took a thread.
+        assert store.threaded < 1 + len(traces)
+        await store.close()
+
+    run(go())
+
+
+def test_a_read_sees_stores_called_before_it_and_not_awaited(tmp_path):
+    async def go():
+        store = TrajlogTraceStore(str(tmp_path / "s"))
+        await store.store_trace("t0", "s1", trace(0))
+        tasks = [asyncio.create_task(store.store_trace(f"t{i}", "s1", trace(i))) for i in range(1, 40)]
+        got = await store.get_session_traces("s1")
+        assert [t["trace_id"] for t in got] == [f"t{i}" for i in range(40)]
+        await asyncio.gather(*tasks)
+        await store.close()
+
+    run(go())
+
+
+def test_close_settles_stores_in_flight_and_a_cancelled_caller_still_stores(tmp_path):
+    path = str(tmp_path / "s")
+
+    async def go():
+        store = TrajlogTraceStore(path)
+        await store.store_trace("t0", "s1", trace(0))
+        tasks = [asyncio.create_task(store.store_trace(f"t{i}", "s1", trace(i))) for i in range(1, 20)]
+        await asyncio.sleep(0)  # each task appended and now waits
+        tasks[0].cancel()
+        await store.close()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(results[0], asyncio.CancelledError)
+        assert results[1:] == [None] * 18
+        assert not store._pending
+
+    run(go())
+    reader = trajlog.Store(path, read_only=True)
+    try:
+        assert sorted(c.trace_id for c in reader.session("s1")) == sorted(f"t{i}" for i in range(20))
+    finally:
+        reader.close()
+
+
+def test_a_refused_trace_raises_from_store_trace_and_writes_nothing(tmp_path):
+    async def go():
+        store = TrajlogTraceStore(str(tmp_path / "s"))
+        await store.store_trace("t0", "s1", trace(0))
+        bad = trace(1, metadata={"x": float("nan")})
+        with pytest.raises(trajlog.InvalidInputError, match="metadata"):
+            await store.store_trace("t1", "s1", bad)
+        with pytest.raises(trajlog.InvalidInputError, match="session_id"):
+            await store.store_trace("t2", 7, trace(2))
+        assert await store.get_trace("t1") is None
+        assert not store._pending
+        await store.store_trace("t3", "s1", trace(3))
+        assert [t["trace_id"] for t in await store.get_session_traces("s1")] == ["t0", "t3"]
+        await store.close()
+
+    run(go())
+
+
+def test_a_second_loop_uses_threads_and_takes_over_once_the_first_is_closed(tmp_path):
+    store = CountingStore(str(tmp_path / "s"))
+
+    async def some(lo, hi):
+        for i in range(lo, hi):
+            await store.store_trace(f"t{i}", "s1", trace(i))
+        return asyncio.get_running_loop()
+
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(some(0, 5))
+        assert store.threaded == 1
+        # Another loop in another thread while the first is open: threads.
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(asyncio.run(some(5, 10))))
+        t.start()
+        t.join()
+        assert store.threaded == 1 + 5
+        assert store._waker[0] is first
+    finally:
+        first.close()
+    # The first loop is closed: the next loop watches the waker itself.
+    loop = run(some(10, 15))
+    assert store.threaded == 1 + 5
+    assert store._waker[0] is loop
+
+    async def check():
+        assert [t["trace_id"] for t in await store.get_session_traces("s1")] == [f"t{i}" for i in range(15)]
+        await store.close()
+
+    run(check())
+
+
+def test_the_native_deferred_record_is_appended_once(tmp_path):
+    """A full writer queue hands the record back as a `Deferred`, appended
+    later from a thread that may wait. Filling the queue takes the writer
+    being busy with a large record; the verdicts hold whichever way each
+    try goes, and the test is skipped only if no try met a full queue."""
+    store = trajlog.Store(str(tmp_path / "s"), queue_depth=1)
+    native = store._native
+    big = trace(0, session="big", prompt_token_ids=list(range(2_000_000)))
+    deferred = None
+    receipts = []
+    for attempt in range(20):
+        big["trace_id"] = f"big{attempt}"
+        receipts.append(native.append_trace_nowait(dict(big)))
+        r = native.append_trace_nowait(trace(attempt + 1, session="small"))
+        if hasattr(r, "poll"):
+            receipts.append(r)
+        else:
+            deferred = (attempt + 1, r)
+            break
+    store.flush()
+    for r in receipts:
+        if hasattr(r, "poll"):
+            assert r.poll() is True, "durable after the flush"
+    if deferred is None:
+        store.close()
+        pytest.skip("the writer never had its queue full in 20 tries")
+    i, d = deferred
+    assert store.get(f"t{i}") is None, "a deferred record is not written"
+    native.append_deferred(d)
+    assert store.get(f"t{i}").to_dict() == trace(i, session="small")
+    with pytest.raises(ValueError, match="appended already"):
+        native.append_deferred(d)
+    store.close()
