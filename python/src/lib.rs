@@ -671,11 +671,23 @@ fn sdk_tuple(t: SdkTrace) -> SdkTuple {
 #[pyclass(module = "trajlog._trajlog")]
 struct NativeStore {
     store: Option<Arc<trajlog::Store>>,
+    /// The thread that appends what `append_trace_nowait` walked; started on
+    /// first use, finished by `close` (and by `flush`'s barrier, in part).
+    encoder: std::sync::OnceLock<nowait::Encoder>,
 }
 
 impl NativeStore {
     fn get(&self) -> PyResult<Arc<trajlog::Store>> {
         self.store.clone().ok_or_else(|| to_py(trajlog::Error::closed()))
+    }
+
+    fn encoder(&self) -> PyResult<&nowait::Encoder> {
+        if let Some(encoder) = self.encoder.get() {
+            return Ok(encoder);
+        }
+        let started = nowait::Encoder::start(self.get()?).map_err(PyErr::from)?;
+        // Two first callers at once: the loser's thread ends at once (no job).
+        Ok(self.encoder.get_or_init(|| started))
     }
 }
 
@@ -731,7 +743,7 @@ impl NativeStore {
                 }
             })
             .map_err(to_py)?;
-        Ok(Self { store: Some(Arc::new(store)) })
+        Ok(Self { store: Some(Arc::new(store)), encoder: std::sync::OnceLock::new() })
     }
 
     /// What the open's recovery did: one line per torn tail cut, damaged
@@ -806,39 +818,19 @@ impl NativeStore {
 
     /// Append a trace dict without waiting (for an event loop): the dict is
     /// walked here as by `append_trace` (a refused field raises, nothing
-    /// written), and the record handed to the writer, which is asked for a
-    /// commit. Returns a `Receipt` to poll, or a `Deferred` when the
-    /// writer's queue is full (append it with `append_deferred` from a
-    /// thread that may wait). Never blocks on the writer.
-    fn append_trace_nowait(&self, py: Python<'_>, trace: &Bound<'_, PyDict>) -> PyResult<Py<PyAny>> {
+    /// written), and the call is handed to the store's encoder thread, which
+    /// checks and appends it in walk order and asks for a commit. Returns a
+    /// `Pending` to poll when `waker` (this store's) wakes the loop; a call
+    /// the encoder refuses raises from `poll`. Never blocks.
+    fn append_trace_nowait(
+        &self,
+        py: Python<'_>,
+        trace: &Bound<'_, PyDict>,
+        waker: &nowait::Waker,
+    ) -> PyResult<nowait::Pending> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let call = trace_dict::call_of_trace(py, trace, now)?;
-        let store = self.get()?;
-        let appended = py
-            .detach(|| {
-                let appended = store.try_append_valid(trajlog::ValidCall::from_serialized_json(call)?)?;
-                if let trajlog::TryAppend::Appended(receipt) = &appended {
-                    receipt.sync_soon();
-                }
-                Ok(appended)
-            })
-            .map_err(to_py)?;
-        Ok(match appended {
-            trajlog::TryAppend::Appended(receipt) => Py::new(py, nowait::Receipt(receipt))?.into_any(),
-            trajlog::TryAppend::Full(call) => {
-                Py::new(py, nowait::Deferred(std::sync::Mutex::new(Some(*call))))?.into_any()
-            }
-        })
-    }
-
-    /// Append what `append_trace_nowait` deferred, waiting for room, and
-    /// return once it is durable. A `Deferred` is appended once.
-    fn append_deferred(&self, py: Python<'_>, deferred: &nowait::Deferred) -> PyResult<()> {
-        let store = self.get()?;
-        let call = deferred
-            .take()
-            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("this deferred record was appended already"))?;
-        py.detach(|| store.append_valid(call)?.wait()).map_err(to_py)
+        Ok(self.encoder()?.send(call, waker.signal.clone()))
     }
 
     /// A `Waker` for an event loop: its `fileno()` becomes readable after
@@ -850,6 +842,10 @@ impl NativeStore {
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let store = self.get()?;
+        if let Some(encoder) = self.encoder.get() {
+            // What `append_trace_nowait` took before is appended first.
+            py.detach(|| encoder.barrier());
+        }
         py.detach(|| store.flush()).map_err(to_py)
     }
 
@@ -1178,6 +1174,10 @@ impl NativeStore {
     }
 
     fn close(&mut self, py: Python<'_>) -> PyResult<()> {
+        if let Some(encoder) = self.encoder.take() {
+            // What `append_trace_nowait` took is appended before the close.
+            py.detach(|| encoder.finish());
+        }
         if let Some(store) = self.store.take() {
             match Arc::try_unwrap(store) {
                 Ok(store) => py.detach(|| store.close()).map_err(to_py)?,
@@ -1193,8 +1193,7 @@ impl NativeStore {
 fn _trajlog(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeStore>()?;
     m.add_class::<Call>()?;
-    m.add_class::<nowait::Receipt>()?;
-    m.add_class::<nowait::Deferred>()?;
+    m.add_class::<nowait::Pending>()?;
     m.add_class::<nowait::Waker>()?;
     m.add_class::<Snapshot>()?;
     m.add_function(wrap_pyfunction!(u32_array, m)?)?;

@@ -2,14 +2,15 @@
 //! thread per call.
 //!
 //! `NativeStore.append_trace_nowait` walks the trace dict on the caller's
-//! thread (the loop's), hands the record to the writer thread and returns a
-//! [`Receipt`] at once. The writer thread, after each group commit, writes a
+//! thread (the loop's), hands the call to the store's [`Encoder`] thread
+//! (which checks it, encodes its documents and appends it) and returns a
+//! [`Pending`] at once. The writer thread, after each group commit, writes a
 //! byte to one end of a socket pair ([`Waker`]); the loop watches the other
-//! end (`loop.add_reader`), and its callback polls the receipts in order.
-//! So a durable store costs the loop one wake-up per group commit, however
-//! many calls it covers, and no other thread ever takes the GIL. When the
-//! writer's queue is full the record comes back as a [`Deferred`], which a
-//! thread that may block appends (back-pressure, not an unbounded queue).
+//! end (`loop.add_reader`), and its callback polls the `Pending`s in order.
+//! So a durable store costs the loop one walk and one wake-up per group
+//! commit, however many calls it covers, and no other thread ever takes the
+//! GIL. The Python side bounds how many stores are in flight (it awaits the
+//! oldest first); the encoder waits for room in the writer's queue.
 
 use std::io::{ErrorKind as IoKind, Read, Write};
 use std::os::fd::AsRawFd;
@@ -21,70 +22,156 @@ use pyo3::prelude::*;
 
 use crate::to_py;
 
-/// A record appended without waiting; `poll` says when it is durable.
+/// What became of a trace handed to the [`Encoder`].
+enum Outcome {
+    /// Still in the encoder's queue.
+    Queued,
+    Appended(trajlog::Receipt),
+    Refused(trajlog::Error),
+}
+
+/// A trace handed to the [`Encoder`]; `poll` says when it is durable.
 #[pyclass(frozen, module = "trajlog._trajlog")]
-pub(crate) struct Receipt(pub(crate) trajlog::Receipt);
+pub(crate) struct Pending(Arc<Mutex<Outcome>>);
 
 #[pymethods]
-impl Receipt {
-    /// True once the record is durable, False while it is not yet; raises the
-    /// store's error once it never will be (a failed write, a closed store).
+impl Pending {
+    /// True once the record is durable, False while it is not yet; raises
+    /// the error that refused it (a check of the record, a full disk, a
+    /// closed store) once it never will be.
     fn poll(&self) -> PyResult<bool> {
-        self.0.poll().map_err(to_py)
-    }
-
-    /// The record's sequence number in this store session.
-    #[getter]
-    fn seq(&self) -> u64 {
-        self.0.seq()
+        match &*lock(&self.0) {
+            Outcome::Queued => Ok(false),
+            Outcome::Appended(receipt) => receipt.poll().map_err(to_py),
+            Outcome::Refused(e) => Err(to_py(e.clone())),
+        }
     }
 }
 
-/// A checked record the writer's queue had no room for; append it with
-/// `NativeStore.append_deferred` from a thread that may wait.
-#[pyclass(frozen, module = "trajlog._trajlog")]
-pub(crate) struct Deferred(pub(crate) Mutex<Option<trajlog::ValidCall>>);
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
-impl Deferred {
-    pub(crate) fn take(&self) -> Option<trajlog::ValidCall> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+enum Job {
+    Append {
+        call: Box<trajlog::Call>,
+        outcome: Arc<Mutex<Outcome>>,
+        wake: Arc<Signal>,
+    },
+    /// Answered once every job sent before it is appended.
+    Barrier(std::sync::mpsc::Sender<()>),
+}
+
+/// A thread that checks and appends the calls an event loop walked, in the
+/// order they were walked, so the loop's thread is free for the next walk
+/// while this one's documents are encoded: with many sessions at once, the
+/// walk (which needs the GIL) and the encoding (which does not) run on two
+/// cores. It waits for room in the writer's queue (back-pressure stays in
+/// the store), asks for the commit, and wakes the loop itself only for a
+/// refused record (the writer wakes it for the rest).
+pub(crate) struct Encoder {
+    tx: std::sync::mpsc::Sender<Job>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Encoder {
+    pub(crate) fn start(store: Arc<trajlog::Store>) -> std::io::Result<Encoder> {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new().name("trajlog-encode".into()).spawn(move || {
+            for job in rx {
+                match job {
+                    Job::Append { call, outcome, wake } => {
+                        let appended =
+                            trajlog::ValidCall::from_serialized_json(*call).and_then(|c| store.append_valid(c));
+                        match appended {
+                            Ok(receipt) => {
+                                receipt.sync_soon();
+                                *lock(&outcome) = Outcome::Appended(receipt);
+                            }
+                            Err(e) => {
+                                *lock(&outcome) = Outcome::Refused(e);
+                                wake.wake();
+                            }
+                        }
+                    }
+                    Job::Barrier(done) => {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        })?;
+        Ok(Encoder { tx, thread })
+    }
+
+    /// Queue `call`; its outcome is polled through the `Pending`.
+    pub(crate) fn send(&self, call: trajlog::Call, wake: Arc<Signal>) -> Pending {
+        let outcome = Arc::new(Mutex::new(Outcome::Queued));
+        let job = Job::Append { call: Box::new(call), outcome: outcome.clone(), wake: wake.clone() };
+        if self.tx.send(job).is_err() {
+            // The thread is gone (it only ends when the store closes).
+            *lock(&outcome) = Outcome::Refused(trajlog::Error::closed());
+            wake.wake();
+        }
+        Pending(outcome)
+    }
+
+    /// Return once every call queued before is appended (not durable).
+    pub(crate) fn barrier(&self) {
+        let (done, wait) = std::sync::mpsc::channel();
+        if self.tx.send(Job::Barrier(done)).is_ok() {
+            let _ = wait.recv();
+        }
+    }
+
+    /// Append what is queued, then end the thread.
+    pub(crate) fn finish(self) {
+        drop(self.tx);
+        let _ = self.thread.join();
+    }
+}
+
+/// The writing half of a [`Waker`]: at most one byte in the socket until
+/// the loop drains it, so the socket never fills.
+pub(crate) struct Signal {
+    write: UnixStream,
+    pending: AtomicBool,
+    /// The read end, kept open as long as anyone may write: a write never
+    /// meets a closed peer (no EPIPE, no SIGPIPE in a process that does
+    /// not ignore it).
+    _read: Arc<UnixStream>,
+}
+
+impl Signal {
+    pub(crate) fn wake(&self) {
+        if !self.pending.swap(true, Ordering::AcqRel) {
+            // Never full: one byte at a time until the loop drains it.
+            let _ = (&self.write).write(&[1]);
+        }
     }
 }
 
 /// The socket pair that wakes an event loop when the store's durability
 /// changes: the loop watches `fileno()` (`loop.add_reader`) and calls
-/// `drain()` first in its callback, then polls its receipts. The writer
-/// thread writes at most one byte until the loop drains it (`pending`), so
-/// the socket never fills. An object of its own (not a part of the native
-/// store), so that the loop's callback never waits for a call on the store,
-/// such as a `close` in another thread.
+/// `drain()` first in its callback, then polls its `Pending`s. An object of
+/// its own (not a part of the native store), so that the loop's callback
+/// never waits for a call on the store, such as a `close` in another thread.
 #[pyclass(frozen, module = "trajlog._trajlog")]
 pub(crate) struct Waker {
     read: Arc<UnixStream>,
-    pending: Arc<AtomicBool>,
+    pub(crate) signal: Arc<Signal>,
 }
 
 impl Waker {
-    /// A waker registered as `store`'s durability listener.
+    /// A waker whose signal is `store`'s durability listener.
     pub(crate) fn new(store: &trajlog::Store) -> std::io::Result<Waker> {
         let (read, write) = UnixStream::pair()?;
         read.set_nonblocking(true)?;
         write.set_nonblocking(true)?;
         let read = Arc::new(read);
-        let pending = Arc::new(AtomicBool::new(false));
-        let flag = pending.clone();
-        // The listener keeps the read end open too, for as long as the
-        // store lives: a write never meets a closed peer (no EPIPE, no
-        // SIGPIPE in a process that does not ignore it).
-        let keep = read.clone();
-        store.on_durable(move || {
-            if !flag.swap(true, Ordering::AcqRel) {
-                // Never full: one byte at a time until the loop drains it.
-                let _ = (&write).write(&[1]);
-            }
-            let _ = &keep;
-        });
-        Ok(Waker { read, pending })
+        let signal = Arc::new(Signal { write, pending: AtomicBool::new(false), _read: read.clone() });
+        let listener = signal.clone();
+        store.on_durable(move || listener.wake());
+        Ok(Waker { read, signal })
     }
 }
 
@@ -96,10 +183,10 @@ impl Waker {
     }
 
     /// Take the wake-up: clear the flag first, so that a commit from now on
-    /// writes a new byte, then read what is there. Poll the receipts after
-    /// this; none is missed.
+    /// writes a new byte, then read what is there. Poll after this; no
+    /// wake-up is missed.
     fn drain(&self) {
-        self.pending.store(false, Ordering::Release);
+        self.signal.pending.store(false, Ordering::Release);
         let mut buf = [0u8; 64];
         loop {
             match (&*self.read).read(&mut buf) {

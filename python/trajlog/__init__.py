@@ -461,12 +461,13 @@ class Store:
         deeper than `JSON_DEPTH_MAX`, bad token ids or logprobs."""
         self._walk_trace(lambda t: self._native.append_trace(t, bool(durable)), trace)
 
-    def _append_trace_nowait(self, trace: dict):
-        """`append_trace` for an event loop: never waits for the writer.
-        Returns a native `Receipt` (poll it after a wake-up of
-        `_native.durable_waker()`), or a `Deferred` when the writer's queue is
-        full, for `_native.append_deferred` in a thread that may wait."""
-        return self._walk_trace(self._native.append_trace_nowait, trace)
+    def _append_trace_nowait(self, trace: dict, waker):
+        """`append_trace` for an event loop: walks the dict here and hands
+        the call to the store's encoder thread; never waits. Returns a
+        native `Pending`: poll it after `waker` (from
+        `_native.durable_waker()`) wakes the loop; it raises what refused
+        the call, if anything did."""
+        return self._walk_trace(lambda t: self._native.append_trace_nowait(t, waker), trace)
 
     @staticmethod
     def _walk_trace(append, trace):

@@ -30,6 +30,13 @@ from typing import Any, Optional
 from . import InvalidInputError, Store, _json_text, _session_uids, _text
 
 
+# Stores in flight from one event loop (walked, not yet durable) before the
+# next one waits for the oldest: about 16 group commits of 32 sessions. It
+# bounds their count; the writer's own queue (`queue_bytes`) bounds the bytes
+# the encoder thread hands on, not the walked calls queued before it.
+_NOWAIT_IN_FLIGHT = 512
+
+
 class _LazyStore:
     """A trajlog store opened on first use. Concurrent first use from many
     coroutines or threads opens it once; `flush` and `close` are async.
@@ -134,17 +141,19 @@ class _LazyStore:
         return True
 
     async def _store_nowait(self, trace: dict) -> None:
-        """Append `trace` on the loop's thread and wait, holding no thread,
-        until the group commit that covers it wakes the loop."""
-        store = self._store
-        receipt = store._append_trace_nowait(trace)
-        if not hasattr(receipt, "poll"):
-            # The writer's queue is full: wait for room in a thread.
-            await self._run_store(store._native.append_deferred, receipt)
-            return
+        """Walk `trace` on the loop's thread, hand it to the store's encoder
+        thread, and wait, holding no thread, until the group commit that
+        covers it wakes the loop. At most `_NOWAIT_IN_FLIGHT` stores are in
+        flight: past that, a store first waits for the oldest (back-pressure
+        that keeps the loop running and the stores in order)."""
+        pending = self._pending
+        while len(pending) >= _NOWAIT_IN_FLIGHT:
+            await asyncio.wait([pending[0][1]])
+        waker = self._waker
+        receipt = self._store._append_trace_nowait(trace, waker[2])
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
-        self._pending.append((receipt, future))
+        pending.append((receipt, future))
         # Cancelling the caller does not cancel the store: it was called, so it completes.
         await asyncio.shield(future)
 
@@ -299,11 +308,13 @@ class TrajlogTraceStore(_LazyStore):
     async def store_trace(self, trace_id: str, session_id: str, data: dict) -> None:
         """Insert or replace (upsert) a trace; durable on return.
 
-        Once the store is open, the dict is walked on the loop's thread and
-        the coroutine waits, holding no thread, for the group commit that
-        covers it (one wake-up of the loop per commit). The first store
-        (which opens the store), stores from a second loop and stores that
-        meet a full writer queue run in a worker thread instead."""
+        Once the store is open, the dict is walked on the loop's thread, its
+        call checked, encoded and appended by the store's encoder thread (in
+        walk order), and the coroutine waits, holding no thread, for the
+        group commit that covers it (one wake-up of the loop per commit).
+        With `_NOWAIT_IN_FLIGHT` stores in flight, a store first waits for
+        the oldest. The first store (which opens the store) and stores from
+        a second loop run in a worker thread instead."""
         if self._nowait_loop(asyncio.get_running_loop()):
             _check_ids(trace_id, session_id, data)
             trace = dict(data)
