@@ -146,12 +146,16 @@ class _LazyStore:
         covers it wakes the loop. At most `_NOWAIT_IN_FLIGHT` stores are in
         flight: past that, a store first waits for the oldest (back-pressure
         that keeps the loop running and the stores in order)."""
+        loop = asyncio.get_running_loop()
         pending = self._pending
-        while len(pending) >= _NOWAIT_IN_FLIGHT:
+        while len(pending) >= _NOWAIT_IN_FLIGHT and self._nowait_loop(loop):
             await asyncio.wait([pending[0][1]])
-        waker = self._waker
-        receipt = self._store._append_trace_nowait(trace, waker[2])
-        future = asyncio.get_running_loop().create_future()
+        if not self._nowait_loop(loop):
+            # Closed (or handed to another loop) while this store waited.
+            await self._run_store(lambda: self._get().append_trace(trace, durable=True))
+            return
+        receipt = self._store._append_trace_nowait(trace, self._waker[2])
+        future = loop.create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
         pending.append((receipt, future))
         # Cancelling the caller does not cancel the store: it was called, so it completes.
