@@ -163,8 +163,8 @@ def test_a_second_loop_uses_threads_and_takes_over_once_the_first_is_closed(tmp_
 
 def test_a_call_the_encoder_refuses_raises_from_its_store_trace_alone(tmp_path):
     """The trace id check runs on the encoder thread (against the store's
-    index): its refusal wakes the loop and reaches that caller; the stores
-    around it are kept."""
+    index): its refusal wakes the loop and reaches that caller alone; the
+    stores around it are kept."""
 
     async def go():
         store = TrajlogTraceStore(str(tmp_path / "s"))
@@ -180,6 +180,11 @@ def test_a_call_the_encoder_refuses_raises_from_its_store_trace_alone(tmp_path):
         assert not store._pending
         assert [t["trace_id"] for t in await store.get_session_traces("s1")] == ["t0", "t1", "t2"]
         assert await store.get_session_traces("s2") == []
+        # One store alone: the same refusal, through the same wake-up.
+        assert not store._pending
+        with pytest.raises(trajlog.InvalidInputError, match="trace_id"):
+            await store.store_trace("t0", "s3", trace(0, session="s3"))
+        assert await store.get_session_traces("s3") == []
         await store.close()
 
     run(go())
