@@ -68,6 +68,9 @@ class _LazyStore:
         # settled, in append order.
         self._waker: Optional[tuple] = None
         self._nowait_off = False
+        # Held while a store is handed to the native store, and while
+        # `_close_sync` takes the store away.
+        self._handing = threading.Lock()
         self._pending: collections.deque = collections.deque()
 
     def _get(self) -> Store:
@@ -150,11 +153,15 @@ class _LazyStore:
         pending = self._pending
         while len(pending) >= _NOWAIT_IN_FLIGHT and self._nowait_loop(loop):
             await asyncio.wait([pending[0][1]])
-        if not self._nowait_loop(loop):
+        with self._handing:
+            # `close` takes the store away under this lock: a store it did
+            # not see is never handed to a closing native store.
+            store = self._store if self._nowait_loop(loop) else None
+            receipt = None if store is None else store._append_trace_nowait(trace, self._waker[2])
+        if receipt is None:
             # Closed (or handed to another loop) while this store waited.
             await self._run_store(lambda: self._get().append_trace(trace, durable=True))
             return
-        receipt = self._store._append_trace_nowait(trace, self._waker[2])
         future = loop.create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
         pending.append((receipt, future))
@@ -264,7 +271,7 @@ class _LazyStore:
         concurrent.futures.wait(pending)
         if executor is not None:
             executor.shutdown(wait=True)
-        with self._lock:
+        with self._handing, self._lock:
             store, self._store = self._store, None
         if store is not None:
             store.close()

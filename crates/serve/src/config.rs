@@ -116,6 +116,9 @@ pub struct Config {
     pub response_bytes_max: usize,
     /// The store's queue budget (back-pressure beyond it), in bytes.
     pub store_queue_bytes: Option<u64>,
+    /// `Options::zero_ahead_bytes` of the store (None: its default, 1 MiB;
+    /// 0 on a copy-on-write file system).
+    pub store_zero_ahead_bytes: Option<u64>,
     /// Compact the store every this many seconds (None: only on `POST
     /// /admin/compact`). A gateway left running then keeps its disk and
     /// memory to what is not compacted yet.
@@ -147,6 +150,7 @@ impl Default for Config {
             request_bytes_max: 64 << 20,
             response_bytes_max: 256 << 20,
             store_queue_bytes: None,
+            store_zero_ahead_bytes: None,
             compact_every_s: None,
             compact_older_than_s: None,
             log_level: "info".into(),
@@ -184,6 +188,7 @@ pub struct Settings {
     pub request_bytes_max: Option<usize>,
     pub response_bytes_max: Option<usize>,
     pub store_queue_bytes: Option<u64>,
+    pub store_zero_ahead_bytes: Option<u64>,
     pub compact_every_s: Option<f64>,
     pub compact_older_than_s: Option<f64>,
     // ---- rLLM's, mapped, ignored or refused (module docs)
@@ -453,6 +458,9 @@ pub fn resolve(layers: &[(Source, Settings)]) -> Result<Resolved, String> {
                 return Err(format!("{}: must be at least 1 byte", name("store_queue_bytes")));
             }
             c.store_queue_bytes = Some(v);
+        }
+        if let Some(v) = s.store_zero_ahead_bytes {
+            c.store_zero_ahead_bytes = Some(v);
         }
         if let Some(v) = s.compact_every_s {
             c.compact_every_s = Some(positive_seconds(name("compact_every_s"), v)?);

@@ -127,11 +127,14 @@ pub async fn start(config: Config) -> Result<Server, String> {
         return Err("store: a store directory is required (--store DIR)".into());
     }
     let dir = config.store.clone();
-    let queue = config.store_queue_bytes;
+    let (queue, zero_ahead) = (config.store_queue_bytes, config.store_zero_ahead_bytes);
     let store = tokio::task::spawn_blocking(move || {
         let mut opts = Options::default().durability(Durability::Group);
         if let Some(q) = queue {
             opts = opts.queue_bytes(q);
+        }
+        if let Some(z) = zero_ahead {
+            opts = opts.zero_ahead_bytes(z);
         }
         Store::open(&dir, opts)
     })

@@ -445,6 +445,26 @@ fn compaction_settings_are_checked() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_zero_ahead_bytes_reaches_the_store() {
+    use std::os::unix::fs::MetadataExt;
+    use trajlog_serve::config::{resolve, Settings, Source};
+    let file = Settings::from_yaml("store: /tmp/x\nstore_zero_ahead_bytes: 0\n").expect("yaml");
+    assert_eq!(resolve(&[(Source::Env, file)]).expect("valid").config.store_zero_ahead_bytes, Some(0));
+    // Durable captures, then the active segment's allocated bytes: past the
+    // data with the default (1 MiB ahead), not with 0.
+    for (ahead, more_than_a_mib) in [(None, true), (Some(0), false)] {
+        let e = env_with(|c| c.store_zero_ahead_bytes = ahead).await;
+        for i in 0..3 {
+            let (s, _) = e.post("/sessions/z/v1/chat/completions", &chat(&format!("{i}"), 3)).await;
+            assert_eq!(s, 200);
+        }
+        let segment = e.dir.path().join("store").join("seg-0000000001.tlog");
+        let allocated = std::fs::metadata(&segment).expect("the active segment").blocks() * 512;
+        assert_eq!(allocated > 1 << 20, more_than_a_mib, "{allocated} bytes allocated with {ahead:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_durability_flush_is_a_barrier() {
     let e = env_with(|c| c.durability = DurabilityMode::Async).await;
     for i in 0..20 {
