@@ -182,19 +182,23 @@ impl Waker {
         self.read.as_raw_fd()
     }
 
-    /// Take the wake-up: clear the flag first, so that a commit from now on
-    /// writes a new byte, then read what is there. Poll after this; no
-    /// wake-up is missed.
+    /// Take the wake-up: read what the socket holds, then clear the flag,
+    /// then (the caller) poll. In this order no wake-up is lost: a commit
+    /// before the clear is seen by the poll that follows it, and a commit
+    /// after the clear writes a new byte. (Clearing before reading would
+    /// let a byte written in between be read with the flag left set, and
+    /// every later commit would then write nothing.)
     fn drain(&self) {
-        self.signal.pending.store(false, Ordering::Release);
         let mut buf = [0u8; 64];
         loop {
             match (&*self.read).read(&mut buf) {
-                Ok(0) => return,
+                Ok(0) => break,
                 Ok(_) => continue,
                 Err(e) if e.kind() == IoKind::Interrupted => continue,
-                Err(_) => return, // WouldBlock: drained
+                Err(_) => break, // WouldBlock: drained
             }
         }
+        // AcqRel: what the writer published before its wake-up is seen by the poll.
+        self.signal.pending.swap(false, Ordering::AcqRel);
     }
 }

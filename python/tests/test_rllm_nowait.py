@@ -238,3 +238,25 @@ def _reader_calls(path):
         return reader.session("s1")
     finally:
         reader.close()
+
+
+def test_every_commit_wakes_the_loop(tmp_path):
+    """Thousands of group commits, each waking the loop while it may be
+    draining the previous wake-up: no store is left waiting. (A drain that
+    cleared its flag before reading lost a wake-up this way and hung.) The
+    timeout is a hang guard only."""
+
+    async def go():
+        for r in range(20):
+            store = TrajlogTraceStore(str(tmp_path / f"s{r}"))
+
+            async def session(k):
+                for i in range(20):
+                    await store.store_trace(f"t{k}-{i}", f"s{k}", trace(i, session=f"s{k}"))
+
+            await asyncio.wait_for(asyncio.gather(*(session(k) for k in range(16))), 300)
+            assert not store._pending
+            assert len(await store.get_session_traces("s15")) == 20
+            await store.close()
+
+    run(go())
