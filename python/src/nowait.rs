@@ -135,10 +135,10 @@ impl Encoder {
 pub(crate) struct Signal {
     write: UnixStream,
     pending: AtomicBool,
-    /// The read end, kept open as long as anyone may write: a write never
-    /// meets a closed peer (no EPIPE, no SIGPIPE in a process that does
-    /// not ignore it).
-    _read: Arc<UnixStream>,
+    /// The read end (the loop's), owned here so that it stays open as long
+    /// as anyone may write: a write never meets a closed peer (no EPIPE, no
+    /// SIGPIPE in a process that does not ignore it).
+    read: UnixStream,
 }
 
 impl Signal {
@@ -157,7 +157,6 @@ impl Signal {
 /// never waits for a call on the store, such as a `close` in another thread.
 #[pyclass(frozen, module = "trajlog._trajlog")]
 pub(crate) struct Waker {
-    read: Arc<UnixStream>,
     pub(crate) signal: Arc<Signal>,
 }
 
@@ -167,11 +166,10 @@ impl Waker {
         let (read, write) = UnixStream::pair()?;
         read.set_nonblocking(true)?;
         write.set_nonblocking(true)?;
-        let read = Arc::new(read);
-        let signal = Arc::new(Signal { write, pending: AtomicBool::new(false), _read: read.clone() });
+        let signal = Arc::new(Signal { write, pending: AtomicBool::new(false), read });
         let listener = signal.clone();
         store.on_durable(move || listener.wake());
-        Ok(Waker { read, signal })
+        Ok(Waker { signal })
     }
 }
 
@@ -179,7 +177,7 @@ impl Waker {
 impl Waker {
     /// The file descriptor to watch for reading.
     fn fileno(&self) -> i32 {
-        self.read.as_raw_fd()
+        self.signal.read.as_raw_fd()
     }
 
     /// Take the wake-up: read what the socket holds, then clear the flag,
@@ -191,7 +189,7 @@ impl Waker {
     fn drain(&self) {
         let mut buf = [0u8; 64];
         loop {
-            match (&*self.read).read(&mut buf) {
+            match (&self.signal.read).read(&mut buf) {
                 Ok(0) => break,
                 Ok(_) => continue,
                 Err(e) if e.kind() == IoKind::Interrupted => continue,
