@@ -668,26 +668,44 @@ fn sdk_tuple(t: SdkTrace) -> SdkTuple {
 }
 
 /// The native store; `trajlog.Store` wraps it.
-#[pyclass(module = "trajlog._trajlog")]
+///
+/// Frozen (no `&mut self` method): what `close` takes away sits behind a
+/// lock held only to copy or take the handles, so a `close` in one thread
+/// while another reads (or a read while a `close` waits for the writer)
+/// never meets PyO3's borrow check ("Already borrowed"): the read either
+/// holds the store already, and the close then flushes it and leaves the
+/// last user to close it, or finds it closed.
+#[pyclass(frozen, module = "trajlog._trajlog")]
 struct NativeStore {
+    held: std::sync::Mutex<Held>,
+}
+
+/// What a [`NativeStore`] holds until `close` takes it.
+struct Held {
     store: Option<Arc<trajlog::Store>>,
     /// The thread that appends what `append_trace_nowait` walked; started on
     /// first use, finished by `close` (and by `flush`'s barrier, in part).
-    encoder: std::sync::OnceLock<nowait::Encoder>,
+    encoder: Option<Arc<nowait::Encoder>>,
 }
 
 impl NativeStore {
-    fn get(&self) -> PyResult<Arc<trajlog::Store>> {
-        self.store.clone().ok_or_else(|| to_py(trajlog::Error::closed()))
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn encoder(&self) -> PyResult<&nowait::Encoder> {
-        if let Some(encoder) = self.encoder.get() {
-            return Ok(encoder);
+    fn get(&self) -> PyResult<Arc<trajlog::Store>> {
+        self.held().store.clone().ok_or_else(|| to_py(trajlog::Error::closed()))
+    }
+
+    fn encoder(&self) -> PyResult<Arc<nowait::Encoder>> {
+        let mut held = self.held();
+        if let Some(encoder) = &held.encoder {
+            return Ok(encoder.clone());
         }
-        let started = nowait::Encoder::start(self.get()?).map_err(PyErr::from)?;
-        // Two first callers at once: the loser's thread ends at once (no job).
-        Ok(self.encoder.get_or_init(|| started))
+        let store = held.store.clone().ok_or_else(|| to_py(trajlog::Error::closed()))?;
+        let started = Arc::new(nowait::Encoder::start(store).map_err(PyErr::from)?);
+        held.encoder = Some(started.clone());
+        Ok(started)
     }
 }
 
@@ -743,7 +761,7 @@ impl NativeStore {
                 }
             })
             .map_err(to_py)?;
-        Ok(Self { store: Some(Arc::new(store)), encoder: std::sync::OnceLock::new() })
+        Ok(Self { held: std::sync::Mutex::new(Held { store: Some(Arc::new(store)), encoder: None }) })
     }
 
     /// What the open's recovery did: one line per torn tail cut, damaged
@@ -842,7 +860,8 @@ impl NativeStore {
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let store = self.get()?;
-        if let Some(encoder) = self.encoder.get() {
+        let encoder = self.held().encoder.clone();
+        if let Some(encoder) = encoder {
             // What `append_trace_nowait` took before is appended first.
             py.detach(|| encoder.barrier());
         }
@@ -1173,12 +1192,17 @@ impl NativeStore {
         Ok(self.get()?.snapshot().segments().iter().map(|s| s.path.display().to_string()).collect())
     }
 
-    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
-        if let Some(encoder) = self.encoder.take() {
-            // What `append_trace_nowait` took is appended before the close.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let (store, encoder) = {
+            let mut held = self.held();
+            (held.store.take(), held.encoder.take())
+        };
+        if let Some(encoder) = encoder {
+            // What `append_trace_nowait` took is appended before the close
+            // (a call handed to it after this is refused as closed).
             py.detach(|| encoder.finish());
         }
-        if let Some(store) = self.store.take() {
+        if let Some(store) = store {
             match Arc::try_unwrap(store) {
                 Ok(store) => py.detach(|| store.close()).map_err(to_py)?,
                 // Another thread is inside a call: flush now, close when the last user drops it.

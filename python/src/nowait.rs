@@ -69,9 +69,13 @@ enum Job {
 /// cores. It waits for room in the writer's queue (back-pressure stays in
 /// the store), asks for the commit, and wakes the loop itself only for a
 /// refused record (the writer wakes it for the rest).
+///
+/// Shared by the native store and the calls using it at the moment: its
+/// halves sit behind locks, so that a `close` in one thread finishes it
+/// while another hands it a call (which is then refused as closed).
 pub(crate) struct Encoder {
-    tx: std::sync::mpsc::Sender<Job>,
-    thread: std::thread::JoinHandle<()>,
+    tx: Mutex<Option<std::sync::mpsc::Sender<Job>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Encoder {
@@ -100,15 +104,16 @@ impl Encoder {
                 }
             }
         })?;
-        Ok(Encoder { tx, thread })
+        Ok(Encoder { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })
     }
 
     /// Queue `call`; its outcome is polled through the `Pending`.
     pub(crate) fn send(&self, call: trajlog::Call, wake: Arc<Signal>) -> Pending {
         let outcome = Arc::new(Mutex::new(Outcome::Queued));
         let job = Job::Append { call: Box::new(call), outcome: outcome.clone(), wake: wake.clone() };
-        if self.tx.send(job).is_err() {
-            // The thread is gone (it only ends when the store closes).
+        let sent = lock(&self.tx).as_ref().is_some_and(|tx| tx.send(job).is_ok());
+        if !sent {
+            // Finished (the store is closing), or the thread is gone.
             *lock(&outcome) = Outcome::Refused(trajlog::Error::closed());
             wake.wake();
         }
@@ -118,15 +123,20 @@ impl Encoder {
     /// Return once every call queued before is appended (not durable).
     pub(crate) fn barrier(&self) {
         let (done, wait) = std::sync::mpsc::channel();
-        if self.tx.send(Job::Barrier(done)).is_ok() {
+        let sent = lock(&self.tx).as_ref().is_some_and(|tx| tx.send(Job::Barrier(done)).is_ok());
+        if sent {
             let _ = wait.recv();
         }
     }
 
-    /// Append what is queued, then end the thread.
-    pub(crate) fn finish(self) {
-        drop(self.tx);
-        let _ = self.thread.join();
+    /// Append what is queued, then end the thread; calls sent afterwards
+    /// are refused as closed.
+    pub(crate) fn finish(&self) {
+        drop(lock(&self.tx).take());
+        let thread = lock(&self.thread).take();
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
     }
 }
 

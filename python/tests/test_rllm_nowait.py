@@ -260,3 +260,60 @@ def test_every_commit_wakes_the_loop(tmp_path):
             await store.close()
 
     run(go())
+
+
+def test_stores_past_the_in_flight_bound_are_handed_on_in_call_order(tmp_path, monkeypatch):
+    # A store that waited for room used to be overtaken by one called after
+    # it, whenever that one came while the oldest store had just settled and
+    # before the waiting one resumed: an older upsert of the same trace id
+    # then won. Here that moment is made certain, not left to chance: the
+    # loop stops watching the waker while two stores are in flight, a third
+    # waits for room, and the two are settled by hand right before a fourth
+    # store is called.
+    import trajlog.rllm as rllm
+
+    monkeypatch.setattr(rllm, "_NOWAIT_IN_FLIGHT", 2)
+    path = str(tmp_path / "s")
+
+    async def go():
+        store = TrajlogTraceStore(path)
+        await store.store_trace("t", "s1", trace(0))  # opens the store (thread)
+        loop = asyncio.get_running_loop()
+        first = [asyncio.create_task(store.store_trace("t", "s1", trace(i))) for i in (1, 2)]
+        await asyncio.sleep(0)
+        assert len(store._pending) == 2
+        waker = store._waker[2]
+        loop.remove_reader(waker.fileno())
+        third = asyncio.create_task(store.store_trace("t", "s1", trace(3)))
+        await asyncio.sleep(0)
+        assert len(store._pending) == 2, "the third store waits for room"
+        while not all(receipt.poll() for receipt, _ in store._pending):
+            await asyncio.sleep(0.001)
+        loop.add_reader(waker.fileno(), store._on_durable)
+        store._settle(waker)  # both settle; the third is handed on now
+        await store.store_trace("t", "s1", trace(4))
+        await asyncio.gather(*first, third)
+        assert await store.get_trace("t") == dict(trace(4), trace_id="t")
+        await store.close()
+
+    run(go())
+    assert read_only(path, "t") == dict(trace(4), trace_id="t")
+
+
+def test_close_waits_for_stores_still_waiting_for_room(tmp_path, monkeypatch):
+    import trajlog.rllm as rllm
+
+    monkeypatch.setattr(rllm, "_NOWAIT_IN_FLIGHT", 2)
+    path = str(tmp_path / "s")
+
+    async def go():
+        store = CountingStore(path)
+        await store.store_trace("t0", "s1", trace(0))
+        tasks = [asyncio.create_task(store.store_trace(f"t{i}", "s1", trace(i))) for i in range(1, 40)]
+        await asyncio.sleep(0)
+        await store.close()
+        assert await asyncio.gather(*tasks) == [None] * 39
+        assert store.threaded == 1, "no store fell back to a thread (nor reopened the store)"
+
+    run(go())
+    assert sorted(c.trace_id for c in _reader_calls(path)) == sorted(f"t{i}" for i in range(40))

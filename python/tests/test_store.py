@@ -142,6 +142,47 @@ def test_limits_locks_and_closed_stores_raise_their_kinds(tmp_path):
         trajlog.Store(tmp_path / "nope", read_only=True)
 
 
+
+def test_close_while_other_threads_read_closes_and_they_see_closed_error(tmp_path):
+    # Before the native store took its handles behind a lock, `close` met
+    # PyO3's borrow check whenever another thread was inside a call
+    # ("RuntimeError: Already borrowed") and left the store open.
+    import threading
+
+    path = tmp_path / "s"
+    for _ in range(10):
+        store = trajlog.Store(path)
+        store.append(trace_id="t", session_id="s", prompt_token_ids=[1, 2], completion_token_ids=[3], durable=True)
+        started = threading.Barrier(3)
+        stop = threading.Event()
+        seen = []
+
+        def reader():
+            started.wait()
+            while not stop.is_set():
+                try:
+                    store.flush()
+                    assert store.get("t").completion_token_ids.tolist() == [3]
+                except trajlog.ClosedError:
+                    seen.append("closed")
+                except Exception as e:  # noqa: BLE001 - anything else is the bug
+                    seen.append(repr(e))
+
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        started.wait()
+        store.close()
+        stop.set()
+        for t in threads:
+            t.join()
+        assert set(seen) <= {"closed"}, seen
+        with pytest.raises(trajlog.ClosedError):
+            store.get("t")
+        # Closed for real once the readers let go: the directory is not locked.
+        with trajlog.Store(path) as again:
+            assert again.get("t").completion_token_ids.tolist() == [3]
+
 def test_sessions_rewards_seal_delete_and_compaction(tmp_path):
     with trajlog.Store(tmp_path / "s") as store:
         for i in range(4):

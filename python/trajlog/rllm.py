@@ -72,6 +72,8 @@ class _LazyStore:
         # `_close_sync` takes the store away.
         self._handing = threading.Lock()
         self._pending: collections.deque = collections.deque()
+        # (trace, future) pairs of stores waiting for room, in call order.
+        self._turns: collections.deque = collections.deque()
 
     def _get(self) -> Store:
         store = self._store
@@ -133,6 +135,7 @@ class _LazyStore:
                 # left pending can no longer be settled there.
                 self._waker = None
                 self._pending.clear()
+                self._turns.clear()
             try:
                 waker = store._native.durable_waker()
                 loop.add_reader(waker.fileno(), self._on_durable)
@@ -147,26 +150,40 @@ class _LazyStore:
         """Walk `trace` on the loop's thread, hand it to the store's encoder
         thread, and wait, holding no thread, until the group commit that
         covers it wakes the loop. At most `_NOWAIT_IN_FLIGHT` stores are in
-        flight: past that, a store first waits for the oldest (back-pressure
-        that keeps the loop running and the stores in order)."""
+        flight: past that, a store waits in a queue of its own, which is
+        handed on in call order as room appears (back-pressure that keeps
+        the loop running and the stores in the order they were called: a
+        later upsert of the same trace id always wins)."""
         loop = asyncio.get_running_loop()
-        pending = self._pending
-        while len(pending) >= _NOWAIT_IN_FLIGHT and self._nowait_loop(loop):
-            await asyncio.wait([pending[0][1]])
-        with self._handing:
-            # `close` takes the store away under this lock: a store it did
-            # not see is never handed to a closing native store.
-            store = self._store if self._nowait_loop(loop) else None
-            receipt = None if store is None else store._append_trace_nowait(trace, self._waker[2])
-        if receipt is None:
-            # Closed (or handed to another loop) while this store waited.
-            await self._run_store(lambda: self._get().append_trace(trace, durable=True))
-            return
         future = loop.create_future()
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved if nobody awaits
-        pending.append((receipt, future))
+        future.add_done_callback(_retrieved)  # retrieved if nobody awaits
+        self._turns.append((trace, future))
+        self._admit(loop)
         # Cancelling the caller does not cancel the store: it was called, so it completes.
         await asyncio.shield(future)
+
+    def _admit(self, loop) -> None:
+        """Hand the waiting stores on, oldest first, while fewer than
+        `_NOWAIT_IN_FLIGHT` are in flight. Runs on `loop`, the waker's."""
+        turns, pending = self._turns, self._pending
+        while turns and len(pending) < _NOWAIT_IN_FLIGHT:
+            trace, future = turns.popleft()
+            try:
+                with self._handing:
+                    # `close` takes the store away under this lock: a store it
+                    # did not see is never handed to a closing native store.
+                    store = self._store if self._nowait_loop(loop) else None
+                    receipt = None if store is None else store._append_trace_nowait(trace, self._waker[2])
+            except Exception as e:  # the walk refused it: nothing written
+                if not future.done():
+                    future.set_exception(e)
+                continue
+            if receipt is None:
+                # Closed (or handed to another loop) while this store waited.
+                inner = asyncio.wrap_future(self._submit(lambda t=trace: self._get().append_trace(t, durable=True)), loop=loop)
+                inner.add_done_callback(lambda f, future=future: _copy_outcome(f, future))
+                continue
+            pending.append((receipt, future))
 
     def _on_durable(self) -> None:
         """The loop's callback on the durability file descriptor."""
@@ -194,6 +211,8 @@ class _LazyStore:
                     future.set_result(None)
                 else:
                     future.set_exception(error)
+        if self._turns:
+            self._admit(asyncio.get_running_loop())
 
     def _stop_waker(self) -> None:
         """After the store closed: settle what is pending (durable, or failed
@@ -241,10 +260,10 @@ class _LazyStore:
         await asyncio.sleep(0)
         with self._lock:
             pending = [asyncio.wrap_future(f) for f in self._in_flight]
-        if self._pending:
+        if self._pending or self._turns:
             waker = self._waker
             if waker is not None and waker[0] is asyncio.get_running_loop():
-                pending += [f for _, f in self._pending]
+                pending += [f for _, f in self._pending] + [f for _, f in self._turns]
             else:
                 # Stores from another loop, already with the writer: the
                 # read's flush covers them.
@@ -284,7 +303,30 @@ class _LazyStore:
 
     async def close(self) -> None:
         """Wait for the stores in flight, then close the store."""
+        waker = self._waker
+        if self._turns and waker is not None and waker[0] is asyncio.get_running_loop():
+            # Stores still waiting for room are handed on (and made durable)
+            # as the ones before them settle: close after them.
+            waits = asyncio.gather(*[f for _, f in self._turns], return_exceptions=True)
+            await asyncio.shield(waits)
         await asyncio.to_thread(self._close_sync)
+
+
+def _retrieved(future) -> None:
+    """Mark a future's exception retrieved (its caller may be gone)."""
+    future.cancelled() or future.exception()
+
+
+def _copy_outcome(source, target) -> None:
+    """Settle `target` as `source` settled (a store's worker-thread future)."""
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(None)
 
 
 def _check_ids(trace_id: Any, session_id: Any, data: Any) -> None:
