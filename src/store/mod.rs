@@ -394,6 +394,15 @@ impl Store {
         &self.inner.options
     }
 
+    /// The error every write now returns when a failed write or fsync (or
+    /// the writer thread's panic) poisoned the store, `None` while it takes
+    /// writes. A poisoned store recovers only by being closed and opened
+    /// again (after freeing space, when the kind is `StorageFull`); a
+    /// long-lived owner such as `trajlog serve` checks this to know when to.
+    pub fn poisoned(&self) -> Option<Error> {
+        self.inner.poisoned_error()
+    }
+
     /// Refuse writes to a read-only or poisoned store.
     fn writable(&self) -> Result<()> {
         if self.read_only {

@@ -397,6 +397,16 @@ fn a_writer_panic_wakes_an_appender_waiting_for_room() {
     // s/0 was written before the panic; its receipt answers either way.
     let _ = r1.wait();
     assert!(store.append(call("s", 9)).is_err_and(|e| e.kind() == &ErrorKind::Poisoned));
+    let why = store.poisoned().expect("Store::poisoned says so");
+    assert_eq!(why.kind(), &ErrorKind::Poisoned, "{why}");
+}
+
+#[test]
+fn a_store_that_takes_writes_is_not_poisoned() {
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    store.append(call("s", 0)).expect("append").wait().expect("durable");
+    assert!(store.poisoned().is_none());
 }
 
 #[test]

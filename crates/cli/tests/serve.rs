@@ -307,3 +307,73 @@ fn config_errors_name_the_key_and_exit_2() {
         assert!(err.contains(want), "{argv:?}: {err}");
     }
 }
+
+#[test]
+fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
+    // A real write failure, as in tests/process.rs: the gateway may write
+    // files of at most 1 MiB (`ulimit -f`; SIGXFSZ ignored, so the write
+    // returns EFBIG), its segments are 256 KiB, and one call carries a
+    // 1.6 MB prompt. That call poisons the store; the gateway closes it and
+    // opens it again by itself, and later calls are captured as before.
+    let dir = common::tempdir();
+    let store = dir.path().join("store");
+    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
+    let config = dir.path().join("gateway.yaml");
+    std::fs::write(&config, "store_segment_bytes: 262144\nstore_zero_ahead_bytes: 0\n").expect("write config");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 1024; exec '{}' serve --store '{}' --config '{}' --port 0 --worker http://{mock_addr}/v1 --durability sync --log-level error",
+        env!("CARGO_BIN_EXE_trajlog"),
+        store.display(),
+        config.display()
+    );
+    let mut gw = Command::new("bash")
+        .args(["-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the gateway");
+    let mut line = String::new();
+    BufReader::new(gw.stdout.take().expect("stdout")).read_line(&mut line).expect("listening line");
+    assert!(line.contains("listening on http://"), "{line:?}");
+    let addr = line.trim().rsplit("http://").next().expect("address").to_owned();
+
+    let small = |turn: u32| chat(&format!("small turn {turn}"), 3).to_string();
+    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(0)).expect("answers");
+    assert_eq!(s, 200, "{body}");
+    let prompt: Vec<u32> = (0..400_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 50_000).collect();
+    let big = serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 2}).to_string();
+    let (s, body) = http(&addr, "POST", "/sessions/big/v1/completions", &big).expect("answers");
+    assert_eq!(s, 503, "the trace could not be written: {body}");
+    assert!(body.contains("trace was not stored"), "{body}");
+
+    // The reopen runs in the background: until it is done, calls get a 503
+    // saying so. Wait for it (a hang guard, not a timing verdict).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let (s, body) = http(&addr, "GET", "/health", "").expect("answers");
+        if s == 200 {
+            break;
+        }
+        assert_eq!(s, 503, "{body}");
+        assert!(body.contains("reopened"), "{body}");
+        assert!(std::time::Instant::now() < deadline, "hang guard: the store was not reopened: {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for turn in 1..4 {
+        let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(turn)).expect("answers");
+        assert_eq!(s, 200, "captured again after the reopen: {body}");
+    }
+    let (s, metrics) = http(&addr, "GET", "/metrics", "").expect("answers");
+    assert_eq!(s, 200);
+    assert!(metrics.contains("trajlog_serve_store_reopens_total 1"), "{metrics}");
+    assert!(metrics.contains("trajlog_serve_store_available 1"), "{metrics}");
+    assert_eq!(sigterm(&mut gw), Some(0));
+    let _ = mock.kill();
+    let _ = mock.wait();
+
+    let store = trajlog::Store::open_read_only(&store).expect("reopen");
+    let snap = store.snapshot();
+    assert_eq!(snap.session("small", None, None).expect("read").len(), 4, "every acknowledged call");
+    assert!(snap.session("big", None, None).expect("read").is_empty(), "nothing of the failed call");
+    assert!(trajlog::verify::verify_dir(store.dir()).expect("verify").problems.is_empty());
+}

@@ -119,6 +119,8 @@ pub struct Config {
     /// `Options::zero_ahead_bytes` of the store (None: its default, 1 MiB;
     /// 0 on a copy-on-write file system).
     pub store_zero_ahead_bytes: Option<u64>,
+    /// `Options::segment_bytes` of the store (None: its default, 64 MiB).
+    pub store_segment_bytes: Option<u64>,
     /// Compact the store every this many seconds (None: only on `POST
     /// /admin/compact`). A gateway left running then keeps its disk and
     /// memory to what is not compacted yet.
@@ -151,6 +153,7 @@ impl Default for Config {
             response_bytes_max: 256 << 20,
             store_queue_bytes: None,
             store_zero_ahead_bytes: None,
+            store_segment_bytes: None,
             compact_every_s: None,
             compact_older_than_s: None,
             log_level: "info".into(),
@@ -189,6 +192,7 @@ pub struct Settings {
     pub response_bytes_max: Option<usize>,
     pub store_queue_bytes: Option<u64>,
     pub store_zero_ahead_bytes: Option<u64>,
+    pub store_segment_bytes: Option<u64>,
     pub compact_every_s: Option<f64>,
     pub compact_older_than_s: Option<f64>,
     // ---- rLLM's, mapped, ignored or refused (module docs)
@@ -461,6 +465,13 @@ pub fn resolve(layers: &[(Source, Settings)]) -> Result<Resolved, String> {
         }
         if let Some(v) = s.store_zero_ahead_bytes {
             c.store_zero_ahead_bytes = Some(v);
+        }
+        if let Some(v) = s.store_segment_bytes {
+            let min = trajlog::limits::SEGMENT_BYTES_MIN;
+            if v < min {
+                return Err(format!("{}: {v} is under the smallest segment, {min} bytes", name("store_segment_bytes")));
+            }
+            c.store_segment_bytes = Some(v);
         }
         if let Some(v) = s.compact_every_s {
             c.compact_every_s = Some(positive_seconds(name("compact_every_s"), v)?);

@@ -39,6 +39,7 @@ pub mod metrics;
 pub mod mock;
 mod routes;
 mod server;
+mod store_slot;
 pub mod workers;
 
 pub use config::{Config, DurabilityMode, Resolved, Settings, Source, WorkerConfig};

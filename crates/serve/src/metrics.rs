@@ -100,3 +100,20 @@ impl Metrics {
         out
     }
 }
+
+/// The store's lines of `GET /metrics`: whether it takes calls now (0 while
+/// it is reopened after a failed write poisoned it) and how many reopens
+/// succeeded.
+pub fn store_lines(available: bool, reopens: u64) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP trajlog_serve_store_available 1 while the store takes calls, 0 while it is reopened after a failed write.");
+    let _ = writeln!(out, "# TYPE trajlog_serve_store_available gauge");
+    let _ = writeln!(out, "trajlog_serve_store_available {}", u8::from(available));
+    let _ = writeln!(
+        out,
+        "# HELP trajlog_serve_store_reopens_total Reopens of the store after a failed write poisoned it."
+    );
+    let _ = writeln!(out, "# TYPE trajlog_serve_store_reopens_total counter");
+    let _ = writeln!(out, "trajlog_serve_store_reopens_total {reopens}");
+    out
+}

@@ -7,6 +7,7 @@ use crate::config::UPSTREAM_RETRY_BACKOFF_MS;
 use crate::json::{self, Obj};
 use crate::metrics::Metrics;
 use crate::routes::{self, Miss, Route};
+use crate::store_slot::StoreSlot;
 use crate::workers::{split_url, Lease, Router, Worker};
 use crate::{Config, DurabilityMode};
 use axum::body::{Body, Bytes};
@@ -33,7 +34,9 @@ struct Session {
 
 struct App {
     config: Config,
-    store: Arc<Store>,
+    /// The store, emptied while it is reopened after a failed write
+    /// poisoned it (`store_slot.rs`).
+    store: StoreSlot,
     router: Router,
     client: reqwest::Client,
     sessions: Mutex<HashMap<String, Session>>,
@@ -126,21 +129,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
     if config.store.as_os_str().is_empty() {
         return Err("store: a store directory is required (--store DIR)".into());
     }
-    let dir = config.store.clone();
-    let (queue, zero_ahead) = (config.store_queue_bytes, config.store_zero_ahead_bytes);
-    let store = tokio::task::spawn_blocking(move || {
-        let mut opts = Options::default().durability(Durability::Group);
-        if let Some(q) = queue {
-            opts = opts.queue_bytes(q);
-        }
-        if let Some(z) = zero_ahead {
-            opts = opts.zero_ahead_bytes(z);
-        }
-        Store::open(&dir, opts)
-    })
-    .await
-    .map_err(|e| e.to_string())?
-    .map_err(|e| format!("cannot open store {}: {e}", config.store.display()))?;
+    let store = open_store(&config).await?;
     let listener = tokio::net::TcpListener::bind((config.host.as_str(), config.port))
         .await
         .map_err(|e| format!("cannot listen on {}:{}: {e}", config.host, config.port))?;
@@ -161,11 +150,10 @@ pub async fn start(config: Config) -> Result<Server, String> {
         ));
     }
     let durable = Arc::new(tokio::sync::Notify::new());
-    let wake = durable.clone();
-    store.on_durable(move || wake.notify_waiters());
+    wake_on_durable(&store, &durable);
     let app = Arc::new(App {
         config,
-        store: Arc::new(store),
+        store: StoreSlot::new(store),
         router,
         client,
         sessions: Mutex::new(HashMap::new()),
@@ -204,13 +192,15 @@ pub async fn start(config: Config) -> Result<Server, String> {
             }
         }
         tracing::info!("flushing and closing the store");
-        let store = app.store.clone();
+        let store = app.store.take("the gateway is shutting down".into());
         drop(app);
-        let closed = tokio::task::spawn_blocking(move || match Arc::try_unwrap(store) {
-            Ok(store) => store.close(),
+        let closed = tokio::task::spawn_blocking(move || match store.map(Arc::try_unwrap) {
+            Some(Ok(store)) => store.close(),
             // Still held elsewhere (a request's task not yet dropped): flushed
             // now, closed when the last holder lets go.
-            Err(store) => store.flush(),
+            Some(Err(store)) => store.flush(),
+            // A reopen after a failed write never succeeded: nothing is open.
+            None => Ok(()),
         })
         .await
         .map_err(|e| e.to_string())?
@@ -219,6 +209,97 @@ pub async fn start(config: Config) -> Result<Server, String> {
     });
     tracing::info!(%addr, "trajlog serve listening");
     Ok(Server { addr, shutdown: Some(tx), done })
+}
+
+/// Open the store `config` names, with its options.
+async fn open_store(config: &Config) -> Result<Store, String> {
+    let dir = config.store.clone();
+    let (queue, zero_ahead, segment) =
+        (config.store_queue_bytes, config.store_zero_ahead_bytes, config.store_segment_bytes);
+    tokio::task::spawn_blocking(move || {
+        let mut opts = Options::default().durability(Durability::Group);
+        if let Some(q) = queue {
+            opts = opts.queue_bytes(q);
+        }
+        if let Some(z) = zero_ahead {
+            opts = opts.zero_ahead_bytes(z);
+        }
+        if let Some(b) = segment {
+            opts = opts.segment_bytes(b);
+        }
+        Store::open(&dir, opts)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e| format!("cannot open store {}: {e}", config.store.display()))
+}
+
+/// Wake `durable` after each commit of `store` that makes appends durable
+/// (and when it fails or closes): captures waiting for durability poll then.
+fn wake_on_durable(store: &Store, durable: &Arc<tokio::sync::Notify>) {
+    let wake = durable.clone();
+    store.on_durable(move || wake.notify_waiters());
+}
+
+/// After a write failed: when the failure poisoned `store`, reopen it in the
+/// background (once; later calls while it runs do nothing).
+fn after_failed_write(app: &Arc<App>, store: &Store) {
+    if let Some(why) = store.poisoned() {
+        if app.store.claim_reopen() {
+            start_reopen(app, why.to_string());
+        }
+    }
+}
+
+/// Take the poisoned store out of the slot, close it once the requests
+/// holding it let go (they fail fast: it refuses writes), and open it
+/// again, with a growing pause (0.1 s doubling to 30 s) while opening fails,
+/// say while the disk is still full. A shutdown meanwhile stops the
+/// attempts; it closes whatever store the slot then holds.
+fn start_reopen(app: &Arc<App>, why: String) {
+    tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
+    let weak = Arc::downgrade(app);
+    let stop = app.stop.subscribe();
+    app.spawn_background(async move {
+        let Some(app) = weak.upgrade() else { return };
+        let Some(mut old) = app.store.take(why) else { return };
+        loop {
+            match Arc::try_unwrap(old) {
+                Ok(store) => {
+                    // Its error is the poisoning, already reported.
+                    let _ = tokio::task::spawn_blocking(move || store.close()).await;
+                    break;
+                }
+                Err(held) => {
+                    if !sleep_unless_stopped(Duration::from_millis(10), &stop).await {
+                        app.store.put(held);
+                        return;
+                    }
+                    old = held;
+                }
+            }
+        }
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match open_store(&app.config).await {
+                Ok(store) => {
+                    wake_on_durable(&store, &app.durable);
+                    app.store.put(Arc::new(store));
+                    app.store.reopens.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!("the store is reopened and takes writes again");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "reopening the store failed");
+                    app.store.still_empty(e);
+                    if !sleep_unless_stopped(pause, &stop).await {
+                        return;
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+    });
 }
 
 fn make_worker(
@@ -389,7 +470,13 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         | Route::SessionProxyRoot
         | Route::Proxy
         | Route::ProxyRoot => not_found(),
-        Route::Health => ok_json("{\"status\":\"ok\"}".into()),
+        Route::Health => match app.store.available() {
+            Ok(()) => ok_json("{\"status\":\"ok\"}".into()),
+            Err(why) => json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("{{\"status\":\"unavailable\",\"store\":{}}}", json::string(&why)),
+            ),
+        },
         Route::HealthWorkers => {
             let ws = app.router.list();
             let healthy = ws.iter().filter(|w| w.healthy.load(Ordering::Relaxed)).count();
@@ -398,7 +485,12 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             ok_json(format!("{{\"workers\":{items},\"healthy\":{healthy},\"total\":{}}}", ws.len()))
         }
         Route::Metrics => {
-            let mut r = Response::new(Body::from(app.metrics.render()));
+            let mut text = app.metrics.render();
+            text.push_str(&crate::metrics::store_lines(
+                app.store.available().is_ok(),
+                app.store.reopens.load(Ordering::Relaxed),
+            ));
+            let mut r = Response::new(Body::from(text));
             r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
             r
         }
@@ -427,10 +519,17 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             Err(r) => r,
         },
         Route::SealSession => {
-            let (store, sid2) = (app.store.clone(), sid.to_owned());
-            match blocking(move || store.seal_session(&sid2)).await {
+            let store = match app.store.get() {
+                Ok(s) => s,
+                Err(e) => return store_error(e),
+            };
+            let (held, sid2) = (store.clone(), sid.to_owned());
+            match blocking(move || held.seal_session(&sid2)).await {
                 Ok(()) => ok_json(format!("{{\"sealed\":{}}}", json::string(sid))),
-                Err(e) => store_error(e),
+                Err(e) => {
+                    after_failed_write(&app, &store);
+                    store_error(e)
+                }
             }
         }
         Route::SessionReward => set_reward(&app, Target::Session(sid.to_owned()), &body).await,
@@ -482,18 +581,27 @@ async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> R
     let sync = app.config.durability == DurabilityMode::Sync;
     app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
     let r = async {
-        let receipt = match app.store.try_append_valid(call.map_err(|e| e.to_string())?) {
-            Ok(trajlog::TryAppend::Appended(receipt)) => receipt,
-            Ok(trajlog::TryAppend::Full(call)) => {
-                let store = app.store.clone();
-                blocking(move || store.append_valid(*call)).await?
+        let call = call.map_err(|e| e.to_string())?;
+        let store = app.store.get()?;
+        let written = async {
+            let receipt = match store.try_append_valid(call) {
+                Ok(trajlog::TryAppend::Appended(receipt)) => receipt,
+                Ok(trajlog::TryAppend::Full(call)) => {
+                    let held = store.clone();
+                    blocking(move || held.append_valid(*call)).await?
+                }
+                Err(e) => return Err(e.to_string()),
+            };
+            if sync {
+                durable(&app.durable, &receipt).await.map_err(|e| e.to_string())?;
             }
-            Err(e) => return Err(e.to_string()),
-        };
-        if sync {
-            durable(&app.durable, &receipt).await.map_err(|e| e.to_string())?;
+            Ok(())
         }
-        Ok(())
+        .await;
+        if written.is_err() {
+            after_failed_write(app, &store);
+        }
+        written
     }
     .await;
     app.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
@@ -559,7 +667,11 @@ fn trace_json(call: &trajlog::Call) -> String {
 }
 
 async fn get_trace(app: &Arc<App>, id: &str) -> Response {
-    let (store, tid) = (app.store.clone(), id.to_owned());
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
+    let tid = id.to_owned();
     let r = blocking(move || {
         let snap = store.snapshot();
         Ok(match snap.get(&tid)? {
@@ -583,7 +695,11 @@ fn traces_of(snap: &trajlog::Snapshot, sid: &str, w: &Window) -> trajlog::Result
 }
 
 async fn session_traces(app: &Arc<App>, sid: &str, w: Window) -> Response {
-    let (store, sid) = (app.store.clone(), sid.to_owned());
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
+    let sid = sid.to_owned();
     match blocking(move || traces_of(&store.snapshot(), &sid, &w)).await {
         Ok(list) => ok_json(json::join_list(list.iter().map(String::as_str))),
         Err(e) => store_error(e),
@@ -607,7 +723,10 @@ async fn query_traces(app: &Arc<App>, body: &Bytes) -> Response {
         Some(Ok(x)) => Some(x),
         Some(Err(_)) => return error(StatusCode::BAD_REQUEST, "limit: must be a non-negative integer"),
     };
-    let store = app.store.clone();
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
     let r = blocking(move || {
         let mut snap = store.snapshot();
         snap.decode_whole_row_groups();
@@ -696,7 +815,10 @@ fn new_id() -> String {
 }
 
 async fn get_session(app: &Arc<App>, sid: &str) -> Response {
-    let store = app.store.clone();
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
     let sid2 = sid.to_owned();
     let count = match blocking(move || Ok(store.snapshot().session_info(&sid2).map(|i| i.calls).unwrap_or(0))).await {
         Ok(c) => c,
@@ -711,7 +833,10 @@ async fn get_session(app: &Arc<App>, sid: &str) -> Response {
 }
 
 async fn list_sessions(app: &Arc<App>, w: Window) -> Response {
-    let store = app.store.clone();
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
     let mut infos = match blocking(move || Ok(store.snapshot().sessions())).await {
         Ok(i) => i,
         Err(e) => return store_error(e),
@@ -746,16 +871,20 @@ async fn delete_sessions(app: &Arc<App>, sids: Vec<String>) -> Result<u64, Respo
             sessions.remove(sid);
         }
     }
-    let store = app.store.clone();
+    let store = app.store.get().map_err(store_error)?;
+    let held = store.clone();
     blocking(move || {
         let mut n = 0;
         for sid in &sids {
-            n += store.delete_session(sid)?;
+            n += held.delete_session(sid)?;
         }
         Ok(n)
     })
     .await
-    .map_err(store_error)
+    .map_err(|e| {
+        after_failed_write(app, &store);
+        store_error(e)
+    })
 }
 
 async fn batch_delete(app: &Arc<App>, body: &Bytes) -> Response {
@@ -772,10 +901,17 @@ async fn batch_delete(app: &Arc<App>, body: &Bytes) -> Response {
 }
 
 async fn flush(app: &Arc<App>) -> Response {
-    let store = app.store.clone();
-    match blocking(move || store.flush()).await {
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}")),
+    };
+    let held = store.clone();
+    match blocking(move || held.flush()).await {
         Ok(()) => ok_json("{\"status\":\"flushed\"}".into()),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}")),
+        Err(e) => {
+            after_failed_write(app, &store);
+            error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}"))
+        }
     }
 }
 
@@ -836,10 +972,13 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
     let Some(value) = req.get_some("reward").and_then(|v| v.get().parse::<f64>().ok()).filter(|v| v.is_finite()) else {
         return error(StatusCode::BAD_REQUEST, "reward: a finite number is required");
     };
-    let store = app.store.clone();
-    let t = target.clone();
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
+    let (held, t) = (store.clone(), target.clone());
     // A trace id with no live call is the caller's mistake (404), not the store's.
-    let set = blocking(move || match store.set_reward(t, value) {
+    let set = blocking(move || match held.set_reward(t, value) {
         Err(e) if matches!(e.kind(), trajlog::ErrorKind::NotFound) => Ok(Err(e.to_string())),
         r => r.map(Ok),
     });
@@ -852,19 +991,26 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
             };
             ok_json(format!("{{{}:{},\"reward\":{value:?}}}", json::string(kind), json::string(id)))
         }
-        Err(e) => store_error(e),
+        Err(e) => {
+            after_failed_write(app, &store);
+            store_error(e)
+        }
     }
 }
 
 /// Compact the store (one compaction at a time: the store's own lock), with
 /// the selection the configuration names, and count it in the metrics.
 async fn run_compaction(app: &Arc<App>) -> Result<trajlog::CompactReport, String> {
-    let store = app.store.clone();
+    let store = app.store.get()?;
     let selection = match app.config.compact_older_than_s {
         Some(s) => trajlog::Selection::OlderThan(s),
         None => trajlog::Selection::SealedOnly,
     };
-    let result = blocking(move || store.compact(&trajlog::CompactOptions::default().selection(selection))).await;
+    let held = store.clone();
+    let result = blocking(move || held.compact(&trajlog::CompactOptions::default().selection(selection))).await;
+    if result.is_err() {
+        after_failed_write(app, &store);
+    }
     match &result {
         Ok(r) => {
             app.metrics.compactions_ok.fetch_add(1, Ordering::Relaxed);
@@ -920,7 +1066,10 @@ async fn compact(app: &Arc<App>) -> Response {
 }
 
 async fn audit(app: &Arc<App>) -> Response {
-    let store = app.store.clone();
+    let store = match app.store.get() {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
     match blocking(move || trajlog::audit::audit(&store.snapshot())).await {
         Ok(r) => match serde_json::to_string(&r) {
             Ok(t) => ok_json(t),

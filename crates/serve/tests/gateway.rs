@@ -465,6 +465,22 @@ async fn store_zero_ahead_bytes_reaches_the_store() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_segment_bytes_reaches_the_store() {
+    use trajlog_serve::config::{resolve, Settings, Source};
+    let file = Settings::from_yaml("store: /tmp/x\nstore_segment_bytes: 65536\n").expect("yaml");
+    assert_eq!(resolve(&[(Source::Env, file)]).expect("valid").config.store_segment_bytes, Some(65536));
+    let small = Settings::from_yaml("store: /tmp/x\nstore_segment_bytes: 4096\n").expect("yaml");
+    let e = resolve(&[(Source::Env, small)]).map(|_| ()).expect_err("under the smallest segment");
+    assert!(e.contains("store_segment_bytes") && e.contains("65536"), "{e}");
+    // The active segment file is preallocated to the configured size.
+    let e = env_with(|c| c.store_segment_bytes = Some(128 << 10)).await;
+    let (s, _) = e.post("/sessions/z/v1/chat/completions", &chat("one", 3)).await;
+    assert_eq!(s, 200);
+    let segment = e.dir.path().join("store").join("seg-0000000001.tlog");
+    assert_eq!(std::fs::metadata(&segment).expect("the active segment").len(), 128 << 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_durability_flush_is_a_barrier() {
     let e = env_with(|c| c.durability = DurabilityMode::Async).await;
     for i in 0..20 {
