@@ -1187,6 +1187,12 @@ impl NativeStore {
         Ok(report.to_json(&snap.index_layers()).to_string())
     }
 
+    /// Why the store refuses writes after a failed write or fsync poisoned
+    /// it (the error's text), or None while it takes writes. Closed: None.
+    fn poisoned(&self) -> Option<String> {
+        self.held().store.as_ref().and_then(|s| s.poisoned()).map(|e| e.to_string())
+    }
+
     /// Segment files of the current snapshot (paths), for diagnostics.
     fn segment_paths(&self) -> PyResult<Vec<String>> {
         Ok(self.get()?.snapshot().segments().iter().map(|s| s.path.display().to_string()).collect())

@@ -317,3 +317,62 @@ def test_close_waits_for_stores_still_waiting_for_room(tmp_path, monkeypatch):
 
     run(go())
     assert sorted(c.trace_id for c in _reader_calls(path)) == sorted(f"t{i}" for i in range(40))
+
+
+_FAILED_WRITE_SCRIPT = r"""
+import asyncio, json, resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+import trajlog
+from trajlog.rllm import TrajlogTraceStore
+from test_rllm import trace
+
+# A real write failure: files of at most 1 MiB; SIGXFSZ ignored, so the
+# write that passes the limit returns EFBIG.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+out = {}
+
+async def go():
+    store = TrajlogTraceStore(sys.argv[1], segment_bytes=65536, zero_ahead_bytes=0)
+    await store.store_trace("t0", "s1", trace(0))  # opens the store (thread)
+    await store.store_trace("t1", "s1", trace(1))  # the loop's path
+    big = trace(2, session="big")
+    big["prompt_token_ids"] = [(i * 2654435761) % 50000 for i in range(400_000)]
+    try:
+        await store.store_trace("big", "big", big)
+        out["big"] = "stored"
+    except trajlog.TrajlogError as e:
+        out["big"] = type(e).__name__
+    for i in (3, 4, 5):
+        await store.store_trace(f"t{i}", "s1", trace(i))
+    out["s1"] = [t["trace_id"] for t in await store.get_session_traces("s1")]
+    out["big_read"] = await store.get_trace("big")
+    out["nowait"] = store._waker is not None and store._waker[1] is store._store._native
+    await store.close()
+
+asyncio.run(go())
+print(json.dumps(out))
+"""
+
+
+def test_a_failed_write_closes_the_poisoned_store_and_the_next_store_opens_it_again(tmp_path):
+    # rLLM's gateway keeps one TraceStore for days: a full disk or an I/O
+    # error must not need a restart. The store that failed raises; the
+    # native store, poisoned, is closed, and the next store opens the
+    # directory again (the failed write cut off), then takes the loop's
+    # path again.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "s")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_ = subprocess.run([sys.executable, "-c", _FAILED_WRITE_SCRIPT, path, here], capture_output=True, text=True, timeout=300)
+    assert run_.returncode == 0, run_.stderr
+    out = json.loads(run_.stdout.strip().splitlines()[-1])
+    assert out["big"] != "stored", out
+    assert out["s1"] == ["t0", "t1", "t3", "t4", "t5"], out
+    assert out["big_read"] is None, out
+    assert out["nowait"], "the reopened store is watched by the loop again"
+    assert sorted(c.trace_id for c in _reader_calls(path)) == ["t0", "t1", "t3", "t4", "t5"]

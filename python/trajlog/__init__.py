@@ -481,6 +481,13 @@ class Store:
         except (TypeError, OverflowError, UnicodeError) as e:  # a guard: the walker names what it refuses
             raise InvalidInputError(f"invalid trace: {e}") from e
 
+    def poisoned(self) -> Optional[str]:
+        """Why the store refuses every write, after a failed write or fsync
+        (a full disk, an I/O error) poisoned it; None while it takes writes.
+        A poisoned store recovers by being closed and opened again (which
+        cuts the failed write off; free space first after a full disk)."""
+        return self._native.poisoned()
+
     def flush(self) -> None:
         """Barrier: returns once everything appended before is durable at the
         store's level; raises the error that prevented it."""

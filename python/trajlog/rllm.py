@@ -102,6 +102,29 @@ class _LazyStore:
     def _settled(self, future) -> None:
         with self._lock:
             self._in_flight.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            self._after_failure()
+
+    def _after_failure(self) -> None:
+        """After a store or flush failed: when a failed write or fsync (a full
+        disk, an I/O error) poisoned the store, close it, so that the next
+        use opens the directory again (which cuts the failed write off) — a
+        gateway that runs for days needs no restart. Stores that failed are
+        reported to their callers; those acknowledged before are kept."""
+        store = self._store
+        try:
+            if store is None or store.poisoned() is None:
+                return
+        except Exception:  # closed meanwhile
+            return
+        with self._handing, self._lock:
+            if self._store is not store:
+                return  # already taken away
+            self._store = None
+        try:
+            store.close()
+        except Exception:  # the poisoning itself, reported to the failed stores
+            pass
 
     async def _run_store(self, fn, *args):
         """Submit a store and wait for it. Cancelling the caller does not
@@ -129,13 +152,21 @@ class _LazyStore:
             if waker is not None:
                 if waker[0] is loop and waker[1] is store._native:
                     return True
-                if not (waker[0].is_closed() or waker[1] is not store._native):
+                if waker[0] is loop:
+                    # The store was opened again (after a failed write) and
+                    # this loop watches the new one from now on. What is
+                    # pending stays: the old store's receipts answer (durable,
+                    # or failed as closed) when the loop settles next.
+                    loop.remove_reader(waker[2].fileno())
+                    self._waker = None
+                elif not (waker[0].is_closed() or waker[1] is not store._native):
                     return False
-                # Its loop is closed (or the store was reopened): what it
-                # left pending can no longer be settled there.
-                self._waker = None
-                self._pending.clear()
-                self._turns.clear()
+                else:
+                    # Its loop is closed (or the store was reopened): what it
+                    # left pending can no longer be settled there.
+                    self._waker = None
+                    self._pending.clear()
+                    self._turns.clear()
             try:
                 waker = store._native.durable_waker()
                 loop.add_reader(waker.fileno(), self._on_durable)
@@ -197,6 +228,7 @@ class _LazyStore:
         failed write, a closed store). Runs on the waker's loop."""
         waker.drain()
         pending = self._pending
+        failed = False
         while pending:
             receipt, future = pending[0]
             try:
@@ -205,12 +237,15 @@ class _LazyStore:
                 error = None
             except Exception as e:  # the store's error: poisoned or closed
                 error = e
+                failed = True
             pending.popleft()
             if not future.done():
                 if error is None:
                     future.set_result(None)
                 else:
                     future.set_exception(error)
+        if failed:
+            self._after_failure()
         if self._turns:
             self._admit(asyncio.get_running_loop())
 
@@ -299,7 +334,11 @@ class _LazyStore:
     async def flush(self) -> None:
         """Barrier: everything stored before is durable; raises on failure."""
         await self._after_stores()
-        await asyncio.to_thread(lambda: self._get().flush())
+        try:
+            await asyncio.to_thread(lambda: self._get().flush())
+        except Exception:
+            self._after_failure()
+            raise
 
     async def close(self) -> None:
         """Wait for the stores in flight, then close the store."""
