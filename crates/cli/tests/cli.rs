@@ -31,6 +31,42 @@ const TRACES: &str = r#"{"trace_id":"a1","session_id":"task-1:0","timestamp":1.5
 "#;
 
 #[test]
+fn ingest_zero_ahead_bytes_reaches_the_store() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::fs::MetadataExt;
+    // Two durable appends, one at a time (the writer writes the zeros after
+    // the first fsync, before it takes the second record), then the active
+    // segment's allocated bytes while ingest still runs (a close cuts the
+    // preallocated tail): past the data with the default (1 MiB ahead of
+    // it), not with 0.
+    for (flag, more_than_a_mib) in [(None, true), (Some("0"), false)] {
+        let dir = common::tempdir();
+        let store = dir.path().join("store");
+        let mut args = vec!["ingest", "--store", s(&store), "--durability", "sync"];
+        args.extend(flag.iter().flat_map(|v| ["--zero-ahead-bytes", *v]));
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trajlog"))
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn ingest");
+        let mut stdin = child.stdin.take().expect("stdin");
+        let mut acks = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        for line in TRACES.lines().take(2) {
+            writeln!(stdin, "{line}").expect("write a trace");
+            stdin.flush().expect("flush");
+            assert!(acks.next().expect("an ack").expect("read").contains("ack"));
+        }
+        let segment = store.join("seg-0000000001.tlog");
+        let allocated = std::fs::metadata(&segment).expect("the active segment").blocks() * 512;
+        drop(stdin);
+        assert!(child.wait().expect("ingest ends").success());
+        assert_eq!(allocated > 1 << 20, more_than_a_mib, "{allocated} bytes allocated with {flag:?}");
+    }
+}
+
+#[test]
 fn ingest_acks_and_export_gives_back_the_same_traces() {
     let dir = common::tempdir();
     let store = dir.path().join("store");

@@ -48,8 +48,11 @@ enum Stop {
     Stdout(std::io::Error),
 }
 
-pub fn run(dir: &Path, durability: &str, segment_bytes: u64) -> trajlog::Result<i32> {
-    let options = Options::default().durability(durability.parse()?).segment_bytes(segment_bytes);
+pub fn run(dir: &Path, durability: &str, segment_bytes: u64, zero_ahead_bytes: Option<u64>) -> trajlog::Result<i32> {
+    let mut options = Options::default().durability(durability.parse()?).segment_bytes(segment_bytes);
+    if let Some(z) = zero_ahead_bytes {
+        options = options.zero_ahead_bytes(z);
+    }
     let store = super::open_store(dir, options, "ingest")?;
     // A reader thread feeds lines so that the main loop can batch whatever has
     // arrived and ack it with one durability wait, without waiting for more input.

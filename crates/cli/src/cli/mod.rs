@@ -91,6 +91,12 @@ enum Command {
         /// Seal and roll segments at this size (bytes).
         #[arg(long, default_value_t = trajlog::limits::DEFAULT_SEGMENT_BYTES)]
         segment_bytes: u64,
+        /// Keep this many bytes past the last record of the active segment
+        /// written with zeros after each fsync, so the next records overwrite
+        /// allocated blocks (default 1 MiB; 0 on a copy-on-write file system
+        /// such as btrfs or ZFS).
+        #[arg(long, value_name = "BYTES")]
+        zero_ahead_bytes: Option<u64>,
     },
     /// Print calls as JSON lines in the rLLM gateway trace shape, oldest first per session.
     Export {
@@ -400,7 +406,9 @@ pub fn main() -> i32 {
     }
     let result = match cli.command {
         Command::Demo { dir, sessions, steps, shape } => demo::run(dir, sessions, steps, shape),
-        Command::Ingest { store, durability, segment_bytes } => ingest::run(&store, &durability, segment_bytes),
+        Command::Ingest { store, durability, segment_bytes, zero_ahead_bytes } => {
+            ingest::run(&store, &durability, segment_bytes, zero_ahead_bytes)
+        }
         Command::Export { store, session } => inspect::export(&store, session.as_deref()),
         Command::Ls { store } => inspect::ls(&store),
         Command::Show { store, session } => inspect::show(&store, &session),
