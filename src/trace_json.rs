@@ -671,12 +671,29 @@ pub fn reorder(plan: &mut [(&str, bool)], order: &[String]) {
 /// The keys come in the order of [`export_plan`], or in the trace's own
 /// order when `extra` keeps it ([`KEY_ORDER`]).
 pub fn export_call(call: &Call) -> String {
+    export_with(call, |plan, extra| {
+        if let Some(order) = extra.get(KEY_ORDER).and_then(|v| serde_json::from_str::<Vec<String>>(v.get()).ok()) {
+            reorder(plan, &order);
+        }
+    })
+}
+
+/// [`export_call`] with the keys in the rLLM gateway's order, whatever order
+/// the trace came in: [`TRACE_KEYS`] first, in that order, then the others
+/// sorted by name (byte order). What `trajlog serve` returns for a trace,
+/// written in one pass (no parse of the export to reorder it).
+pub fn export_call_gateway_order(call: &Call) -> String {
+    let rank = |k: &str| TRACE_KEYS.iter().position(|t| *t == k).unwrap_or(TRACE_KEYS.len());
+    export_with(call, |plan, _| plan.sort_by(|a, b| rank(a.0).cmp(&rank(b.0)).then_with(|| a.0.cmp(b.0))))
+}
+
+/// Export `call` with its keys in the order `order` leaves the plan in
+/// ([`export_plan`]; `extra` parsed, for [`KEY_ORDER`]).
+fn export_with(call: &Call, order: impl FnOnce(&mut Vec<(&str, bool)>, &RawMap<'_>)) -> String {
     let extra: RawMap<'_> = call.extra.as_deref().and_then(|e| serde_json::from_slice(e).ok()).unwrap_or_default();
     let keys: Vec<(&str, bool)> = extra.iter().map(|(k, v)| (k.as_str(), is_null(v))).collect();
     let mut plan = export_plan(call, &keys);
-    if let Some(order) = extra.get(KEY_ORDER).and_then(|v| serde_json::from_str::<Vec<String>>(v.get()).ok()) {
-        reorder(&mut plan, &order);
-    }
+    order(&mut plan, &extra);
     let mut out = String::with_capacity(64 + 8 * (call.prompt_token_ids.len() + call.completion_token_ids.len()));
     for (i, &(name, from_extra)) in plan.iter().enumerate() {
         out.push(if i == 0 { '{' } else { ',' });

@@ -21,7 +21,6 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, oneshot};
-use trajlog::trace_json::TRACE_KEYS;
 use trajlog::{Durability, Options, Store, Target};
 
 /// In-memory session state (rLLM keeps it in memory too, contract §4.1).
@@ -632,38 +631,10 @@ async fn durable(wake: &tokio::sync::Notify, receipt: &trajlog::Receipt) -> traj
 
 /// A stored call as the gateway's JSON: [`trajlog::trace_json::export_call`]
 /// (column logprobs as Python writes the widened `f64` it holds, values that
-/// were not `f32`s verbatim) with the keys put back in rLLM's order (others
-/// after, sorted).
+/// were not `f32`s verbatim) with the keys in rLLM's order (others after,
+/// sorted), written in one pass.
 fn trace_json(call: &trajlog::Call) -> String {
-    let exported = trajlog::trace_json::export_call(call);
-    let map: std::collections::BTreeMap<String, &serde_json::value::RawValue> = match serde_json::from_str(&exported) {
-        Ok(m) => m,
-        Err(_) => return exported,
-    };
-    let mut out = String::with_capacity(exported.len() + 64);
-    out.push('{');
-    let mut first = true;
-    let mut put = |out: &mut String, k: &str, v: &str| {
-        if !first {
-            out.push(',');
-        }
-        first = false;
-        out.push_str(&json::string(k));
-        out.push(':');
-        out.push_str(v);
-    };
-    for k in TRACE_KEYS {
-        if let Some(v) = map.get(k) {
-            put(&mut out, k, v.get());
-        }
-    }
-    for (k, v) in &map {
-        if !TRACE_KEYS.contains(&k.as_str()) {
-            put(&mut out, k, v.get());
-        }
-    }
-    out.push('}');
-    out
+    trajlog::trace_json::export_call_gateway_order(call)
 }
 
 async fn get_trace(app: &Arc<App>, id: &str) -> Response {
