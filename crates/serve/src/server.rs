@@ -241,11 +241,12 @@ fn wake_on_durable(store: &Store, durable: &Arc<tokio::sync::Notify>) {
 }
 
 /// After a write failed: when the failure poisoned `store`, reopen it in the
-/// background (once; later calls while it runs do nothing).
-fn after_failed_write(app: &Arc<App>, store: &Store) {
+/// background (once; later calls while it runs do nothing, and so does a
+/// call that held a store already replaced).
+fn after_failed_write(app: &Arc<App>, store: &Arc<Store>) {
     if let Some(why) = store.poisoned() {
         if app.store.claim_reopen() {
-            start_reopen(app, why.to_string());
+            start_reopen(app, store.clone(), why.to_string());
         }
     }
 }
@@ -255,13 +256,14 @@ fn after_failed_write(app: &Arc<App>, store: &Store) {
 /// again, with a growing pause (0.1 s doubling to 30 s) while opening fails,
 /// say while the disk is still full. A shutdown meanwhile stops the
 /// attempts; it closes whatever store the slot then holds.
-fn start_reopen(app: &Arc<App>, why: String) {
-    tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
+fn start_reopen(app: &Arc<App>, failed: Arc<Store>, why: String) {
     let weak = Arc::downgrade(app);
     let stop = app.stop.subscribe();
     app.spawn_background(async move {
         let Some(app) = weak.upgrade() else { return };
-        let Some(mut old) = app.store.take(why) else { return };
+        let Some(mut old) = app.store.take_failed(&failed, why.clone()) else { return };
+        drop(failed);
+        tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
         loop {
             match Arc::try_unwrap(old) {
                 Ok(store) => {

@@ -65,6 +65,19 @@ impl StoreSlot {
         self.current.write().unwrap_or_else(|e| e.into_inner()).take()
     }
 
+    /// Take `failed` out of the slot, saying why, if it is still the store
+    /// there (a request that held an older store, already replaced, must not
+    /// take the new one away); else end the reopen claimed for it.
+    pub(crate) fn take_failed(&self, failed: &Arc<Store>, why: String) -> Option<Arc<Store>> {
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed)) {
+            self.reopening.store(false, Ordering::Release);
+            return None;
+        }
+        *lock(&self.why) = why;
+        current.take()
+    }
+
     /// Say why the slot is still empty (a failed open).
     pub(crate) fn still_empty(&self, why: String) {
         *lock(&self.why) = why;
@@ -79,4 +92,34 @@ impl StoreSlot {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(dir: &tempfile::TempDir) -> Store {
+        Store::open(dir.path(), trajlog::Options::default()).expect("open")
+    }
+
+    #[test]
+    fn only_the_failed_store_is_taken_away() {
+        let (a, b) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
+        let slot = StoreSlot::new(store(&a));
+        let current = slot.get().expect("a store");
+        // A request that held an older store (here: another one) fails late.
+        let stale = Arc::new(store(&b));
+        assert!(slot.claim_reopen());
+        assert!(slot.take_failed(&stale, "late".into()).is_none(), "the current store stays");
+        assert!(slot.get().is_ok());
+        assert!(slot.claim_reopen(), "the claim was given back");
+        let taken = slot.take_failed(&current, "disk full".into()).expect("taken");
+        assert!(Arc::ptr_eq(&taken, &current));
+        let err = slot.get().map(|_| ()).expect_err("empty while it is reopened");
+        assert!(err.contains("disk full"), "{err}");
+        assert!(!slot.claim_reopen(), "one reopen at a time");
+        slot.put(taken);
+        assert!(slot.available().is_ok());
+        assert!(slot.claim_reopen(), "put ends the reopen");
+    }
 }
