@@ -244,26 +244,29 @@ fn wake_on_durable(store: &Store, durable: &Arc<tokio::sync::Notify>) {
 /// background (once; later calls while it runs do nothing, and so does a
 /// call that held a store already replaced).
 fn after_failed_write(app: &Arc<App>, store: &Arc<Store>) {
-    if let Some(why) = store.poisoned() {
-        if app.store.claim_reopen() {
-            start_reopen(app, store.clone(), why.to_string());
-        }
+    let Some(why) = store.poisoned() else { return };
+    if !app.store.claim_reopen() {
+        return;
+    }
+    // Out of the slot now, before this call answers: every later call sees
+    // the reopen (a 503 saying why), none the poisoned store.
+    let why = why.to_string();
+    if let Some(old) = app.store.take_failed(store, why.clone()) {
+        tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
+        start_reopen(app, old);
     }
 }
 
-/// Take the poisoned store out of the slot, close it once the requests
-/// holding it let go (they fail fast: it refuses writes), and open it
-/// again, with a growing pause (0.1 s doubling to 30 s) while opening fails,
+/// With the poisoned store `old` out of the slot: close it once the
+/// requests holding it let go (they fail fast: it refuses writes), and open
+/// it again, with a growing pause (0.1 s doubling to 30 s) while opening fails,
 /// say while the disk is still full. A shutdown meanwhile stops the
 /// attempts; it closes whatever store the slot then holds.
-fn start_reopen(app: &Arc<App>, failed: Arc<Store>, why: String) {
+fn start_reopen(app: &Arc<App>, mut old: Arc<Store>) {
     let weak = Arc::downgrade(app);
     let stop = app.stop.subscribe();
     app.spawn_background(async move {
         let Some(app) = weak.upgrade() else { return };
-        let Some(mut old) = app.store.take_failed(&failed, why.clone()) else { return };
-        drop(failed);
-        tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
         loop {
             match Arc::try_unwrap(old) {
                 Ok(store) => {
@@ -471,13 +474,20 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         | Route::SessionProxyRoot
         | Route::Proxy
         | Route::ProxyRoot => not_found(),
-        Route::Health => match app.store.available() {
-            Ok(()) => ok_json("{\"status\":\"ok\"}".into()),
-            Err(why) => json_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("{{\"status\":\"unavailable\",\"store\":{}}}", json::string(&why)),
-            ),
-        },
+        Route::Health => {
+            // A store poisoned by a write nobody waited on (an async
+            // capture) is found here too, and its reopen started.
+            if let Ok(store) = app.store.get() {
+                after_failed_write(&app, &store);
+            }
+            match app.store.available() {
+                Ok(()) => ok_json("{\"status\":\"ok\"}".into()),
+                Err(why) => json_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("{{\"status\":\"unavailable\",\"store\":{}}}", json::string(&why)),
+                ),
+            }
+        }
         Route::HealthWorkers => {
             let ws = app.router.list();
             let healthy = ws.iter().filter(|w| w.healthy.load(Ordering::Relaxed)).count();

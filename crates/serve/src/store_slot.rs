@@ -5,9 +5,10 @@
 //! store is closed and opened again, which cuts the torn tail back to the
 //! last acknowledged record (README "Durability"). A gateway that runs for
 //! days must not need a restart for that, so the first request that meets
-//! the poisoned store starts a reopen in the background
-//! (`server::start_reopen`): the slot is emptied (requests get a 503 that
-//! says why, as they would from the poisoned store), the old store is closed
+//! the poisoned store (or `GET /health`) empties the slot before it answers
+//! (later requests get a 503 that says why, as they would from the poisoned
+//! store) and starts a reopen in the background (`server::start_reopen`):
+//! the old store is closed
 //! once the requests holding it let go, and a new one is opened, again and
 //! again with a growing pause while opening fails (the disk still full).
 
@@ -49,9 +50,13 @@ impl StoreSlot {
         }
     }
 
-    /// Whether a store is in the slot (the `/health` answer).
+    /// Whether the slot holds a store that takes writes (the `/health`
+    /// answer).
     pub(crate) fn available(&self) -> Result<(), String> {
-        self.get().map(|_| ())
+        match self.get()?.poisoned() {
+            None => Ok(()),
+            Some(e) => Err(format!("the store refuses writes after a failed write ({e})")),
+        }
     }
 
     /// Claim the reopen: true for the first caller until [`StoreSlot::put`].
