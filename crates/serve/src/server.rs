@@ -296,6 +296,15 @@ fn start_reopen(app: &Arc<App>, mut old: Arc<Store>) {
                 Err(e) => {
                     tracing::warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "reopening the store failed");
                     app.store.still_empty(e);
+                    if app.store.is_empty() {
+                        // Reads go on from a read-only open (it writes
+                        // nothing, so a full disk does not stop it).
+                        let dir = app.config.store.clone();
+                        if let Ok(Ok(ro)) = tokio::task::spawn_blocking(move || Store::open_read_only(&dir)).await {
+                            tracing::info!("serving reads from a read-only open of the store meanwhile");
+                            app.store.put_read_only(Arc::new(ro));
+                        }
+                    }
                     if !sleep_unless_stopped(pause, &stop).await {
                         return;
                     }
@@ -477,7 +486,7 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
         Route::Health => {
             // A store poisoned by a write nobody waited on (an async
             // capture) is found here too, and its reopen started.
-            if let Ok(store) = app.store.get() {
+            if let Ok(store) = app.store.get_writable() {
                 after_failed_write(&app, &store);
             }
             match app.store.available() {
@@ -530,7 +539,7 @@ async fn dispatch(State(app): State<Arc<App>>, req: Request) -> Response {
             Err(r) => r,
         },
         Route::SealSession => {
-            let store = match app.store.get() {
+            let store = match app.store.get_writable() {
                 Ok(s) => s,
                 Err(e) => return store_error(e),
             };
@@ -593,7 +602,7 @@ async fn capture(app: &Arc<App>, call: trajlog::Result<trajlog::ValidCall>) -> R
     app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
     let r = async {
         let call = call.map_err(|e| e.to_string())?;
-        let store = app.store.get()?;
+        let store = app.store.get_writable()?;
         let written = async {
             let receipt = match store.try_append_valid(call) {
                 Ok(trajlog::TryAppend::Appended(receipt)) => receipt,
@@ -854,7 +863,7 @@ async fn delete_sessions(app: &Arc<App>, sids: Vec<String>) -> Result<u64, Respo
             sessions.remove(sid);
         }
     }
-    let store = app.store.get().map_err(store_error)?;
+    let store = app.store.get_writable().map_err(store_error)?;
     let held = store.clone();
     blocking(move || {
         let mut n = 0;
@@ -884,7 +893,7 @@ async fn batch_delete(app: &Arc<App>, body: &Bytes) -> Response {
 }
 
 async fn flush(app: &Arc<App>) -> Response {
-    let store = match app.store.get() {
+    let store = match app.store.get_writable() {
         Ok(s) => s,
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}")),
     };
@@ -955,7 +964,7 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
     let Some(value) = req.get_some("reward").and_then(|v| v.get().parse::<f64>().ok()).filter(|v| v.is_finite()) else {
         return error(StatusCode::BAD_REQUEST, "reward: a finite number is required");
     };
-    let store = match app.store.get() {
+    let store = match app.store.get_writable() {
         Ok(s) => s,
         Err(e) => return store_error(e),
     };
@@ -984,7 +993,7 @@ async fn set_reward(app: &Arc<App>, target: Target, body: &Bytes) -> Response {
 /// Compact the store (one compaction at a time: the store's own lock), with
 /// the selection the configuration names, and count it in the metrics.
 async fn run_compaction(app: &Arc<App>) -> Result<trajlog::CompactReport, String> {
-    let store = app.store.get()?;
+    let store = app.store.get_writable()?;
     let selection = match app.config.compact_older_than_s {
         Some(s) => trajlog::Selection::OlderThan(s),
         None => trajlog::Selection::SealedOnly,

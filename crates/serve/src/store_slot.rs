@@ -10,7 +10,8 @@
 //! store) and starts a reopen in the background (`server::start_reopen`):
 //! the old store is closed
 //! once the requests holding it let go, and a new one is opened, again and
-//! again with a growing pause while opening fails (the disk still full).
+//! again with a growing pause while opening fails (the disk still full);
+//! meanwhile a read-only open of the directory serves the reads.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -18,8 +19,8 @@ use trajlog::Store;
 
 /// The store a request uses now, or why there is none.
 pub(crate) struct StoreSlot {
-    current: RwLock<Option<Arc<Store>>>,
-    /// Why the slot is empty (the failure, then the last failed open).
+    current: RwLock<Current>,
+    /// Why there is no writable store (the failure, then the last failed open).
     why: Mutex<String>,
     /// Set from the first request that met the poisoned store until the
     /// reopen ends: one reopen at a time.
@@ -28,32 +29,57 @@ pub(crate) struct StoreSlot {
     pub reopens: AtomicU64,
 }
 
+/// What the slot holds.
+#[derive(Default)]
+struct Current {
+    store: Option<Arc<Store>>,
+    /// `store` is a read-only open of the directory that serves reads while
+    /// the writable open keeps failing (a full disk): writes are refused.
+    read_only: bool,
+}
+
 impl StoreSlot {
     pub(crate) fn new(store: Store) -> StoreSlot {
         StoreSlot {
-            current: RwLock::new(Some(Arc::new(store))),
+            current: RwLock::new(Current { store: Some(Arc::new(store)), read_only: false }),
             why: Mutex::new(String::new()),
             reopening: AtomicBool::new(false),
             reopens: AtomicU64::new(0),
         }
     }
 
-    /// The store, or the error to answer with while it is being reopened.
+    fn current(&self) -> std::sync::RwLockReadGuard<'_, Current> {
+        self.current.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn current_mut(&self) -> std::sync::RwLockWriteGuard<'_, Current> {
+        self.current.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn unavailable(&self) -> String {
+        format!("the store is being reopened after a failed write ({}); try again shortly", lock(&self.why))
+    }
+
+    /// A store to read from (also the read-only one that stands in while
+    /// the writable open fails), or the error to answer with.
     pub(crate) fn get(&self) -> Result<Arc<Store>, String> {
-        let current = self.current.read().unwrap_or_else(|e| e.into_inner());
-        match &*current {
-            Some(store) => Ok(store.clone()),
-            None => Err(format!(
-                "the store is being reopened after a failed write ({}); try again shortly",
-                lock(&self.why)
-            )),
+        self.current().store.clone().ok_or_else(|| self.unavailable())
+    }
+
+    /// The store to write to, or the error to answer with while it is being
+    /// reopened.
+    pub(crate) fn get_writable(&self) -> Result<Arc<Store>, String> {
+        let current = self.current();
+        match &current.store {
+            Some(store) if !current.read_only => Ok(store.clone()),
+            _ => Err(self.unavailable()),
         }
     }
 
     /// Whether the slot holds a store that takes writes (the `/health`
     /// answer).
     pub(crate) fn available(&self) -> Result<(), String> {
-        match self.get()?.poisoned() {
+        match self.get_writable()?.poisoned() {
             None => Ok(()),
             Some(e) => Err(format!("the store refuses writes after a failed write ({e})")),
         }
@@ -67,30 +93,40 @@ impl StoreSlot {
     /// Empty the slot, saying why; the store taken, if there was one.
     pub(crate) fn take(&self, why: String) -> Option<Arc<Store>> {
         *lock(&self.why) = why;
-        self.current.write().unwrap_or_else(|e| e.into_inner()).take()
+        std::mem::take(&mut *self.current_mut()).store
     }
 
     /// Take `failed` out of the slot, saying why, if it is still the store
     /// there (a request that held an older store, already replaced, must not
     /// take the new one away); else end the reopen claimed for it.
     pub(crate) fn take_failed(&self, failed: &Arc<Store>, why: String) -> Option<Arc<Store>> {
-        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
-        if !current.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed)) {
+        let mut current = self.current_mut();
+        if current.read_only || !current.store.as_ref().is_some_and(|c| Arc::ptr_eq(c, failed)) {
             self.reopening.store(false, Ordering::Release);
             return None;
         }
         *lock(&self.why) = why;
-        current.take()
+        current.store.take()
     }
 
-    /// Say why the slot is still empty (a failed open).
+    /// Say why there is still no writable store (a failed open).
     pub(crate) fn still_empty(&self, why: String) {
         *lock(&self.why) = why;
     }
 
-    /// Fill the slot and end the reopen.
+    /// Whether the slot holds no store at all (not even a read-only one).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.current().store.is_none()
+    }
+
+    /// Serve reads from `store`, a read-only open, while the reopen goes on.
+    pub(crate) fn put_read_only(&self, store: Arc<Store>) {
+        *self.current_mut() = Current { store: Some(store), read_only: true };
+    }
+
+    /// Fill the slot with a writable store and end the reopen.
     pub(crate) fn put(&self, store: Arc<Store>) {
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = Some(store);
+        *self.current_mut() = Current { store: Some(store), read_only: false };
         self.reopening.store(false, Ordering::Release);
     }
 }
@@ -123,8 +159,16 @@ mod tests {
         let err = slot.get().map(|_| ()).expect_err("empty while it is reopened");
         assert!(err.contains("disk full"), "{err}");
         assert!(!slot.claim_reopen(), "one reopen at a time");
+        // The writable open fails: a read-only open serves reads meanwhile.
+        let read_only = Arc::new(Store::open_read_only(a.path()).expect("read-only open"));
+        slot.put_read_only(read_only.clone());
+        assert!(Arc::ptr_eq(&slot.get().expect("reads"), &read_only));
+        let err = slot.get_writable().map(|_| ()).expect_err("no writes");
+        assert!(err.contains("disk full"), "{err}");
+        assert!(slot.available().is_err());
         slot.put(taken);
         assert!(slot.available().is_ok());
+        assert!(slot.get_writable().is_ok());
         assert!(slot.claim_reopen(), "put ends the reopen");
     }
 }
