@@ -1,7 +1,10 @@
 //! `trace_json::export_call_gateway_order` (what `trajlog serve` returns for
-//! a trace) equals, byte for byte, the export parsed again and reordered the
-//! way the gateway did before it wrote the order in one pass: rLLM's keys
-//! first, in their order, then the others sorted by name.
+//! a trace) equals the export parsed again and reordered the way the gateway
+//! did before it wrote the order in one pass: rLLM's keys first, in their
+//! order, then the others sorted by name. The same keys in the same order
+//! with the same values; the bytes differ only where a stored document has
+//! JSON whitespace around it (the reparse dropped it), which gateway traces
+//! never have (`gateway_shaped_traces_...` compares their bytes).
 
 mod common;
 
@@ -29,6 +32,26 @@ fn reordered(call: &Call) -> String {
         }
     }
     format!("{{{}}}", parts.join(","))
+}
+
+/// The top-level keys of a JSON object, in order, with their values.
+fn pairs(text: &str) -> Vec<(String, serde_json::Value)> {
+    use serde::de::{Deserializer, MapAccess, Visitor};
+    struct Pairs;
+    impl<'de> Visitor<'de> for Pairs {
+        type Value = Vec<(String, serde_json::Value)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(pair) = map.next_entry()? {
+                out.push(pair);
+            }
+            Ok(out)
+        }
+    }
+    serde_json::Deserializer::from_str(text).deserialize_map(Pairs).expect("an object")
 }
 
 /// `extra` with keys the columns also have (some `null`, which an export
@@ -75,7 +98,7 @@ proptest! {
         if let Some(lp) = call.logprobs.as_mut() {
             lp.iter_mut().filter(|v| !v.is_finite()).for_each(|v| *v = -1.0);
         }
-        prop_assert_eq!(export_call_gateway_order(&call), reordered(&call));
+        prop_assert_eq!(pairs(&export_call_gateway_order(&call)), pairs(&reordered(&call)));
     }
 }
 
@@ -108,4 +131,19 @@ fn gateway_shaped_traces_come_out_in_the_gateway_order() {
             assert_eq!(export_call_gateway_order(&call), reordered(&call), "{}", call.trace_id);
         }
     }
+}
+
+#[test]
+fn whitespace_around_a_stored_document_is_kept_where_the_reparse_dropped_it() {
+    // Found by the property test: routing bytes that happen to be JSON with
+    // a trailing tab. The value and the order are the same either way.
+    let call = Call {
+        trace_id: "a".into(),
+        session_id: "s".into(),
+        routing_matrices: Some(b"1\t".to_vec()),
+        ..Call::default()
+    };
+    let out = export_call_gateway_order(&call);
+    assert!(out.contains("\"routing_matrices\":1\t,"), "{out}");
+    assert_eq!(pairs(&out), pairs(&reordered(&call)));
 }
