@@ -284,3 +284,40 @@ fn a_cache_left_by_collected_shards_is_deleted_by_a_writable_open() {
     assert!(Store::open_read_only(dir.path()).unwrap().snapshot().shard_paths().is_empty());
     assert!(!cache_path(dir.path()).exists());
 }
+
+/// A listed segment's footer damaged (its trailer intact): `trajlog verify`
+/// says so by name, rather than that the segment holds other records.
+#[test]
+fn verify_names_a_listed_segment_whose_footer_is_damaged() {
+    use trajlog::format::segment::{decode_trailer, TRAILER_BYTES};
+    let dir = tempdir();
+    let store = Store::open(dir.path(), small_segments()).unwrap();
+    sealed_sessions(&store, 6, |s| Some(s as f64 / 3.0));
+    store.compact(&CompactOptions::default()).unwrap();
+    store.close().unwrap();
+    assert!(cache_path(dir.path()).exists());
+    let mut segments: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .collect();
+    segments.sort();
+    let mut named = 0;
+    for path in segments {
+        let good = std::fs::read(&path).unwrap();
+        let len = good.len() as u64;
+        let Some(t) = decode_trailer(&good[(len - TRAILER_BYTES) as usize..], len) else { continue };
+        let mut bad = good.clone();
+        bad[(t.footer_offset + t.footer_len / 2) as usize] ^= 0x5a;
+        std::fs::write(&path, &bad).unwrap();
+        let problems = trajlog::verify::verify_dir(dir.path()).unwrap().problems;
+        std::fs::write(&path, &good).unwrap();
+        let cache: Vec<_> = problems.iter().filter(|p| p.what.contains("annotation cache")).collect();
+        assert!(cache.iter().all(|p| !p.what.contains("holds a record other than")), "{}: {cache:?}", path.display());
+        if cache.iter().any(|p| p.what.contains("is damaged") && p.what.contains(&*path.to_string_lossy())) {
+            named += 1;
+        }
+    }
+    assert!(named > 0, "a listed segment's damaged footer was named");
+    assert!(trajlog::verify::verify_dir(dir.path()).unwrap().problems.is_empty());
+}

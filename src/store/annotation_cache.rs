@@ -779,10 +779,33 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
     if b == c {
         None
     } else if b.listed != c.listed {
-        Some("a listed segment holds a record other than a seal or reward of a frozen target".into())
+        // A listed segment the build did not list again: its footer may be
+        // damaged (the trailer, which the cache's key checks, still intact).
+        let damaged = c.listed.iter().filter(|l| !b.listed.contains(l)).find(|l| !footer_checks(dir, l.id));
+        Some(match damaged {
+            Some(l) => format!(
+                "the footer of listed segment {} is damaged (its crc32 does not match its trailer's), so the cache cannot be checked against it",
+                crate::storage::segment_path(dir, l.id).display()
+            ),
+            None => "a listed segment holds a record other than a seal or reward of a frozen target".into(),
+        })
     } else {
         Some("its seals and rewards are not those of the listed segments".into())
     }
+}
+
+/// Whether segment `id`'s footer matches the crc32 its trailer holds (a
+/// file that cannot be read, or without a valid trailer, counts as not).
+fn footer_checks(dir: &Path, id: u64) -> bool {
+    let Ok(bytes) = fs::read(crate::storage::segment_path(dir, id)) else { return false };
+    let len = bytes.len() as u64;
+    let tail = len.checked_sub(crate::format::segment::TRAILER_BYTES).and_then(|at| bytes.get(at as usize..));
+    let Some(t) = tail.and_then(|tail| crate::format::segment::decode_trailer(tail, len)) else { return false };
+    let body = usize::try_from(t.footer_offset)
+        .ok()
+        .zip(usize::try_from(t.footer_offset.saturating_add(t.footer_len)).ok())
+        .and_then(|(from, to)| bytes.get(from..to));
+    body.is_some_and(|body| crc32fast::hash(body) == t.footer_crc)
 }
 
 #[cfg(test)]
