@@ -784,7 +784,7 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
         let damaged = c.listed.iter().filter(|l| !b.listed.contains(l)).find(|l| !footer_checks(dir, l.id));
         Some(match damaged {
             Some(l) => format!(
-                "the footer of listed segment {} is damaged (its crc32 does not match its trailer's), so the cache cannot be checked against it",
+                "the footer of listed segment {} is damaged (it fails its checks against its trailer), so the cache cannot be checked against it",
                 crate::storage::segment_path(dir, l.id).display()
             ),
             None => "a listed segment holds a record other than a seal or reward of a frozen target".into(),
@@ -794,18 +794,15 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
     }
 }
 
-/// Whether segment `id`'s footer matches the crc32 its trailer holds (a
-/// file that cannot be read, or without a valid trailer, counts as not).
+/// Whether segment `id`'s footer passes its checks (`check_footer`: the
+/// crc32 its trailer holds, every entry); a file that cannot be read, or
+/// without a valid trailer, does not.
 fn footer_checks(dir: &Path, id: u64) -> bool {
+    use crate::format::segment::{check_footer, decode_trailer, TRAILER_BYTES};
     let Ok(bytes) = fs::read(crate::storage::segment_path(dir, id)) else { return false };
     let len = bytes.len() as u64;
-    let tail = len.checked_sub(crate::format::segment::TRAILER_BYTES).and_then(|at| bytes.get(at as usize..));
-    let Some(t) = tail.and_then(|tail| crate::format::segment::decode_trailer(tail, len)) else { return false };
-    let body = usize::try_from(t.footer_offset)
-        .ok()
-        .zip(usize::try_from(t.footer_offset.saturating_add(t.footer_len)).ok())
-        .and_then(|(from, to)| bytes.get(from..to));
-    body.is_some_and(|body| crc32fast::hash(body) == t.footer_crc)
+    let tail = len.checked_sub(TRAILER_BYTES).and_then(|at| bytes.get(at as usize..));
+    tail.and_then(|tail| decode_trailer(tail, len)).is_some_and(|t| check_footer(&bytes, &t).is_ok())
 }
 
 #[cfg(test)]
