@@ -413,3 +413,77 @@ fn recovery_modes_parse_and_print() {
     let e = "skip".parse::<RecoveryMode>().expect_err("unknown");
     assert!(matches!(e.kind(), ErrorKind::InvalidInput { .. }) && e.message().contains("skip-corrupted"), "{e}");
 }
+
+/// A sealed segment whose trailer is damaged has no footer to go by: its
+/// index is rebuilt from the frames, and the footer's bytes right after the
+/// last frame end the scan. Damage that also hits the last frame (or the
+/// footer's first bytes, so that the frames' end cannot be told) must not
+/// pass for that end: before, the last frame dropped out of the rebuilt
+/// index unreported.
+#[test]
+fn a_damaged_trailer_never_hides_a_damaged_last_frame() {
+    for mode in MODES {
+        let dir = tempdir();
+        let d = dir.path();
+        let (all, locs) = build(d);
+        let seg1 = segment(d, 1);
+        let (last_id, last) = locs
+            .iter()
+            .filter(|(_, l)| l.segment == 1)
+            .max_by_key(|(_, l)| l.offset)
+            .map(|(id, l)| (id.clone(), *l))
+            .expect("segment 1 holds calls");
+        let mut bytes = fs::read(&seg1).expect("read");
+        let (n, footer) = (bytes.len() as u64, read_trailer(&bytes).expect("sealed").footer_offset);
+        // The trailer alone: the footer's magic ends the frames, nothing is lost.
+        bytes[n as usize - 10] ^= 0x01;
+        fs::write(&seg1, &bytes).expect("write");
+        if mode == Absolute {
+            assert!(matches!(refused(Store::open(d, opts(mode))).kind(), ErrorKind::Corrupt { .. }));
+        } else {
+            let store = Store::open(d, opts(mode)).expect("opens");
+            assert_eq!(events(&store.recovery_report()), vec![event(FooterRebuilt, d, 1, footer, n - footer)]);
+            check_reads(&store, &all, &[], &[]);
+            store.close().expect("close");
+        }
+        // The last frame too: damage, not the footer.
+        flip(d, last);
+        let before = data_files(d);
+        if mode == Skip {
+            let store = Store::open(d, opts(mode)).expect("opens");
+            let skipped = event(CorruptedRecordSkipped, d, 1, last.offset, footer - last.offset);
+            assert_eq!(events(&store.recovery_report()), vec![event(FooterRebuilt, d, 1, footer, n - footer), skipped]);
+            check_reads(&store, &all, &[last_id.as_str()], &[]);
+            store.close().expect("close");
+        } else {
+            let e = refused(Store::open(d, opts(mode)));
+            if mode == Tolerate {
+                assert_corrupt_at(&e, &seg1, last.offset);
+                assert!(e.message().contains("footer at offset"), "{e}");
+            }
+            assert_eq!(data_files(d), before, "a refused open changed the files");
+        }
+        // And the footer's magic: where the frames end cannot be told.
+        let mut bytes = fs::read(&seg1).expect("read");
+        bytes[footer as usize] ^= 0x01;
+        fs::write(&seg1, &bytes).expect("write");
+        if mode == Skip {
+            let store = Store::open(d, opts(mode)).expect("opens");
+            let rest = n - last.offset;
+            assert_eq!(
+                events(&store.recovery_report()),
+                vec![
+                    event(FooterRebuilt, d, 1, last.offset, rest),
+                    event(CorruptedRecordSkipped, d, 1, last.offset, rest)
+                ]
+            );
+            check_reads(&store, &all, &[last_id.as_str()], &[]);
+        } else {
+            let e = refused(Store::open(d, opts(mode)));
+            if mode == Tolerate {
+                assert_corrupt_at(&e, &seg1, last.offset);
+                assert!(e.message().contains("cannot be told"), "{e}");
+            }
+        }
+    }
+}

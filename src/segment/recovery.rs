@@ -14,7 +14,7 @@ use crate::format::record::{
     decode_annotation, decode_call, KIND_CALL, KIND_DELETE_SESSION, KIND_MOVE_SESSION, KIND_REWARD, KIND_SEAL,
 };
 use crate::format::segment::{
-    check_footer, decode_footer, decode_header, decode_trailer, FooterEntry, FooterEntryRef, HEADER_BYTES,
+    check_footer, decode_footer, decode_header, decode_trailer, FooterEntry, FooterEntryRef, FOOTER_MAGIC, HEADER_BYTES,
     TRAILER_BYTES,
 };
 use crate::format::{DecodeError, FORMAT_VERSION, FORMAT_VERSION_MIN};
@@ -430,25 +430,60 @@ pub fn footer_entry_matches(footer: &FooterEntry, scanned: &FooterEntry) -> bool
 
 /// Rebuild a sealed segment's index from `frames` (its footer or trailer is
 /// unusable: `why`). With `tail_is_frames`, the bytes end exactly where the
-/// frames end, so an invalid frame at the end is damage too (without a
-/// trailer the footer's bytes follow the frames and end the scan).
+/// frames end, so an invalid frame at the end is damage too. Without (no
+/// valid trailer: `frames` is the whole file), the footer's bytes follow the
+/// frames and end the scan, so the scan must end at the footer's magic: the
+/// bytes from the end of the last valid frame up to the first footer magic
+/// after it are frames lost to damage, and with no footer magic at all the
+/// end of the frames cannot be told, which is damage too (never a silent
+/// loss of the last frames). Also returns where the footer starts (the
+/// end of the bytes when none was found).
 fn rebuild_index(
     path: &Path,
     id: u64,
     frames: &[u8],
     tail_is_frames: bool,
     on_damage: OnDamage,
-) -> Result<(Vec<FooterEntry>, Vec<SegmentEvent>, u64)> {
+) -> Result<(Vec<FooterEntry>, Vec<SegmentEvent>, u64, u64)> {
     let scan = scan_frames_past_damage(frames);
     let mut damaged = skipped_regions(&scan);
+    let end = frames.len() as u64;
+    let mut footer_at = end;
     if tail_is_frames {
-        if let Some(d) = scan.stopped_by.as_ref().filter(|d| d.offset < frames.len() as u64) {
+        if let Some(d) = scan.stopped_by.as_ref().filter(|d| d.offset < end) {
             damaged.push(SegmentEvent {
                 kind: RecoveryEventKind::CorruptedRecordSkipped,
                 offset: d.offset,
-                len: frames.len() as u64 - d.offset,
+                len: end - d.offset,
                 what: d.what.clone(),
             });
+        }
+    } else {
+        let last = scan.valid_end;
+        match footer_start(frames, last) {
+            Some(at) => {
+                footer_at = at;
+                if at > last {
+                    let why = scan.stopped_by.as_ref().map_or("zero bytes where a frame should be", |d| d.what.as_str());
+                    damaged.push(SegmentEvent {
+                        kind: RecoveryEventKind::CorruptedRecordSkipped,
+                        offset: last,
+                        len: at - last,
+                        what: format!("{why}: the bytes up to the footer at offset {at} are damaged frames"),
+                    });
+                }
+            }
+            None => {
+                footer_at = last;
+                damaged.push(SegmentEvent {
+                kind: RecoveryEventKind::CorruptedRecordSkipped,
+                offset: last,
+                len: end - last,
+                what: "no footer follows the last valid frame (the trailer and the footer's first bytes are damaged): \
+                       the frames' end cannot be told, so frames after it may be lost"
+                        .to_owned(),
+                });
+            }
         }
     }
     if let (Some(first), OnDamage::Refuse) = (damaged.first(), on_damage) {
@@ -457,7 +492,17 @@ fn rebuild_index(
             format!("{} (found while rebuilding the index of a sealed segment whose footer is unusable)", first.what);
         return Err(damage_error(path, id, first.offset, &what, later, true));
     }
-    Ok((scan.entries, damaged, scan.valid_end))
+    Ok((scan.entries, damaged, scan.valid_end, footer_at))
+}
+
+/// The first 8-aligned offset at or after `from` where a footer body starts
+/// (its magic, then a reserved zero word, format-spec/segment.md §4).
+fn footer_start(bytes: &[u8], from: u64) -> Option<u64> {
+    let from = usize::try_from(from.next_multiple_of(8)).ok()?;
+    (from..bytes.len().saturating_sub(16)).step_by(8).map(|at| at as u64).find(|&at| {
+        let at = at as usize;
+        bytes.get(at..at + 8) == Some(&FOOTER_MAGIC[..]) && bytes.get(at + 12..at + 16) == Some(&[0u8; 4][..])
+    })
 }
 
 /// Read a whole file into an 8-aligned buffer (so token columns in it can be
@@ -619,7 +664,7 @@ fn load_segment_with(
             Err((at, what)) => {
                 // The footer is an index of the frames: rebuild it from them
                 // (format-spec/segment.md §6).
-                let (entries, damaged, _) = rebuild_index(&path, id, frames, true, on_damage)?;
+                let (entries, damaged, _, _) = rebuild_index(&path, id, frames, true, on_damage)?;
                 let what = format!("footer unusable at offset {at} ({what}); its index was rebuilt from the frames");
                 (entries, std::iter::once(rebuilt(what)).chain(damaged).collect(), Vec::new())
             }
@@ -632,10 +677,14 @@ fn load_segment_with(
         // The manifest says sealed, but the trailer is damaged: the frames are
         // all there is to go by.
         let map = Arc::new(Mapping::map(&file, len, &path)?);
-        let (entries, damaged, data_end) = rebuild_index(&path, id, map.bytes(), false, on_damage)?;
+        let (entries, damaged, data_end, footer_at) = rebuild_index(&path, id, map.bytes(), false, on_damage)?;
         let what = "sealed segment has no valid trailer; its index was rebuilt from the frames".to_owned();
-        let start =
-            SegmentEvent { kind: RecoveryEventKind::FooterRebuilt, offset: data_end, len: len - data_end, what };
+        let start = SegmentEvent {
+            kind: RecoveryEventKind::FooterRebuilt,
+            offset: footer_at.min(len),
+            len: len - footer_at.min(len),
+            what,
+        };
         let events = std::iter::once(start).chain(damaged).collect();
         let path = Arc::new(path);
         return Ok(LoadedSegment {
