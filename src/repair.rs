@@ -19,6 +19,9 @@ pub struct RepairReport {
     pub segments: Vec<(u64, bool)>,
     /// Segments that were unsealed but not last, sealed by the repair.
     pub sealed_now: Vec<u64>,
+    /// What sealing them cut off (or would, with `dry_run`): the torn tail
+    /// after the last valid frame of each, which the footer replaces.
+    pub cut: Vec<crate::RecoveryEvent>,
     /// Shards listed in the rebuilt manifest (relative to `DIR/shards/`).
     pub shards: Vec<String>,
     /// Files that cannot be part of the store, moved to `DIR/lost+found/`
@@ -120,11 +123,21 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
         if *sealed || Some(*id) == last {
             continue;
         }
+        // Read in a dry run too (reading writes nothing), so that it says
+        // what the seal would cut.
+        let seg = load_segment(dir, *id, false, OnDamage::Refuse)?;
+        let path = seg.path.as_path().to_path_buf();
+        report.cut.extend(seg.events.iter().map(|e| crate::RecoveryEvent {
+            kind: e.kind,
+            segment: *id,
+            path: path.clone(),
+            offset: e.offset,
+            len: e.len,
+            what: e.what.clone(),
+        }));
+        let (data_end, entries) = (seg.data_end, seg.entries);
+        drop(seg.map);
         if !dry_run {
-            let seg = load_segment(dir, *id, false, OnDamage::Refuse)?;
-            let path = seg.path.as_path().to_path_buf();
-            let (data_end, entries) = (seg.data_end, seg.entries);
-            drop(seg.map);
             let active = crate::segment::writer::ActiveSegment::reopen(path, *id, data_end, data_end, entries, None)?;
             active.seal()?;
         }

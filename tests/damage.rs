@@ -340,3 +340,39 @@ fn verify_tells_a_torn_tail_from_damage() {
     let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
     assert!(v.problems.is_empty() && v.torn_tail.is_none(), "{v:?}");
 }
+
+/// `trajlog repair` seals a segment that is unsealed but not the last (here:
+/// its footer and trailer lost with the manifest, an interrupted write after
+/// its last frame). The seal's footer replaces that torn tail, and the report
+/// says what it cut, in a dry run too; every call is still served.
+#[test]
+fn repair_reports_the_torn_tail_it_cuts_when_it_seals_a_segment() {
+    use trajlog::RecoveryEventKind::TornTailCut;
+    let dir = tempdir();
+    let all = calls(6, 6);
+    let store = filled(dir.path(), &all, small_segments());
+    store.close().expect("close");
+    let segs = segment_files(dir.path());
+    assert!(segs.len() >= 2, "{segs:?}");
+    let mut bytes = fs::read(&segs[0]).expect("read");
+    let footer = footer_offset(&bytes);
+    bytes.truncate(footer);
+    bytes.extend_from_slice(&[0xab; 24]);
+    fs::write(&segs[0], &bytes).expect("write");
+    fs::remove_file(dir.path().join("MANIFEST")).expect("remove manifest");
+    let cut = |r: &trajlog::repair::RepairReport| -> Vec<_> {
+        r.cut.iter().map(|e| (e.kind, e.segment, e.path.clone(), e.offset, e.len)).collect()
+    };
+    let want = vec![(TornTailCut, 1, segs[0].clone(), footer as u64, 24)];
+    let dry = trajlog::repair::repair(dir.path(), true).expect("dry run");
+    assert_eq!((dry.sealed_now.clone(), cut(&dry)), (vec![1], want.clone()));
+    assert_eq!(fs::read(&segs[0]).expect("read"), bytes, "a dry run changes nothing");
+    let r = trajlog::repair::repair(dir.path(), false).expect("repair");
+    assert_eq!((r.sealed_now.clone(), cut(&r)), (vec![1], want));
+    assert!(r.written, "{r:?}");
+    let store = Store::open(dir.path(), small_segments()).expect("open after repair");
+    assert_all(&store, &all);
+    store.close().expect("close");
+    let v = trajlog::verify::verify_dir(dir.path()).expect("verify");
+    assert!(v.problems.is_empty(), "{:?}", v.problems);
+}

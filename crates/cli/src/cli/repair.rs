@@ -81,6 +81,9 @@ pub fn repair(dir: &Path, dry_run: bool) -> trajlog::Result<i32> {
     for id in &r.sealed_now {
         println!("{would}seal segment {id} (unsealed, but not the last)");
     }
+    for e in &r.cut {
+        println!("{would}{e}");
+    }
     for p in &r.damage {
         println!("damaged {} at offset {}: {}", p.path.display(), p.offset, p.what);
     }
