@@ -686,6 +686,9 @@ struct Held {
     /// The thread that appends what `append_trace_nowait` walked; started on
     /// first use, finished by `close` (and by `flush`'s barrier, in part).
     encoder: Option<Arc<nowait::Encoder>>,
+    /// The store `close` took while other threads were inside calls on it:
+    /// the last of them closes it (and frees the directory's lock).
+    closing: std::sync::Weak<trajlog::Store>,
 }
 
 impl NativeStore {
@@ -761,7 +764,13 @@ impl NativeStore {
                 }
             })
             .map_err(to_py)?;
-        Ok(Self { held: std::sync::Mutex::new(Held { store: Some(Arc::new(store)), encoder: None }) })
+        Ok(Self {
+            held: std::sync::Mutex::new(Held {
+                store: Some(Arc::new(store)),
+                encoder: None,
+                closing: std::sync::Weak::new(),
+            }),
+        })
     }
 
     /// What the open's recovery did: one line per torn tail cut, damaged
@@ -1212,10 +1221,33 @@ impl NativeStore {
             match Arc::try_unwrap(store) {
                 Ok(store) => py.detach(|| store.close()).map_err(to_py)?,
                 // Another thread is inside a call: flush now, close when the last user drops it.
-                Err(shared) => py.detach(|| shared.flush()).map_err(to_py)?,
+                Err(shared) => {
+                    self.held().closing = Arc::downgrade(&shared);
+                    py.detach(|| shared.flush()).map_err(to_py)?
+                }
             }
         }
         Ok(())
+    }
+
+    /// Wait until the store is closed (by `close`, in this thread or
+    /// another) and the threads that were inside calls on it have returned,
+    /// so that the directory's lock is free (`timeout` in seconds, None: no
+    /// limit). Whether it is; false on a timeout.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_closed(&self, py: Python<'_>, timeout: Option<f64>) -> bool {
+        let deadline = timeout.map(|t| std::time::Instant::now() + std::time::Duration::from_secs_f64(t.max(0.0)));
+        py.detach(|| loop {
+            let held = self.held();
+            if held.store.is_none() && held.closing.strong_count() == 0 {
+                return true;
+            }
+            drop(held);
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        })
     }
 }
 

@@ -675,7 +675,18 @@ class Store:
         return json.loads(self._native.space_json())
 
     def close(self) -> None:
+        """Flush and close. When other threads are inside calls on the store
+        (a read), it is closed when the last of them returns, and the
+        directory stays locked until then: see `wait_closed`."""
         self._native.close()
+
+    def wait_closed(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the store is closed (by `close`, in this thread or
+        another) and the calls other threads were making on it have
+        returned, so that the directory can be opened again (`timeout` in
+        seconds; None waits as long as it takes). Whether it is; False on a
+        timeout."""
+        return self._native.wait_closed(None if timeout is None else float(timeout))
 
 
 class _CArray:

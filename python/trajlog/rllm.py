@@ -35,6 +35,9 @@ from . import InvalidInputError, Store, _json_text, _session_uids, _text
 # bounds their count; the writer's own queue (`queue_bytes`) bounds the bytes
 # the encoder thread hands on, not the walked calls queued before it.
 _NOWAIT_IN_FLIGHT = 512
+# How long an open waits for a store closed after a failure to let go of
+# the directory (a read in another thread still inside it).
+_CLOSE_WAIT_SECONDS = 30.0
 
 
 class _LazyStore:
@@ -54,6 +57,9 @@ class _LazyStore:
         self._durability = durability
         self._options = options
         self._store: Optional[Store] = None
+        # The store `_after_failure` closed last, until the next open has
+        # waited for it to let go of the directory.
+        self._closed: Optional[Store] = None
         self._lock = threading.Lock()
         # Stores handed to `_executor` and not finished (concurrent futures).
         self._in_flight: set = set()
@@ -80,6 +86,14 @@ class _LazyStore:
         if store is None:
             with self._lock:
                 if self._store is None:
+                    closed, self._closed = self._closed, None
+                    if closed is not None:
+                        # A store `_after_failure` closed while another
+                        # thread was reading: the directory stays locked
+                        # until that read returns (a hang guard, not a
+                        # timing assumption: the open below says LockedError
+                        # if it never does).
+                        closed.wait_closed(_CLOSE_WAIT_SECONDS)
                     self._store = Store(self._path, durability=self._durability, **self._options)
                 store = self._store
         return store
@@ -121,6 +135,7 @@ class _LazyStore:
             if self._store is not store:
                 return  # already taken away
             self._store = None
+            self._closed = store
         try:
             store.close()
         except Exception:  # the poisoning itself, reported to the failed stores
