@@ -38,7 +38,7 @@
 //!
 //! ## Features
 //!
-//! - `sqlite`: the rLLM SQLite migration, [`rllm::sqlite`] (a bundled SQLite).
+//! - `sqlite`: the rLLM SQLite migration, `rllm::sqlite` (a bundled SQLite).
 //! - `internals`: unstable and hidden from the docs; the codecs, the fault
 //!   injection and the fuzz targets' bodies, for this repository's test suite
 //!   and `fuzz/`. No semver promise.

@@ -771,7 +771,7 @@ pub enum Hole {
 }
 
 /// The `extra` document of a docs block as its template and checked holes
-/// (see [`Block::resolve_but_extra`]). A reader may build each hole's value
+/// (see `Block::resolve_but_extra`). A reader may build each hole's value
 /// from the columns itself; [`Spliced::render`] gives the text.
 #[derive(Debug)]
 pub struct Spliced {

@@ -1,6 +1,6 @@
 //! rLLM's trace records, kept exactly: the older SDK's store records
 //! (`SdkTrace`) mapped to and from calls, and the migration of existing rLLM
-//! SQLite trace databases ([`sqlite`]).
+//! SQLite trace databases (`sqlite`, with the feature of that name).
 //!
 //! An SDK trace is `(id, data, namespace, context_type, metadata, created_at,
 //! updated_at)` plus the session uids it was logged under. Its token ids and

@@ -28,7 +28,7 @@ pub struct RecoveryEvent {
     pub what: String,
 }
 
-/// What an open (or, read-only, the last [`Store::refresh`]) found and did.
+/// What an open (or, read-only, the last [`crate::Store::refresh`]) found and did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RecoveryReport {
     /// The mode the store was opened with.

@@ -2,7 +2,7 @@
 //! (`rllm_model_gateway/data_process.py`, `build_trace_record` and
 //! `build_trace_record_from_chunks`; studied in docs/serve-contract.md §3).
 //!
-//! A [`Conversation`] carries one session's chat history: a system and a user
+//! A `Conversation` carries one session's chat history: a system and a user
 //! message, then per call the assistant's message (text, and a tool call on
 //! every call but the last) and the tool's result. Each call's `messages` is
 //! the whole history sent with it, so it grows turn by turn exactly as the
@@ -52,7 +52,7 @@ fn doc(out: &mut String, column: Option<&[u8]>, from_extra: Option<&RawValue>, d
     }
 }
 
-/// A call as rLLM's gateway stores it: the 17 [`TRACE_KEYS`] in order
+/// A call as rLLM's gateway stores it: the 17 [`TRACE_KEYS`](trajlog::trace_json::TRACE_KEYS) in order
 /// (values from the columns, else from `extra`, else the gateway's defaults:
 /// `""`, `[]`, `{}`, `0.0` or null), then `session_uids` if the call has any,
 /// then the other keys of `extra`; compact, logprobs (`f32`) widened to `f64`
