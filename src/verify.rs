@@ -266,12 +266,25 @@ fn verify_once(dir: &Path) -> Result<VerifyReport> {
                     ""
                 }
             };
-            for d in scan.skipped.iter().chain(&scan.stopped_by) {
-                report.problems.push(Problem {
-                    path: path.clone(),
-                    offset: d.offset,
-                    what: format!("{}{}", d.what, note(d.offset)),
-                });
+            // Without a trailer the footer's bytes end the frames (as the
+            // open reads them, format-spec/segment.md §6): a scan that stops
+            // at a footer's magic met no damage.
+            let no_trailer = trailer.is_none() && ms.state == SegmentState::Sealed;
+            let stopped = scan.stopped_by.as_ref().and_then(|d| {
+                let what = if no_trailer {
+                    match crate::segment::recovery::footer_start(frames_bytes, d.offset) {
+                        Some(at) if at == d.offset => return None,
+                        Some(at) => format!("{} (damaged frames up to the footer at offset {at})", d.what),
+                        None => format!("{} (no footer follows: where the frames end cannot be told)", d.what),
+                    }
+                } else {
+                    d.what.clone()
+                };
+                Some((d.offset, what))
+            });
+            let skipped = scan.skipped.iter().map(|d| (d.offset, d.what.clone()));
+            for (offset, what) in skipped.chain(stopped) {
+                report.problems.push(Problem { path: path.clone(), offset, what: format!("{what}{}", note(offset)) });
             }
             if let Some(entries) = &footer {
                 if clean

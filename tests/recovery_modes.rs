@@ -435,9 +435,16 @@ fn a_damaged_trailer_never_hides_a_damaged_last_frame() {
             .expect("segment 1 holds calls");
         let mut bytes = fs::read(&seg1).expect("read");
         let (n, footer) = (bytes.len() as u64, read_trailer(&bytes).expect("sealed").footer_offset);
+        // What `trajlog verify` says of segment 1: (offset, what).
+        let verified = || -> Vec<(u64, String)> {
+            let v = trajlog::verify::verify_dir(d).expect("verify");
+            v.problems.into_iter().filter(|p| p.path == seg1).map(|p| (p.offset, p.what)).collect()
+        };
         // The trailer alone: the footer's magic ends the frames, nothing is lost.
         bytes[n as usize - 10] ^= 0x01;
         fs::write(&seg1, &bytes).expect("write");
+        let problems = verified();
+        assert_eq!(problems.iter().map(|p| p.0).collect::<Vec<_>>(), [n], "{problems:?}");
         if mode == Absolute {
             assert!(matches!(refused(Store::open(d, opts(mode))).kind(), ErrorKind::Corrupt { .. }));
         } else {
@@ -448,6 +455,8 @@ fn a_damaged_trailer_never_hides_a_damaged_last_frame() {
         }
         // The last frame too: damage, not the footer.
         flip(d, last);
+        let problems = verified();
+        assert!(problems.iter().any(|p| p.0 == last.offset && p.1.contains("up to the footer")), "{problems:?}");
         let before = data_files(d);
         if mode == Skip {
             let store = Store::open(d, opts(mode)).expect("opens");
@@ -467,6 +476,8 @@ fn a_damaged_trailer_never_hides_a_damaged_last_frame() {
         let mut bytes = fs::read(&seg1).expect("read");
         bytes[footer as usize] ^= 0x01;
         fs::write(&seg1, &bytes).expect("write");
+        let problems = verified();
+        assert!(problems.iter().any(|p| p.0 == last.offset && p.1.contains("cannot be told")), "{problems:?}");
         if mode == Skip {
             let store = Store::open(d, opts(mode)).expect("opens");
             let rest = n - last.offset;

@@ -497,7 +497,7 @@ fn rebuild_index(
 
 /// The first 8-aligned offset at or after `from` where a footer body starts
 /// (its magic, then a reserved zero word, format-spec/segment.md §4).
-fn footer_start(bytes: &[u8], from: u64) -> Option<u64> {
+pub(crate) fn footer_start(bytes: &[u8], from: u64) -> Option<u64> {
     let from = usize::try_from(from.next_multiple_of(8)).ok()?;
     (from..bytes.len().saturating_sub(16)).step_by(8).map(|at| at as u64).find(|&at| {
         let at = at as usize;
