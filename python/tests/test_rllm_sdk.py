@@ -189,3 +189,72 @@ def test_tracer_flush_returns_false_when_a_write_failed(tmp_path):
     assert isinstance(tracer.last_error, trajlog.ClosedError)
     with pytest.raises(trajlog.ClosedError):
         tracer.log_llm_call("x", {}, {"id": "b"}, "m", 1.0, {}, session_uids=["s"])
+
+
+_TRACER_FAILED_WRITE_SCRIPT = r"""
+import json, resource, signal, sys, time
+import trajlog
+from trajlog.rllm import TrajlogTracer
+
+# A real write failure: files of at most 1 MiB; SIGXFSZ ignored, so the
+# write that passes the limit returns EFBIG and poisons the store.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+out = {}
+tracer = TrajlogTracer(sys.argv[1], segment_bytes=65536, zero_ahead_bytes=0)
+
+def log(name, output):
+    try:
+        tracer.log_llm_call(name, {}, output, "m", 1.0, {}, session_uids=["s"])
+        return "logged"
+    except trajlog.TrajlogError as e:
+        return type(e).__name__
+
+def big(name):
+    return {"id": name, "prompt_token_ids": [(i * 2654435761) % 50000 for i in range(400_000)]}
+
+out["a"] = log("a", {"id": "a"})
+out["flush_a"] = tracer.flush()
+# The failure found by a flush: reported, and the store is reopened.
+out["big1"] = log("big1", big("big1"))
+out["flush_big1"] = (tracer.flush(), type(tracer.last_error).__name__)
+out["b"] = log("b", {"id": "b"})
+out["flush_b"] = tracer.flush()
+# The failure found by the next trace (the writer failed before it): that
+# trace is logged on the reopened store, the next flush reports the loss.
+out["big2"] = log("big2", big("big2"))
+deadline = time.monotonic() + 120
+while tracer.store._store.poisoned() is None:
+    assert time.monotonic() < deadline, "hang guard: the writer meets the limit"
+    time.sleep(0.01)
+out["c"] = log("c", {"id": "c"})
+out["flush_c"] = (tracer.flush(), type(tracer.last_error).__name__)
+out["d"] = log("d", {"id": "d"})
+out["flush_d"] = tracer.flush()
+tracer.close_sync()
+print(json.dumps(out))
+"""
+
+
+def test_the_tracer_reopens_the_store_after_a_failed_write_and_reports_the_lost_traces(tmp_path):
+    # A process that logs through the tracer for days must not need a
+    # restart after a full disk: before, every later `log_llm_call` raised
+    # PoisonedError and every `flush` returned False for good.
+    import json
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "s")
+    ran = subprocess.run([sys.executable, "-c", _TRACER_FAILED_WRITE_SCRIPT, path], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert out == {
+        "a": "logged", "flush_a": True,
+        "big1": "logged", "flush_big1": [False, "PoisonedError"],
+        "b": "logged", "flush_b": True,
+        "big2": "logged",
+        "c": "logged", "flush_c": [False, "PoisonedError"],
+        "d": "logged", "flush_d": True,
+    }, out
+    with trajlog.Store(path, read_only=True) as store:
+        assert sorted(c.trace_id for s in store.sessions() for c in store.session(s["session_id"])) == ["a", "b", "c", "d"]

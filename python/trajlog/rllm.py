@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from . import InvalidInputError, Store, _json_text, _session_uids, _text
+from . import InvalidInputError, PoisonedError, Store, _json_text, _session_uids, _text
 
 
 # Stores in flight from one event loop (walked, not yet durable) before the
@@ -674,6 +674,9 @@ class TrajlogTracer:
         self.store = TrajlogSdkTraceStore(db_path, durability=durability, **options)
         self.namespace = namespace
         self.last_error: Optional[BaseException] = None
+        # A write failure `log_llm_call` met (the store reopened since), not
+        # yet reported by a `flush`: traces logged before it may be lost.
+        self._unreported: Optional[BaseException] = None
 
     def log_llm_call(
         self,
@@ -725,7 +728,16 @@ class TrajlogTracer:
             if value is not None:
                 data[key] = value
         final_metadata = {**context_meta, **(metadata or {})}
-        self.store._store_sync(trace_id, data, self.namespace, "llm_trace", final_metadata, session_uids, False)
+        record = (trace_id, data, self.namespace, "llm_trace", final_metadata, session_uids, False)
+        try:
+            self.store._store_sync(*record)
+        except PoisonedError as e:
+            # An earlier write failed (a full disk): the store refuses every
+            # write until it is reopened. Reopen it and log this trace; the
+            # next `flush` returns False for the traces the failure lost.
+            self._unreported = e
+            self.store._after_failure()
+            self.store._store_sync(*record)
 
     def flush(self, timeout: float = 30.0) -> bool:
         done = threading.Event()
@@ -746,6 +758,13 @@ class TrajlogTracer:
         if failure:
             self.last_error = failure[0]
             logger.error("trajlog tracer: flush failed: %s", failure[0])
+            # A poisoned store is closed, so the next trace opens it again.
+            self.store._after_failure()
+            return False
+        unreported, self._unreported = self._unreported, None
+        if unreported is not None:
+            self.last_error = unreported
+            logger.error("trajlog tracer: traces logged before a failed write were lost: %s", unreported)
             return False
         return True
 
