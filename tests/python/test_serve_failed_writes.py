@@ -78,8 +78,13 @@ def test_reads_go_on_while_the_store_cannot_be_reopened_for_writing(tmp_path):
         traces = wait_for("reads from the read-only open", lambda: (lambda r: r[0] == 200 and json.loads(r[1]))(
             request(addr, "GET", "/sessions/small/traces")))
         assert [t["messages"][0]["content"] for t in traces] == ["one"]
+        sent = lambda: next(l for l in request(addr, "GET", "/metrics")[1].splitlines()  # noqa: E731
+                            if l.startswith('trajlog_serve_bytes_total{direction="request"}'))
+        before = sent()
         status, body = request(addr, "POST", "/sessions/small/v1/chat/completions", chat("two"))
-        assert status == 503 and "being reopened" in body, (status, body)
+        assert status == 503 and "being reopened" in body and "not forwarded" in body, (status, body)
+        assert sent() == before, "a call whose trace cannot be stored is not sent upstream"
+        assert 'trajlog_serve_calls_total{outcome="store_unavailable"} 1' in request(addr, "GET", "/metrics")[1]
         status, body = request(addr, "GET", "/health")
         assert status == 503 and json.loads(body)["status"] == "unavailable", body
         assert "trajlog_serve_store_available 0" in request(addr, "GET", "/metrics")[1]

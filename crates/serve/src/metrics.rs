@@ -15,6 +15,9 @@ pub struct Metrics {
     pub calls_upstream_failed: AtomicU64,
     pub calls_no_worker: AtomicU64,
     pub calls_client_gone: AtomicU64,
+    /// Calls answered 503 without being forwarded: the store was being
+    /// reopened after a failed write, so their traces could not be stored.
+    pub calls_store_unavailable: AtomicU64,
     pub traces_stored: AtomicU64,
     pub traces_failed: AtomicU64,
     pub request_bytes: AtomicU64,
@@ -55,6 +58,7 @@ impl Metrics {
             ("upstream_failed", &self.calls_upstream_failed),
             ("no_worker", &self.calls_no_worker),
             ("client_gone", &self.calls_client_gone),
+            ("store_unavailable", &self.calls_store_unavailable),
         ] {
             let _ = writeln!(out, "trajlog_serve_calls_total{{outcome=\"{outcome}\"}} {}", g(v));
         }

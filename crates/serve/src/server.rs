@@ -1154,6 +1154,15 @@ async fn proxy(app: Arc<App>, sid: Option<String>, v1_path: String, query: Optio
     } else {
         None
     };
+    // A call whose trace could not be stored now (the store is being
+    // reopened after a failed write) is not sent upstream: its generation
+    // would be thrown away, and the agent would get this 503 after it.
+    if let (Some(_), Some(_), Err(why)) = (&sid, &prepared, app.store.get_writable()) {
+        app.metrics.calls_store_unavailable.fetch_add(1, Ordering::Relaxed);
+        let mut r = error(StatusCode::SERVICE_UNAVAILABLE, format!("not forwarded: {why}"));
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
+    }
     let forward_body: Bytes = match &prepared {
         Some(p) => Bytes::from(p.raw.get().to_owned()),
         None => body,
