@@ -10,6 +10,7 @@ mod common;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -308,20 +309,14 @@ fn config_errors_name_the_key_and_exit_2() {
     }
 }
 
-#[test]
-fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
-    // A real write failure, as in tests/process.rs: the gateway may write
-    // files of at most 1 MiB (`ulimit -f`; SIGXFSZ ignored, so the write
-    // returns EFBIG), its segments are 256 KiB, and one call carries a
-    // 1.6 MB prompt. That call poisons the store; the gateway closes it and
-    // opens it again by itself, and later calls are captured as before.
-    let dir = common::tempdir();
-    let store = dir.path().join("store");
-    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
-    let config = dir.path().join("gateway.yaml");
+/// A gateway that may write files of at most 1 MiB (`ulimit -f`; SIGXFSZ
+/// ignored, so the write returns EFBIG), with 256 KiB segments, in front of
+/// the mock at `mock_addr`; its address.
+fn limited_gateway(dir: &Path, store: &Path, mock_addr: &str, durability: &str) -> (Child, String) {
+    let config = dir.join("gateway.yaml");
     std::fs::write(&config, "store_segment_bytes: 262144\nstore_zero_ahead_bytes: 0\n").expect("write config");
     let script = format!(
-        "trap '' XFSZ; ulimit -f 1024; exec '{}' serve --store '{}' --config '{}' --port 0 --worker http://{mock_addr}/v1 --durability sync --log-level error",
+        "trap '' XFSZ; ulimit -f 1024; exec '{}' serve --store '{}' --config '{}' --port 0 --worker http://{mock_addr}/v1 --durability {durability} --log-level error",
         env!("CARGO_BIN_EXE_trajlog"),
         store.display(),
         config.display()
@@ -336,29 +331,50 @@ fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
     BufReader::new(gw.stdout.take().expect("stdout")).read_line(&mut line).expect("listening line");
     assert!(line.contains("listening on http://"), "{line:?}");
     let addr = line.trim().rsplit("http://").next().expect("address").to_owned();
+    (gw, addr)
+}
+
+/// A completions call with a 1.6 MB prompt: its trace passes the 1 MiB limit.
+fn big_call() -> String {
+    let prompt: Vec<u32> = (0..400_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 50_000).collect();
+    serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 2}).to_string()
+}
+
+/// The reopen runs in the background: until it is done, `/health` answers a
+/// 503 saying so. Wait for it (a hang guard, not a timing verdict).
+fn wait_for_reopen(addr: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let (s, body) = http(addr, "GET", "/health", "").expect("answers");
+        if s == 200 {
+            return;
+        }
+        assert_eq!(s, 503, "{body}");
+        assert!(body.contains("reopened") || body.contains("refuses writes"), "{body}");
+        assert!(std::time::Instant::now() < deadline, "hang guard: the store was not reopened: {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
+    // A real write failure, as in tests/process.rs: the gateway may write
+    // files of at most 1 MiB (`ulimit -f`; SIGXFSZ ignored, so the write
+    // returns EFBIG), its segments are 256 KiB, and one call carries a
+    // 1.6 MB prompt. That call poisons the store; the gateway closes it and
+    // opens it again by itself, and later calls are captured as before.
+    let dir = common::tempdir();
+    let store = dir.path().join("store");
+    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
+    let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "sync");
 
     let small = |turn: u32| chat(&format!("small turn {turn}"), 3).to_string();
     let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(0)).expect("answers");
     assert_eq!(s, 200, "{body}");
-    let prompt: Vec<u32> = (0..400_000u32).map(|i| i.wrapping_mul(2_654_435_761) % 50_000).collect();
-    let big = serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 2}).to_string();
-    let (s, body) = http(&addr, "POST", "/sessions/big/v1/completions", &big).expect("answers");
+    let (s, body) = http(&addr, "POST", "/sessions/big/v1/completions", &big_call()).expect("answers");
     assert_eq!(s, 503, "the trace could not be written: {body}");
     assert!(body.contains("trace was not stored"), "{body}");
-
-    // The reopen runs in the background: until it is done, calls get a 503
-    // saying so. Wait for it (a hang guard, not a timing verdict).
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let (s, body) = http(&addr, "GET", "/health", "").expect("answers");
-        if s == 200 {
-            break;
-        }
-        assert_eq!(s, 503, "{body}");
-        assert!(body.contains("reopened"), "{body}");
-        assert!(std::time::Instant::now() < deadline, "hang guard: the store was not reopened: {body}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_reopen(&addr);
     for turn in 1..4 {
         let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(turn)).expect("answers");
         assert_eq!(s, 200, "captured again after the reopen: {body}");
@@ -376,4 +392,47 @@ fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
     assert_eq!(snap.session("small", None, None).expect("read").len(), 4, "every acknowledged call");
     assert!(snap.session("big", None, None).expect("read").is_empty(), "nothing of the failed call");
     assert!(trajlog::verify::verify_dir(store.dir()).expect("verify").problems.is_empty());
+}
+
+#[test]
+fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_traces() {
+    // `--durability async` answers once the store has the trace, before it
+    // is durable; `POST /admin/flush` is the trainer's barrier. A write that
+    // fails meanwhile loses what was not yet durable: the gateway reopens
+    // the store by itself, and the next flush must not answer "flushed" as
+    // if every answered trace were stored.
+    let dir = common::tempdir();
+    let store = dir.path().join("store");
+    let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
+    let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "async");
+    let small = |turn: u32| chat(&format!("small turn {turn}"), 3).to_string();
+    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(0)).expect("answers");
+    assert_eq!(s, 200, "{body}");
+    assert_eq!(http(&addr, "POST", "/admin/flush", "").expect("answers").0, 200);
+    // Answered at once; its write fails in the writer afterwards.
+    let (s, body) = http(&addr, "POST", "/sessions/big/v1/completions", &big_call()).expect("answers");
+    assert_eq!(s, 200, "answered before it is durable: {body}");
+    // The failure found before the trainer's flush (here by `/health`; a
+    // capture would do the same), and the store reopened by then: the flush
+    // still reports the loss (it answered "flushed" before).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while http(&addr, "GET", "/health", "").expect("answers").0 == 200 {
+        assert!(std::time::Instant::now() < deadline, "hang guard: the write never failed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    wait_for_reopen(&addr);
+    let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
+    assert_eq!(s, 500, "{body}");
+    assert!(body.contains("were lost"), "{body}");
+    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(1)).expect("answers");
+    assert_eq!(s, 200, "captured again after the reopen: {body}");
+    let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
+    assert_eq!((s, body.as_str()), (200, "{\"status\":\"flushed\"}"), "reported once");
+    assert_eq!(sigterm(&mut gw), Some(0));
+    let _ = mock.kill();
+    let _ = mock.wait();
+    let store = trajlog::Store::open_read_only(&store).expect("reopen");
+    let snap = store.snapshot();
+    assert_eq!(snap.session("small", None, None).expect("read").len(), 2);
+    assert!(snap.session("big", None, None).expect("read").is_empty(), "the lost trace");
 }

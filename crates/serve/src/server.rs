@@ -253,6 +253,11 @@ fn after_failed_write(app: &Arc<App>, store: &Arc<Store>) {
     let why = why.to_string();
     if let Some(old) = app.store.take_failed(store, why.clone()) {
         tracing::error!(error = %why, "a failed write poisoned the store; closing and reopening it");
+        if app.config.durability == DurabilityMode::Async {
+            // Traces answered before they were durable may be gone: the
+            // next flush, the trainer's barrier, says so.
+            app.store.note_loss(why.clone());
+        }
         start_reopen(app, old);
     }
 }
@@ -893,17 +898,38 @@ async fn batch_delete(app: &Arc<App>, body: &Bytes) -> Response {
 }
 
 async fn flush(app: &Arc<App>) -> Response {
-    let store = match app.store.get_writable() {
-        Ok(s) => s,
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}")),
-    };
-    let held = store.clone();
-    match blocking(move || held.flush()).await {
-        Ok(()) => ok_json("{\"status\":\"flushed\"}".into()),
-        Err(e) => {
-            after_failed_write(app, &store);
-            error(StatusCode::INTERNAL_SERVER_ERROR, format!("flush failed: {e}"))
+    let flushed = match app.store.get_writable() {
+        Err(e) => Err(e),
+        Ok(store) => {
+            let held = store.clone();
+            blocking(move || held.flush()).await.map_err(|e| {
+                after_failed_write(app, &store);
+                e.to_string()
+            })
         }
+    };
+    // The barrier cannot hold for what a failed write lost before the store
+    // was reopened (`--durability async` answers before the trace is
+    // durable): the first flush after the failure says so, once, so that
+    // the trainer does not take those traces for stored.
+    let lost = app.store.take_loss();
+    match (flushed, lost) {
+        (Ok(()), None) => ok_json("{\"status\":\"flushed\"}".into()),
+        (Ok(()), Some(why)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!(
+                "flush failed: a write failed since the last flush ({why}): traces answered before it and not \
+                 yet durable were lost. The store was reopened and takes traces again; the next flush covers \
+                 what is captured from now on"
+            ),
+        ),
+        (Err(e), lost) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!(
+                "flush failed: {e}{}",
+                if lost.is_some() { "; traces answered before the failure and not yet durable were lost" } else { "" }
+            ),
+        ),
     }
 }
 

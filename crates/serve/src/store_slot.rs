@@ -27,6 +27,10 @@ pub(crate) struct StoreSlot {
     reopening: AtomicBool,
     /// Reopens that succeeded (the metrics).
     pub reopens: AtomicU64,
+    /// A failed write that may have lost traces the gateway had already
+    /// answered (`--durability async`: answered before they were durable),
+    /// not yet reported by a flush.
+    lost: Mutex<Option<String>>,
 }
 
 /// What the slot holds.
@@ -45,6 +49,7 @@ impl StoreSlot {
             why: Mutex::new(String::new()),
             reopening: AtomicBool::new(false),
             reopens: AtomicU64::new(0),
+            lost: Mutex::new(None),
         }
     }
 
@@ -122,6 +127,18 @@ impl StoreSlot {
     /// Serve reads from `store`, a read-only open, while the reopen goes on.
     pub(crate) fn put_read_only(&self, store: Arc<Store>) {
         *self.current_mut() = Current { store: Some(store), read_only: true };
+    }
+
+    /// Remember that a failed write may have lost answered traces, for the
+    /// next flush to report.
+    pub(crate) fn note_loss(&self, why: String) {
+        *lock(&self.lost) = Some(why);
+    }
+
+    /// The failed write the last flush did not report, if any (taken: a
+    /// flush reports it once).
+    pub(crate) fn take_loss(&self) -> Option<String> {
+        lock(&self.lost).take()
     }
 
     /// Fill the slot with a writable store and end the reopen.
