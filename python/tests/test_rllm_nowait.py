@@ -376,3 +376,64 @@ def test_a_failed_write_closes_the_poisoned_store_and_the_next_store_opens_it_ag
     assert out["big_read"] is None, out
     assert out["nowait"], "the reopened store is watched by the loop again"
     assert sorted(c.trace_id for c in _reader_calls(path)) == ["t0", "t1", "t3", "t4", "t5"]
+
+
+_UNAWAITED_FAILED_WRITE_SCRIPT = r"""
+import asyncio, json, resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+import trajlog
+from trajlog.rllm import TrajlogTraceStore
+from test_rllm import trace
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+out = {}
+
+async def go():
+    store = TrajlogTraceStore(sys.argv[1], segment_bytes=65536, zero_ahead_bytes=0)
+    await store.store_trace("t0", "s1", trace(0))
+    await store.flush()
+    # rLLM's gateway with sync_traces=False: the store is not awaited (its
+    # own task logs a failure); the trainer's flush is the barrier.
+    big = trace(1, session="big")
+    big["prompt_token_ids"] = [(i * 2654435761) % 50000 for i in range(400_000)]
+    task = asyncio.create_task(store.store_trace("big", "big", big))
+    out["big"] = type((await asyncio.gather(task, return_exceptions=True))[0]).__name__
+    await store.store_trace("t2", "s1", trace(2))  # on the reopened store
+    try:
+        await store.flush()
+        out["flush"] = "flushed"
+    except trajlog.TrajlogError as e:
+        out["flush"] = [type(e).__name__, "were lost" in str(e)]
+    await store.flush()
+    out["flush_again"] = "flushed"
+    out["s1"] = [t["trace_id"] for t in await store.get_session_traces("s1")]
+    out["big_read"] = await store.get_trace("big")
+    await store.close()
+
+asyncio.run(go())
+print(json.dumps(out))
+"""
+
+
+def test_the_first_flush_after_a_failed_write_says_that_unawaited_stores_were_lost(tmp_path):
+    # The store reopens by itself after a failed write; a store nobody
+    # awaited (rLLM's sync_traces=False) failed with it. The flush after
+    # must not pass for a barrier over it: before, it returned normally.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "s")
+    here = os.path.dirname(os.path.abspath(__file__))
+    ran = subprocess.run(
+        [sys.executable, "-c", _UNAWAITED_FAILED_WRITE_SCRIPT, path, here], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr
+    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert out["big"] != "NoneType", out
+    assert out["flush"] == ["PoisonedError", True], out
+    assert out["flush_again"] == "flushed", out
+    assert out["s1"] == ["t0", "t2"], out
+    assert out["big_read"] is None, out

@@ -60,6 +60,9 @@ class _LazyStore:
         # The store `_after_failure` closed last, until the next open has
         # waited for it to let go of the directory.
         self._closed: Optional[Store] = None
+        # Why `_after_failure` closed a poisoned store, until a flush has
+        # reported it: stores made before the failure may be lost.
+        self._lost: Optional[str] = None
         self._lock = threading.Lock()
         # Stores handed to `_executor` and not finished (concurrent futures).
         self._in_flight: set = set()
@@ -127,15 +130,17 @@ class _LazyStore:
         reported to their callers; those acknowledged before are kept."""
         store = self._store
         try:
-            if store is None or store.poisoned() is None:
-                return
+            why = None if store is None else store.poisoned()
         except Exception:  # closed meanwhile
+            return
+        if why is None:
             return
         with self._handing, self._lock:
             if self._store is not store:
                 return  # already taken away
             self._store = None
             self._closed = store
+            self._lost = why
         try:
             store.close()
         except Exception:  # the poisoning itself, reported to the failed stores
@@ -347,13 +352,25 @@ class _LazyStore:
         self._stop_waker()
 
     async def flush(self) -> None:
-        """Barrier: everything stored before is durable; raises on failure."""
+        """Barrier: everything stored before is durable; raises on failure.
+        A write that failed since the last flush (the store was reopened
+        since) is such a failure: stores made before it and not yet durable
+        (those not awaited) may be lost, and this flush raises
+        `PoisonedError` saying so, once."""
         await self._after_stores()
         try:
             await asyncio.to_thread(lambda: self._get().flush())
         except Exception:
             self._after_failure()
+            self._lost = None  # reported by this failure
             raise
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            raise PoisonedError(
+                f"a write failed since the last flush ({lost}): stores made before it and not yet durable "
+                "were lost. The store was reopened and takes stores again; the next flush covers what is "
+                "stored from now on"
+            )
 
     async def close(self) -> None:
         """Wait for the stores in flight, then close the store."""
@@ -737,6 +754,7 @@ class TrajlogTracer:
             # next `flush` returns False for the traces the failure lost.
             self._unreported = e
             self.store._after_failure()
+            self.store._lost = None  # the tracer's own flush reports it
             self.store._store_sync(*record)
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -760,6 +778,7 @@ class TrajlogTracer:
             logger.error("trajlog tracer: flush failed: %s", failure[0])
             # A poisoned store is closed, so the next trace opens it again.
             self.store._after_failure()
+            self.store._lost = None  # reported here
             return False
         unreported, self._unreported = self._unreported, None
         if unreported is not None:
