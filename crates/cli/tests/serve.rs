@@ -429,10 +429,21 @@ fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_t
     let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
     assert_eq!((s, body.as_str()), (200, "{\"status\":\"flushed\"}"), "reported once");
     assert_eq!(sigterm(&mut gw), Some(0));
-    let _ = mock.kill();
-    let _ = mock.wait();
-    let store = trajlog::Store::open_read_only(&store).expect("reopen");
-    let snap = store.snapshot();
+    let snap = trajlog::Store::open_read_only(&store).expect("reopen").snapshot();
     assert_eq!(snap.session("small", None, None).expect("read").len(), 2);
     assert!(snap.session("big", None, None).expect("read").is_empty(), "the lost trace");
+    // No flush after the failure before a shutdown: the shutdown reports it
+    // (a failed exit) instead of the flush.
+    let store = dir.path().join("store2");
+    let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "async");
+    assert_eq!(http(&addr, "POST", "/sessions/big/v1/completions", &big_call()).expect("answers").0, 200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while http(&addr, "GET", "/health", "").expect("answers").0 == 200 {
+        assert!(std::time::Instant::now() < deadline, "hang guard: the write never failed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    wait_for_reopen(&addr);
+    assert_ne!(sigterm(&mut gw), Some(0), "the shutdown reports the lost trace");
+    let _ = mock.kill();
+    let _ = mock.wait();
 }

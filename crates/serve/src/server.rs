@@ -192,6 +192,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
         }
         tracing::info!("flushing and closing the store");
         let store = app.store.take("the gateway is shutting down".into());
+        let lost = app.store.take_loss();
         drop(app);
         let closed = tokio::task::spawn_blocking(move || match store.map(Arc::try_unwrap) {
             Some(Ok(store)) => store.close(),
@@ -203,7 +204,16 @@ pub async fn start(config: Config) -> Result<Server, String> {
         })
         .await
         .map_err(|e| e.to_string())?
-        .map_err(|e| format!("final flush and close failed: {e}"));
+        .map_err(|e| format!("final flush and close failed: {e}"))
+        .and_then(|()| match lost {
+            // As the first flush after it would: a failed write since the
+            // last flush lost traces answered before it (`--durability async`).
+            Some(why) => Err(format!(
+                "the store is closed, but a write failed since the last flush ({why}): traces answered before \
+                 it and not yet durable were lost"
+            )),
+            None => Ok(()),
+        });
         served.and(closed)
     });
     tracing::info!(%addr, "trajlog serve listening");
