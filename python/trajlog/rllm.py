@@ -368,7 +368,7 @@ class _LazyStore:
         if lost is not None:
             raise PoisonedError(
                 f"a write failed since the last flush ({lost}): stores made before it and not yet durable "
-                "were lost. The store was reopened and takes stores again; the next flush covers what is "
+                "may have been lost. The store was reopened and takes stores again; the next flush covers what is "
                 "stored from now on"
             )
 
@@ -783,7 +783,7 @@ class TrajlogTracer:
         unreported, self._unreported = self._unreported, None
         if unreported is not None:
             self.last_error = unreported
-            logger.error("trajlog tracer: traces logged before a failed write were lost: %s", unreported)
+            logger.error("trajlog tracer: traces logged before a failed write may have been lost: %s", unreported)
             return False
         return True
 

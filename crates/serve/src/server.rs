@@ -210,7 +210,7 @@ pub async fn start(config: Config) -> Result<Server, String> {
             // last flush lost traces answered before it (`--durability async`).
             Some(why) => Err(format!(
                 "the store is closed, but a write failed since the last flush ({why}): traces answered before \
-                 it and not yet durable were lost"
+                 it and not yet durable may have been lost"
             )),
             None => Ok(()),
         });
@@ -929,7 +929,7 @@ async fn flush(app: &Arc<App>) -> Response {
             StatusCode::INTERNAL_SERVER_ERROR,
             format!(
                 "flush failed: a write failed since the last flush ({why}): traces answered before it and not \
-                 yet durable were lost. The store was reopened and takes traces again; the next flush covers \
+                 yet durable may have been lost. The store was reopened and takes traces again; the next flush covers \
                  what is captured from now on"
             ),
         ),
@@ -937,7 +937,11 @@ async fn flush(app: &Arc<App>) -> Response {
             StatusCode::INTERNAL_SERVER_ERROR,
             format!(
                 "flush failed: {e}{}",
-                if lost.is_some() { "; traces answered before the failure and not yet durable were lost" } else { "" }
+                if lost.is_some() {
+                    "; traces answered before the failure and not yet durable may have been lost"
+                } else {
+                    ""
+                }
             ),
         ),
     }
