@@ -773,6 +773,8 @@ class TrajlogTracer:
         if not done.wait(timeout):
             logger.warning("trajlog tracer: flush did not complete within %ss", timeout)
             return False
+        # A failure `log_llm_call` met is reported by this flush, whatever it finds.
+        unreported, self._unreported = self._unreported, None
         if failure:
             self.last_error = failure[0]
             logger.error("trajlog tracer: flush failed: %s", failure[0])
@@ -780,7 +782,6 @@ class TrajlogTracer:
             self.store._after_failure()
             self.store._lost = None  # reported here
             return False
-        unreported, self._unreported = self._unreported, None
         if unreported is not None:
             self.last_error = unreported
             logger.error("trajlog tracer: traces logged before a failed write may have been lost: %s", unreported)
