@@ -127,14 +127,7 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
         // what the seal would cut.
         let seg = load_segment(dir, *id, false, OnDamage::Refuse)?;
         let path = seg.path.as_path().to_path_buf();
-        report.cut.extend(seg.events.iter().map(|e| crate::RecoveryEvent {
-            kind: e.kind,
-            segment: *id,
-            path: path.clone(),
-            offset: e.offset,
-            len: e.len,
-            what: e.what.clone(),
-        }));
+        report.cut.extend(seg.events.iter().map(|e| e.report(*id, &path)));
         let (data_end, entries) = (seg.data_end, seg.entries);
         drop(seg.map);
         if !dry_run {

@@ -319,19 +319,33 @@ def test_close_waits_for_stores_still_waiting_for_room(tmp_path, monkeypatch):
     assert sorted(c.trace_id for c in _reader_calls(path)) == sorted(f"t{i}" for i in range(40))
 
 
+def _run_with_file_size_limit(go_source, path):
+    """Run `go_source` (an `async def go()` filling the dict `out`) in a
+    subprocess whose files may be at most 1 MiB — a real write failure:
+    SIGXFSZ ignored, the write that passes the limit returns EFBIG — with
+    `path` as `sys.argv[1]`; returns `out`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, json, resource, signal, sys\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "import trajlog\n"
+        "from trajlog.rllm import TrajlogTraceStore\n"
+        "from test_rllm import trace\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "out = {}\n" + go_source + "\nasyncio.run(go())\nprint(json.dumps(out))\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    ran = subprocess.run([sys.executable, "-c", script, path, here], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout.strip().splitlines()[-1])
+
+
 _FAILED_WRITE_SCRIPT = r"""
-import asyncio, json, resource, signal, sys
-sys.path.insert(0, sys.argv[2])
-import trajlog
-from trajlog.rllm import TrajlogTraceStore
-from test_rllm import trace
-
-# A real write failure: files of at most 1 MiB; SIGXFSZ ignored, so the
-# write that passes the limit returns EFBIG.
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-out = {}
-
 async def go():
     store = TrajlogTraceStore(sys.argv[1], segment_bytes=65536, zero_ahead_bytes=0)
     await store.store_trace("t0", "s1", trace(0))  # opens the store (thread)
@@ -349,9 +363,6 @@ async def go():
     out["big_read"] = await store.get_trace("big")
     out["nowait"] = store._waker is not None and store._waker[1] is store._store._native
     await store.close()
-
-asyncio.run(go())
-print(json.dumps(out))
 """
 
 
@@ -361,16 +372,8 @@ def test_a_failed_write_closes_the_poisoned_store_and_the_next_store_opens_it_ag
     # native store, poisoned, is closed, and the next store opens the
     # directory again (the failed write cut off), then takes the loop's
     # path again.
-    import json
-    import os
-    import subprocess
-    import sys
-
     path = str(tmp_path / "s")
-    here = os.path.dirname(os.path.abspath(__file__))
-    run_ = subprocess.run([sys.executable, "-c", _FAILED_WRITE_SCRIPT, path, here], capture_output=True, text=True, timeout=300)
-    assert run_.returncode == 0, run_.stderr
-    out = json.loads(run_.stdout.strip().splitlines()[-1])
+    out = _run_with_file_size_limit(_FAILED_WRITE_SCRIPT, path)
     assert out["big"] != "stored", out
     assert out["s1"] == ["t0", "t1", "t3", "t4", "t5"], out
     assert out["big_read"] is None, out
@@ -379,16 +382,6 @@ def test_a_failed_write_closes_the_poisoned_store_and_the_next_store_opens_it_ag
 
 
 _UNAWAITED_FAILED_WRITE_SCRIPT = r"""
-import asyncio, json, resource, signal, sys
-sys.path.insert(0, sys.argv[2])
-import trajlog
-from trajlog.rllm import TrajlogTraceStore
-from test_rllm import trace
-
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-out = {}
-
 async def go():
     store = TrajlogTraceStore(sys.argv[1], segment_bytes=65536, zero_ahead_bytes=0)
     await store.store_trace("t0", "s1", trace(0))
@@ -410,9 +403,6 @@ async def go():
     out["s1"] = [t["trace_id"] for t in await store.get_session_traces("s1")]
     out["big_read"] = await store.get_trace("big")
     await store.close()
-
-asyncio.run(go())
-print(json.dumps(out))
 """
 
 
@@ -420,18 +410,7 @@ def test_the_first_flush_after_a_failed_write_says_that_unawaited_stores_were_lo
     # The store reopens by itself after a failed write; a store nobody
     # awaited (rLLM's sync_traces=False) failed with it. The flush after
     # must not pass for a barrier over it: before, it returned normally.
-    import json
-    import os
-    import subprocess
-    import sys
-
-    path = str(tmp_path / "s")
-    here = os.path.dirname(os.path.abspath(__file__))
-    ran = subprocess.run(
-        [sys.executable, "-c", _UNAWAITED_FAILED_WRITE_SCRIPT, path, here], capture_output=True, text=True, timeout=300
-    )
-    assert ran.returncode == 0, ran.stderr
-    out = json.loads(ran.stdout.strip().splitlines()[-1])
+    out = _run_with_file_size_limit(_UNAWAITED_FAILED_WRITE_SCRIPT, str(tmp_path / "s"))
     assert out["big"] != "NoneType", out
     assert out["flush"] == ["PoisonedError", True], out
     assert out["flush_again"] == "flushed", out

@@ -122,12 +122,21 @@ class _LazyStore:
         if not future.cancelled() and future.exception() is not None:
             self._after_failure()
 
-    def _after_failure(self) -> None:
+    def _after_failure(self, *, reported: bool = False) -> None:
         """After a store or flush failed: when a failed write or fsync (a full
         disk, an I/O error) poisoned the store, close it, so that the next
         use opens the directory again (which cuts the failed write off) — a
         gateway that runs for days needs no restart. Stores that failed are
-        reported to their callers; those acknowledged before are kept."""
+        reported to their callers; those acknowledged before are kept, and
+        the next flush says that others may be lost, unless the caller
+        reports the failure itself (`reported`)."""
+        try:
+            self._close_poisoned()
+        finally:
+            if reported:
+                self._lost = None
+
+    def _close_poisoned(self) -> None:
         store = self._store
         try:
             why = None if store is None else store.poisoned()
@@ -361,8 +370,7 @@ class _LazyStore:
         try:
             await asyncio.to_thread(lambda: self._get().flush())
         except Exception:
-            self._after_failure()
-            self._lost = None  # reported by this failure
+            self._after_failure(reported=True)  # raised below
             raise
         lost, self._lost = self._lost, None
         if lost is not None:
@@ -753,8 +761,7 @@ class TrajlogTracer:
             # write until it is reopened. Reopen it and log this trace; the
             # next `flush` returns False for the traces the failure lost.
             self._unreported = e
-            self.store._after_failure()
-            self.store._lost = None  # the tracer's own flush reports it
+            self.store._after_failure(reported=True)  # by the tracer's next flush
             self.store._store_sync(*record)
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -779,8 +786,7 @@ class TrajlogTracer:
             self.last_error = failure[0]
             logger.error("trajlog tracer: flush failed: %s", failure[0])
             # A poisoned store is closed, so the next trace opens it again.
-            self.store._after_failure()
-            self.store._lost = None  # reported here
+            self.store._after_failure(reported=True)
             return False
         if unreported is not None:
             self.last_error = unreported

@@ -228,6 +228,20 @@ pub struct SegmentEvent {
     pub what: String,
 }
 
+impl SegmentEvent {
+    /// The event as a store's recovery report (and `trajlog repair`) says it.
+    pub fn report(&self, segment: u64, path: &Path) -> crate::RecoveryEvent {
+        crate::RecoveryEvent {
+            kind: self.kind,
+            segment,
+            path: path.to_path_buf(),
+            offset: self.offset,
+            len: self.len,
+            what: self.what.clone(),
+        }
+    }
+}
+
 /// A segment as found on disk.
 #[derive(Debug)]
 pub struct LoadedSegment {
@@ -460,30 +474,22 @@ fn rebuild_index(
         }
     } else {
         let last = scan.valid_end;
-        match footer_start(frames, last) {
-            Some(at) => {
-                footer_at = at;
-                if at > last {
-                    let why = scan.stopped_by.as_ref().map_or("zero bytes where a frame should be", |d| d.what.as_str());
-                    damaged.push(SegmentEvent {
-                        kind: RecoveryEventKind::CorruptedRecordSkipped,
-                        offset: last,
-                        len: at - last,
-                        what: format!("{why}: the bytes up to the footer at offset {at} are damaged frames"),
-                    });
+        let found = footer_start(frames, last);
+        footer_at = found.unwrap_or(last);
+        // Without a footer magic, where the frames end cannot be told: all
+        // that follows the last valid frame may be lost frames.
+        if found.is_none_or(|at| at > last) {
+            let what = match found {
+                Some(at) => {
+                    let why = scan.stopped_by.as_ref().map_or("zero bytes where a frame should be", |d| &d.what);
+                    format!("{why}: the bytes up to the footer at offset {at} are damaged frames")
                 }
-            }
-            None => {
-                footer_at = last;
-                damaged.push(SegmentEvent {
-                kind: RecoveryEventKind::CorruptedRecordSkipped,
-                offset: last,
-                len: end - last,
-                what: "no footer follows the last valid frame (the trailer and the footer's first bytes are damaged): \
-                       the frames' end cannot be told, so frames after it may be lost"
-                        .to_owned(),
-                });
-            }
+                None => "no footer follows the last valid frame (the trailer and the footer's first bytes are \
+                         damaged): the frames' end cannot be told, so frames after it may be lost"
+                    .to_owned(),
+            };
+            let len = found.unwrap_or(end) - last;
+            damaged.push(SegmentEvent { kind: RecoveryEventKind::CorruptedRecordSkipped, offset: last, len, what });
         }
     }
     if let (Some(first), OnDamage::Refuse) = (damaged.first(), on_damage) {
@@ -679,12 +685,7 @@ fn load_segment_with(
         let map = Arc::new(Mapping::map(&file, len, &path)?);
         let (entries, damaged, data_end, footer_at) = rebuild_index(&path, id, map.bytes(), false, on_damage)?;
         let what = "sealed segment has no valid trailer; its index was rebuilt from the frames".to_owned();
-        let start = SegmentEvent {
-            kind: RecoveryEventKind::FooterRebuilt,
-            offset: footer_at.min(len),
-            len: len - footer_at.min(len),
-            what,
-        };
+        let start = SegmentEvent { kind: RecoveryEventKind::FooterRebuilt, offset: footer_at, len: len - footer_at, what };
         let events = std::iter::once(start).chain(damaged).collect();
         let path = Arc::new(path);
         return Ok(LoadedSegment {

@@ -455,14 +455,7 @@ fn replay(
             if let Some(what) = what {
                 damage.push(Problem { path: path.clone(), offset: e.offset, what });
             }
-            report.events.push(RecoveryEvent {
-                kind: e.kind,
-                segment: seg.id,
-                path,
-                offset: e.offset,
-                len: e.len,
-                what: e.what.clone(),
-            });
+            report.events.push(e.report(seg.id, &path));
         }
         if !seg.sealed && Some(ms.id) != last {
             return Err(Error::corrupt(

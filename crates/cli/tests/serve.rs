@@ -356,6 +356,17 @@ fn wait_for_reopen(addr: &str) {
     }
 }
 
+/// Wait until `/health` finds the poisoned store (a write that failed after
+/// its call was answered), then for the reopen (hang guards, not verdicts).
+fn wait_for_failure_then_reopen(addr: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while http(addr, "GET", "/health", "").expect("answers").0 == 200 {
+        assert!(std::time::Instant::now() < deadline, "hang guard: the write never failed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    wait_for_reopen(addr);
+}
+
 #[test]
 fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
     // A real write failure, as in tests/process.rs: the gateway may write
@@ -415,12 +426,7 @@ fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_t
     // The failure found before the trainer's flush (here by `/health`; a
     // capture would do the same), and the store reopened by then: the flush
     // still reports the loss (it answered "flushed" before).
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while http(&addr, "GET", "/health", "").expect("answers").0 == 200 {
-        assert!(std::time::Instant::now() < deadline, "hang guard: the write never failed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    wait_for_reopen(&addr);
+    wait_for_failure_then_reopen(&addr);
     let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
     assert_eq!(s, 500, "{body}");
     assert!(body.contains("may have been lost"), "{body}");
@@ -437,12 +443,7 @@ fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_t
     let store = dir.path().join("store2");
     let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "async");
     assert_eq!(http(&addr, "POST", "/sessions/big/v1/completions", &big_call()).expect("answers").0, 200);
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while http(&addr, "GET", "/health", "").expect("answers").0 == 200 {
-        assert!(std::time::Instant::now() < deadline, "hang guard: the write never failed");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    wait_for_reopen(&addr);
+    wait_for_failure_then_reopen(&addr);
     assert_ne!(sigterm(&mut gw), Some(0), "the shutdown reports the lost trace");
     let _ = mock.kill();
     let _ = mock.wait();

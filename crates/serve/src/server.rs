@@ -205,15 +205,8 @@ pub async fn start(config: Config) -> Result<Server, String> {
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("final flush and close failed: {e}"))
-        .and_then(|()| match lost {
-            // As the first flush after it would: a failed write since the
-            // last flush lost traces answered before it (`--durability async`).
-            Some(why) => Err(format!(
-                "the store is closed, but a write failed since the last flush ({why}): traces answered before \
-                 it and not yet durable may have been lost"
-            )),
-            None => Ok(()),
-        });
+        // As the first flush after it would (`--durability async`).
+        .and_then(|()| lost.map_or(Ok(()), |why| Err(format!("the store is closed, but {}", loss_report(&why)))));
         served.and(closed)
     });
     tracing::info!(%addr, "trajlog serve listening");
@@ -928,23 +921,24 @@ async fn flush(app: &Arc<App>) -> Response {
         (Ok(()), Some(why)) => error(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!(
-                "flush failed: a write failed since the last flush ({why}): traces answered before it and not \
-                 yet durable may have been lost. The store was reopened and takes traces again; the next flush covers \
-                 what is captured from now on"
+                "flush failed: {}. The store was reopened and takes traces again; the next flush covers what is \
+                 captured from now on",
+                loss_report(&why)
             ),
         ),
         (Err(e), lost) => error(
             StatusCode::INTERNAL_SERVER_ERROR,
-            format!(
-                "flush failed: {e}{}",
-                if lost.is_some() {
-                    "; traces answered before the failure and not yet durable may have been lost"
-                } else {
-                    ""
-                }
-            ),
+            format!("flush failed: {e}{}", lost.map(|why| format!("; {}", loss_report(&why))).unwrap_or_default()),
         ),
     }
+}
+
+/// What a failed write since the last flush (`why`) means for the traces
+/// `--durability async` answered before it.
+fn loss_report(why: &str) -> String {
+    format!(
+        "a write failed since the last flush ({why}): traces answered before it and not yet durable may have been lost"
+    )
 }
 
 /// Python's `int(x)` for a JSON value: ints, integral-or-not floats
