@@ -100,6 +100,12 @@ pub struct IndexLayers {
     /// The frozen layer's heap bytes (its tables are in the shard index
     /// file when the open found one: then only its seal and reward flags).
     pub frozen_bytes: usize,
+    /// Of the live calls, in the cold layer: calls in sealed segments of
+    /// sessions nothing else names, held by a read-only open in flat arrays
+    /// (ARCHITECTURE.md, "Two index layers").
+    pub cold_calls: usize,
+    /// The cold layer's heap bytes.
+    pub cold_bytes: usize,
     /// Size of the shard index file the view reads its compacted calls'
     /// placements and frozen layer from, mapped (0: none; the open decoded
     /// the shards). format-spec/shard-index.md.
@@ -622,8 +628,9 @@ impl Snapshot {
     }
 
     /// Every session of the index's maps with at least one live call, with
-    /// its summary: every session with a call in segments is there (a
-    /// frozen session's calls are all compacted). O(sessions in the maps),
+    /// its summary: in a writer's index every session with a call in
+    /// segments is there (a frozen session's calls are all compacted; only
+    /// a read-only open builds the cold layer). O(sessions in the maps),
     /// not O(every session), for a compaction's selection.
     pub(crate) fn for_each_session_in_maps(&self, mut f: impl FnMut(SessionInfo)) {
         self.view.index.for_each_session_in_maps(|id, s| f(Self::info(id, s)));
@@ -688,11 +695,14 @@ impl Snapshot {
     /// in-memory maps (ARCHITECTURE.md, "Two index layers").
     pub fn index_layers(&self) -> IndexLayers {
         let (frozen_calls, frozen_bytes) = self.view.index.frozen_stats();
+        let (cold_calls, cold_bytes) = self.view.index.cold_stats();
         let index_file_bytes = self.view.shards.index_file().map_or(0, |ix| ix.file_len());
         IndexLayers {
             calls: self.call_count(),
             frozen_calls,
             frozen_bytes,
+            cold_calls,
+            cold_bytes,
             index_file_bytes,
             cached_annotation_segments: self.view.index.cached_segments(),
         }
@@ -1033,10 +1043,13 @@ impl Snapshot {
     pub fn for_each_call_each(&self, mut f: impl FnMut(Result<CallView<'_>>) -> Result<()>) -> Result<()> {
         // Live calls still in segments, in log order, from the index (not by
         // scanning frames: a damaged frame must not hide the ones after it);
-        // the frozen layer's calls are all compacted.
+        // the frozen layer's calls are all compacted, the cold layer's all
+        // in segments.
         let shards = &self.view.shards;
+        let index = &self.view.index;
         let mut locs: Vec<Loc> =
-            self.view.index.hot_calls().values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
+            index.hot_calls().values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
+        locs.extend(index.cold_calls().map(|(loc, _)| loc));
         locs.sort_unstable();
         for loc in locs {
             // A call that looks uncompacted because a placement lookup met

@@ -94,11 +94,10 @@ fn records_a_read_reaches(dir: &Path, parents: &[(PathBuf, Loc, Loc)]) -> Option
     let snap = store.snapshot();
     let parent_of: std::collections::HashMap<Loc, Loc> = parents.iter().map(|(_, loc, p)| (*loc, *p)).collect();
     let mut needed = HashSet::new();
-    for (_, meta) in snap.view.index.hot_calls().iter() {
-        if snap.view.shards.is_compacted(meta.loc) {
-            continue;
-        }
-        let mut at = Some(meta.loc);
+    let index = &snap.view.index;
+    let hot = index.hot_calls().values().map(|m| m.loc).filter(|loc| !snap.view.shards.is_compacted(*loc));
+    for loc in hot.chain(index.cold_calls().map(|(loc, _)| loc)) {
+        let mut at = Some(loc);
         while let Some(loc) = at {
             if !needed.insert(loc) {
                 break;

@@ -405,6 +405,25 @@ impl Frozen {
         run.unwrap_or_default().iter().map(|e| e.row)
     }
 
+    /// Whether a session name of the layer hashes to `h` (or a block read
+    /// for it fails its check: "maybe", as a caller keeping things out of
+    /// the layer wants).
+    pub fn has_session_hash(&self, h: u64) -> bool {
+        match self.sessions_from(h) {
+            Some(at) => self.sessions.at(at).map_or(at < self.sessions.len(), |s| s.hash == h),
+            None => true,
+        }
+    }
+
+    /// Whether a trace id of the layer hashes to `h` (or a block read for it
+    /// fails its check).
+    pub fn has_trace_hash(&self, h: u64) -> bool {
+        match self.by_trace.partition_point(|e| e.hash < h) {
+            Some(at) => self.by_trace.at(at).map_or(at < self.by_trace.len(), |e| e.hash == h),
+            None => true,
+        }
+    }
+
     /// The frozen session named `name`.
     pub fn session(&self, name: &str) -> Option<u32> {
         let h = id_hash(name);

@@ -176,7 +176,9 @@ pub struct SessionEntry {
 pub enum LiveCall<'a> {
     /// A call of the in-memory maps.
     Hot(&'a CallMeta),
-    /// A call of the frozen layer: a compacted call of one session.
+    /// A call of the frozen layer (a compacted call of one session) or of
+    /// the cold layer (a call in a sealed segment of a session nothing
+    /// else names).
     Frozen { loc: Loc, session: &'a str },
 }
 
@@ -238,6 +240,17 @@ pub struct Index {
     /// (session, the position of the record that thawed it), for the open
     /// to apply the session's later rows as the replay reaches them.
     thaw_log: Option<Vec<(u32, Loc)>>,
+    /// The cold layer: sessions whose every call is in a sealed segment and
+    /// that no other record names but their seals and session rewards, in
+    /// the frozen layer's flat arrays (built by a read-only open,
+    /// store/recovery.rs `ColdPlan`). A record that names one of them or
+    /// one of their trace ids (a read-only refresh applies the writer's
+    /// new records) thaws it whole into the maps first.
+    cold: Arc<Frozen>,
+    /// Cold sessions whose calls moved into the maps.
+    cold_thawed: imbl::OrdSet<u32>,
+    /// Their calls, in all.
+    cold_thawed_rows: usize,
 }
 
 /// What a count of live calls per shard file reads of an [`Index`] (its
@@ -320,10 +333,16 @@ impl Index {
             log.push((session, before));
         }
         let frozen = self.frozen.clone();
-        let rows = frozen.session_rows(session);
-        self.thawed_rows += rows.len();
-        let name = frozen.session_name(session);
-        let (sealed, reward) = (frozen.is_sealed(session), frozen.reward(session));
+        self.thawed_rows += self.move_into_maps(&frozen, session, before);
+    }
+
+    /// Move session `session` of `layer` (frozen or cold) into the maps:
+    /// its seal and reward, and its calls before `before`. Returns its
+    /// number of calls.
+    fn move_into_maps(&mut self, layer: &Frozen, session: u32, before: Loc) -> usize {
+        let rows = layer.session_rows(session);
+        let name = layer.session_name(session);
+        let (sealed, reward) = (layer.is_sealed(session), layer.reward(session));
         if sealed || reward.is_some() {
             // The maps hold a thawed session's seal and reward (a reward
             // set since the open is newer).
@@ -336,12 +355,63 @@ impl Index {
             let meta = CallMeta { loc: r.loc(), timestamp: r.timestamp, sessions: sessions.clone() };
             // Its trace id is in no other layer (a record naming it thaws
             // the session first): nothing to thaw, nothing replaced.
-            self.apply_call_to_maps(Arc::from(frozen.trace_id(r)), meta);
+            self.apply_call_to_maps(Arc::from(layer.trace_id(r)), meta);
+        }
+        rows.len()
+    }
+
+    /// Install the cold layer (an open, before anything else reads the
+    /// index). Its sessions and trace ids must be in no other layer.
+    pub(crate) fn set_cold(&mut self, cold: Frozen) {
+        self.cold = Arc::new(cold);
+        self.cold_thawed = imbl::OrdSet::new();
+        self.cold_thawed_rows = 0;
+    }
+
+    /// The cold session `name`, unless thawed.
+    fn cold_session(&self, name: &str) -> Option<u32> {
+        if self.cold.is_empty() {
+            return None;
+        }
+        self.cold.session(name).filter(|i| !self.cold_thawed.contains(i))
+    }
+
+    /// The cold call of `trace_id`, unless its session is thawed.
+    fn cold_trace(&self, trace_id: &str) -> Option<&FrozenRow> {
+        if self.cold.is_empty() {
+            return None;
+        }
+        self.cold.trace(trace_id).filter(|r| !self.cold_thawed.contains(&r.session))
+    }
+
+    /// Move cold session `session`'s calls, seal and reward into the maps.
+    /// All its calls are older than any record that can thaw it (the open
+    /// built the layer from the whole log).
+    fn thaw_cold(&mut self, session: u32) {
+        if self.cold_thawed.insert(session).is_some() {
+            return;
+        }
+        let cold = self.cold.clone();
+        self.cold_thawed_rows += self.move_into_maps(&cold, session, Loc { segment: u64::MAX, offset: u64::MAX });
+    }
+
+    /// Thaw the cold session named `name`, if there is one.
+    fn thaw_cold_named(&mut self, name: &str) {
+        if let Some(i) = self.cold_session(name) {
+            self.thaw_cold(i);
         }
     }
 
     /// Thaw what a record at `at` naming `trace_id` or `sessions` concerns.
     fn thaw_for(&mut self, trace_id: Option<&str>, sessions: &[Arc<str>], at: Loc) {
+        if !self.cold.is_empty() {
+            if let Some(s) = trace_id.and_then(|t| self.cold_trace(t)).map(|r| r.session) {
+                self.thaw_cold(s);
+            }
+            for s in sessions {
+                self.thaw_cold_named(s);
+            }
+        }
         if self.frozen.is_empty() {
             return;
         }
@@ -428,6 +498,7 @@ impl Index {
         if self.sessions.get(session).is_some_and(|e| e.sealed) {
             return;
         }
+        self.thaw_cold_named(session);
         // One lookup in the layer (an open replays a seal per session).
         if let Some(i) = self.frozen_session(session) {
             if self.frozen.is_sealed(i) {
@@ -446,6 +517,7 @@ impl Index {
     /// While an open builds the index, a frozen session's reward is a value
     /// of the frozen layer, as its seal ([`Index::seal`]).
     pub fn set_session_reward(&mut self, session: &str, value: f64) {
+        self.thaw_cold_named(session);
         let same = |r: Option<f64>| r.is_some_and(|r| r.to_bits() == value.to_bits());
         match self.sessions.get(session).and_then(|e| e.reward) {
             Some(r) if same(Some(r)) => return,
@@ -497,6 +569,9 @@ impl Index {
     /// session) takes none, so a reward never outlives its call
     /// (format-spec/record.md §6). Returns whether it was set.
     pub fn set_trace_reward(&mut self, trace: &str, value: f64, at: Loc) -> bool {
+        if let Some(s) = self.cold_trace(trace).map(|r| r.session) {
+            self.thaw_cold(s);
+        }
         let key = match self.traces.get_key_value(trace) {
             Some((key, _)) => key.clone(),
             // A frozen call is live from its position on.
@@ -514,16 +589,21 @@ impl Index {
 
     /// Number of live calls.
     pub fn call_count(&self) -> usize {
-        self.traces.len() + self.frozen.len().saturating_sub(self.thawed_rows)
+        self.traces.len()
+            + self.frozen.len().saturating_sub(self.thawed_rows)
+            + self.cold.len().saturating_sub(self.cold_thawed_rows)
     }
 
     /// The live call of `trace_id`.
     pub fn live(&self, trace_id: &str) -> Option<LiveCall<'_>> {
         match self.traces.get(trace_id) {
             Some(m) => Some(LiveCall::Hot(m)),
-            None => self
-                .frozen_trace(trace_id)
-                .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
+            None => match self.frozen_trace(trace_id) {
+                Some(r) => Some(LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
+                None => self
+                    .cold_trace(trace_id)
+                    .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.cold.session_name(r.session) }),
+            },
         }
     }
 
@@ -558,7 +638,8 @@ impl Index {
         frozen_live || self.is_live_at(trace_id, loc)
     }
 
-    /// Every live call: the maps' (by trace id), then the frozen layer's.
+    /// Every live call: the maps' (by trace id), then the frozen layer's,
+    /// then the cold layer's.
     pub fn live_calls(&self) -> impl Iterator<Item = LiveCall<'_>> + '_ {
         let hot = self.traces.values().map(|m| LiveCall::Hot(m));
         let frozen = self
@@ -567,7 +648,17 @@ impl Index {
             .iter()
             .filter(|r| self.is_frozen(r.session))
             .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) });
-        hot.chain(frozen)
+        hot.chain(frozen).chain(self.cold_calls().map(|(loc, session)| LiveCall::Frozen { loc, session }))
+    }
+
+    /// The live calls of the cold layer (all in segments), with their
+    /// session: what a walk of the calls in segments adds to the maps'.
+    pub(crate) fn cold_calls(&self) -> impl Iterator<Item = (Loc, &str)> + '_ {
+        self.cold
+            .rows()
+            .iter()
+            .filter(|r| !self.cold_thawed.contains(&r.session))
+            .map(|r| (r.loc(), self.cold.session_name(r.session)))
     }
 
     /// The frozen rows of thawed sessions (their calls are in the maps
@@ -578,7 +669,8 @@ impl Index {
         ranges
     }
 
-    /// The calls in the maps (the frozen layer's are all compacted).
+    /// The calls in the maps (the frozen layer's are all compacted; the
+    /// cold layer's are in segments: [`Index::cold_calls`]).
     pub(crate) fn hot_calls(&self) -> &OrdMap<Arc<str>, Arc<CallMeta>> {
         &self.traces
     }
@@ -591,22 +683,19 @@ impl Index {
                 return e.calls.clone();
             }
         }
-        match self.frozen_session(session) {
-            None => CallList::default(),
-            Some(i) => {
-                let keys: Vec<CallKey> = self
-                    .frozen
-                    .session_rows(i)
-                    .iter()
-                    .map(|r| CallKey {
-                        timestamp: r.timestamp,
-                        loc: r.loc(),
-                        trace_id: Arc::from(self.frozen.trace_id(r)),
-                    })
-                    .collect();
-                CallList::Small(Arc::new(keys))
-            }
-        }
+        let (layer, i) = match self.frozen_session(session) {
+            Some(i) => (&self.frozen, i),
+            None => match self.cold_session(session) {
+                Some(i) => (&self.cold, i),
+                None => return CallList::default(),
+            },
+        };
+        let keys: Vec<CallKey> = layer
+            .session_rows(i)
+            .iter()
+            .map(|r| CallKey { timestamp: r.timestamp, loc: r.loc(), trace_id: Arc::from(layer.trace_id(r)) })
+            .collect();
+        CallList::Small(Arc::new(keys))
     }
 
     /// Whether `session` is frozen (all its calls compacted).
@@ -619,7 +708,10 @@ impl Index {
         let entry = self.sessions.get(session);
         match entry.and_then(Self::mapped_summary) {
             Some(s) => Some(s),
-            None => self.frozen_summary(self.frozen_session(session)?, entry),
+            None => match self.frozen_session(session) {
+                Some(i) => self.frozen_summary(i, entry),
+                None => Self::layer_summary(&self.cold, self.cold_session(session)?, None),
+            },
         }
     }
 
@@ -640,14 +732,19 @@ impl Index {
     /// The summary of frozen session `i`; `entry` is its entry in the maps,
     /// if any (a seal or reward set since the open).
     fn frozen_summary(&self, i: u32, entry: Option<&SessionEntry>) -> Option<SessionSummary> {
-        let rows = self.frozen.session_rows(i);
+        Self::layer_summary(&self.frozen, i, entry)
+    }
+
+    /// The summary of session `i` of `layer` (frozen or cold).
+    fn layer_summary(layer: &Frozen, i: u32, entry: Option<&SessionEntry>) -> Option<SessionSummary> {
+        let rows = layer.session_rows(i);
         let (first, last) = (rows.first()?, rows.last()?);
         Some(SessionSummary {
             calls: rows.len(),
             first_timestamp: first.timestamp,
             last_timestamp: last.timestamp,
-            sealed: entry.is_some_and(|e| e.sealed) || self.frozen.is_sealed(i),
-            reward: entry.and_then(|e| e.reward).or(self.frozen.reward(i)),
+            sealed: entry.is_some_and(|e| e.sealed) || layer.is_sealed(i),
+            reward: entry.and_then(|e| e.reward).or(layer.reward(i)),
         })
     }
 
@@ -662,7 +759,7 @@ impl Index {
     }
 
     /// Every session with a live call, with its summary: the maps' (by
-    /// name), then the frozen ones.
+    /// name), then the frozen ones, then the cold ones.
     pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
         self.for_each_session_in_maps(&mut f);
         for i in (0..self.frozen.session_count()).filter(|i| self.is_frozen(*i)) {
@@ -673,12 +770,19 @@ impl Index {
                 f(name, s);
             }
         }
+        for i in (0..self.cold.session_count()).filter(|i| !self.cold_thawed.contains(i)) {
+            let name = self.cold.session_name(i);
+            if let Some(s) = Self::layer_summary(&self.cold, i, None) {
+                f(name, s);
+            }
+        }
     }
 
     /// Note a session-moved record of `session` at `at`. A session the maps
     /// do not hold (a frozen one: all compacted) has no record in segments
     /// a floor could free, and gets none.
     pub fn set_floor(&mut self, session: &str, at: Loc) {
+        self.thaw_cold_named(session);
         if let Some(e) = self.sessions.get_mut(session) {
             e.floor = Some(at);
         }
@@ -694,6 +798,7 @@ impl Index {
     pub fn is_sealed(&self, session: &str) -> bool {
         self.sessions.get(session).is_some_and(|e| e.sealed)
             || self.frozen_session(session).is_some_and(|i| self.frozen.is_sealed(i))
+            || self.cold_session(session).is_some_and(|i| self.cold.is_sealed(i))
     }
 
     /// A reward set in the maps (after the open) wins over the frozen
@@ -703,6 +808,7 @@ impl Index {
             .get(session)
             .and_then(|e| e.reward)
             .or_else(|| self.frozen_session(session).and_then(|i| self.frozen.reward(i)))
+            .or_else(|| self.cold_session(session).and_then(|i| self.cold.reward(i)))
     }
 
     pub fn trace_reward(&self, trace: &str) -> Option<f64> {
@@ -718,6 +824,11 @@ impl Index {
     /// The frozen layer's calls and heap bytes (0, 0 without one).
     pub fn frozen_stats(&self) -> (usize, usize) {
         (self.frozen.len().saturating_sub(self.thawed_rows), self.frozen.heap_bytes())
+    }
+
+    /// The cold layer's calls and heap bytes (0, 0 without one).
+    pub fn cold_stats(&self) -> (usize, usize) {
+        (self.cold.len().saturating_sub(self.cold_thawed_rows), self.cold.heap_bytes())
     }
 
     /// [`sessions_of`], sharing what the index already holds: a session's

@@ -23,6 +23,7 @@
 
 mod admission;
 mod annotation_cache;
+mod cold;
 mod deletions;
 mod options;
 mod protocol;

@@ -428,13 +428,44 @@ fn replay(
     let mut rewards = Vec::new();
     let mut report = RecoveryReport { mode: recovery, read_only: !writable, events: Vec::new() };
     let mut active_skipped = false;
-    for ms in &manifest.segments {
+    // The segments, loaded (mapped, footers checked) as the replay reaches
+    // them, one ahead on the helper thread; a read-only open loads them all
+    // first and surveys them (the cold layer, cold.rs). Boxed in a vector
+    // that grows through a shared borrow: the plan borrows the footers.
+    let loaded_segments: elsa::FrozenVec<Box<LoadedSegment>> = elsa::FrozenVec::new();
+    let load_next = |ms: &crate::format::manifest::ManifestSegment| -> Result<Box<LoadedSegment>> {
         let mut seg = read_ahead
             .recv()
             .map_err(|_| Error::new(ErrorKind::Io, "internal: the segment reader stopped early"))??;
         if annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id)) {
             seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
         }
+        Ok(Box::new(seg))
+    };
+    let mut cold = None;
+    if !writable {
+        for ms in &manifest.segments {
+            loaded_segments.push(load_next(ms)?);
+        }
+        let shard_rows = feed.rows.iter().map(|(r, _)| {
+            (
+                crate::index::frozen::id_hash(&r.trace_id),
+                r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
+            )
+        });
+        let all = (0..loaded_segments.len()).filter_map(|i| loaded_segments.get(i));
+        cold = super::cold::ColdPlan::survey(all.map(|s| (s.sealed, s.entry_refs())), &index, shard_rows);
+        for i in 0..loaded_segments.len() {
+            if let Some(seg) = loaded_segments.get(i).filter(|s| s.in_footer.is_some()) {
+                seg.map.release_pages();
+            }
+        }
+    }
+    for (i, ms) in manifest.segments.iter().enumerate() {
+        let seg = match loaded_segments.get(i) {
+            Some(seg) => seg,
+            None => loaded_segments.push_get(load_next(ms)?),
+        };
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
             let what = format!("damaged annotation record, applied from its footer entry: {what}");
@@ -457,7 +488,7 @@ fn replay(
             }
             report.events.push(e.report(seg.id, &path));
         }
-        if !seg.sealed && Some(ms.id) != last {
+        if !seg.sealed && Some(seg.id) != last {
             return Err(Error::corrupt(
                 seg.path.as_path(),
                 seg.data_end,
@@ -465,7 +496,7 @@ fn replay(
             ));
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
-        feed.replay_segment(&mut index, &shards, &r, seg.entry_refs(), &mut damage, &mut rewards, &keep);
+        feed.replay_segment(&mut index, &shards, &r, seg.entry_refs(), &mut damage, &mut rewards, &keep, cold.as_mut());
         if feed.conflict {
             return Ok(None);
         }
@@ -474,10 +505,21 @@ fn replay(
             seg.map.release_pages();
         }
         if !seg.sealed {
-            active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end, seg.entries));
+            active = Some((seg.id, seg.path.as_path().to_path_buf(), seg.data_end));
         }
         segments.insert(seg.id, r);
     }
+    if let Some(cold) = cold {
+        cold.finish(&mut index);
+    }
+    // The active segment's entries, for the writer (the plan, which
+    // borrowed the segments, is done).
+    let mut loaded_segments = loaded_segments.into_vec();
+    let active = active.map(|(id, path, end)| {
+        let entries = loaded_segments.iter_mut().find(|s| s.id == id).map(|s| std::mem::take(&mut s.entries));
+        (id, path, end, entries.unwrap_or_default())
+    });
+    drop(loaded_segments);
     feed.apply(&mut index, |_| true);
     if feed.conflict {
         return Ok(None);
@@ -804,6 +846,7 @@ impl RowFeed {
         damage: &mut Vec<Problem>,
         rewards: &mut Vec<(Loc, Target)>,
         keep: &dyn Fn(Loc) -> bool,
+        mut cold: Option<&mut super::cold::ColdPlan<'e>>,
     ) {
         // Each seal, reward or call of a frozen session is a lookup in the
         // index file's hash tables: a segment of the 1.25M carried seals of
@@ -824,6 +867,10 @@ impl RowFeed {
             }
             if self.conflict {
                 return;
+            }
+            // A cold session's record (cold.rs): the layer takes it.
+            if cold.as_deref_mut().is_some_and(|c| c.take(&e, loc, keep(loc))) {
+                continue;
             }
             match self.guard.as_ref().map(|c| check_entry(c, index.frozen(), &e, loc)) {
                 Some(Check::Conflict) => {
@@ -898,7 +945,16 @@ impl Rebuilt {
         let (mut damage, mut rewards) = (Vec::new(), Vec::new());
         // Damage was found and reported by the open that first replayed
         // these records; the rewards side table is the writer's own.
-        self.feed.replay_segment(&mut self.index, &self.shards, seg, entries, &mut damage, &mut rewards, &|_| false);
+        self.feed.replay_segment(
+            &mut self.index,
+            &self.shards,
+            seg,
+            entries,
+            &mut damage,
+            &mut rewards,
+            &|_| false,
+            None,
+        );
     }
 
     /// The index, once every record was replayed.

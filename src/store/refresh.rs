@@ -212,6 +212,80 @@ mod tests {
         assert!(ro.snapshot().get("a/3").expect("get").expect("present").is_compacted());
     }
 
+    /// [`state`], with each session's calls in the order it lists them,
+    /// and each trace id's live call.
+    fn full_state(store: &Store) -> Vec<String> {
+        let mut out = state(store);
+        let snap = store.snapshot();
+        for s in snap.sessions() {
+            let calls = snap.session(&s.session_id, None, None).expect("session");
+            let ids: Vec<String> = calls.iter().map(|c| format!("{}@{:?}", c.trace_id(), c.loc)).collect();
+            out.push(format!("list {} {ids:?}", s.session_id));
+            for c in &calls {
+                let live = snap.get(c.trace_id()).expect("get").map(|v| (v.loc, v.session_id().to_owned()));
+                out.push(format!("live {} {live:?}", c.trace_id()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_read_only_open_holds_untouched_sessions_of_sealed_segments_cold_and_thaws_what_a_refresh_names() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path(), Options::default()).expect("open");
+        let with = |mut c: Call, f: &dyn Fn(&mut Call)| {
+            f(&mut c);
+            c
+        };
+        for n in 0..4 {
+            for s in 0..8 {
+                store.append(call(&format!("s{s}"), n)).expect("append");
+            }
+            // Kept out of the layer: a call of two sessions, a trace id
+            // appended twice, a trace reward, a deletion, a call in the
+            // active segment.
+            store.append(with(call("multi", n), &|c| c.session_uids = vec!["multi-b".into()])).expect("append");
+            store.append(call("twice", n)).expect("append");
+            store.append(call("rewarded", n)).expect("append");
+            store.append(call("deleted", n)).expect("append");
+            store.roll().expect("roll");
+        }
+        store.append(with(call("twice", 9), &|c| c.trace_id = "twice/1".into())).expect("append");
+        store.set_reward(Target::Trace("rewarded/2".into()), 0.5).expect("reward");
+        store.delete_session("deleted").expect("delete");
+        store.seal_session("s0").expect("seal");
+        store.set_reward(Target::Session("s0".into()), 1.25).expect("reward");
+        store.set_reward(Target::Session("s1".into()), -2.0).expect("reward");
+        store.set_reward(Target::Session("s1".into()), 3.0).expect("reward");
+        store.roll().expect("roll");
+        store.append(call("s7", 9)).expect("append");
+        store.flush().expect("flush");
+
+        let ro = Store::open_read_only(dir.path()).expect("open read-only");
+        let layers = ro.snapshot().index_layers();
+        assert_eq!(layers.cold_calls, 7 * 4, "s0..s6 are cold, s7 has a call in the active segment: {layers:?}");
+        assert_eq!(store.snapshot().index_layers().cold_calls, 0, "a writer keeps its maps");
+        assert_eq!(full_state(&ro), full_state(&store));
+        assert!(ro.snapshot().is_sealed("s0"));
+        assert_eq!(ro.snapshot().session_reward("s1"), Some(3.0));
+
+        // Records that name cold sessions or their trace ids thaw them.
+        store.append(call("s1", 9)).expect("append");
+        store.seal_session("s2").expect("seal");
+        store.set_reward(Target::Session("s3".into()), 4.0).expect("reward");
+        store.set_reward(Target::Trace("s4/1".into()), 5.0).expect("reward");
+        store.delete_session("s5").expect("delete");
+        store.append(with(call("s6", 10), &|c| c.trace_id = "s6/2".into())).expect("append");
+        store.flush().expect("flush");
+        assert!(incremental(&ro));
+        ro.refresh().expect("refresh");
+        assert_eq!(full_state(&ro), full_state(&store));
+        assert_eq!(ro.snapshot().index_layers().cold_calls, 4, "only s0 is left cold");
+        refresh_matches_open(&ro);
+        let fresh = Store::open_read_only(dir.path()).expect("open read-only");
+        assert_eq!(full_state(&fresh), full_state(&store));
+    }
+
     #[test]
     fn a_refresh_thaws_a_frozen_session_a_record_names() {
         let dir = tempfile::tempdir().expect("tempdir");

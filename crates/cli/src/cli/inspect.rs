@@ -178,8 +178,15 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         0 => file,
         n => format!("{file}; the seals and rewards of {n} annotation segments from its cache (shards/index.tsa)"),
     };
+    let cold = match layers.cold_calls {
+        0 => String::new(),
+        n => format!(
+            ", {n} in the cold layer ({} of heap; sessions in sealed segments nothing else names)",
+            hb(layers.cold_bytes as u64)
+        ),
+    };
     println!(
-        "index: {} live calls, {} of them in the frozen layer ({} of heap; compacted sessions untouched since the open); {file}",
+        "index: {} live calls, {} of them in the frozen layer ({} of heap; compacted sessions untouched since the open){cold}; {file}",
         layers.calls,
         layers.frozen_calls,
         hb(layers.frozen_bytes as u64)

@@ -1,0 +1,229 @@
+//! The cold layer of a read-only open: sessions whose calls are all in
+//! sealed segments and that nothing else in the store names, held in the
+//! frozen layer's flat arrays (`index/frozen.rs`, ~75 bytes a call) instead
+//! of the in-memory maps (~200 bytes a call), so that a reader's memory
+//! for a backlog of uncompacted calls is a third of what it was.
+//!
+//! Which sessions qualify is decided before the replay, from every footer
+//! entry of the log (a survey), because the replay rules (format-spec/
+//! record.md §6) look at the calls a later record names: a session is cold
+//! when
+//! - every call record naming it is in a sealed segment and names it alone
+//!   (no extra session uids);
+//! - no other record names it but seals and session rewards (no deletion,
+//!   no session-moved record), and no trace reward names one of its calls;
+//! - none of its trace ids is the trace id of another call record, or of a
+//!   shard row, and it has no shard row.
+//!
+//! Every test is by 64-bit hash ([`id_hash`]): a collision keeps a session
+//! out of the layer, never puts one in wrongly. Replaying such a session's
+//! records changes nothing but its own calls, seal and reward, so the
+//! replay hands them to the plan instead of the maps ([`ColdPlan::take`])
+//! and the layer answers as the maps would have. A record applied later
+//! (a read-only refresh) that names a cold session or one of its trace ids
+//! thaws it into the maps first (`Index::thaw_for`).
+//!
+//! Only read-only opens build the layer: a writer's compaction, retirement
+//! and publication walk the calls in segments through its maps.
+
+use super::*;
+use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
+use crate::format::segment::FooterEntryRef;
+use crate::index::frozen::{id_hash, AsRow, Frozen, RowRef, RowSessions};
+use crate::shard::reader::ShardPos;
+use std::collections::{HashMap, HashSet};
+
+/// A call the plan takes from the replay: borrowed from the footers the
+/// open holds mapped (or decoded) until the layer is built.
+struct ColdCall<'a> {
+    loc: Loc,
+    timestamp: f64,
+    trace_id: &'a str,
+    session: &'a str,
+}
+
+impl AsRow for ColdCall<'_> {
+    fn row(&self) -> RowRef<'_> {
+        RowRef {
+            loc: self.loc,
+            timestamp: self.timestamp,
+            pos: ShardPos { shard: 0, row_group: 0, row: 0 },
+            trace_id: self.trace_id,
+            sessions: RowSessions::One(self.session),
+        }
+    }
+}
+
+/// What an open's replay diverts into the cold layer.
+pub(super) struct ColdPlan<'a> {
+    /// Hashes of the cold sessions' names.
+    cold: HashSet<u64>,
+    calls: Vec<ColdCall<'a>>,
+    /// Seal and session reward per cold session, as the replay met them.
+    marks: HashMap<&'a str, (bool, Option<f64>)>,
+}
+
+/// The sessions (by name hash) a survey keeps out of the layer, and those
+/// it saw a call of in a sealed segment.
+#[derive(Default)]
+struct Survey {
+    spoiled: HashSet<u64>,
+    candidates: HashSet<u64>,
+    /// (trace id hash, session hash) of every call record.
+    calls: Vec<(u64, u64)>,
+    /// Trace ids a trace reward names.
+    rewarded: HashSet<u64>,
+}
+
+impl Survey {
+    /// Take in one footer entry of a segment (`sealed` or not). `false`
+    /// for a record whose kind the survey cannot judge from its entry (a
+    /// reward in a footer older than segment format 4): no layer then.
+    fn entry(&mut self, sealed: bool, e: &FooterEntryRef<'_>) -> bool {
+        match (e.kind, e.reward_target) {
+            (KIND_CALL, _) => {
+                let session = id_hash(e.session_id);
+                self.calls.push((id_hash(e.id), session));
+                if !sealed || !e.session_uids.is_empty() {
+                    self.spoiled.insert(session);
+                    for u in e.session_uids.iter() {
+                        self.spoiled.insert(id_hash(u));
+                    }
+                } else {
+                    self.candidates.insert(session);
+                }
+            }
+            (KIND_SEAL, _) | (KIND_REWARD, 2) => {}
+            (KIND_REWARD, 1) => {
+                self.rewarded.insert(id_hash(e.id));
+            }
+            // Deletions and session-moved records: their session thaws.
+            (crate::format::record::KIND_DELETE_SESSION | crate::format::record::KIND_MOVE_SESSION, _) => {
+                self.spoiled.insert(id_hash(e.id));
+            }
+            _ => return false,
+        }
+        true
+    }
+}
+
+impl<'a> ColdPlan<'a> {
+    /// Survey `segments` (each: sealed or not, its entries, in log order)
+    /// against the shards: `index`'s frozen layer and the shard rows
+    /// `rows` (trace id hash, session hashes) the replay will apply.
+    /// `None` when no session qualifies or the log holds a record the
+    /// survey cannot judge.
+    pub(super) fn survey<'s>(
+        segments: impl IntoIterator<Item = (bool, Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>)>,
+        index: &Index,
+        rows: impl IntoIterator<Item = (u64, Vec<u64>)>,
+    ) -> Option<ColdPlan<'a>> {
+        let mut s = Survey::default();
+        for (sealed, entries) in segments {
+            for e in entries {
+                if !s.entry(sealed, &e) {
+                    return None;
+                }
+            }
+        }
+        if s.candidates.is_empty() {
+            return None;
+        }
+        let mut shard_traces: HashSet<u64> = HashSet::new();
+        for (trace, sessions) in rows {
+            shard_traces.insert(trace);
+            s.spoiled.extend(sessions);
+        }
+        // A trace id with two records (a replacement), a shard row or a
+        // trace reward: its calls' sessions are not cold.
+        s.calls.sort_unstable();
+        let frozen = index.frozen();
+        let spoil = |(trace, session): (u64, u64), s: &mut Survey| {
+            if s.rewarded.contains(&trace) || shard_traces.contains(&trace) || frozen.has_trace_hash(trace) {
+                s.spoiled.insert(session);
+            }
+        };
+        let calls = std::mem::take(&mut s.calls);
+        for (i, c) in calls.iter().enumerate() {
+            let next_same = calls.get(i + 1).is_some_and(|n| n.0 == c.0);
+            let prev_same = i > 0 && calls.get(i - 1).is_some_and(|p| p.0 == c.0);
+            if next_same || prev_same {
+                s.spoiled.insert(c.1);
+            }
+            spoil(*c, &mut s);
+        }
+        drop(calls);
+        let cold: HashSet<u64> =
+            s.candidates.into_iter().filter(|h| !s.spoiled.contains(h) && !frozen.has_session_hash(*h)).collect();
+        if cold.is_empty() {
+            return None;
+        }
+        Some(ColdPlan { cold, calls: Vec::new(), marks: HashMap::new() })
+    }
+
+    fn is_cold(&self, name: &str) -> bool {
+        self.cold.contains(&id_hash(name))
+    }
+
+    /// Take the record of entry `e` at `loc` if it is a cold session's call,
+    /// seal or session reward (the replay then applies nothing of it).
+    /// `keep`: the open keeps this reward's record (never taken).
+    pub(super) fn take(&mut self, e: &FooterEntryRef<'a>, loc: Loc, keep: bool) -> bool {
+        match (e.kind, e.reward_target) {
+            (KIND_CALL, _) if e.session_uids.is_empty() && self.is_cold(e.session_id) => {
+                self.calls.push(ColdCall { loc, timestamp: e.timestamp, trace_id: e.id, session: e.session_id });
+                true
+            }
+            (KIND_SEAL, _) if self.is_cold(e.id) => {
+                self.marks.entry(e.id).or_default().0 = true;
+                true
+            }
+            (KIND_REWARD, 2) if !keep && self.is_cold(e.id) => {
+                self.marks.entry(e.id).or_default().1 = Some(e.timestamp);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Install the layer of the calls taken, with their seals and rewards,
+    /// in `index` (after the replay). Should the layer not hold them (past
+    /// its 32-bit row numbers), they are applied to the maps instead, in
+    /// the order the replay met them: no other record names a cold session
+    /// or its trace ids, so that gives the maps a replay would have built.
+    pub(super) fn finish(self, index: &mut Index) {
+        if self.calls.is_empty() {
+            return;
+        }
+        let all = vec![true; self.calls.len()];
+        let built = Frozen::build(&self.calls, &all);
+        drop(all);
+        let Some((mut frozen, _)) = built else {
+            for c in &self.calls {
+                let sessions = index.sessions_of::<&str>(c.session, &[]);
+                index.apply_call(Arc::from(c.trace_id), CallMeta { loc: c.loc, timestamp: c.timestamp, sessions });
+            }
+            for (name, (sealed, reward)) in self.marks {
+                if sealed {
+                    index.seal(name);
+                }
+                if let Some(r) = reward {
+                    index.set_session_reward(name, r);
+                }
+            }
+            return;
+        };
+        for (name, (sealed, reward)) in self.marks {
+            // A cold session has a call (the survey saw one): it is in
+            // the layer.
+            let Some(i) = frozen.session(name) else { continue };
+            if sealed {
+                frozen.seal(i);
+            }
+            if let Some(r) = reward {
+                frozen.set_reward(i, r);
+            }
+        }
+        index.set_cold(frozen);
+    }
+}
