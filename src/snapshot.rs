@@ -627,13 +627,14 @@ impl Snapshot {
         self.view.index.session_summary(session_id).map(|s| Self::info(session_id, s))
     }
 
-    /// Every session of the index's maps with at least one live call, with
-    /// its summary: in a writer's index every session with a call in
-    /// segments is there (a frozen session's calls are all compacted; only
-    /// a read-only open builds the cold layer). O(sessions in the maps),
-    /// not O(every session), for a compaction's selection.
+    /// Every session of the index's maps and cold layer with at least one
+    /// live call, with its summary: every session with a call in segments
+    /// is there (a frozen session's calls are all compacted). O(sessions in
+    /// the maps and cold layer), not O(every session), for a compaction's
+    /// selection.
     pub(crate) fn for_each_session_in_maps(&self, mut f: impl FnMut(SessionInfo)) {
         self.view.index.for_each_session_in_maps(|id, s| f(Self::info(id, s)));
+        self.view.index.for_each_cold_session(|id, s| f(Self::info(id, s)));
     }
 
     /// Whether a live call whose primary session is `session_id` is still
@@ -788,7 +789,9 @@ impl Snapshot {
                 },
             );
             live.extend(per_slot.into_iter().enumerate().filter(|(_, n)| *n > 0).map(|(s, n)| (s as u32, n)));
-            let hot = index.hot_calls().values().map(|m| m.loc);
+            // The maps' calls and the cold layer's (a writer's cold calls
+            // stay in the layer once compacted, as its maps' do).
+            let hot = index.hot_calls().values().map(|m| m.loc).chain(index.cold_calls().map(|(loc, _)| loc));
             positions_in_order(shards, hot, || (), |shard| *live.entry(shard).or_default() += 1);
         } else {
             // Every call, the frozen ones of an older file's rows too (a
@@ -1043,13 +1046,13 @@ impl Snapshot {
     pub fn for_each_call_each(&self, mut f: impl FnMut(Result<CallView<'_>>) -> Result<()>) -> Result<()> {
         // Live calls still in segments, in log order, from the index (not by
         // scanning frames: a damaged frame must not hide the ones after it);
-        // the frozen layer's calls are all compacted, the cold layer's all
-        // in segments.
+        // the frozen layer's calls are all compacted, the maps' and the cold
+        // layer's may be (a writer's, since its open).
         let shards = &self.view.shards;
         let index = &self.view.index;
-        let mut locs: Vec<Loc> =
-            index.hot_calls().values().filter(|m| !shards.is_compacted(m.loc)).map(|m| m.loc).collect();
+        let mut locs: Vec<Loc> = index.hot_calls().values().map(|m| m.loc).collect();
         locs.extend(index.cold_calls().map(|(loc, _)| loc));
+        locs.retain(|loc| !shards.is_compacted(*loc));
         locs.sort_unstable();
         for loc in locs {
             // A call that looks uncompacted because a placement lookup met

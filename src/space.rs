@@ -230,7 +230,7 @@ pub fn space(snap: &Snapshot) -> Result<SpaceReport> {
         .values()
         .filter(|m| !view.shards.is_compacted(m.loc))
         .filter_map(|m| m.sessions.first().map(|s| &**s))
-        .chain(view.index.cold_calls().map(|(_, session)| session))
+        .chain(view.index.cold_calls().filter(|(loc, _)| !view.shards.is_compacted(*loc)).map(|(_, session)| session))
         .collect();
     for seg in view.segments.values() {
         let file_bytes = if seg.sealed {

@@ -95,8 +95,8 @@ fn records_a_read_reaches(dir: &Path, parents: &[(PathBuf, Loc, Loc)]) -> Option
     let parent_of: std::collections::HashMap<Loc, Loc> = parents.iter().map(|(_, loc, p)| (*loc, *p)).collect();
     let mut needed = HashSet::new();
     let index = &snap.view.index;
-    let hot = index.hot_calls().values().map(|m| m.loc).filter(|loc| !snap.view.shards.is_compacted(*loc));
-    for loc in hot.chain(index.cold_calls().map(|(loc, _)| loc)) {
+    let calls = index.hot_calls().values().map(|m| m.loc).chain(index.cold_calls().map(|(loc, _)| loc));
+    for loc in calls.filter(|loc| !snap.view.shards.is_compacted(*loc)) {
         let mut at = Some(loc);
         while let Some(loc) = at {
             if !needed.insert(loc) {

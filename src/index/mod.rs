@@ -182,7 +182,7 @@ pub enum LiveCall<'a> {
     Frozen { loc: Loc, session: &'a str },
 }
 
-impl LiveCall<'_> {
+impl<'a> LiveCall<'a> {
     pub fn loc(&self) -> Loc {
         match self {
             LiveCall::Hot(m) => m.loc,
@@ -190,7 +190,7 @@ impl LiveCall<'_> {
         }
     }
     /// Its `session_id`.
-    pub fn primary_session(&self) -> Option<&str> {
+    pub fn primary_session(&self) -> Option<&'a str> {
         match self {
             LiveCall::Hot(m) => m.sessions.first().map(|s| &**s),
             LiveCall::Frozen { session, .. } => Some(session),
@@ -260,6 +260,8 @@ pub(crate) struct LivenessKey {
     traces: OrdMap<Arc<str>, Arc<CallMeta>>,
     frozen: Arc<Frozen>,
     thawed: imbl::OrdSet<u32>,
+    cold: Arc<Frozen>,
+    cold_thawed: imbl::OrdSet<u32>,
 }
 
 impl LivenessKey {
@@ -269,6 +271,8 @@ impl LivenessKey {
         self.traces.ptr_eq(&other.traces)
             && Arc::ptr_eq(&self.frozen, &other.frozen)
             && self.thawed.ptr_eq(&other.thawed)
+            && Arc::ptr_eq(&self.cold, &other.cold)
+            && self.cold_thawed.ptr_eq(&other.cold_thawed)
     }
 }
 
@@ -299,7 +303,13 @@ impl Index {
 
     /// What a count of live calls per shard file reads of it.
     pub(crate) fn liveness_key(&self) -> LivenessKey {
-        LivenessKey { traces: self.traces.clone(), frozen: self.frozen.clone(), thawed: self.thawed.clone() }
+        LivenessKey {
+            traces: self.traces.clone(),
+            frozen: self.frozen.clone(),
+            thawed: self.thawed.clone(),
+            cold: self.cold.clone(),
+            cold_thawed: self.cold_thawed.clone(),
+        }
     }
 
     /// The frozen layer.
@@ -598,11 +608,13 @@ impl Index {
     pub fn live(&self, trace_id: &str) -> Option<LiveCall<'_>> {
         match self.traces.get(trace_id) {
             Some(m) => Some(LiveCall::Hot(m)),
-            None => match self.frozen_trace(trace_id) {
-                Some(r) => Some(LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
+            // The cold layer first: it is small and in memory, and no trace id
+            // is in both (the open's survey kept the frozen ones out).
+            None => match self.cold_trace(trace_id) {
+                Some(r) => Some(LiveCall::Frozen { loc: r.loc(), session: self.cold.session_name(r.session) }),
                 None => self
-                    .cold_trace(trace_id)
-                    .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.cold.session_name(r.session) }),
+                    .frozen_trace(trace_id)
+                    .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
             },
         }
     }
@@ -683,10 +695,10 @@ impl Index {
                 return e.calls.clone();
             }
         }
-        let (layer, i) = match self.frozen_session(session) {
-            Some(i) => (&self.frozen, i),
-            None => match self.cold_session(session) {
-                Some(i) => (&self.cold, i),
+        let (layer, i) = match self.cold_session(session) {
+            Some(i) => (&self.cold, i),
+            None => match self.frozen_session(session) {
+                Some(i) => (&self.frozen, i),
                 None => return CallList::default(),
             },
         };
@@ -708,9 +720,9 @@ impl Index {
         let entry = self.sessions.get(session);
         match entry.and_then(Self::mapped_summary) {
             Some(s) => Some(s),
-            None => match self.frozen_session(session) {
-                Some(i) => self.frozen_summary(i, entry),
-                None => Self::layer_summary(&self.cold, self.cold_session(session)?, None),
+            None => match self.cold_session(session) {
+                Some(i) => Self::layer_summary(&self.cold, i, None),
+                None => self.frozen_summary(self.frozen_session(session)?, entry),
             },
         }
     }
@@ -758,6 +770,16 @@ impl Index {
         }
     }
 
+    /// Every cold session (not thawed), with its summary: its calls are
+    /// all in segments (or compacted since the open, as the maps' may be).
+    pub fn for_each_cold_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
+        for i in (0..self.cold.session_count()).filter(|i| !self.cold_thawed.contains(i)) {
+            if let Some(s) = Self::layer_summary(&self.cold, i, None) {
+                f(self.cold.session_name(i), s);
+            }
+        }
+    }
+
     /// Every session with a live call, with its summary: the maps' (by
     /// name), then the frozen ones, then the cold ones.
     pub fn for_each_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
@@ -770,12 +792,7 @@ impl Index {
                 f(name, s);
             }
         }
-        for i in (0..self.cold.session_count()).filter(|i| !self.cold_thawed.contains(i)) {
-            let name = self.cold.session_name(i);
-            if let Some(s) = Self::layer_summary(&self.cold, i, None) {
-                f(name, s);
-            }
-        }
+        self.for_each_cold_session(f);
     }
 
     /// Note a session-moved record of `session` at `at`. A session the maps

@@ -1,7 +1,7 @@
-//! The cold layer of a read-only open: sessions whose calls are all in
-//! sealed segments and that nothing else in the store names, held in the
-//! frozen layer's flat arrays (`index/frozen.rs`, ~75 bytes a call) instead
-//! of the in-memory maps (~200 bytes a call), so that a reader's memory
+//! The cold layer of an open: sessions whose calls are all in sealed
+//! segments and that nothing else in the store names, held in the frozen
+//! layer's flat arrays (`index/frozen.rs`, ~75 bytes a call) instead of the
+//! in-memory maps (~200 bytes a call), so that the memory an open holds
 //! for a backlog of uncompacted calls is a third of what it was.
 //!
 //! Which sessions qualify is decided before the replay, from every footer
@@ -23,8 +23,14 @@
 //! (a read-only refresh) that names a cold session or one of its trace ids
 //! thaws it into the maps first (`Index::thaw_for`).
 //!
-//! Only read-only opens build the layer: a writer's compaction, retirement
-//! and publication walk the calls in segments through its maps.
+//! A writer's compaction selection (`Snapshot::for_each_session_in_maps`),
+//! publication (`in_segments`, the live rows per shard file) and
+//! retirement (through `Index::live`) walk the layer beside the maps. Its
+//! calls stay in it once compacted, as the maps' do, until a publication
+//! hands the writer an index rebuilt over the new shard index file
+//! (`Rebuilt`, which replays segments into maps only). A writable open
+//! keeps the session rewards the rewards side table may not reflect yet
+//! (`keep`): their sessions are not cold.
 
 use super::*;
 use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
@@ -76,10 +82,12 @@ struct Survey {
 }
 
 impl Survey {
-    /// Take in one footer entry of a segment (`sealed` or not). `false`
-    /// for a record whose kind the survey cannot judge from its entry (a
-    /// reward in a footer older than segment format 4): no layer then.
-    fn entry(&mut self, sealed: bool, e: &FooterEntryRef<'_>) -> bool {
+    /// Take in one footer entry of a segment (`sealed` or not), at `loc`.
+    /// `false` for a record whose kind the survey cannot judge from its
+    /// entry (a reward in a footer older than segment format 4): no layer
+    /// then. `kept`: the open keeps this record's reward for the rewards
+    /// side table (a writer's), which the layer would not see.
+    fn entry(&mut self, sealed: bool, e: &FooterEntryRef<'_>, kept: bool) -> bool {
         match (e.kind, e.reward_target) {
             (KIND_CALL, _) => {
                 let session = id_hash(e.session_id);
@@ -93,7 +101,12 @@ impl Survey {
                     self.candidates.insert(session);
                 }
             }
-            (KIND_SEAL, _) | (KIND_REWARD, 2) => {}
+            (KIND_SEAL, _) => {}
+            (KIND_REWARD, 2) => {
+                if kept {
+                    self.spoiled.insert(id_hash(e.id));
+                }
+            }
             (KIND_REWARD, 1) => {
                 self.rewarded.insert(id_hash(e.id));
             }
@@ -108,20 +121,23 @@ impl Survey {
 }
 
 impl<'a> ColdPlan<'a> {
-    /// Survey `segments` (each: sealed or not, its entries, in log order)
-    /// against the shards: `index`'s frozen layer and the shard rows
+    /// Survey `segments` (each: id, sealed or not, its entries, in log
+    /// order) against the shards: `index`'s frozen layer and the shard rows
     /// `rows` (trace id hash, session hashes) the replay will apply.
-    /// `None` when no session qualifies or the log holds a record the
-    /// survey cannot judge.
+    /// `keep`: the rewards the open keeps for the side table (their
+    /// sessions are not cold). `None` when no session qualifies or the log
+    /// holds a record the survey cannot judge.
     pub(super) fn survey<'s>(
-        segments: impl IntoIterator<Item = (bool, Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>)>,
+        segments: impl IntoIterator<Item = (u64, bool, Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>)>,
         index: &Index,
         rows: impl IntoIterator<Item = (u64, Vec<u64>)>,
+        keep: &dyn Fn(Loc) -> bool,
     ) -> Option<ColdPlan<'a>> {
         let mut s = Survey::default();
-        for (sealed, entries) in segments {
+        for (id, sealed, entries) in segments {
             for e in entries {
-                if !s.entry(sealed, &e) {
+                let kept = e.kind == KIND_REWARD && keep(Loc { segment: id, offset: e.frame_offset });
+                if !s.entry(sealed, &e, kept) {
                     return None;
                 }
             }

@@ -232,16 +232,16 @@ pub(super) struct Prepared {
     /// The obsolete files taken out, for the writer to pin before it
     /// deletes them (snapshots may still read them).
     pub(super) emptied: Vec<Arc<ShardFile>>,
-    /// The base view's trace map, for re-counting `in_segments` of the
-    /// trace ids changed since.
-    pub(super) base_traces: imbl::OrdMap<Arc<str>, Arc<CallMeta>>,
+    /// The base view's index (an O(1) copy), for re-counting
+    /// `in_segments` of the trace ids changed since.
+    pub(super) base_index: crate::index::Index,
     /// Shard rows per trace id and per session, the new files' included
     /// and the obsolete files' taken away.
     pub(super) shard_traces: RowCounts,
     pub(super) shard_sessions: RowCounts,
     /// What a collection replaces.
     pub(super) obsolete: super::Obsolete,
-    /// For retirement: live calls of `base_traces` still served from segments,
+    /// For retirement: live calls of `base_index` still served from segments,
     /// counted by primary session (sessions with none are absent).
     pub(super) in_segments: std::collections::HashMap<Arc<str>, u64>,
     /// [`crate::CompactOptions::copy_forward`].

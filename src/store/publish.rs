@@ -14,6 +14,7 @@
 
 use super::recovery::Rebuilt;
 use super::*;
+use crate::index::LiveCall;
 use crate::shard::set::ShardSet;
 
 /// A compaction begun ([`Store::begin_compaction`]): its shard generation and
@@ -273,17 +274,30 @@ fn prepare(
         None => base_set.place(published, &obsolete.shard_ids, placements),
     };
     let shards = Arc::new(shards);
-    // The frozen layer's calls are all compacted: none is in segments.
-    let base_traces = base.view.index.hot_calls().clone();
+    // The frozen layer's calls are all compacted: none is in segments; the
+    // maps' and the cold layer's may be.
+    let base_index = base.view.index.clone();
     let base_shards = base.view.shards.clone();
     let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
     let mut staying = 0usize;
-    for (_, meta) in base_traces.iter() {
-        if let Some(s) = in_segments_of(Some(meta), &shards) {
-            *in_segments.entry(s).or_default() += 1;
+    for (_, meta) in base_index.hot_calls().iter() {
+        if let Some(s) = in_segments_of(Some(LiveCall::Hot(meta)), &shards) {
+            *in_segments.entry(Arc::from(s)).or_default() += 1;
             staying += 1;
         }
     }
+    for (loc, session) in base_index.cold_calls() {
+        if !shards.is_compacted(loc) {
+            match in_segments.get_mut(session) {
+                Some(n) => *n += 1,
+                None => {
+                    in_segments.insert(Arc::from(session), 1);
+                }
+            }
+            staying += 1;
+        }
+    }
+    let in_maps_or_cold = base_index.hot_calls().len() + base_index.cold_stats().0;
     // With the file written for every `steps` file, the writer takes an
     // index replayed over it, as an open would build it, instead of its
     // own (recovery.rs `Rebuilt`): what this and earlier compactions moved
@@ -301,12 +315,12 @@ fn prepare(
     // by one with another session among its uids, that session deleted,
     // the dead row collected; found in review).
     let rows_removed = !obsolete.shard_ids.is_empty();
-    let rebuilt =
-        if write_index && !rows_removed && staying.saturating_mul(REBUILD_STAYING_DIVISOR) <= base_traces.len() {
-            rebuild_base(dir, &shards, &base.view)
-        } else {
-            None
-        };
+    let rebuilt = if write_index && !rows_removed && staying.saturating_mul(REBUILD_STAYING_DIVISOR) <= in_maps_or_cold
+    {
+        rebuild_base(dir, &shards, &base.view)
+    } else {
+        None
+    };
     // The first publication after an open: retirement's verdicts on the
     // segments of carried seals and rewards, judged here instead of on the
     // writer thread.
@@ -318,7 +332,7 @@ fn prepare(
         rebuilt,
         base_shards,
         emptied,
-        base_traces,
+        base_index,
         shard_traces,
         shard_sessions,
         obsolete: obsolete.clone(),
@@ -444,9 +458,10 @@ fn write_built<R: crate::index::frozen::AsRow>(
     index_file::write_and_open(shards_dir, keys, &built.contents(&hot), faults)
 }
 
-/// What a trace id's call counts for in [`Prepared::in_segments`].
-fn in_segments_of(meta: Option<&Arc<CallMeta>>, shards: &ShardSet) -> Option<Arc<str>> {
-    meta.filter(|m| !shards.is_compacted(m.loc)).and_then(|m| m.sessions.first().cloned())
+/// What a trace id's live call counts for in [`Prepared::in_segments`]:
+/// its primary session, if it is still in segments.
+fn in_segments_of<'a>(call: Option<LiveCall<'a>>, shards: &ShardSet) -> Option<&'a str> {
+    call.filter(|c| !shards.is_compacted(c.loc())).and_then(|c| c.primary_session())
 }
 
 impl Writer {
@@ -594,13 +609,18 @@ impl Writer {
         // re-count the trace ids changed since (the writer's entry wins; a
         // new entry has no shard row, being later than the compaction).
         for id in touched {
-            if let Some(s) = in_segments_of(p.base_traces.get(id), &self.shards) {
-                if let Some(n) = p.in_segments.get_mut(&s) {
+            if let Some(s) = in_segments_of(p.base_index.live(id), &self.shards) {
+                if let Some(n) = p.in_segments.get_mut(s) {
                     *n = n.saturating_sub(1);
                 }
             }
-            if let Some(s) = in_segments_of(self.index.hot_calls().get(id), &self.shards) {
-                *p.in_segments.entry(s).or_default() += 1;
+            if let Some(s) = in_segments_of(self.index.live(id), &self.shards) {
+                match p.in_segments.get_mut(s) {
+                    Some(n) => *n += 1,
+                    None => {
+                        p.in_segments.insert(Arc::from(s), 1);
+                    }
+                }
             }
         }
         self.shard_traces = std::mem::take(&mut p.shard_traces);

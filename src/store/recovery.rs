@@ -428,44 +428,32 @@ fn replay(
     let mut rewards = Vec::new();
     let mut report = RecoveryReport { mode: recovery, read_only: !writable, events: Vec::new() };
     let mut active_skipped = false;
-    // The segments, loaded (mapped, footers checked) as the replay reaches
-    // them, one ahead on the helper thread; a read-only open loads them all
-    // first and surveys them (the cold layer, cold.rs). Boxed in a vector
-    // that grows through a shared borrow: the plan borrows the footers.
-    let loaded_segments: elsa::FrozenVec<Box<LoadedSegment>> = elsa::FrozenVec::new();
-    let load_next = |ms: &crate::format::manifest::ManifestSegment| -> Result<Box<LoadedSegment>> {
+    // Every segment, loaded (mapped, footers checked; the helper thread
+    // reads one ahead) and surveyed before the replay: which sessions go
+    // to the cold layer depends on the whole log (cold.rs).
+    let mut loaded_segments = Vec::with_capacity(manifest.segments.len());
+    for ms in &manifest.segments {
         let mut seg = read_ahead
             .recv()
             .map_err(|_| Error::new(ErrorKind::Io, "internal: the segment reader stopped early"))??;
         if annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id)) {
             seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
         }
-        Ok(Box::new(seg))
-    };
-    let mut cold = None;
-    if !writable {
-        for ms in &manifest.segments {
-            loaded_segments.push(load_next(ms)?);
-        }
-        let shard_rows = feed.rows.iter().map(|(r, _)| {
-            (
-                crate::index::frozen::id_hash(&r.trace_id),
-                r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
-            )
-        });
-        let all = (0..loaded_segments.len()).filter_map(|i| loaded_segments.get(i));
-        cold = super::cold::ColdPlan::survey(all.map(|s| (s.sealed, s.entry_refs())), &index, shard_rows);
-        for i in 0..loaded_segments.len() {
-            if let Some(seg) = loaded_segments.get(i).filter(|s| s.in_footer.is_some()) {
-                seg.map.release_pages();
-            }
-        }
+        loaded_segments.push(seg);
     }
-    for (i, ms) in manifest.segments.iter().enumerate() {
-        let seg = match loaded_segments.get(i) {
-            Some(seg) => seg,
-            None => loaded_segments.push_get(load_next(ms)?),
-        };
+    let shard_rows = feed.rows.iter().map(|(r, _)| {
+        (
+            crate::index::frozen::id_hash(&r.trace_id),
+            r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
+        )
+    });
+    let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
+    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, shard_rows, &keep);
+    for seg in loaded_segments.iter().filter(|s| s.in_footer.is_some()) {
+        // Read in place: the replay faults in what it reads again.
+        seg.map.release_pages();
+    }
+    for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
             let what = format!("damaged annotation record, applied from its footer entry: {what}");
@@ -514,7 +502,6 @@ fn replay(
     }
     // The active segment's entries, for the writer (the plan, which
     // borrowed the segments, is done).
-    let mut loaded_segments = loaded_segments.into_vec();
     let active = active.map(|(id, path, end)| {
         let entries = loaded_segments.iter_mut().find(|s| s.id == id).map(|s| std::mem::take(&mut s.entries));
         (id, path, end, entries.unwrap_or_default())
