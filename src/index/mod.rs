@@ -242,10 +242,10 @@ pub struct Index {
     thaw_log: Option<Vec<(u32, Loc)>>,
     /// The cold layer: sessions whose every call is in a sealed segment and
     /// that no other record names but their seals and session rewards, in
-    /// the frozen layer's flat arrays (built by a read-only open,
-    /// store/recovery.rs `ColdPlan`). A record that names one of them or
-    /// one of their trace ids (a read-only refresh applies the writer's
-    /// new records) thaws it whole into the maps first.
+    /// the frozen layer's flat arrays (built by an open, store/cold.rs
+    /// `ColdPlan`). A record that names one of them or one of their trace
+    /// ids (a writer's, or one a read-only refresh applies) thaws it whole
+    /// into the maps first.
     cold: Arc<Frozen>,
     /// Cold sessions whose calls moved into the maps.
     cold_thawed: imbl::OrdSet<u32>,
@@ -663,8 +663,8 @@ impl Index {
         hot.chain(frozen).chain(self.cold_calls().map(|(loc, session)| LiveCall::Frozen { loc, session }))
     }
 
-    /// The live calls of the cold layer (all in segments), with their
-    /// session: what a walk of the calls in segments adds to the maps'.
+    /// The live calls of the cold layer, with their session: in segments,
+    /// or (a writer's) compacted since its open, as the maps' may be.
     pub(crate) fn cold_calls(&self) -> impl Iterator<Item = (Loc, &str)> + '_ {
         self.cold
             .rows()
@@ -682,7 +682,7 @@ impl Index {
     }
 
     /// The calls in the maps (the frozen layer's are all compacted; the
-    /// cold layer's are in segments: [`Index::cold_calls`]).
+    /// cold layer's: [`Index::cold_calls`]).
     pub(crate) fn hot_calls(&self) -> &OrdMap<Arc<str>, Arc<CallMeta>> {
         &self.traces
     }
