@@ -280,20 +280,11 @@ fn prepare(
     let base_shards = base.view.shards.clone();
     let mut in_segments: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
     let mut staying = 0usize;
-    for (_, meta) in base_index.hot_calls().iter() {
-        if let Some(s) = in_segments_of(Some(LiveCall::Hot(meta)), &shards) {
-            *in_segments.entry(Arc::from(s)).or_default() += 1;
-            staying += 1;
-        }
-    }
-    for (loc, session) in base_index.cold_calls() {
-        if !shards.is_compacted(loc) {
-            match in_segments.get_mut(session) {
-                Some(n) => *n += 1,
-                None => {
-                    in_segments.insert(Arc::from(session), 1);
-                }
-            }
+    let hot = base_index.hot_calls().values().map(|m| LiveCall::Hot(m));
+    let cold = base_index.cold_calls().map(|(loc, session)| LiveCall::Frozen { loc, session });
+    for call in hot.chain(cold) {
+        if let Some(s) = in_segments_of(Some(call), &shards) {
+            count_in_segments(&mut in_segments, s);
             staying += 1;
         }
     }
@@ -458,6 +449,17 @@ fn write_built<R: crate::index::frozen::AsRow>(
     index_file::write_and_open(shards_dir, keys, &built.contents(&hot), faults)
 }
 
+/// One more call still in segments for `session` (its name is copied only
+/// the first time).
+fn count_in_segments(in_segments: &mut std::collections::HashMap<Arc<str>, u64>, session: &str) {
+    match in_segments.get_mut(session) {
+        Some(n) => *n += 1,
+        None => {
+            in_segments.insert(Arc::from(session), 1);
+        }
+    }
+}
+
 /// What a trace id's live call counts for in [`Prepared::in_segments`]:
 /// its primary session, if it is still in segments.
 fn in_segments_of<'a>(call: Option<LiveCall<'a>>, shards: &ShardSet) -> Option<&'a str> {
@@ -615,12 +617,7 @@ impl Writer {
                 }
             }
             if let Some(s) = in_segments_of(self.index.live(id), &self.shards) {
-                match p.in_segments.get_mut(s) {
-                    Some(n) => *n += 1,
-                    None => {
-                        p.in_segments.insert(Arc::from(s), 1);
-                    }
-                }
+                count_in_segments(&mut p.in_segments, s);
             }
         }
         self.shard_traces = std::mem::take(&mut p.shard_traces);

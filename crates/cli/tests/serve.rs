@@ -367,6 +367,13 @@ fn wait_for_failure_then_reopen(addr: &str) {
     wait_for_reopen(addr);
 }
 
+/// A small chat call (turn `turn`) of session "small" through the gateway
+/// at `addr`: its status and body.
+fn small_call(addr: &str, turn: u32) -> (u16, String) {
+    let body = chat(&format!("small turn {turn}"), 3).to_string();
+    http(addr, "POST", "/sessions/small/v1/chat/completions", &body).expect("answers")
+}
+
 #[test]
 fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
     // A real write failure, as in tests/process.rs: the gateway may write
@@ -379,15 +386,14 @@ fn a_failed_write_poisons_the_store_and_the_gateway_reopens_it() {
     let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
     let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "sync");
 
-    let small = |turn: u32| chat(&format!("small turn {turn}"), 3).to_string();
-    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(0)).expect("answers");
+    let (s, body) = small_call(&addr, 0);
     assert_eq!(s, 200, "{body}");
     let (s, body) = http(&addr, "POST", "/sessions/big/v1/completions", &big_call()).expect("answers");
     assert_eq!(s, 503, "the trace could not be written: {body}");
     assert!(body.contains("trace was not stored"), "{body}");
     wait_for_reopen(&addr);
     for turn in 1..4 {
-        let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(turn)).expect("answers");
+        let (s, body) = small_call(&addr, turn);
         assert_eq!(s, 200, "captured again after the reopen: {body}");
     }
     let (s, metrics) = http(&addr, "GET", "/metrics", "").expect("answers");
@@ -416,8 +422,7 @@ fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_t
     let store = dir.path().join("store");
     let (mut mock, mock_addr) = spawn(&["mock-vllm", "--port", "0"]);
     let (mut gw, addr) = limited_gateway(dir.path(), &store, &mock_addr, "async");
-    let small = |turn: u32| chat(&format!("small turn {turn}"), 3).to_string();
-    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(0)).expect("answers");
+    let (s, body) = small_call(&addr, 0);
     assert_eq!(s, 200, "{body}");
     assert_eq!(http(&addr, "POST", "/admin/flush", "").expect("answers").0, 200);
     // Answered at once; its write fails in the writer afterwards.
@@ -430,7 +435,7 @@ fn with_async_durability_the_first_flush_after_a_failed_write_reports_the_lost_t
     let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
     assert_eq!(s, 500, "{body}");
     assert!(body.contains("may have been lost"), "{body}");
-    let (s, body) = http(&addr, "POST", "/sessions/small/v1/chat/completions", &small(1)).expect("answers");
+    let (s, body) = small_call(&addr, 1);
     assert_eq!(s, 200, "captured again after the reopen: {body}");
     let (s, body) = http(&addr, "POST", "/admin/flush", "").expect("answers");
     assert_eq!((s, body.as_str()), (200, "{\"status\":\"flushed\"}"), "reported once");
