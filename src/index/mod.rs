@@ -508,7 +508,14 @@ impl Index {
         if self.sessions.get(session).is_some_and(|e| e.sealed) {
             return;
         }
-        self.thaw_cold_named(session);
+        // A cold session's seal carried forward by a retirement (most of
+        // them: the writer compacts sealed sessions) changes nothing.
+        if let Some(i) = self.cold_session(session) {
+            if self.cold.is_sealed(i) {
+                return;
+            }
+            self.thaw_cold(i);
+        }
         // One lookup in the layer (an open replays a seal per session).
         if let Some(i) = self.frozen_session(session) {
             if self.frozen.is_sealed(i) {
@@ -527,8 +534,13 @@ impl Index {
     /// While an open builds the index, a frozen session's reward is a value
     /// of the frozen layer, as its seal ([`Index::seal`]).
     pub fn set_session_reward(&mut self, session: &str, value: f64) {
-        self.thaw_cold_named(session);
         let same = |r: Option<f64>| r.is_some_and(|r| r.to_bits() == value.to_bits());
+        if let Some(i) = self.cold_session(session) {
+            if same(self.cold.reward(i)) {
+                return;
+            }
+            self.thaw_cold(i);
+        }
         match self.sessions.get(session).and_then(|e| e.reward) {
             Some(r) if same(Some(r)) => return,
             Some(_) => {}

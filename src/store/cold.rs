@@ -28,9 +28,13 @@
 //! retirement (through `Index::live`) walk the layer beside the maps. Its
 //! calls stay in it once compacted, as the maps' do, until a publication
 //! hands the writer an index rebuilt over the new shard index file
-//! (`Rebuilt`, which replays segments into maps only). A writable open
-//! keeps the session rewards the rewards side table may not reflect yet
-//! (`keep`): their sessions are not cold.
+//! (`Rebuilt`), whose replay of the sealed segments surveys them first
+//! the same way; the writer's records replayed after them thaw what they
+//! name. A seal or session reward a cold session already has (a
+//! retirement carries the seals of the sessions it compacted forward)
+//! changes nothing and thaws nothing. A writable open keeps the session
+//! rewards the rewards side table may not reflect yet (`keep`): their
+//! sessions are not cold.
 
 use super::*;
 use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
@@ -60,7 +64,8 @@ impl AsRow for ColdCall<'_> {
     }
 }
 
-/// What an open's replay diverts into the cold layer.
+/// What an open's replay (or a rebuilt index's, over its sealed
+/// segments) diverts into the cold layer.
 pub(super) struct ColdPlan<'a> {
     /// Hashes of the cold sessions' names.
     cold: HashSet<u64>,
@@ -125,13 +130,15 @@ impl<'a> ColdPlan<'a> {
     /// order) against the shards: `index`'s frozen layer and the shard rows
     /// `rows` (trace id hash, session hashes) the replay will apply.
     /// `keep`: the rewards the open keeps for the side table (their
-    /// sessions are not cold). `None` when no session qualifies or the log
-    /// holds a record the survey cannot judge.
+    /// sessions are not cold). `surveyed` is called with each segment's id
+    /// once its entries are read (its mapped pages can go). `None` when no
+    /// session qualifies or the log holds a record the survey cannot judge.
     pub(super) fn survey<'s>(
         segments: impl IntoIterator<Item = (u64, bool, Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>)>,
         index: &Index,
         rows: impl IntoIterator<Item = (u64, Vec<u64>)>,
         keep: &dyn Fn(Loc) -> bool,
+        surveyed: &mut dyn FnMut(u64),
     ) -> Option<ColdPlan<'a>> {
         let mut s = Survey::default();
         for (id, sealed, entries) in segments {
@@ -141,6 +148,7 @@ impl<'a> ColdPlan<'a> {
                     return None;
                 }
             }
+            surveyed(id);
         }
         if s.candidates.is_empty() {
             return None;
@@ -160,7 +168,11 @@ impl<'a> ColdPlan<'a> {
             }
         };
         let calls = std::mem::take(&mut s.calls);
+        // A lookup in the frozen layer's mapped trace table per call: its
+        // pages are given back as the walk goes, as the replay's are.
+        let mut budget = crate::storage::mmap::PageBudget::compaction();
         for (i, c) in calls.iter().enumerate() {
+            budget.tick(|| frozen.release_pages());
             let next_same = calls.get(i + 1).is_some_and(|n| n.0 == c.0);
             let prev_same = i > 0 && calls.get(i - 1).is_some_and(|p| p.0 == c.0);
             if next_same || prev_same {

@@ -354,14 +354,9 @@ const REBUILD_STAYING_DIVISOR: usize = 4;
 /// id; `None` when one of them does not read cleanly.
 fn rebuild_base(dir: &Path, shards: &crate::snapshot::ShardSlots, base: &View) -> Option<(Rebuilt, u64)> {
     let mut rebuilt = Rebuilt::new(shards)?;
-    let mut through = 0;
-    for (id, seg) in base.segments.iter().filter(|(_, s)| s.sealed) {
-        if !rebuilt.extend_sealed(dir, seg) {
-            return None;
-        }
-        through = *id;
-    }
-    Some((rebuilt, through))
+    let sealed = || base.segments.iter().filter(|(_, s)| s.sealed);
+    let through = sealed().next_back().map_or(0, |(id, _)| *id);
+    rebuilt.extend_base(dir, sealed().map(|(_, s)| s)).then_some((rebuilt, through))
 }
 
 /// Write the shard index file of `published` (the set a publication makes

@@ -439,6 +439,11 @@ fn replay(
         if annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id)) {
             seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
         }
+        if seg.in_footer.is_some() {
+            // Its footer's checks touched it; the survey and the replay
+            // read it again, one segment at a time.
+            seg.map.release_pages();
+        }
         loaded_segments.push(seg);
     }
     let shard_rows = feed.rows.iter().map(|(r, _)| {
@@ -448,11 +453,9 @@ fn replay(
         )
     });
     let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
-    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, shard_rows, &keep);
-    for seg in loaded_segments.iter().filter(|s| s.in_footer.is_some()) {
-        // Read in place: the replay faults in what it reads again.
-        seg.map.release_pages();
-    }
+    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, shard_rows, &keep, &mut |id| {
+        release_footer(&loaded_segments, id)
+    });
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
@@ -498,6 +501,13 @@ fn replay(
         segments.insert(seg.id, r);
     }
     if let Some(cold) = cold {
+        // What the replay touched of the shard index file (up to the
+        // replay's page budget) need not stay resident beside the layer's
+        // build: 10M compacted calls and 1.37M cold ones peaked at ~560 MB
+        // with it.
+        if let Some(ix) = shards.index_file() {
+            ix.release_pages();
+        }
         cold.finish(&mut index);
     }
     // The active segment's entries, for the writer (the plan, which
@@ -875,9 +885,11 @@ impl RowFeed {
 /// shard index file `ix` that a publication has just written for every
 /// `steps` file of `shards` (its frozen layer mapped, the rows it keeps
 /// hot replayed at their positions), through the records of `segments`
-/// (each with its footer entries, in log order); then [`Rebuilt::extend`]
-/// replays later records. A writer whose compacted calls stay in its maps
-/// until it reopens (~0.4 KB a call) takes it instead of its own index
+/// (each with its footer entries, in log order; the sealed ones surveyed
+/// first for the cold layer, [`Rebuilt::extend_base`]); then
+/// [`Rebuilt::extend`] replays later records. A writer whose compacted
+/// calls stay in its maps until it reopens (~0.4 KB a call) takes it
+/// instead of its own index
 /// after a publication (store/publish.rs): a long-lived writer's memory
 /// then does not grow with what it compacted.
 pub(super) struct Rebuilt {
@@ -914,21 +926,69 @@ impl Rebuilt {
     /// open confined, a footer it rebuilt): the caller then keeps its own
     /// index.
     pub(super) fn extend_sealed(&mut self, dir: &Path, seg: &SegmentRef) -> bool {
-        match crate::segment::recovery::load_segment_in_place(dir, seg.id, true, OnDamage::Refuse) {
-            Ok(l) if l.events.is_empty() && l.applied_from_footer.is_empty() => {
-                self.extend_refs(seg, l.entry_refs());
+        match load_clean(dir, seg) {
+            Some(l) => {
+                self.extend_refs(seg, l.entry_refs(), None);
                 true
             }
-            _ => false,
+            None => false,
         }
+    }
+
+    /// Replay the sealed segments `segs` (the first records replayed, in
+    /// log order), surveyed first as an open surveys the whole log
+    /// (cold.rs): the calls of sessions no other record among them names
+    /// go to the cold layer instead of the maps. Records replayed later
+    /// ([`Rebuilt::extend`]) that name a cold session thaw it, as a
+    /// read-only refresh does. `false` as [`Rebuilt::extend_sealed`].
+    pub(super) fn extend_base<'s>(&mut self, dir: &Path, segs: impl IntoIterator<Item = &'s SegmentRef>) -> bool {
+        let mut loaded = Vec::new();
+        for seg in segs {
+            match load_clean(dir, seg) {
+                Some(l) => {
+                    // Read again one at a time by the survey and the replay.
+                    l.map.release_pages();
+                    loaded.push((seg, l));
+                }
+                None => return false,
+            }
+        }
+        let rows = self.feed.rows.iter().map(|(r, _)| {
+            (
+                crate::index::frozen::id_hash(&r.trace_id),
+                r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
+            )
+        });
+        let surveyed = loaded.iter().map(|(_, l)| (l.id, true, l.entry_refs()));
+        let mut release = |id: u64| {
+            if let Some((_, l)) = loaded.binary_search_by_key(&id, |(_, l)| l.id).ok().and_then(|i| loaded.get(i)) {
+                l.map.release_pages();
+            }
+        };
+        let mut cold = super::cold::ColdPlan::survey(surveyed, &self.index, rows, &|_| false, &mut release);
+        for (seg, l) in &loaded {
+            self.extend_refs(seg, l.entry_refs(), cold.as_mut());
+            l.map.release_pages();
+        }
+        if let Some(cold) = cold {
+            // As an open does before it builds the layer.
+            self.index.frozen().release_pages();
+            cold.finish(&mut self.index);
+        }
+        true
     }
 
     /// Replay the records of `seg`, which follow those replayed so far.
     pub(super) fn extend(&mut self, seg: &SegmentRef, entries: &[FooterEntry]) {
-        self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref));
+        self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref), None);
     }
 
-    fn extend_refs<'e>(&mut self, seg: &SegmentRef, entries: impl IntoIterator<Item = FooterEntryRef<'e>>) {
+    fn extend_refs<'e>(
+        &mut self,
+        seg: &SegmentRef,
+        entries: impl IntoIterator<Item = FooterEntryRef<'e>>,
+        cold: Option<&mut super::cold::ColdPlan<'e>>,
+    ) {
         let (mut damage, mut rewards) = (Vec::new(), Vec::new());
         // Damage was found and reported by the open that first replayed
         // these records; the rewards side table is the writer's own.
@@ -940,7 +1000,7 @@ impl Rebuilt {
             &mut damage,
             &mut rewards,
             &|_| false,
-            None,
+            cold,
         );
     }
 
@@ -950,6 +1010,27 @@ impl Rebuilt {
         self.index.record_thaws(false);
         self.index
     }
+}
+
+/// Give back the mapped pages of segment `id` of `loaded` once the survey
+/// read its footer (read in place; one decoded into `entries` has none to
+/// give back that matter).
+fn release_footer(loaded: &[LoadedSegment], id: u64) {
+    // In log order (the manifest's), so in id order.
+    if let Some(seg) = loaded.binary_search_by_key(&id, |s| s.id).ok().and_then(|i| loaded.get(i)) {
+        if seg.in_footer.is_some() {
+            seg.map.release_pages();
+        }
+    }
+}
+
+/// Sealed segment `seg` loaded again from disk, its footer read in place;
+/// `None` unless it reads cleanly (no damage an open confined, no footer
+/// it rebuilt).
+fn load_clean(dir: &Path, seg: &SegmentRef) -> Option<LoadedSegment> {
+    crate::segment::recovery::load_segment_in_place(dir, seg.id, true, OnDamage::Refuse)
+        .ok()
+        .filter(|l| l.events.is_empty() && l.applied_from_footer.is_empty())
 }
 
 /// [`RecoveryMode::SkipCorrupted`], writable: an active segment whose damaged

@@ -699,6 +699,64 @@ fn a_publication_that_writes_the_shard_index_file_freezes_what_the_writer_compac
 }
 
 #[test]
+fn the_index_a_publication_rebuilds_holds_the_backlog_cold() {
+    // The rebuilt index (store/recovery.rs `Rebuilt`) surveys the sealed
+    // segments it replays as an open does (store/cold.rs): the calls of
+    // sessions nothing else names go to the cold layer, not the maps; a
+    // record written during the compaction thaws what it names.
+    let dir = tempdir();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for s in 0..12 {
+        for n in 0..4 {
+            store.append(call(&format!("s{s}"), n)).expect("append");
+        }
+    }
+    for s in 0..10 {
+        store.seal_session(&format!("s{s}")).expect("seal");
+    }
+    for n in 0..4 {
+        store.append(call("u", n)).expect("append");
+    }
+    store.set_reward(Target::Session("u".into()), 0.75).expect("reward");
+    store.roll().expect("roll");
+    let mut ids: Vec<String> = (0..12).flat_map(|s| (0..6).map(move |n| format!("s{s}/{n}"))).collect();
+    ids.extend((0..6).map(|n| format!("u/{n}")));
+    // s10, s11 and u (12 calls) stay in sealed segments: 12 * 4 <= 52,
+    // so the publication rebuilds the writer's index. (No copy-forward:
+    // it would move s10 and u out of the first segment, and thaw them.)
+    let opts = crate::compact::CompactOptions::default().copy_forward(None);
+    let report = crate::compact::run_with(&store, &opts, &mut || {
+        store.append(call("s11", 4)).expect("append meanwhile");
+        store.flush().expect("flush");
+    })
+    .expect("compact");
+    assert_eq!(report.calls, 40);
+    let layers = store.snapshot().index_layers();
+    assert_eq!(
+        (layers.frozen_calls, layers.cold_calls, layers.calls),
+        (40, 8, 40 + 8 + 5),
+        "s10 and u are cold, s11 thawed by its call written meanwhile: {layers:?}"
+    );
+    let want = answers(&store, &ids);
+    assert!(want.iter().any(|l| l.starts_with("session u 4 false") && l.contains(&format!("{:?}", 0.75f64.to_bits()))));
+    let fresh = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(answers(&fresh, &ids), want, "the writer answers as a fresh open");
+    // The writer's records naming a cold session thaw it.
+    store.append(call("u", 4)).expect("append");
+    assert!(store.append(call("s10", 1)).is_ok(), "a replacement of a cold call");
+    store.seal_session("u").expect("seal");
+    store.flush().expect("flush");
+    assert_eq!(store.snapshot().index_layers().cold_calls, 0);
+    let want = answers(&store, &ids);
+    fresh.refresh().expect("refresh");
+    assert_eq!(answers(&fresh, &ids), want);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default()).expect("reopen");
+    assert_eq!(answers(&reopened, &ids), want);
+    reopened.close().expect("close");
+}
+
+#[test]
 fn seals_and_deletions_since_a_rebased_view_still_refuse_and_admit_appends() {
     // The append boundary's sealed set forgets, past 1024 entries, the seals
     // and deletions a published view reflects (admission.rs `Sealed`).
