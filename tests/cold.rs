@@ -394,3 +394,69 @@ fn compacted_cold_calls_count_as_live_rows_of_their_shard() {
     let ro = Store::open_read_only(a.path()).expect("open read-only");
     assert_eq!(logical(&ro.snapshot(), &ids), logical(&sb.snapshot(), &ids));
 }
+
+/// A compacted session written again (compacted while idle, unsealed) has
+/// its new calls in sealed segments and a trace id no other record has,
+/// yet it is in the frozen layer: it is not cold, and an open reads its
+/// compacted calls and its new one together.
+#[test]
+fn a_compacted_session_written_again_is_not_cold() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for t in 0..3 {
+        apply(&store, &Op::Append { s: 1, t, uid: None, ts: t });
+    }
+    let idle = CompactOptions::default().selection(trajlog::Selection::OlderThan(60.0));
+    assert_eq!(store.compact(&idle).expect("compact").calls, 3);
+    apply(&store, &Op::Append { s: 1, t: 3, uid: None, ts: 9 });
+    apply(&store, &Op::Append { s: 2, t: 4, uid: None, ts: 9 });
+    store.roll().expect("roll");
+    store.flush().expect("flush");
+    let want = fingerprint(&store.snapshot(), &ids);
+    drop(store);
+    for writable in [false, true] {
+        let reopened = match writable {
+            false => Store::open_read_only(dir.path()).expect("open read-only"),
+            true => Store::open(dir.path(), Options::default()).expect("open"),
+        };
+        let layers = reopened.snapshot().index_layers();
+        // s1's new call thaws it out of the frozen layer; only s2 is cold.
+        assert_eq!((layers.cold_calls, layers.frozen_calls), (1, 0), "{layers:?}");
+        assert_eq!(reopened.snapshot().session(&session(1), None, None).expect("session").len(), 4);
+        assert_eq!(fingerprint(&reopened.snapshot(), &ids), want);
+    }
+}
+
+/// A trace id of a compacted session deleted since, appended again in
+/// another session: the new session is not cold (its trace id has a
+/// shard row), and every read agrees with the writer's.
+#[test]
+fn a_trace_id_with_a_shard_row_keeps_its_new_session_out_of_the_layer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for t in 0..3 {
+        apply(&store, &Op::Append { s: 1, t, uid: None, ts: t });
+    }
+    apply(&store, &Op::Seal(1));
+    assert_eq!(store.compact(&CompactOptions::default()).expect("compact").calls, 3);
+    apply(&store, &Op::Delete(1));
+    apply(&store, &Op::Append { s: 2, t: 1, uid: None, ts: 9 });
+    apply(&store, &Op::Append { s: 3, t: 7, uid: None, ts: 9 });
+    store.roll().expect("roll");
+    store.flush().expect("flush");
+    let want = fingerprint(&store.snapshot(), &ids);
+    assert!(want.iter().any(|l| l.starts_with("t1: Some((\"s2\"")), "{want:?}");
+    drop(store);
+    for writable in [false, true] {
+        let reopened = match writable {
+            false => Store::open_read_only(dir.path()).expect("open read-only"),
+            true => Store::open(dir.path(), Options::default()).expect("open"),
+        };
+        assert_eq!(reopened.snapshot().index_layers().cold_calls, 1, "only s3 is cold");
+        assert_eq!(fingerprint(&reopened.snapshot(), &ids), want);
+        let report = trajlog::verify::verify_dir(dir.path()).expect("verify");
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+    }
+}

@@ -407,21 +407,33 @@ impl Frozen {
 
     /// Whether a session name of the layer hashes to `h` (or a block read
     /// for it fails its check: "maybe", as a caller keeping things out of
-    /// the layer wants).
-    pub fn has_session_hash(&self, h: u64) -> bool {
-        match self.sessions_from(h) {
-            Some(at) => self.sessions.at(at).map_or(at < self.sessions.len(), |s| s.hash == h),
-            None => true,
+    /// the layer wants), for hashes asked in increasing order: a gallop
+    /// forward from `at` (where the last one was found; start at 0), as
+    /// [`Frozen::has_trace_hash_from`].
+    pub fn has_session_hash_from(&self, at: &mut usize, h: u64) -> bool {
+        let before = *at;
+        let Some(p) = self.sessions.partition_point_from(before, |s| s.hash < h) else { return true };
+        *at = p;
+        if before >> 20 != p >> 20 {
+            self.sessions.release_before(p);
         }
+        self.sessions.at(p).map_or(p < self.sessions.len(), |s| s.hash == h)
     }
 
     /// Whether a trace id of the layer hashes to `h` (or a block read for it
-    /// fails its check).
-    pub fn has_trace_hash(&self, h: u64) -> bool {
-        match self.by_trace.partition_point(|e| e.hash < h) {
-            Some(at) => self.by_trace.at(at).map_or(at < self.by_trace.len(), |e| e.hash == h),
-            None => true,
+    /// fails its check), for hashes asked in increasing order: a gallop
+    /// forward from `at` (where the last one was found; start at 0)
+    /// instead of a binary search of the whole table each (1.5M calls in
+    /// segments surveyed against 10M compacted: ~15% of an open), the
+    /// pages passed given back as `Table::walk_to` does.
+    pub fn has_trace_hash_from(&self, at: &mut usize, h: u64) -> bool {
+        let before = *at;
+        let Some(p) = self.by_trace.partition_point_from(before, |e| e.hash < h) else { return true };
+        *at = p;
+        if before >> 20 != p >> 20 {
+            self.by_trace.release_before(p);
         }
+        self.by_trace.at(p).map_or(p < self.by_trace.len(), |e| e.hash == h)
     }
 
     /// The frozen session named `name`.

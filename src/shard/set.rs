@@ -391,6 +391,17 @@ impl ShardSet {
     pub fn is_compacted(&self, loc: Loc) -> bool {
         self.position(loc).is_some()
     }
+
+    /// [`ShardSet::is_compacted`] for positions asked in increasing order:
+    /// a gallop forward from `at` (where the last one was found; start at
+    /// 0) through the placements, as [`ShardSet::positions_sorted`] walks.
+    pub(crate) fn is_compacted_from(&self, at: &mut usize, loc: Loc) -> bool {
+        if self.extra.binary_search_by(|p| p.loc().cmp(&loc)).is_ok() {
+            return true;
+        }
+        // A block that does not check: the lookup misses, as in `base_at`.
+        self.base.walk_to(at, |p| p.loc() < loc).is_some_and(|p| p.loc() == loc && self.slot(p.shard).is_some())
+    }
 }
 
 #[cfg(test)]

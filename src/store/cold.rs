@@ -162,17 +162,19 @@ impl<'a> ColdPlan<'a> {
         // trace reward: its calls' sessions are not cold.
         s.calls.sort_unstable();
         let frozen = index.frozen();
-        let spoil = |(trace, session): (u64, u64), s: &mut Survey| {
-            if s.rewarded.contains(&trace) || shard_traces.contains(&trace) || frozen.has_trace_hash(trace) {
+        // The calls in trace hash order: one walk forward through the
+        // frozen layer's mapped trace table, its pages given back behind it.
+        let mut at = 0;
+        let mut spoil = |(trace, session): (u64, u64), s: &mut Survey| {
+            if s.rewarded.contains(&trace)
+                || shard_traces.contains(&trace)
+                || frozen.has_trace_hash_from(&mut at, trace)
+            {
                 s.spoiled.insert(session);
             }
         };
         let calls = std::mem::take(&mut s.calls);
-        // A lookup in the frozen layer's mapped trace table per call: its
-        // pages are given back as the walk goes, as the replay's are.
-        let mut budget = crate::storage::mmap::PageBudget::compaction();
         for (i, c) in calls.iter().enumerate() {
-            budget.tick(|| frozen.release_pages());
             let next_same = calls.get(i + 1).is_some_and(|n| n.0 == c.0);
             let prev_same = i > 0 && calls.get(i - 1).is_some_and(|p| p.0 == c.0);
             if next_same || prev_same {
@@ -181,8 +183,12 @@ impl<'a> ColdPlan<'a> {
             spoil(*c, &mut s);
         }
         drop(calls);
+        // In hash order: one walk forward through the frozen sessions.
+        let mut candidates: Vec<u64> = s.candidates.into_iter().filter(|h| !s.spoiled.contains(h)).collect();
+        candidates.sort_unstable();
+        let mut at = 0;
         let cold: HashSet<u64> =
-            s.candidates.into_iter().filter(|h| !s.spoiled.contains(h) && !frozen.has_session_hash(*h)).collect();
+            candidates.into_iter().filter(|h| !frozen.has_session_hash_from(&mut at, *h)).collect();
         if cold.is_empty() {
             return None;
         }

@@ -698,6 +698,10 @@ struct RowFeed {
     /// whether a call is compacted is then a step forward, not a binary
     /// search of the whole table (10M rows: seconds of a rebuild).
     ordered: Option<(crate::storage::table::Table<crate::shard::set::Placement>, usize)>,
+    /// Otherwise: the last position asked and where the walk through the
+    /// shard set's placements found it (an open replays in log order, so
+    /// each call is a step forward, not a binary search of every row).
+    walk: Option<(Loc, usize)>,
     /// The annotation cache an open took its listed segments' seals and
     /// rewards from: each record and row it applies before the last listed
     /// segment is checked against it.
@@ -827,7 +831,20 @@ impl RowFeed {
                 // replayed from its record).
                 placements.walk_to(at, |p| p.loc() < loc).is_some_and(|p| p.loc() == loc)
             }
-            None => shards.is_compacted(loc),
+            None => match &mut self.walk {
+                Some((last, at)) if *last <= loc => {
+                    *last = loc;
+                    shards.is_compacted_from(at, loc)
+                }
+                // Out of order (never in an open's replay): a search.
+                Some(_) => shards.is_compacted(loc),
+                None => {
+                    let mut at = 0;
+                    let found = shards.is_compacted_from(&mut at, loc);
+                    self.walk = Some((loc, at));
+                    found
+                }
+            },
         }
     }
 
