@@ -247,6 +247,20 @@ pub(crate) struct FrozenTables<'a> {
     pub by_trace: &'a [TraceEntry],
 }
 
+/// Whether `table` (sorted by `hash`) has an element hashing to `h`, or a
+/// block read for it fails its check; `at`: where the last hash asked (a
+/// smaller one) was found, moved by a gallop forward, the pages passed
+/// given back as `Table::walk_to` does.
+fn walk_has<T: Pod>(table: &Table<T>, at: &mut usize, h: u64, hash: impl Fn(&T) -> u64) -> bool {
+    let before = *at;
+    let Some(p) = table.partition_point_from(before, |e| hash(e) < h) else { return true };
+    *at = p;
+    if before >> 20 != p >> 20 {
+        table.release_before(p);
+    }
+    table.at(p).map_or(p < table.len(), |e| hash(e) == h)
+}
+
 impl Frozen {
     fn bytes_at(&self, at: u64, len: u32) -> &[u8] {
         self.bytes_checked(at, len).unwrap_or(&[])
@@ -411,13 +425,7 @@ impl Frozen {
     /// forward from `at` (where the last one was found; start at 0), as
     /// [`Frozen::has_trace_hash_from`].
     pub fn has_session_hash_from(&self, at: &mut usize, h: u64) -> bool {
-        let before = *at;
-        let Some(p) = self.sessions.partition_point_from(before, |s| s.hash < h) else { return true };
-        *at = p;
-        if before >> 20 != p >> 20 {
-            self.sessions.release_before(p);
-        }
-        self.sessions.at(p).map_or(p < self.sessions.len(), |s| s.hash == h)
+        walk_has(&self.sessions, at, h, |s| s.hash)
     }
 
     /// Whether a trace id of the layer hashes to `h` (or a block read for it
@@ -427,13 +435,7 @@ impl Frozen {
     /// segments surveyed against 10M compacted: ~15% of an open), the
     /// pages passed given back as `Table::walk_to` does.
     pub fn has_trace_hash_from(&self, at: &mut usize, h: u64) -> bool {
-        let before = *at;
-        let Some(p) = self.by_trace.partition_point_from(before, |e| e.hash < h) else { return true };
-        *at = p;
-        if before >> 20 != p >> 20 {
-            self.by_trace.release_before(p);
-        }
-        self.by_trace.at(p).map_or(p < self.by_trace.len(), |e| e.hash == h)
+        walk_has(&self.by_trace, at, h, |e| e.hash)
     }
 
     /// The frozen session named `name`.
