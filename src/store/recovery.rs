@@ -906,9 +906,8 @@ impl RowFeed {
 /// first for the cold layer, [`Rebuilt::extend_base`]); then
 /// [`Rebuilt::extend`] replays later records. A writer whose compacted
 /// calls stay in its maps until it reopens (~0.4 KB a call) takes it
-/// instead of its own index
-/// after a publication (store/publish.rs): a long-lived writer's memory
-/// then does not grow with what it compacted.
+/// instead of its own index after a publication (store/publish.rs): a
+/// long-lived writer's memory then does not grow with what it compacted.
 pub(super) struct Rebuilt {
     index: Index,
     feed: RowFeed,
