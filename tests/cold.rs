@@ -209,6 +209,25 @@ fn run(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCaseError> 
     Ok(cold)
 }
 
+/// Append `sessions` sessions `{prefix}-{s}` of `calls` calls each, and
+/// seal each.
+fn sealed_sessions(store: &Store, prefix: &str, sessions: u32, calls: u32) {
+    for s in 0..sessions {
+        for n in 0..calls {
+            let call = Call {
+                trace_id: format!("{prefix}-{s}-{n}"),
+                session_id: format!("{prefix}-{s}"),
+                timestamp: f64::from(n),
+                prompt_token_ids: vec![s, n],
+                completion_token_ids: vec![1],
+                ..Default::default()
+            };
+            store.append(call).expect("append");
+        }
+        store.seal_session(&format!("{prefix}-{s}")).expect("seal");
+    }
+}
+
 /// A writer compacts 24 sealed sessions of 4 calls over the calls of
 /// `before` (rolled into sealed segments): the publication writes the
 /// first shard index file, and with at most a quarter of the calls left in
@@ -220,20 +239,7 @@ fn run(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCaseError> 
 fn run_rebuilt(dir: &Path, before: &[Op], after: &[Op], copy_forward: bool) -> Result<usize, TestCaseError> {
     let ids: Vec<String> = (0..60).map(trace).collect();
     let store = Store::open(dir, Options::default()).expect("open");
-    for s in 0..24u32 {
-        for n in 0..4u32 {
-            let call = Call {
-                trace_id: format!("big-{s}-{n}"),
-                session_id: format!("big-{s}"),
-                timestamp: f64::from(n),
-                prompt_token_ids: vec![s, n],
-                completion_token_ids: vec![1],
-                ..Default::default()
-            };
-            store.append(call).expect("append");
-        }
-        store.seal_session(&format!("big-{s}")).expect("seal");
-    }
+    sealed_sessions(&store, "big", 24, 4);
     before.iter().for_each(|o| apply(&store, o));
     store.roll().expect("roll");
     let opts = CompactOptions::default().copy_forward(copy_forward.then_some(trajlog::COPY_FORWARD_MAX));
@@ -339,20 +345,7 @@ fn compacted_cold_calls_count_as_live_rows_of_their_shard() {
     let (a, b) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
     let ids: Vec<String> = (0..60).map(trace).collect();
     let big = |store: &Store| {
-        for s in 0..100u32 {
-            for n in 0..8u32 {
-                let call = Call {
-                    trace_id: format!("old-{s}-{n}"),
-                    session_id: format!("old-{s}"),
-                    timestamp: f64::from(n),
-                    prompt_token_ids: vec![s, n],
-                    completion_token_ids: vec![1],
-                    ..Default::default()
-                };
-                store.append(call).expect("append");
-            }
-            store.seal_session(&format!("old-{s}")).expect("seal");
-        }
+        sealed_sessions(store, "old", 100, 8);
         store.compact(&CompactOptions::default()).expect("compact");
         for t in 0..24u8 {
             apply(store, &Op::Append { s: t % 6, t, uid: None, ts: t });
