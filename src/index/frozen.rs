@@ -451,6 +451,18 @@ impl Frozen {
         None
     }
 
+    /// [`Frozen::session`] for names asked in increasing order of their
+    /// hash: a gallop forward from `at` (where the last one was found;
+    /// start at 0) instead of a search of the whole table each.
+    pub fn session_from(&self, at: &mut usize, name: &str) -> Option<u32> {
+        let h = id_hash(name);
+        let p = self.sessions.partition_point_from(*at, |s| s.hash < h)?;
+        *at = p;
+        let same = self.sessions.run_from(p, |s| s.hash == h)?;
+        let i = same.iter().position(|s| self.bytes_at(s.name, s.name_len) == name.as_bytes())?;
+        u32::try_from(p + i).ok()
+    }
+
     /// Whether the open sealed frozen session `session` (the annotation
     /// cache, or a seal record its replay applied).
     pub fn is_sealed(&self, session: u32) -> bool {

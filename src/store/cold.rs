@@ -40,6 +40,7 @@ use super::*;
 use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
 use crate::format::segment::FooterEntryRef;
 use crate::index::frozen::{id_hash, AsRow, Frozen, RowRef, RowSessions};
+use crate::index::FrozenHits;
 use crate::shard::reader::ShardPos;
 use std::collections::{HashMap, HashSet};
 
@@ -72,6 +73,10 @@ pub(super) struct ColdPlan<'a> {
     calls: Vec<ColdCall<'a>>,
     /// Seal and session reward per cold session, as the replay met them.
     marks: HashMap<&'a str, (bool, Option<f64>)>,
+    /// The surveyed calls' hashes that are in the frozen layer: the
+    /// replay of the calls the layer does not take skips the frozen
+    /// lookups of the others.
+    pub(super) hits: FrozenHits,
 }
 
 /// The sessions (by name hash) a survey keeps out of the layer, and those
@@ -162,14 +167,17 @@ impl<'a> ColdPlan<'a> {
         // trace reward: its calls' sessions are not cold.
         s.calls.sort_unstable();
         let frozen = index.frozen();
+        let mut hits = FrozenHits::default();
         // The calls in trace hash order: one walk forward through the
         // frozen layer's mapped trace table, its pages given back behind it.
         let mut at = 0;
         let mut spoil = |(trace, session): (u64, u64), s: &mut Survey| {
-            if s.rewarded.contains(&trace)
-                || shard_traces.contains(&trace)
-                || frozen.has_trace_hash_from(&mut at, trace)
-            {
+            // Asked of every call, for the hits.
+            let in_frozen = frozen.has_trace_hash_from(&mut at, trace);
+            if in_frozen {
+                hits.traces.insert(trace);
+            }
+            if in_frozen || s.rewarded.contains(&trace) || shard_traces.contains(&trace) {
                 s.spoiled.insert(session);
             }
         };
@@ -183,16 +191,20 @@ impl<'a> ColdPlan<'a> {
             spoil(*c, &mut s);
         }
         drop(calls);
-        // In hash order: one walk forward through the frozen sessions.
-        let mut candidates: Vec<u64> = s.candidates.into_iter().filter(|h| !s.spoiled.contains(h)).collect();
-        candidates.sort_unstable();
+        // Every session a call names (candidates and spoiled ones, uids
+        // included), in hash order: one walk forward through the frozen
+        // sessions.
+        let mut named: Vec<u64> =
+            s.candidates.iter().chain(s.spoiled.iter().filter(|h| !s.candidates.contains(h))).copied().collect();
+        named.sort_unstable();
         let mut at = 0;
+        hits.sessions = named.into_iter().filter(|h| frozen.has_session_hash_from(&mut at, *h)).collect();
         let cold: HashSet<u64> =
-            candidates.into_iter().filter(|h| !frozen.has_session_hash_from(&mut at, *h)).collect();
+            s.candidates.into_iter().filter(|h| !s.spoiled.contains(h) && !hits.sessions.contains(h)).collect();
         if cold.is_empty() {
             return None;
         }
-        Some(ColdPlan { cold, calls: Vec::new(), marks: HashMap::new() })
+        Some(ColdPlan { cold, calls: Vec::new(), marks: HashMap::new(), hits })
     }
 
     fn is_cold(&self, name: &str) -> bool {
@@ -247,10 +259,14 @@ impl<'a> ColdPlan<'a> {
             }
             return;
         };
-        for (name, (sealed, reward)) in self.marks {
+        // In hash order: one walk forward through the layer's sessions.
+        let mut marks: Vec<_> = self.marks.into_iter().map(|(name, m)| (id_hash(name), name, m)).collect();
+        marks.sort_unstable_by_key(|m| m.0);
+        let mut at = 0;
+        for (_, name, (sealed, reward)) in marks {
             // A cold session has a call (the survey saw one): it is in
             // the layer.
-            let Some(i) = frozen.session(name) else { continue };
+            let Some(i) = frozen.session_from(&mut at, name) else { continue };
             if sealed {
                 frozen.seal(i);
             }

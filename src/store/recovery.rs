@@ -81,6 +81,7 @@ pub(super) fn apply_entry(
     damage: &mut Vec<Problem>,
     rewards: &mut Vec<(Loc, Target)>,
     keep_reward: &dyn Fn(Loc) -> bool,
+    hits: Option<&crate::index::FrozenHits>,
 ) {
     let loc = Loc { segment: seg.id, offset: e.frame_offset };
     // Seals and session rewards straight from the entry, with no copy of
@@ -104,7 +105,7 @@ pub(super) fn apply_entry(
             } else {
                 index.sessions_of(e.session_id, &e.session_uids.iter().collect::<Vec<_>>())
             };
-            index.apply_call(Arc::from(e.id), CallMeta { loc, timestamp: e.timestamp, sessions });
+            index.apply_surveyed_call(Arc::from(e.id), CallMeta { loc, timestamp: e.timestamp, sessions }, hits);
             return;
         }
         None => {
@@ -446,15 +447,9 @@ fn replay(
         }
         loaded_segments.push(seg);
     }
-    let shard_rows = feed.rows.iter().map(|(r, _)| {
-        (
-            crate::index::frozen::id_hash(&r.trace_id),
-            r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
-        )
-    });
     let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
-    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, shard_rows, &keep, &mut |id| {
-        release_footer(&loaded_segments, id)
+    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, feed.row_hashes(), &keep, &mut |id| {
+        release_footer(&loaded_segments, id, |s| s)
     });
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
@@ -765,6 +760,13 @@ fn check_entry(c: &AnnotationCache, frozen: &crate::index::frozen::Frozen, e: &F
 }
 
 impl RowFeed {
+    /// The survey's view of the rows left (cold.rs): each one's trace id
+    /// hash and session name hashes.
+    fn row_hashes(&self) -> impl Iterator<Item = (u64, Vec<u64>)> + '_ {
+        use crate::index::frozen::id_hash;
+        self.rows.iter().map(|(r, _)| (id_hash(&r.trace_id), r.sessions.iter().map(|s| id_hash(s)).collect()))
+    }
+
     /// Apply, in log order, the rows at positions `upto` accepts (a prefix
     /// of the rows left); whether any was applied.
     fn apply(&mut self, index: &mut Index, upto: impl Fn(Loc) -> bool) -> bool {
@@ -892,7 +894,9 @@ impl RowFeed {
                     return;
                 }
                 Some(Check::Skip) => continue,
-                Some(Check::Apply) | None => apply_entry(index, seg, &e, damage, rewards, keep),
+                Some(Check::Apply) | None => {
+                    apply_entry(index, seg, &e, damage, rewards, keep, cold.as_deref().map(|c| &c.hits))
+                }
             }
         }
     }
@@ -969,19 +973,10 @@ impl Rebuilt {
                 None => return false,
             }
         }
-        let rows = self.feed.rows.iter().map(|(r, _)| {
-            (
-                crate::index::frozen::id_hash(&r.trace_id),
-                r.sessions.iter().map(|s| crate::index::frozen::id_hash(s)).collect(),
-            )
-        });
         let surveyed = loaded.iter().map(|(_, l)| (l.id, true, l.entry_refs()));
-        let mut release = |id: u64| {
-            if let Some((_, l)) = loaded.binary_search_by_key(&id, |(_, l)| l.id).ok().and_then(|i| loaded.get(i)) {
-                l.map.release_pages();
-            }
-        };
-        let mut cold = super::cold::ColdPlan::survey(surveyed, &self.index, rows, &|_| false, &mut release);
+        let mut release = |id: u64| release_footer(&loaded, id, |(_, l)| l);
+        let mut cold =
+            super::cold::ColdPlan::survey(surveyed, &self.index, self.feed.row_hashes(), &|_| false, &mut release);
         for (seg, l) in &loaded {
             self.extend_refs(seg, l.entry_refs(), cold.as_mut());
             l.map.release_pages();
@@ -1028,14 +1023,14 @@ impl Rebuilt {
     }
 }
 
-/// Give back the mapped pages of segment `id` of `loaded` once the survey
-/// read its footer (read in place; one decoded into `entries` has none to
-/// give back that matter).
-fn release_footer(loaded: &[LoadedSegment], id: u64) {
+/// Give back the mapped pages of segment `id` of `loaded` (`seg` reaches
+/// each one's segment) once the survey read its footer (read in place; one
+/// decoded into `entries` has none to give back that matter).
+fn release_footer<T>(loaded: &[T], id: u64, seg: impl Fn(&T) -> &LoadedSegment) {
     // In log order (the manifest's), so in id order.
-    if let Some(seg) = loaded.binary_search_by_key(&id, |s| s.id).ok().and_then(|i| loaded.get(i)) {
-        if seg.in_footer.is_some() {
-            seg.map.release_pages();
+    if let Some(s) = loaded.binary_search_by_key(&id, |t| seg(t).id).ok().and_then(|i| loaded.get(i)).map(&seg) {
+        if s.in_footer.is_some() {
+            s.map.release_pages();
         }
     }
 }

@@ -83,7 +83,7 @@ pub(super) fn refresh_view(
         // No record written since the last load is compacted: the shards
         // are the same.
         for e in seg.entries.iter().filter(|e| e.frame_offset >= start) {
-            apply_entry(&mut index, &r, &e.as_ref(), &mut damage, &mut rewards, &|_| false);
+            apply_entry(&mut index, &r, &e.as_ref(), &mut damage, &mut rewards, &|_| false, None);
         }
         segments.insert(id, r);
     }
