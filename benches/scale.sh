@@ -24,8 +24,10 @@
 #        so that 10M calls fit a small disk
 #   SHAPE=gateway bash benches/scale.sh 20000   # the rLLM gateway's realistic
 #        traces (chat history, raw request and response) at the default sizes
-#   BATCH_CALLS=1048576 bash benches/scale.sh    # the first compaction in
-#        batches (`trajlog compact --batch-calls`): lower peak, longer
+#   BATCH_CALLS=262144 bash benches/scale.sh     # the first compaction in
+#        batches of that size (`trajlog compact --batch-calls`; default
+#        1048576); BATCH_CALLS=none: in one (`--no-batches`): higher peak,
+#        shorter
 #
 # Needs the release binaries (cargo build --release; cargo build --release
 # --example open_cost) and /usr/bin/time. The
@@ -82,7 +84,11 @@ for calls in "${sizes[@]}"; do
     gen_s=$(awk "BEGIN { print $(date +%s.%N) - $started }")
     measure ls_log "$bin" ls --store "$dir"
     batch=()
-    [ -n "${BATCH_CALLS:-}" ] && batch=(--batch-calls "$BATCH_CALLS")
+    case "${BATCH_CALLS:-}" in
+        "") ;;
+        none) batch=(--no-batches) ;;
+        *) batch=(--batch-calls "$BATCH_CALLS") ;;
+    esac
     measure compact1 "$bin" compact --store "$dir" "${batch[@]}"
     measure ls_shards "$bin" ls --store "$dir"
     "$bin" generate --store "$dir" --sessions 50 "${call_shape[@]}" --first-session "$sessions" >&2

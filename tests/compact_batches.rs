@@ -42,7 +42,7 @@ fn append_sealed(store: &Store, calls: &[Call]) {
 /// sessions each (a seventh would pass 25), one generation each, every
 /// call read back exactly, before and after a reopen; the progress runs
 /// over the whole compaction; with `max_calls`, the sessions up to it;
-/// without a limit, one publication.
+/// with the default (2^20) or no limit, one publication.
 #[test]
 fn a_backlog_is_published_in_steps_of_batch_calls() {
     let dir = tempdir();
@@ -78,7 +78,9 @@ fn a_backlog_is_published_in_steps_of_batch_calls() {
     append_sealed(&store, &more);
     let r = store.compact(&CompactOptions::default().batch_calls(None)).unwrap();
     assert_eq!((r.sessions, r.publications), (5, 1));
-    assert!(CompactOptions::default().batch_calls.is_none(), "one publication by default");
+    // By default, batches of 2^20 calls: a backlog under that is one
+    // publication (above).
+    assert_eq!(CompactOptions::default().batch_calls, Some(trajlog::DEFAULT_BATCH_CALLS));
     let bad = store.compact(&CompactOptions::default().batch_calls(Some(0))).unwrap_err();
     assert!(bad.to_string().contains("batch_calls"), "{bad}");
 }

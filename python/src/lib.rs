@@ -1127,7 +1127,7 @@ impl NativeStore {
         merge_fanout = Some(trajlog::DEFAULT_MERGE_FANOUT),
         max_calls = None,
         copy_forward = Some(trajlog::DEFAULT_COPY_FORWARD),
-        batch_calls = None,
+        batch_calls = Some(trajlog::DEFAULT_BATCH_CALLS),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn compact<'py>(

@@ -585,7 +585,7 @@ class Store:
         merge_fanout: Optional[int] = 8,
         max_calls: Optional[int] = None,
         copy_forward: Optional[float] = 0.25,
-        batch_calls: Optional[int] = None,
+        batch_calls: Optional[int] = 2**20,
     ) -> dict:
         """Compact sealed sessions (or those idle for `older_than` seconds)
         into Parquet shards under `<path>/shards/`.
@@ -595,14 +595,15 @@ class Store:
         result's `sessions_left` says how many selected sessions are left
         for the next call.
 
-        With `batch_calls`, a compaction publishes its shards in steps of at
-        most about that many calls (new ones and those collection and
-        merging write again, together), one after another until every
+        A compaction publishes its shards in steps of at most about
+        `batch_calls` calls (new ones and those collection and merging write
+        again, together; default 2**20), one after another until every
         session selected when it began is compacted: what a publication
         builds grows with its calls (about 0.3 KB each), so a large backlog
         is not built at once, at the cost of time (each step rewrites the
-        shard index file). `None` (the default): one publication, in which
-        collection and merging write at most 2**20 calls again. The result's
+        shard index file). A backlog under it is one publication. `None`:
+        one publication whatever the backlog, in which collection and
+        merging write at most 2**20 calls again. The result's
         `publications` says how many were made.
 
         Earlier compactions whose rows are at least `collect_dead` dead

@@ -115,11 +115,13 @@ pub struct CompactOptions {
     /// writes, the shard index file's changes) grows with its calls, about
     /// 0.3 KB each, so this bounds that part of a compaction's memory by
     /// configuration (format-spec/shard.md §6.4); each step also rewrites
-    /// the shard index file, so a large backlog takes longer (10M tiny
-    /// calls in steps of 2^20: 5.0 GB and 396 s against 6.3 GB and 164 s
-    /// in one). A session larger than `n` goes alone. Default `None`: one
-    /// publication of every new call chosen; collection and merging still
-    /// write at most [`DEFAULT_BATCH_CALLS`] live calls again in it.
+    /// the shard index file, so a large backlog takes longer (4M tiny
+    /// calls in segments: 0.95 GB and 102 s in steps of 2^20 against 1.75
+    /// GB and 74 s in one). A session larger than `n` goes alone. Default
+    /// [`DEFAULT_BATCH_CALLS`]: a compaction of fewer calls is one
+    /// publication, as before. `None`: one publication of every new call
+    /// chosen, whatever its size; collection and merging still write at
+    /// most [`DEFAULT_BATCH_CALLS`] live calls again in it.
     pub batch_calls: Option<u64>,
     /// The copy-forward collector (format-spec/shard.md §6.3): after the
     /// publication, a sealed segment kept only by unfinished sessions
@@ -167,7 +169,7 @@ impl Default for CompactOptions {
             collect_dead_fraction: Some(DEFAULT_COLLECT_DEAD_FRACTION),
             merge_fanout: Some(DEFAULT_MERGE_FANOUT),
             max_calls: None,
-            batch_calls: None,
+            batch_calls: Some(DEFAULT_BATCH_CALLS),
             copy_forward: Some(DEFAULT_COPY_FORWARD),
         }
     }
@@ -181,10 +183,11 @@ pub const COPY_FORWARD_MAX: f64 = 0.5;
 /// [`CompactOptions::copy_forward`]'s default.
 pub const DEFAULT_COPY_FORWARD: f64 = 0.25;
 
-/// The live calls collection and merging write again in one publication
-/// when [`CompactOptions::batch_calls`] is `None` (else that): 2^20, ~0.35
-/// GB of what a publication builds. Before this bound a merge took a whole
-/// tier: eight generations of ~1M rows made one publication of 8M rows.
+/// [`CompactOptions::batch_calls`]'s default, and the live calls
+/// collection and merging write again in one publication when it is
+/// `None`: 2^20, ~0.35 GB of what a publication builds. Before this bound a
+/// merge took a whole tier: eight generations of ~1M rows made one
+/// publication of 8M rows.
 pub const DEFAULT_BATCH_CALLS: u64 = 1 << 20;
 
 /// [`CompactOptions::collect_dead_fraction`]'s default.
@@ -270,8 +273,8 @@ impl CompactOptions {
         self
     }
     /// Publish in steps of at most about this many calls, new and moved
-    /// together (`None`: one publication; see
-    /// [`CompactOptions::batch_calls`]).
+    /// together (default [`DEFAULT_BATCH_CALLS`]; `None`: one publication;
+    /// see [`CompactOptions::batch_calls`]).
     #[must_use]
     pub fn batch_calls(mut self, v: Option<u64>) -> Self {
         self.batch_calls = v;
@@ -861,8 +864,9 @@ fn publish_one(
     // the live rows counted after this publication are kept for the next
     // batch's collection plan. (Until the next publication forgets them,
     // the count holds the index trees of after this one: those of the
-    // calls not compacted yet.)
-    let keep_liveness = opts.batch_calls.is_some() || opts.max_calls.is_some();
+    // calls not compacted yet.) A compaction's last publication keeps
+    // nothing: the next compaction may come much later.
+    let keep_liveness = (opts.batch_calls.is_some() && sessions_left > 0) || opts.max_calls.is_some();
     let outcome =
         store.publish_compaction(compaction, staged.clone(), compacted, &obsolete, opts.copy_forward, keep_liveness)?;
     report.retired_segments = outcome.retired_segments.len();

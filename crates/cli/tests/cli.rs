@@ -190,6 +190,22 @@ fn compact_in_batches() {
     assert!(text.contains("compacted 3 sessions, 5 calls in 2 batches"), "{text}");
     let export = trajlog(&["export", "--store", s(&store)], "");
     assert_eq!(String::from_utf8_lossy(&export.stdout).lines().count(), 5);
+    // By default, batches of 2^20 calls: a backlog under that is one
+    // compaction, printed as one; `--no-batches` takes no batch size.
+    let more =
+        input.replace("\"session_id\":\"", "\"session_id\":\"more-").replace("\"trace_id\":\"", "\"trace_id\":\"more-");
+    assert!(trajlog(&["ingest", "--store", s(&store)], &more).status.success());
+    let out = trajlog(&["compact", "--store", s(&store), "--older-than", "0"], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.starts_with("compacted 3 sessions, 5 calls"), "{text}");
+    assert!(!text.contains("batch"), "{text}");
+    let both = trajlog(&["compact", "--store", s(&store), "--no-batches", "--batch-calls", "3"], "");
+    assert_eq!(both.status.code(), Some(2));
+    let one = trajlog(&["compact", "--store", s(&store), "--no-batches"], "");
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let export = trajlog(&["export", "--store", s(&store)], "");
+    assert_eq!(String::from_utf8_lossy(&export.stdout).lines().count(), 10);
 }
 
 /// A session whose call is damaged is never compacted and stays the oldest

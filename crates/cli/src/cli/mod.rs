@@ -207,10 +207,15 @@ enum Command {
         /// line: a large backlog then peaks lower in memory than in one
         /// compaction (what a compaction builds grows with what it writes),
         /// but takes longer (each batch rewrites the shard index file).
-        /// Default: one compaction (collection and merging in it write at
-        /// most 1,048,576 calls again).
-        #[arg(long, value_name = "CALLS", value_parser = clap::value_parser!(u64).range(1..))]
-        batch_calls: Option<u64>,
+        /// A backlog under the default is one compaction.
+        #[arg(long, value_name = "CALLS", default_value_t = trajlog::DEFAULT_BATCH_CALLS, value_parser = clap::value_parser!(u64).range(1..))]
+        batch_calls: u64,
+        /// Compact everything selected in one compaction, whatever its size
+        /// (faster for a large backlog, and its peak memory grows with it;
+        /// collection and merging still write at most 1,048,576 calls
+        /// again).
+        #[arg(long, conflicts_with = "batch_calls")]
+        no_batches: bool,
     },
     /// Fill a store with simulated multi-turn rollouts (sealed), streaming one session at a time.
     Generate {
@@ -431,6 +436,7 @@ pub fn main() -> i32 {
             copy_forward,
             no_copy_forward,
             batch_calls,
+            no_batches,
         } => shards::compact(
             &store,
             &shards::CompactArgs {
@@ -443,7 +449,7 @@ pub fn main() -> i32 {
                 collect_dead: (!no_collect).then_some(collect_dead),
                 merge_fanout: (!no_merge).then_some(merge_fanout),
                 copy_forward: (!no_copy_forward).then_some(copy_forward),
-                batch_calls,
+                batch_calls: (!no_batches).then_some(batch_calls),
             },
         ),
         Command::Bench { sessions, steps, prompt_tokens, completion_tokens, durability, seed, dir, json, shape } => {

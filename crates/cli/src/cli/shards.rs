@@ -29,8 +29,8 @@ pub struct CompactArgs {
     /// `--copy-forward` (`None`: `--no-copy-forward`).
     pub copy_forward: Option<f64>,
     /// `--batch-calls`: one compaction after another, each of about this
-    /// many calls (what they write again included), a line each (`None`:
-    /// one compaction of everything selected).
+    /// many calls (what they write again included), a line each (`None`,
+    /// `--no-batches`: one compaction of everything selected).
     pub batch_calls: Option<u64>,
 }
 
@@ -60,7 +60,9 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         batches += 1;
         sessions += r.sessions as u64;
         calls += r.calls;
-        if args.batch_calls.is_some() {
+        // A backlog the first batch took whole is one compaction, printed
+        // as such.
+        if batches > 1 || r.sessions_left > 0 {
             print!("batch {batches}: ");
         }
         print_report(&r);
@@ -75,7 +77,7 @@ pub fn compact(dir: &Path, args: &CompactArgs) -> trajlog::Result<i32> {
         limit = if r.sessions == 0 { limit.map(|n| n.saturating_mul(2)) } else { args.batch_calls };
     }
     store.close()?;
-    if args.batch_calls.is_some() {
+    if batches > 1 {
         println!(
             "compacted {sessions} sessions, {calls} calls in {batches} batches in {:.2} s; peak RSS {}",
             started.elapsed().as_secs_f64(),
