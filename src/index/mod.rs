@@ -439,14 +439,16 @@ impl Index {
         if self.frozen.is_empty() {
             return;
         }
-        let surveyed = |set: fn(&FrozenHits) -> &std::collections::HashSet<u64>, name: &str| {
-            hits.is_none_or(|h| set(h).contains(&frozen::id_hash(name)))
+        // Without the survey's hashes, any name may be a frozen one.
+        let may_be_frozen = |found: Option<&std::collections::HashSet<u64>>, name: &str| {
+            found.is_none_or(|found| found.contains(&frozen::id_hash(name)))
         };
-        if let Some(r) = trace_id.filter(|t| surveyed(|h| &h.traces, t)).and_then(|t| self.frozen_trace(t)) {
+        let (traces, names) = (hits.map(|h| &h.traces), hits.map(|h| &h.sessions));
+        if let Some(r) = trace_id.filter(|t| may_be_frozen(traces, t)).and_then(|t| self.frozen_trace(t)) {
             let s = r.session;
             self.thaw(s, at);
         }
-        for s in sessions.iter().filter(|s| surveyed(|h| &h.sessions, s)) {
+        for s in sessions.iter().filter(|s| may_be_frozen(names, s)) {
             if let Some(i) = self.frozen_session(s) {
                 self.thaw(i, at);
             }

@@ -194,9 +194,9 @@ impl<'a> ColdPlan<'a> {
         // Every session a call names (candidates and spoiled ones, uids
         // included), in hash order: one walk forward through the frozen
         // sessions.
-        let mut named: Vec<u64> =
-            s.candidates.iter().chain(s.spoiled.iter().filter(|h| !s.candidates.contains(h))).copied().collect();
+        let mut named: Vec<u64> = s.candidates.iter().chain(&s.spoiled).copied().collect();
         named.sort_unstable();
+        named.dedup();
         let mut at = 0;
         hits.sessions = named.into_iter().filter(|h| frozen.has_session_hash_from(&mut at, *h)).collect();
         let cold: HashSet<u64> =
