@@ -65,6 +65,9 @@ pub struct ByteSplit {
     /// Docs blocks whose `messages` is a delta against the parent's
     /// (format-spec/record.md §7.2, references 6 and 7).
     pub messages_deltas: u64,
+    /// Docs blocks whose `extra` holds vLLM's `logprobs.content` list as one
+    /// reference (format-spec/record.md §7.2, reference 8).
+    pub content_lists: u64,
     /// Bytes of the docs blocks' templates before compression, per document:
     /// messages, response_message, metadata, extra (what is left of each
     /// after its references are cut out).
@@ -338,6 +341,9 @@ fn verify_once(dir: &Path) -> Result<VerifyReport> {
                                     if b.needs_prompt() { vec![0u32; rec.prompt_len as usize] } else { Vec::new() };
                                 for (sum, n) in s.template_bytes.iter_mut().zip(b.template_bytes()) {
                                     *sum += n;
+                                }
+                                if b.has_content_list() {
+                                    s.content_lists += 1;
                                 }
                                 if b.needs_parent() {
                                     if rec.parent.is_none() {

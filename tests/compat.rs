@@ -1537,3 +1537,161 @@ fn reads_the_v16_fixture_from_v2_pages_exactly() {
         .collect();
     assert_eq!(pages, [256, 304 - 256], "trace_id's pages");
 }
+
+fn fixture_v18_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v18")
+}
+
+/// Token literals of the v18 fixture's completions: plain, escaped,
+/// non-ASCII raw, a quote, an empty one.
+const V18_TOKENS: [&str; 6] = [r#"" the""#, r#""\u00e9t\u00e9""#, r#""ü""#, r#""\"q""#, r#""""#, r#""\n""#];
+
+/// vLLM's response and rLLM's request for `call`, with its `logprobs.content`
+/// written compact (vLLM's server) or `spaced` (Python's `json.dumps`), and
+/// optionally with `top_logprobs` entries (then no reference 8 applies).
+fn vllm_extra(call: &Call, spaced: bool, top: bool) -> Vec<u8> {
+    let (colon, comma) = if spaced { (": ", ", ") } else { (":", ",") };
+    let lps = call.logprobs.as_deref().unwrap_or_default();
+    let content: Vec<String> = lps
+        .iter()
+        .enumerate()
+        .map(|(i, lp)| {
+            let literal = V18_TOKENS[i % V18_TOKENS.len()];
+            let token: String = serde_json::from_str(literal).unwrap();
+            let bytes = token.bytes().map(|b| b.to_string()).collect::<Vec<_>>().join(comma);
+            let top = if top { format!(r#"{{"token"{colon}{literal}{comma}"logprob"{colon}-0.25}}"#) } else { String::new() };
+            format!(
+                r#"{{"token"{colon}{literal}{comma}"logprob"{colon}{}{comma}"bytes"{colon}[{bytes}]{comma}"top_logprobs"{colon}[{top}]}}"#,
+                trajlog::trace_json::py_float(f64::from(*lp))
+            )
+        })
+        .collect();
+    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(comma);
+    let messages = String::from_utf8_lossy(call.messages.as_deref().unwrap_or(b"[]")).into_owned();
+    format!(
+        r#"{{"raw_request"{colon}{{"model"{colon}"m"{comma}"messages"{colon}{messages}{comma}"logprobs"{colon}true}}{comma}"raw_response"{colon}{{"id"{colon}"chatcmpl-{}"{comma}"choices"{colon}[{{"index"{colon}0{comma}"logprobs"{colon}{{"content"{colon}[{}]}}{comma}"token_ids"{colon}[{}]}}]{comma}"prompt_token_ids"{colon}[{}]}}}}"#,
+        call.trace_id,
+        content.join(comma),
+        ids(&call.completion_token_ids),
+        ids(&call.prompt_token_ids),
+    )
+    .into_bytes()
+}
+
+/// Chat sessions whose `extra` repeats vLLM's `logprobs.content`: `vllm-1:0`
+/// (open) compact, `vllm-2:0` (compacted) spaced, `vllm-3:0` (open) one call
+/// with `top_logprobs`, one with an empty completion, one whose logprobs
+/// are not those of its content list.
+fn fixture_v18_calls() -> Vec<Call> {
+    let mut calls = Vec::new();
+    for (sid, turns) in [("vllm-1:0", 4u32), ("vllm-2:0", 3), ("vllm-3:0", 3)] {
+        let mut prompt: Vec<u32> = (0..20).map(|i| i + turns * 100).collect();
+        for step in 0..turns {
+            let n = if sid == "vllm-3:0" && step == 1 { 0 } else { 13 + step };
+            let completion: Vec<u32> = (0..n).map(|i| 70_000 + 50 * step + i).collect();
+            let mut call = Call {
+                trace_id: format!("{sid}/{step}"),
+                session_id: sid.into(),
+                timestamp: 800.0 + f64::from(step),
+                logprobs: Some(completion.iter().map(|&t| -((t % 997) as f32) / 331.0).collect()),
+                prompt_token_ids: prompt.clone(),
+                completion_token_ids: completion.clone(),
+                messages: Some(format!(r#"[{{"role":"user","content":"{sid} step {step}"}}]"#).into_bytes()),
+                response_message: Some(br#"{"role":"assistant","content":"ok"}"#.to_vec()),
+                ..Default::default()
+            };
+            call.extra = Some(vllm_extra(&call, sid == "vllm-2:0", sid == "vllm-3:0" && step == 0));
+            if sid == "vllm-3:0" && step == 2 {
+                if let Some(lp) = call.logprobs.as_mut().and_then(|l| l.last_mut()) {
+                    *lp = f32::from_bits(lp.to_bits() ^ 1);
+                }
+            }
+            calls.push(call);
+            prompt.extend_from_slice(&completion);
+            prompt.extend([4, step]);
+        }
+    }
+    calls
+}
+
+/// Store format 18: segment format 6 (reference 8 in docs blocks).
+fn write_fixture_v18() {
+    let dir = fixture_v18_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_v18_calls() {
+        store.append(c).unwrap();
+    }
+    store.seal_session("vllm-2:0").unwrap();
+    let r = store.compact(&trajlog::CompactOptions::default()).unwrap();
+    assert_eq!(r.sessions, 1, "{r:?}");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+}
+
+#[test]
+fn reads_the_v18_fixture_with_content_lists_exactly() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v18_dir().exists() {
+        write_fixture_v18();
+    }
+    let dir = fixture_v18_dir();
+    let snap = Store::open_read_only(&dir).expect("fixture opens").snapshot();
+    let calls = fixture_v18_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        let v = snap.get(&c.trace_id).unwrap().unwrap();
+        assert_eq!(v.is_compacted(), c.session_id == "vllm-2:0", "{}", c.trace_id);
+        assert_exact(&v, c);
+        assert_eq!(&v.to_call().unwrap(), c, "{}", c.trace_id);
+    }
+    for sid in ["vllm-1:0", "vllm-2:0", "vllm-3:0"] {
+        let want: Vec<Call> = calls.iter().filter(|c| c.session_id == sid).cloned().collect();
+        assert_eq!(snap.session_calls(sid, None, None).unwrap(), want, "{sid}");
+    }
+    // Segment format 6 on disk. vllm-1:0's and vllm-2:0's records hold
+    // their content lists as one reference; vllm-3:0's do not (top
+    // logprobs, no logprobs, a logprob that is not the list's).
+    let formats: Vec<u32> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .map(|p| u32::from_le_bytes(std::fs::read(p).unwrap()[8..12].try_into().unwrap()))
+        .collect();
+    assert!(!formats.is_empty() && formats.iter().all(|&v| v == 6), "segment formats {formats:?}");
+    let report = trajlog::verify::verify_dir(&dir).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    // vllm-2:0's records stay in the segment beside the open sessions'.
+    assert_eq!((report.split.docs_blocks, report.split.content_lists), (10, 7), "{:?}", report.split);
+}
+
+/// A writer appending to a reopened store whose active segment is of
+/// format 5 keeps that format: its docs blocks cut a content list entry by
+/// entry (no reference 8), so the builds that wrote the store still read it.
+#[test]
+fn appends_to_a_format_5_segment_make_no_content_references() {
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_v17_dir(), copy.path());
+    let calls: Vec<Call> = fixture_v18_calls().into_iter().filter(|c| c.session_id == "vllm-1:0").collect();
+    let store = Store::open(copy.path(), Options::default()).unwrap();
+    for c in &calls {
+        store.append(c.clone()).unwrap();
+    }
+    store.flush().unwrap();
+    let snap = store.snapshot();
+    for c in &calls {
+        assert_eq!(&snap.get(&c.trace_id).unwrap().unwrap().to_call().unwrap(), c);
+    }
+    drop(snap);
+    store.close().unwrap();
+    let formats: Vec<u32> = std::fs::read_dir(copy.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tlog"))
+        .map(|p| u32::from_le_bytes(std::fs::read(p).unwrap()[8..12].try_into().unwrap()))
+        .collect();
+    assert!(formats.iter().all(|&v| v == 5), "segment formats {formats:?}");
+    let report = trajlog::verify::verify_dir(copy.path()).expect("verify");
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!(report.split.content_lists, 0, "{:?}", report.split);
+    assert!(report.split.docs_blocks >= calls.len() as u64, "{:?}", report.split);
+}

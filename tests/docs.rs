@@ -7,7 +7,7 @@
 //! exactly; references are an optimization, never a rewrite.
 
 use proptest::prelude::*;
-use trajlog::format::docs::{encode, open, Columns, Parent};
+use trajlog::format::docs::{encode, encode_for, open, Allow, Columns, Parent};
 use trajlog::{Call, Options, Store};
 use trajlog_sim::{simulate, Shape, SimConfig};
 
@@ -71,6 +71,34 @@ fn edit(text: &str, kind: u8, pick: usize) -> String {
                 out.insert_str(i + "\"raw_request\":{\"messages\":[".len(), "{\"role\":\"user\",\"content\":\"x\"},");
             }
         }
+        // vLLM's content list written as Python's json.dumps writes it
+        // (reference 8's spaced style), `pick` choosing whether the bytes
+        // lists are spaced too.
+        6 => {
+            for (from, to) in [
+                (r#"{"token":"#, r#"{"token": "#),
+                (r#","logprob":"#, r#", "logprob": "#),
+                (r#","bytes":"#, r#", "bytes": "#),
+                (r#","top_logprobs":[]}"#, r#", "top_logprobs": []}"#),
+                (r#"]},{"token""#, r#"]}, {"token""#),
+                (r#"[]},{"token""#, r#"[]}, {"token""#),
+            ] {
+                out = out.replace(from, to);
+            }
+            if pick.is_multiple_of(2) {
+                let mut spaced = String::with_capacity(out.len());
+                let mut rest = out.as_str();
+                while let Some(i) = rest.find(r#""bytes": ["#) {
+                    let start = i + r#""bytes": ["#.len();
+                    let len = rest[start..].find(']').unwrap_or(0);
+                    spaced.push_str(&rest[..start]);
+                    spaced.push_str(&rest[start..start + len].replace(',', ", "));
+                    rest = &rest[start + len..];
+                }
+                spaced.push_str(rest);
+                out = spaced;
+            }
+        }
         // Whitespace after a comma.
         _ => {
             if let Some(i) = at(places(",\"")) {
@@ -116,6 +144,14 @@ fn check(call: &Call, parent: Option<Parent<'_>>) -> bool {
             .sum();
         assert!(block.len() < plain, "a block is used only when it is smaller");
     }
+    // A block for a segment of format 5 (no reference 8) comes back too.
+    let allow = Allow::format(5);
+    if let Some(e) = encode_for(call, parent, allow) {
+        assert!(e.min_format <= 5, "{}: a block for format 5 needs format {}", call.trace_id, e.min_format);
+        let docs = resolve(call, &e.block, parent.filter(|_| e.uses_parent));
+        assert_eq!(docs.extra, call.extra, "{}: extra (format 5)", call.trace_id);
+        assert_eq!(docs.messages, call.messages, "{}: messages (format 5)", call.trace_id);
+    }
     uses_parent
 }
 
@@ -126,7 +162,7 @@ proptest! {
     fn edited_gateway_traces_round_trip(
         seed in any::<u64>(),
         streaming in any::<bool>(),
-        edits in prop::collection::vec((0u8..6, any::<usize>(), 0usize..4), 0..6),
+        edits in prop::collection::vec((0u8..7, any::<usize>(), 0usize..4), 0..6),
         column_edit in 0u8..3,
     ) {
         let shape = if streaming { Shape::GatewayStreaming } else { Shape::Gateway };
@@ -175,8 +211,35 @@ fn realistic_traces_shrink_and_come_back_exactly() {
             .sum::<usize>();
         blocks += encode(call, None).map_or(0, |b| b.block.len());
     }
-    // Every call of this shape carries its columns again in raw_response.
+    // Every call of this shape carries its columns again in raw_response,
+    // its content list as one splice (reference 8, format 6): the block is
+    // smaller than the same call's block for format 5.
     assert!(calls.iter().all(|c| encode(c, None).is_some()));
+    for call in calls.iter().filter(|c| c.logprobs.as_ref().is_some_and(|lp| !lp.is_empty())) {
+        let e = encode(call, None).expect("a block");
+        assert_eq!(e.min_format, trajlog::format::FORMAT_CONTENT_REF, "{}", call.trace_id);
+        let old = encode_for(call, None, Allow::format(5)).expect("a block");
+        assert!(
+            e.block.len() < old.block.len(),
+            "{}: {} B, {} B for format 5",
+            call.trace_id,
+            e.block.len(),
+            old.block.len()
+        );
+        // So is the list as Python's json.dumps writes it (pick 0); with
+        // its bytes lists compact (pick 1) it is no style of reference 8,
+        // and its entries are cut one by one.
+        for pick in [0, 1] {
+            let mut spaced = call.clone();
+            let text = String::from_utf8(call.extra.clone().expect("extra")).expect("utf-8");
+            spaced.extra = Some(edit(&text, 6, pick).into_bytes());
+            assert_ne!(spaced.extra, call.extra);
+            let e = encode(&spaced, None).expect("a block");
+            let want = if pick == 0 { trajlog::format::FORMAT_CONTENT_REF } else { 2 };
+            assert_eq!(e.min_format, want, "{} pick {pick}", call.trace_id);
+            check(&spaced, None);
+        }
+    }
     assert!(blocks * 3 < plain, "docs blocks {blocks} B against {plain} B of plain documents");
 }
 
@@ -235,31 +298,35 @@ fn docs_codec_timing() {
     let cfg = SimConfig { sessions: 8, steps: 8, seed: 1, shape: Shape::Gateway, ..SimConfig::default() };
     let calls: Vec<Call> = simulate(&cfg).into_iter().flat_map(|s| s.calls).collect();
     let rounds = 10;
-    let t = std::time::Instant::now();
-    for _ in 1..rounds {
-        std::hint::black_box(calls.iter().filter_map(|c| encode(c, None)).count());
-    }
-    let blocks: Vec<Vec<u8>> = calls.iter().filter_map(|c| encode(c, None).map(|e| e.block)).collect();
-    let enc = t.elapsed().as_secs_f64() / (rounds * calls.len()) as f64;
-    let t = std::time::Instant::now();
-    for (call, block) in calls.iter().zip(&blocks) {
-        std::hint::black_box(resolve(call, block, None));
-    }
-    let dec = t.elapsed().as_secs_f64() / calls.len() as f64;
-    let t = std::time::Instant::now();
-    for call in &calls {
-        call.validate().expect("valid");
-    }
-    let val = t.elapsed().as_secs_f64() / calls.len() as f64;
     let plain: usize = calls.iter().map(|c| c.extra.as_ref().map_or(0, Vec::len)).sum();
-    println!(
-        "{} calls, {:.0} KB extra per call: encode {:.0} µs, resolve {:.0} µs, validate {:.0} µs per call",
-        calls.len(),
-        plain as f64 / calls.len() as f64 / 1e3,
-        enc * 1e6,
-        dec * 1e6,
-        val * 1e6
-    );
+    println!("{} calls, {:.0} KB extra per call", calls.len(), plain as f64 / calls.len() as f64 / 1e3);
+    // Alternated, so that both formats see the same machine.
+    for round in 0..4 {
+        for version in [5, trajlog::format::FORMAT_VERSION] {
+            let allow = Allow::format(version);
+            let t = std::time::Instant::now();
+            for _ in 1..rounds {
+                std::hint::black_box(calls.iter().filter_map(|c| encode_for(c, None, allow)).count());
+            }
+            let blocks: Vec<Vec<u8>> =
+                calls.iter().filter_map(|c| encode_for(c, None, allow).map(|e| e.block)).collect();
+            let enc = t.elapsed().as_secs_f64() / (rounds * calls.len()) as f64;
+            let t = std::time::Instant::now();
+            for _ in 0..rounds {
+                for (call, block) in calls.iter().zip(&blocks) {
+                    std::hint::black_box(resolve(call, block, None));
+                }
+            }
+            let dec = t.elapsed().as_secs_f64() / (rounds * calls.len()) as f64;
+            let bytes: usize = blocks.iter().map(Vec::len).sum();
+            println!(
+                "round {round}, segment format {version}: encode {:.0} µs, resolve {:.0} µs, block {:.0} B per call",
+                enc * 1e6,
+                dec * 1e6,
+                bytes as f64 / calls.len() as f64
+            );
+        }
+    }
 }
 
 /// A growing chat history is stored as a delta against the previous call:

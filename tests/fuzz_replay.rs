@@ -49,7 +49,7 @@ fn put(target: &str, name: &str, bytes: &[u8]) {
 /// Seeds cut from the committed store fixtures (real bytes of every format).
 fn write_corpus() {
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    for store in ["store-v1", "store-v2", "store-v3"] {
+    for store in ["store-v1", "store-v2", "store-v3", "store-v6", "store-v18"] {
         let dir = fixtures.join(store);
         put("manifest_decode", &format!("{store}-MANIFEST"), &std::fs::read(dir.join("MANIFEST")).expect("manifest"));
         for seg in inputs(&dir).into_iter().filter(|p| p.extension().is_some_and(|e| e == "tlog")) {

@@ -308,8 +308,37 @@ impl<'a, 'py> Parser<'a, '_, 'py> {
                 Ok(PyList::new(self.py, token.bytes())?.into_any())
             }
             Hole::Messages => Ok(deep_copy(src.messages.ok_or(Stop::Bail)?, 0)?),
+            Hole::Content { end, .. } => self.content(end),
             Hole::ParentMessages | Hole::ParentResponse => Err(Stop::Bail),
         }
+    }
+}
+
+impl<'py> Parser<'_, '_, 'py> {
+    /// vLLM's `logprobs.content` list from the token literals here (up to
+    /// `end`, where the parse goes on) and the logprob column's floats.
+    fn content(&mut self, end: usize) -> Built<'py> {
+        let logprobs = self.src.logprobs.ok_or(Stop::Bail)?;
+        let mut items: Vec<Bound<'py, PyAny>> = Vec::with_capacity(logprobs.len());
+        let [k_token, k_logprob, k_bytes, k_top] =
+            ["token", "logprob", "bytes", "top_logprobs"].map(|k| self.keys.key(self.py, k));
+        let mut i = self.pos;
+        while i < end {
+            let (token, next) = string_at(self.t, self.s, i).ok_or(Stop::Bail)?;
+            let entry = PyDict::new(self.py);
+            entry.set_item(&k_token, PyString::new(self.py, &token))?;
+            let logprob = logprobs.get_item(items.len()).map_err(|_| Stop::Bail)?;
+            entry.set_item(&k_logprob, logprob)?;
+            entry.set_item(&k_bytes, PyList::new(self.py, token.bytes())?)?;
+            entry.set_item(&k_top, PyList::empty(self.py))?;
+            items.push(entry.into_any());
+            i = next;
+        }
+        if i != end || items.len() != logprobs.len() {
+            return Err(Stop::Bail);
+        }
+        self.pos = end;
+        Ok(PyList::new(self.py, items)?.into_any())
     }
 }
 

@@ -151,3 +151,72 @@ def test_ingested_text_with_any_whitespace_reads_back_as_json_loads_reads_it(tmp
         for g, w in zip(got, want):
             assert_same(g, w)
             assert json.dumps(g) == json.dumps(w)
+
+
+def clean_trace(session, turn, tokens):
+    """A gateway trace whose `logprobs.content` is exactly its logprob column
+    in vLLM's form: stored as one reference (format-spec/record.md §7.2,
+    reference 8) and rebuilt from the column and the token literals."""
+    n = 5 + 7 * turn
+    completion = [90_000 + 31 * turn + k for k in range(n)]
+    logprobs = [float(np.float32(-k / 7 - turn)) for k in range(n)]
+    entries = [
+        {"token": tokens[k % len(tokens)], "logprob": lp, "bytes": list(tokens[k % len(tokens)].encode()), "top_logprobs": []}
+        for k, lp in enumerate(logprobs)
+    ]
+    messages = [{"role": "user", "content": f"turn {turn}"}]
+    return {
+        "trace_id": f"{session}-{turn}",
+        "session_id": session,
+        "messages": messages,
+        "prompt_token_ids": [1, 2, turn],
+        "completion_token_ids": completion,
+        "logprobs": logprobs,
+        "timestamp": 1700000000.0 + turn,
+        "raw_request": {"messages": messages, "logprobs": True},
+        "raw_response": {
+            "choices": [{"index": 0, "logprobs": {"content": entries}, "token_ids": completion}],
+            "prompt_token_ids": [1, 2, turn],
+        },
+    }
+
+
+def content_lists(binary, store):
+    out = subprocess.run([binary, "verify", "--store", str(store)], capture_output=True, text=True,
+                         env={**os.environ, "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = [line for line in out.stdout.splitlines() if line.startswith("call records:")]
+    assert found, out.stdout
+    return int(found[0].split(" with the logprobs content list as one reference")[0].rsplit(" ", 1)[1])
+
+
+def test_content_lists_stored_as_one_reference_read_back_exactly(tmp_path):
+    """Dicts appended from Python (compact text) and lines ingested as
+    Python's json.dumps writes them (spaced, ASCII escapes or not): their
+    content lists are one reference each, and read back as json.loads reads
+    the stored text, escapes, float bits and all."""
+    binary = trajlog_binary()
+    if binary is None:
+        pytest.skip("the trajlog binary is not built (cargo build)")
+    traces = [clean_trace("py", turn, TOKENS) for turn in range(4)]
+    with trajlog.Store(tmp_path / "a") as store:
+        for t in traces:
+            store.append_trace(t)
+        store.flush()
+        got = store.session_dicts("py")
+        assert_same(got, [plain(t) for t in traces])
+        assert [json.dumps(d) for d in got] == [json.dumps(store.get(t["trace_id"]).to_dict()) for t in traces]
+    assert content_lists(binary, tmp_path / "a") == 4
+    lines = [json.dumps(clean_trace("txt", turn, TOKENS[:8]), ensure_ascii=turn % 2 == 0) for turn in range(4)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with open(src, "rb") as f:
+        out = subprocess.run([binary, "ingest", "--store", str(tmp_path / "b")], stdin=f, capture_output=True,
+                             text=True, env={**os.environ, "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    assert content_lists(binary, tmp_path / "b") == 4
+    with trajlog.Store(tmp_path / "b", read_only=True) as store:
+        got = store.session_dicts("txt")
+        for g, line in zip(got, lines):
+            assert_same(g, json.loads(line))
+            assert json.dumps(g) == json.dumps(json.loads(line))

@@ -53,6 +53,9 @@ const REF_TOKEN_BYTES: u8 = 4;
 const REF_MESSAGES: u8 = 5;
 const REF_PARENT_MESSAGES: u8 = 6;
 const REF_PARENT_RESPONSE: u8 = 7;
+/// vLLM's whole `logprobs.content` list, rendered from the logprob column
+/// and the token literals left in the template (segment format 6).
+const REF_CONTENT: u8 = 8;
 
 /// List styles: the separator between elements.
 const LIST_COMPACT: u8 = 0;
@@ -106,7 +109,7 @@ pub struct Parent<'a> {
 
 // ---------------------------------------------------------------- encoding
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Cut {
     start: usize,
     end: usize,
@@ -116,6 +119,9 @@ struct Cut {
     /// For a token-bytes reference: where the token's string literal starts
     /// in the original text (turned into a distance in the template).
     token_at: usize,
+    /// Text the template keeps in place of the cut value, which the splice
+    /// consumes (reference 8: the token literals, back to back).
+    kept: Vec<u8>,
 }
 
 /// A docs block made by [`encode`].
@@ -125,6 +131,26 @@ pub struct Encoded {
     /// Whether `messages` refers to the parent's documents (references 6 and
     /// 7): the record must then name that call as its parent.
     pub uses_parent: bool,
+    /// The oldest segment format that may hold this block: 2, 3 with
+    /// references 6 and 7, 6 with reference 8.
+    pub min_format: u32,
+}
+
+/// What an encoder may use: the references of the segment format the
+/// block goes into (record.md §7.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allow {
+    /// References 6 and 7 (segment format 3 and later), given a parent.
+    pub parent: bool,
+    /// Reference 8 (segment format 6 and later).
+    pub content: bool,
+}
+
+impl Allow {
+    /// Everything the segment format `version` has.
+    pub fn format(version: u32) -> Self {
+        Allow { parent: version >= 3, content: version >= super::FORMAT_CONTENT_REF }
+    }
 }
 
 /// The docs block for `call`'s documents (a validated call), or `None` when
@@ -134,6 +160,13 @@ pub struct Encoded {
 /// the parent's `messages` without its closing `]`, then, after a separator,
 /// the parent's `response_message`.
 pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
+    encode_for(call, parent, Allow::format(super::FORMAT_VERSION))
+}
+
+/// [`encode`] with only the references `allow` names (a block for an older
+/// segment format).
+pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Option<Encoded> {
+    let parent = parent.filter(|_| allow.parent);
     let docs = [&call.messages, &call.response_message, &call.metadata, &call.extra];
     let plain: usize = docs.iter().map(|d| d.as_ref().map_or(0, Vec::len)).sum();
     if plain == 0 {
@@ -146,8 +179,16 @@ pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
     let uses_parent = !cuts[0].is_empty();
     if let Some(extra) = &call.extra {
         let mut scratch = String::new();
-        extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch);
+        extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch, allow.content);
     }
+    let uses_content = cuts[DOC_EXTRA].iter().any(|c| c.reference == REF_CONTENT);
+    let min_format = if uses_content {
+        super::FORMAT_CONTENT_REF
+    } else if uses_parent {
+        3
+    } else {
+        2
+    };
     let n_docs = docs.iter().filter(|d| d.is_some()).count();
     let mut payload = Vec::with_capacity(plain + 64);
     let mut templates: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(n_docs);
@@ -188,7 +229,7 @@ pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
     out.put_u16(n_docs as u16);
     out.put_u32(raw_len as u32);
     out.extend_from_slice(&body);
-    Some(Encoded { block: out, uses_parent })
+    Some(Encoded { block: out, uses_parent, min_format })
 }
 
 /// The cuts of a messages delta: the parent's history at the start of
@@ -284,7 +325,7 @@ fn decompress(data: &[u8], capacity: usize) -> std::io::Result<Vec<u8>> {
 
 /// `doc` with the cuts taken out, and its splice table.
 fn template(doc: &[u8], cuts: &[Cut]) -> (Vec<u8>, Vec<u8>) {
-    let cut_bytes: usize = cuts.iter().map(|c| c.end - c.start).sum();
+    let cut_bytes: usize = cuts.iter().map(|c| (c.end - c.start).saturating_sub(c.kept.len())).sum();
     let mut text = Vec::with_capacity(doc.len() - cut_bytes);
     let mut splices = Vec::with_capacity(cuts.len() * SPLICE_BYTES);
     // (original end of a cut, bytes removed up to there), to map an original
@@ -310,7 +351,8 @@ fn template(doc: &[u8], cuts: &[Cut]) -> (Vec<u8>, Vec<u8>) {
         splices.put_u8(cut.style);
         splices.put_u16(0);
         splices.put_u32(arg);
-        removed += cut.end - cut.start;
+        text.extend_from_slice(&cut.kept);
+        removed += (cut.end - cut.start) - cut.kept.len();
         removed_at.push((cut.end, removed));
         pos = cut.end;
     }
@@ -321,9 +363,9 @@ fn template(doc: &[u8], cuts: &[Cut]) -> (Vec<u8>, Vec<u8>) {
 /// The values of `extra` that are copies of the columns or of `messages`.
 /// One pass over the text: a value is scanned again only where it is a leaf
 /// compared with a column.
-fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String) {
+fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut String, content: bool) {
     let t = extra;
-    let mut st = Finder { call, cuts, scratch };
+    let mut st = Finder { call, cuts, scratch, content };
     walk_object(t, skip_ws(t, 0), &mut |key, at| match key {
         b"raw_request" => {
             let messages = st.call.messages.as_deref()?;
@@ -365,7 +407,7 @@ fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut Stri
 
 impl Cut {
     fn plain(start: usize, end: usize, reference: u8, style: u8, arg: u32) -> Self {
-        Cut { start, end, reference, style, arg, token_at: 0 }
+        Cut { start, end, reference, style, arg, token_at: 0, kept: Vec::new() }
     }
 }
 
@@ -374,6 +416,8 @@ struct Finder<'c> {
     call: &'c Call,
     cuts: &'c mut Vec<Cut>,
     scratch: &'c mut String,
+    /// Whether reference 8 may be used.
+    content: bool,
 }
 
 impl Finder<'_> {
@@ -392,6 +436,7 @@ impl Finder<'_> {
     /// `token_logprobs` list.
     fn logprobs(&mut self, t: &[u8], at: usize) -> Option<usize> {
         walk_object(t, at, &mut |key, at| match key {
+            b"content" if self.content && self.whole_content(t, at).is_some() => self.cuts.last().map(|c| c.end),
             b"content" => walk_array(t, at, &mut |i, at| {
                 let mut token_at = None;
                 walk_object(t, at, &mut |key, at| match key {
@@ -434,12 +479,118 @@ impl Finder<'_> {
     fn token_bytes(&mut self, t: &[u8], at: usize, token_at: usize) -> Option<usize> {
         if let Some(token) = string_value(t, token_at) {
             if let Some((len, style)) = list_match(t.get(at..)?, token.bytes().map(u32::from)) {
-                self.cuts.push(Cut { start: at, end: at + len, reference: REF_TOKEN_BYTES, style, arg: 0, token_at });
+                self.cuts.push(Cut {
+                    start: at,
+                    end: at + len,
+                    reference: REF_TOKEN_BYTES,
+                    style,
+                    arg: 0,
+                    token_at,
+                    kept: Vec::new(),
+                });
                 return Some(at + len);
             }
         }
         value_end(t, at)
     }
+
+    /// `logprobs.content` at `at` as a whole (reference 8): cut when it is
+    /// exactly the logprob column in vLLM's form, one
+    /// `{"token", "logprob", "bytes", "top_logprobs": []}` object per logprob,
+    /// around the token literals found in it. The cut keeps the literals in
+    /// the template, back to back. `None` (nothing cut) on any difference:
+    /// the entries are then walked one by one.
+    fn whole_content(&mut self, t: &[u8], at: usize) -> Option<()> {
+        let lps = self.call.logprobs.as_deref().filter(|lp| !lp.is_empty())?;
+        let style = if t.get(at + 1..)?.starts_with(CONTENT_SPACED.open) { LIST_SPACED } else { LIST_COMPACT };
+        let p = ContentPieces::of(style);
+        let mut kept = Vec::new();
+        let mut i = at;
+        let expect = |i: &mut usize, piece: &[u8]| -> Option<()> {
+            t.get(*i..)?.starts_with(piece).then(|| *i += piece.len())
+        };
+        expect(&mut i, b"[")?;
+        for (k, &lp) in lps.iter().enumerate() {
+            if k > 0 {
+                expect(&mut i, p.sep)?;
+            }
+            expect(&mut i, p.open)?;
+            let literal_end = string_end(t, i)?;
+            let token = string_value(t, i)?;
+            kept.extend_from_slice(t.get(i..literal_end)?);
+            i = literal_end;
+            expect(&mut i, p.logprob)?;
+            self.scratch.clear();
+            write_py_float(self.scratch, f64::from(lp));
+            expect(&mut i, self.scratch.as_bytes())?;
+            expect(&mut i, p.bytes)?;
+            let (len, found) = list_match(t.get(i..)?, token.bytes().map(u32::from))?;
+            // A list of one item or none has no separator to tell its style.
+            if token.len() > 1 && found != style {
+                return None;
+            }
+            i += len;
+            expect(&mut i, p.close)?;
+        }
+        expect(&mut i, b"]")?;
+        let arg = u32::try_from(kept.len()).ok()?;
+        self.cuts.push(Cut { start: at, end: i, reference: REF_CONTENT, style, arg, token_at: 0, kept });
+        Some(())
+    }
+}
+
+/// The fixed text of reference 8's objects in one style (record.md §7.2).
+struct ContentPieces {
+    /// Before the token literal.
+    open: &'static [u8],
+    /// Between the literal and the logprob.
+    logprob: &'static [u8],
+    /// Between the logprob and the bytes list.
+    bytes: &'static [u8],
+    /// After the bytes list.
+    close: &'static [u8],
+    /// Between two objects.
+    sep: &'static [u8],
+}
+
+const CONTENT_COMPACT: ContentPieces = ContentPieces {
+    open: br#"{"token":"#,
+    logprob: br#","logprob":"#,
+    bytes: br#","bytes":"#,
+    close: br#","top_logprobs":[]}"#,
+    sep: b",",
+};
+
+const CONTENT_SPACED: ContentPieces = ContentPieces {
+    open: br#"{"token": "#,
+    logprob: br#", "logprob": "#,
+    bytes: br#", "bytes": "#,
+    close: br#", "top_logprobs": []}"#,
+    sep: b", ",
+};
+
+impl ContentPieces {
+    fn of(style: u8) -> &'static ContentPieces {
+        if style == LIST_SPACED {
+            &CONTENT_SPACED
+        } else {
+            &CONTENT_COMPACT
+        }
+    }
+}
+
+/// The string literals that fill `text[start..end]` back to back (reference
+/// 8's kept run), each with its start; `None` when the run is anything else.
+fn content_literals(text: &[u8], start: usize, end: usize) -> Option<Vec<(usize, usize)>> {
+    let mut out = Vec::new();
+    let mut i = start;
+    while i < end {
+        let e = string_end(text, i).filter(|&e| e <= end)?;
+        string_value(text, i)?;
+        out.push((i, e));
+        i = e;
+    }
+    (i == end).then_some(out)
 }
 
 /// The list style in which `items` render as exactly `orig`, if any: a
@@ -623,6 +774,11 @@ impl Block {
         self.refers_to(2, &[REF_PROMPT])
     }
 
+    /// Whether `extra` holds vLLM's content list as one splice (reference 8).
+    pub fn has_content_list(&self) -> bool {
+        self.refers_to(DOC_FIELDS.len(), &[REF_CONTENT])
+    }
+
     /// Whether a splice refers to the parent's documents.
     pub fn needs_parent(&self) -> bool {
         self.refers_to(DOC_FIELDS.len(), &[REF_PARENT_MESSAGES, REF_PARENT_RESPONSE])
@@ -708,6 +864,23 @@ impl Block {
             }
             pos = s.offset;
             let hole = match (s.reference, s.style) {
+                (REF_CONTENT, LIST_COMPACT | LIST_SPACED) if field == DOC_EXTRA => {
+                    let end = s
+                        .offset
+                        .checked_add(s.arg as usize)
+                        .filter(|&end| end <= text.len())
+                        .ok_or_else(|| err(format!("a content splice's {} bytes run past the text", s.arg)))?;
+                    let n = content_literals(text, s.offset, end)
+                        .ok_or_else(|| err("a content splice's run is not string literals".into()))?
+                        .len();
+                    let column = cols.logprobs.map_or(0, <[f32]>::len);
+                    if n == 0 || n != column {
+                        return Err(err(format!("a content splice of {n} tokens, the logprob column holds {column}")));
+                    }
+                    // The run is consumed: the next splice starts after it.
+                    pos = end;
+                    Hole::Content { end, spaced: s.style == LIST_SPACED }
+                }
                 (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
                     cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
                     Hole::Prompt { spaced: s.style == LIST_SPACED }
@@ -768,6 +941,10 @@ pub enum Hole {
     ParentMessages,
     /// The parent's `response_message` (in `messages` only).
     ParentResponse,
+    /// vLLM's `logprobs.content` list (in `extra` only): one object per
+    /// token literal of the template from the hole's offset to `end` (which
+    /// the hole replaces), with the logprob column's value of that index.
+    Content { end: usize, spaced: bool },
 }
 
 /// The `extra` document of a docs block as its template and checked holes
@@ -844,6 +1021,10 @@ fn render(
                 let parent = cols.parent.ok_or("the parent's documents are needed")?;
                 out.extend_from_slice(parent.response_message.ok_or("the parent has no response_message")?);
             }
+            Hole::Content { end, spaced } => {
+                write_content(&mut out, text, offset, end, style(spaced), cols.logprobs, &mut scratch, limit)?;
+                pos = end;
+            }
         }
         if out.len() > limit {
             return Err(format!("documents over their limit {JSON_BYTES_PER_CALL_MAX}"));
@@ -853,13 +1034,52 @@ fn render(
     Ok(out)
 }
 
+/// Reference 8: the list of `{"token", "logprob", "bytes", "top_logprobs"}`
+/// objects of the literals in `text[start..end]` and the logprob column.
+#[allow(clippy::too_many_arguments)]
+fn write_content(
+    out: &mut Vec<u8>,
+    text: &[u8],
+    start: usize,
+    end: usize,
+    style: u8,
+    logprobs: Option<&[f32]>,
+    scratch: &mut String,
+    limit: usize,
+) -> Result<(), String> {
+    let p = ContentPieces::of(style);
+    let literals = content_literals(text, start, end).ok_or("a content splice's run is not string literals")?;
+    let logprobs = logprobs.filter(|lp| lp.len() == literals.len()).ok_or("a content splice without its logprobs")?;
+    out.push(b'[');
+    for (k, (&(at, literal_end), &lp)) in literals.iter().zip(logprobs).enumerate() {
+        if k > 0 {
+            out.extend_from_slice(p.sep);
+        }
+        out.extend_from_slice(p.open);
+        out.extend_from_slice(text.get(at..literal_end).unwrap_or_default());
+        out.extend_from_slice(p.logprob);
+        scratch.clear();
+        write_py_float(scratch, f64::from(lp));
+        out.extend_from_slice(scratch.as_bytes());
+        out.extend_from_slice(p.bytes);
+        let token = string_value(text, at).ok_or("a content splice's token is not a string")?;
+        write_list(out, token.bytes().map(u32::from), style);
+        out.extend_from_slice(p.close);
+        if out.len() > limit {
+            return Err(format!("documents over their limit {JSON_BYTES_PER_CALL_MAX}"));
+        }
+    }
+    out.push(b']');
+    Ok(())
+}
+
 /// At least the length of `text` rendered with `holes` (an upper bound,
 /// without rendering it); `None` when a hole's column or document is absent.
 fn rendered_bound(text: &[u8], holes: &[(usize, Hole)], cols: &Columns<'_>, messages: Option<&[u8]>) -> Option<usize> {
     // A u32 in decimal is at most 10 digits, a separator 2 bytes; Python's
     // repr of a finite double is at most 24 bytes ("-2.2250738585072014e-308").
     let list = |n: usize| n.saturating_mul(12).saturating_add(2);
-    holes.iter().try_fold(text.len(), |acc, &(_, hole)| {
+    holes.iter().try_fold(text.len(), |acc, &(offset, hole)| {
         let len = match hole {
             Hole::Prompt { .. } => list(cols.prompt?.len()),
             Hole::Completion { .. } => list(cols.completion.len()),
@@ -868,6 +1088,13 @@ fn rendered_bound(text: &[u8], holes: &[(usize, Hole)], cols: &Columns<'_>, mess
             Hole::Messages => messages?.len(),
             Hole::ParentMessages => cols.parent?.messages.len(),
             Hole::ParentResponse => cols.parent?.response_message?.len(),
+            // Per token: its literal, at most as many bytes (each at most 12
+            // written), a float, and the fixed text of one object.
+            Hole::Content { end, .. } => {
+                let n = cols.logprobs?.len();
+                let run = end.saturating_sub(offset);
+                run.saturating_mul(13).saturating_add(n.saturating_mul(32 + 64)).saturating_add(2)
+            }
         };
         Some(acc.saturating_add(len))
     })
@@ -1015,7 +1242,7 @@ mod tests {
         ));
         let call = call_with(&extra, Some(msgs));
         let mut cuts = Vec::new();
-        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new());
+        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new(), true);
         let refs: Vec<u8> = cuts.iter().map(|c| c.reference).collect();
         assert_eq!(refs, [REF_MESSAGES, REF_LOGPROB, REF_TOKEN_BYTES, REF_LOGPROB, REF_TOKEN_BYTES, REF_COMPLETION, REF_PROMPT]);
         assert!(round_trip(&call).is_some());
@@ -1075,9 +1302,126 @@ mod tests {
         );
         let call = call_with(&extra, None);
         let mut cuts = Vec::new();
-        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new());
+        extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new(), true);
         assert!(cuts.is_empty(), "{cuts:?}");
         assert!(round_trip(&call).is_some());
+    }
+
+    /// vLLM's `content` list in `style` for `tokens` (JSON literals) and
+    /// `logprobs`, as `json.dumps` (spaced) or a compact writer renders it.
+    fn content_list(tokens: &[&str], logprobs: &[f32], style: u8) -> String {
+        let p = ContentPieces::of(style);
+        let mut out = b"[".to_vec();
+        for (k, (t, lp)) in tokens.iter().zip(logprobs).enumerate() {
+            if k > 0 {
+                out.extend_from_slice(p.sep);
+            }
+            out.extend_from_slice(p.open);
+            out.extend_from_slice(t.as_bytes());
+            out.extend_from_slice(p.logprob);
+            out.extend_from_slice(crate::trace_json::py_float(f64::from(*lp)).as_bytes());
+            out.extend_from_slice(p.bytes);
+            let token = string_value(t.as_bytes(), 0).expect("a literal");
+            write_list(&mut out, token.bytes().map(u32::from), style);
+            out.extend_from_slice(p.close);
+        }
+        out.push(b']');
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    fn refs_of(call: &Call, content: bool) -> Vec<u8> {
+        let mut cuts = Vec::new();
+        extra_cuts(call.extra.as_deref().unwrap_or_default(), call, &mut cuts, &mut String::new(), content);
+        cuts.iter().map(|c| c.reference).collect()
+    }
+
+    #[test]
+    fn the_content_list_is_one_splice() {
+        let tokens = [r#""ab""#, r#""\u00e9""#, r#""\"q""#, r#""""#];
+        let logprobs = [-0.5f32, -2.1e-5, -9999.0, -0.0];
+        for style in [LIST_COMPACT, LIST_SPACED] {
+            let content = content_list(&tokens, &logprobs, style);
+            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"content":{content}}},"token_ids":[10,11]}}]}}"#));
+            let mut call = call_with(&extra, None);
+            call.completion_token_ids = vec![1, 2, 3, 4];
+            call.logprobs = Some(logprobs.to_vec());
+            assert_eq!(refs_of(&call, true), [REF_CONTENT], "{content}");
+            let docs = round_trip(&call).expect("a block");
+            assert_eq!(docs.extra, call.extra);
+            let e = encode(&call, None).expect("a block");
+            assert_eq!(e.min_format, super::super::FORMAT_CONTENT_REF);
+            // The template keeps the literals and none of the objects' text.
+            let b = open(&e.block, [false, false, false, true]).expect("open");
+            assert_eq!(b.template_bytes()[DOC_EXTRA] as usize, extra.len() - content.len() + tokens.concat().len());
+            // An older segment format gets the entries one by one.
+            let old = encode_for(&call, None, Allow::format(5)).expect("a block");
+            assert_eq!(old.min_format, 2);
+            assert_eq!(refs_of(&call, false).iter().filter(|&&r| r == REF_LOGPROB).count(), 4);
+            let b = open(&old.block, [false, false, false, true]).expect("open");
+            let cols = Columns { prompt: None, completion: &call.completion_token_ids, logprobs: call.logprobs.as_deref(), parent: None };
+            assert_eq!(b.resolve(&cols).expect("resolve").extra, call.extra);
+        }
+        // Anything but the exact list of the whole column: entries one by one.
+        let compact = content_list(&tokens, &logprobs, LIST_COMPACT);
+        let spaced = content_list(&tokens, &logprobs, LIST_SPACED);
+        let off = content_list(&tokens, &[-0.5, -2.1e-5, -9999.5, -0.0], LIST_COMPACT);
+        for (content, lps) in [
+            (compact.replacen(r#""top_logprobs":[]"#, r#""top_logprobs":[{"logprob":-1.0}]"#, 1), &logprobs[..]),
+            (compact.replacen("[97,98]", "[97, 98]", 1), &logprobs[..]),
+            (spaced.replacen("[97, 98]", "[97,98]", 1), &logprobs[..]),
+            (off, &logprobs[..]),
+            (compact.clone(), &logprobs[..3]),
+            (compact.replacen(r#","bytes":[97,98]"#, "", 1), &logprobs[..]),
+            (compact.replace(r#""token":"#, r#""token" :"#), &logprobs[..]),
+        ] {
+            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"content":{content}}}}}]}}"#));
+            let mut call = call_with(&extra, None);
+            call.logprobs = Some(lps.to_vec());
+            assert!(!refs_of(&call, true).contains(&REF_CONTENT), "{content}");
+            assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+        }
+    }
+
+    #[test]
+    fn content_splices_are_checked() {
+        // A template "x" + `"a""b"` + "y" with reference 8 at offset 1.
+        let hole = |offset: u32, arg: u32, lps: &[f32], next: Option<u32>| {
+            let text = br#"x"a""b"y"#;
+            let mut payload = Vec::new();
+            let n = 1 + u32::from(next.is_some());
+            payload.extend_from_slice(&[4, 0, 0, 0]);
+            payload.put_u32(text.len() as u32);
+            payload.put_u32(n);
+            payload.extend_from_slice(text);
+            for (offset, reference, arg) in [(offset, REF_CONTENT, arg)].into_iter().chain(next.map(|o| (o, REF_LOGPROB, 0))) {
+                payload.put_u32(offset);
+                payload.put_u8(reference);
+                payload.put_u8(if reference == REF_CONTENT { LIST_COMPACT } else { FLOAT_PYTHON });
+                payload.put_u16(0);
+                payload.put_u32(arg);
+            }
+            let mut block = vec![CODEC_NONE, 0, 1, 0];
+            block.put_u32(payload.len() as u32);
+            block.extend_from_slice(&payload);
+            let b = open(&block, [false, false, false, true]).expect("open");
+            let cols = Columns { prompt: None, completion: &[], logprobs: Some(lps), parent: None };
+            b.resolve(&cols).map(|d| String::from_utf8(d.extra.unwrap_or_default()).unwrap_or_default())
+        };
+        let want = r#"x[{"token":"a","logprob":-1.0,"bytes":[97],"top_logprobs":[]},{"token":"b","logprob":-2.0,"bytes":[98],"top_logprobs":[]}]y"#;
+        assert_eq!(hole(1, 6, &[-1.0, -2.0], None).as_deref(), Ok(want));
+        assert!(hole(1, 6, &[-1.0, -2.0], Some(7)).is_ok(), "a splice right after the run");
+        for (offset, arg, lps, next) in [
+            (1, 5, &[-1.0f32, -2.0][..], None), // the run ends inside a literal
+            (1, 7, &[-1.0, -2.0], None),        // the run takes the "y"
+            (1, 60, &[-1.0, -2.0], None),       // past the text
+            (1, 6, &[-1.0], None),              // fewer logprobs than tokens
+            (1, 6, &[-1.0, -2.0, -3.0], None),  // more
+            (1, 0, &[], None),                  // no token
+            (0, 7, &[-1.0, -2.0], None),        // "x" is no literal
+            (1, 6, &[-1.0, -2.0], Some(4)),     // a splice inside the run
+        ] {
+            assert!(hole(offset, arg, lps, next).is_err(), "{offset} {arg} {lps:?} {next:?}");
+        }
     }
 
     #[test]

@@ -17,11 +17,14 @@ pub mod segment;
 compile_error!("trajlog views little-endian columns in place and supports little-endian targets only");
 
 /// The segment format version written by this build (format-spec/segment.md §1).
-/// Version 5 adds the session-moved record (kind 5, record.md §3) of the
+/// Version 6 adds the docs block's `logprobs.content` reference (record.md
+/// §7.2, reference 8); version 5 adds the session-moved record (kind 5, record.md §3) of the
 /// copy-forward collector; version 4 puts rewards' targets and values in footer entries (segment.md
 /// §4); version 3 added messages deltas to docs blocks (record.md §7.2,
 /// references 6 and 7); version 2 added docs blocks.
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
+/// The first segment format whose docs blocks may hold reference 8.
+pub const FORMAT_CONTENT_REF: u32 = 6;
 /// The first segment format that may hold session-moved records.
 pub const FORMAT_MOVE_SESSION: u32 = 5;
 /// The first segment format whose footer entries carry rewards' targets and

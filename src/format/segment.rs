@@ -398,7 +398,7 @@ mod tests {
     fn header_round_trip_and_golden_prefix() {
         let h = new_header(7, 1000);
         let bytes = encode_header(&h);
-        assert_eq!(&bytes[..16], b"TRJLSEG\0\x05\0\0\0\x40\0\0\0");
+        assert_eq!(&bytes[..16], b"TRJLSEG\0\x06\0\0\0\x40\0\0\0");
         assert_eq!(decode_header(&bytes), Ok(h));
         let mut bad = bytes;
         bad[20] ^= 1;

@@ -322,20 +322,23 @@ impl Writer {
         };
         let mut docs_delta = false;
         let docs = match docs {
-            // A messages delta holds only if the parent chosen here is the
-            // call whose documents the appender used, in a segment whose
-            // format has messages deltas (record.md §7.2); else the documents
-            // are encoded again without it.
-            Some(e) if e.uses_parent => {
-                let same = parent.zip(docs_parent_seq).is_some_and(|((seq, _), want)| seq == want);
-                if same && format_version >= 3 {
-                    docs_delta = true;
-                    Some(e.block)
-                } else {
-                    crate::format::docs::encode(&call, None).map(|e| e.block)
-                }
+            // A block goes into a segment whose format has its references
+            // (record.md §7.2), and a messages delta holds only if the parent
+            // chosen here is the call whose documents the appender used; else
+            // the documents are encoded again without them.
+            Some(e) if e.min_format <= format_version && !e.uses_parent => Some(e.block),
+            Some(e)
+                if e.min_format <= format_version
+                    && parent.zip(docs_parent_seq).is_some_and(|((seq, _), want)| seq == want) =>
+            {
+                docs_delta = true;
+                Some(e.block)
             }
-            other => other.map(|e| e.block),
+            Some(_) => {
+                let allow = crate::format::docs::Allow::format(format_version);
+                crate::format::docs::encode_for(&call, None, allow).map(|e| e.block)
+            }
+            None => None,
         };
         // A segment of format version 1 (reopened) holds plain documents only.
         let docs = docs.filter(|_| format_version >= 2);
