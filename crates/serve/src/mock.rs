@@ -144,10 +144,12 @@ pub fn plan(body: &Value, mode: &str) -> Plan {
             let r = mix(h ^ 0xabcdef ^ (i as u64));
             if mode == "nonf32" {
                 // Decimal doubles that are not f32 values (like rLLM's mock's -0.3).
-                format!("{:?}", -((r % 1000) as f64 + 1.0) / 10.0)
+                trajlog::trace_json::py_float(-((r % 1000) as f64 + 1.0) / 10.0)
             } else {
+                // As vLLM's server writes it: Python's `repr` of the f32
+                // widened to f64 (Rust's `{:?}` breaks some ties the other way).
                 let v = -((r % 1_000_000) as f32) / 65_537.0_f32;
-                format!("{:?}", f64::from(v))
+                trajlog::trace_json::py_float(f64::from(v))
             }
         })
         .collect();
@@ -429,4 +431,30 @@ async fn handle(State(st): State<Arc<MockState>>, req: Request) -> Response {
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|i| (i, rx)) });
     reply(StatusCode::OK, "text/event-stream", Body::from_stream(stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Logprobs are written as vLLM's server writes them (Python's `repr`
+    /// of the widened `f32`), ties included: Rust's `{:?}` breaks some ties
+    /// the other way (`-12.969863891601563` for Python's
+    /// `-12.969863891601562`), which no vLLM response holds.
+    #[test]
+    fn logprobs_are_written_as_python_writes_them() {
+        let mut ties = 0;
+        for seed in 0..8 {
+            let body = serde_json::json!({"messages": [{"role": "user", "content": format!("seed {seed}")}], "max_tokens": 4000});
+            let p = plan(&body, "");
+            assert_eq!(p.logprobs.len(), 4000);
+            for text in &p.logprobs {
+                let v: f32 = text.parse().expect("a float");
+                assert_eq!(*text, trajlog::trace_json::py_float(f64::from(v)));
+                ties += usize::from(*text != format!("{:?}", f64::from(v)));
+            }
+        }
+        // The case this guards is there to be guarded.
+        assert!(ties > 0, "no logprob whose Rust and Python spellings differ");
+    }
 }

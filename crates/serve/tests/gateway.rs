@@ -168,9 +168,18 @@ async fn chat_capture_is_exact_and_rllm_shaped() {
     assert_eq!(s, 404);
     let info = e.get_json("/sessions/task-17:3").await;
     assert_eq!(info["trace_count"], 1);
+    // A long answer with logprobs, as vLLM sends it.
+    let mut long_req = chat("a long answer", 400);
+    long_req["logprobs"] = Value::Bool(true);
+    let (s, body) = e.post("/sessions/task-17:3/v1/chat/completions", &long_req).await;
+    assert_eq!(s, 200, "{body}");
 
     // In the store: logprobs in the f32 column, bit-equal to what the mock sent.
     e.shutdown().await;
+    // vLLM's `logprobs.content` lists are one docs-block reference each
+    // (format-spec/record.md §7.2, reference 8).
+    let report = trajlog::verify::verify_dir(&e.dir.path().join("store")).expect("verify");
+    assert_eq!((report.split.docs_blocks, report.split.content_lists), (2, 2), "{:?}", report.split);
     let store = trajlog::Store::open_read_only(e.dir.path().join("store")).expect("reopen");
     let snap = store.snapshot();
     let call = snap.get(&id).expect("read").expect("present").to_call().expect("call");
