@@ -65,8 +65,9 @@ pub struct ByteSplit {
     /// Docs blocks whose `messages` is a delta against the parent's
     /// (format-spec/record.md §7.2, references 6 and 7).
     pub messages_deltas: u64,
-    /// Docs blocks whose `extra` holds vLLM's `logprobs.content` list as one
-    /// reference (format-spec/record.md §7.2, reference 8).
+    /// Docs blocks whose `extra` holds vLLM's logprobs as one reference: the
+    /// chat API's `logprobs.content` list or the completions API's
+    /// `token_logprobs` (format-spec/record.md §7.2, references 8 and 9).
     pub content_lists: u64,
     /// Bytes of the docs blocks' templates before compression, per document:
     /// messages, response_message, metadata, extra (what is left of each

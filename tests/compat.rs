@@ -1578,10 +1578,31 @@ fn vllm_extra(call: &Call, spaced: bool, top: bool) -> Vec<u8> {
     .into_bytes()
 }
 
+/// vLLM's completions-API response for `call`: its logprobs as
+/// `token_logprobs` (reference 9), `spaced` as `json.dumps` writes it.
+fn vllm_completions_extra(call: &Call, spaced: bool) -> Vec<u8> {
+    let comma = if spaced { ", " } else { "," };
+    let lps = call.logprobs.as_deref().unwrap_or_default();
+    let floats: Vec<String> = lps.iter().map(|v| trajlog::trace_json::py_float(f64::from(*v))).collect();
+    let tokens: Vec<&str> = (0..lps.len()).map(|i| V18_TOKENS[i % V18_TOKENS.len()]).collect();
+    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(comma);
+    format!(
+        r#"{{"raw_request":{{"model":"m","prompt":[{}],"logprobs":1}},"raw_response":{{"id":"cmpl-{}","object":"text_completion","choices":[{{"index":0,"text":"x","logprobs":{{"text_offset":[],"token_logprobs":[{}],"tokens":[{}],"top_logprobs":[]}},"token_ids":[{}],"prompt_token_ids":[{}]}}]}}}}"#,
+        ids(&call.prompt_token_ids),
+        call.trace_id,
+        floats.join(comma),
+        tokens.join(comma),
+        ids(&call.completion_token_ids),
+        ids(&call.prompt_token_ids),
+    )
+    .into_bytes()
+}
+
 /// Chat sessions whose `extra` repeats vLLM's `logprobs.content`: `vllm-1:0`
 /// (open) compact, `vllm-2:0` (compacted) spaced, `vllm-3:0` (open) one call
 /// with `top_logprobs`, one with an empty completion, one whose logprobs
-/// are not those of its content list.
+/// are not those of its content list; and `cmpl-1:0` (open), completions-API
+/// calls whose `token_logprobs` is the column (compact, then spaced).
 fn fixture_v18_calls() -> Vec<Call> {
     let mut calls = Vec::new();
     for (sid, turns) in [("vllm-1:0", 4u32), ("vllm-2:0", 3), ("vllm-3:0", 3)] {
@@ -1610,6 +1631,22 @@ fn fixture_v18_calls() -> Vec<Call> {
             prompt.extend_from_slice(&completion);
             prompt.extend([4, step]);
         }
+    }
+    let mut prompt: Vec<u32> = (0..12).collect();
+    for step in 0..2u32 {
+        let completion: Vec<u32> = (0..9 + step).map(|i| 80_000 + i).collect();
+        let mut call = Call {
+            trace_id: format!("cmpl-1:0/{step}"),
+            session_id: "cmpl-1:0".into(),
+            timestamp: 900.0 + f64::from(step),
+            logprobs: Some(completion.iter().map(|&t| -((t % 991) as f32) / 17.0).collect()),
+            prompt_token_ids: prompt.clone(),
+            completion_token_ids: completion.clone(),
+            ..Default::default()
+        };
+        call.extra = Some(vllm_completions_extra(&call, step == 1));
+        calls.push(call);
+        prompt.extend_from_slice(&completion);
     }
     calls
 }
@@ -1644,13 +1681,14 @@ fn reads_the_v18_fixture_with_content_lists_exactly() {
         assert_exact(&v, c);
         assert_eq!(&v.to_call().unwrap(), c, "{}", c.trace_id);
     }
-    for sid in ["vllm-1:0", "vllm-2:0", "vllm-3:0"] {
+    for sid in ["vllm-1:0", "vllm-2:0", "vllm-3:0", "cmpl-1:0"] {
         let want: Vec<Call> = calls.iter().filter(|c| c.session_id == sid).cloned().collect();
         assert_eq!(snap.session_calls(sid, None, None).unwrap(), want, "{sid}");
     }
     // Segment format 6 on disk. vllm-1:0's and vllm-2:0's records hold
-    // their content lists as one reference; vllm-3:0's do not (top
-    // logprobs, no logprobs, a logprob that is not the list's).
+    // their content lists as one reference, cmpl-1:0's their
+    // `token_logprobs`; vllm-3:0's do not (top logprobs, no logprobs, a
+    // logprob that is not the list's).
     let formats: Vec<u32> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -1661,7 +1699,7 @@ fn reads_the_v18_fixture_with_content_lists_exactly() {
     let report = trajlog::verify::verify_dir(&dir).expect("verify");
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     // vllm-2:0's records stay in the segment beside the open sessions'.
-    assert_eq!((report.split.docs_blocks, report.split.content_lists), (10, 7), "{:?}", report.split);
+    assert_eq!((report.split.docs_blocks, report.split.content_lists), (12, 9), "{:?}", report.split);
 }
 
 /// A writer appending to a reopened store whose active segment is of

@@ -309,6 +309,10 @@ impl<'a, 'py> Parser<'a, '_, 'py> {
             }
             Hole::Messages => Ok(deep_copy(src.messages.ok_or(Stop::Bail)?, 0)?),
             Hole::Content { end, .. } => self.content(end),
+            Hole::Logprobs { .. } => {
+                let logprobs = src.logprobs.ok_or(Stop::Bail)?;
+                Ok(logprobs.get_slice(0, logprobs.len()).into_any())
+            }
             Hole::ParentMessages | Hole::ParentResponse => Err(Stop::Bail),
         }
     }

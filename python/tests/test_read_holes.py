@@ -187,7 +187,7 @@ def content_lists(binary, store):
     assert out.returncode == 0, out.stdout + out.stderr
     found = [line for line in out.stdout.splitlines() if line.startswith("call records:")]
     assert found, out.stdout
-    return int(found[0].split(" with the logprobs content list as one reference")[0].rsplit(" ", 1)[1])
+    return int(found[0].split(" with vLLM's logprobs list as one reference")[0].rsplit(" ", 1)[1])
 
 
 def test_content_lists_stored_as_one_reference_read_back_exactly(tmp_path):
@@ -199,6 +199,12 @@ def test_content_lists_stored_as_one_reference_read_back_exactly(tmp_path):
     if binary is None:
         pytest.skip("the trajlog binary is not built (cargo build)")
     traces = [clean_trace("py", turn, TOKENS) for turn in range(4)]
+    # A completions-API answer: its `token_logprobs` is the column (reference 9).
+    cmpl = clean_trace("py", 4, TOKENS)
+    cmpl["raw_response"]["choices"][0]["logprobs"] = {
+        "text_offset": [], "token_logprobs": list(cmpl["logprobs"]), "tokens": TOKENS,
+        "top_logprobs": []}
+    traces.append(cmpl)
     with trajlog.Store(tmp_path / "a") as store:
         for t in traces:
             store.append_trace(t)
@@ -206,7 +212,7 @@ def test_content_lists_stored_as_one_reference_read_back_exactly(tmp_path):
         got = store.session_dicts("py")
         assert_same(got, [plain(t) for t in traces])
         assert [json.dumps(d) for d in got] == [json.dumps(store.get(t["trace_id"]).to_dict()) for t in traces]
-    assert content_lists(binary, tmp_path / "a") == 4
+    assert content_lists(binary, tmp_path / "a") == 5
     lines = [json.dumps(clean_trace("txt", turn, TOKENS[:8]), ensure_ascii=turn % 2 == 0) for turn in range(4)]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")

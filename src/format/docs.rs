@@ -56,6 +56,9 @@ const REF_PARENT_RESPONSE: u8 = 7;
 /// vLLM's whole `logprobs.content` list, rendered from the logprob column
 /// and the token literals left in the template (segment format 6).
 const REF_CONTENT: u8 = 8;
+/// The completions API's `token_logprobs`: the logprob column as a JSON
+/// list of floats (segment format 6).
+const REF_LOGPROB_LIST: u8 = 9;
 
 /// List styles: the separator between elements.
 const LIST_COMPACT: u8 = 0;
@@ -181,7 +184,7 @@ pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Opti
         let mut scratch = String::new();
         extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch, allow.content);
     }
-    let uses_content = cuts[DOC_EXTRA].iter().any(|c| c.reference == REF_CONTENT);
+    let uses_content = cuts[DOC_EXTRA].iter().any(|c| matches!(c.reference, REF_CONTENT | REF_LOGPROB_LIST));
     let min_format = if uses_content {
         super::FORMAT_CONTENT_REF
     } else if uses_parent {
@@ -452,6 +455,7 @@ impl Finder<'_> {
                     _ => None,
                 })
             }),
+            b"token_logprobs" if self.content && self.whole_logprobs(t, at).is_some() => self.cuts.last().map(|c| c.end),
             b"token_logprobs" => walk_array(t, at, &mut |i, at| self.logprob(t, at, i)),
             _ => None,
         })
@@ -492,6 +496,32 @@ impl Finder<'_> {
             }
         }
         value_end(t, at)
+    }
+
+    /// `token_logprobs` at `at` as a whole (reference 9): cut when it is
+    /// exactly the logprob column as a list of floats in one list style.
+    fn whole_logprobs(&mut self, t: &[u8], at: usize) -> Option<()> {
+        let lps = self.call.logprobs.as_deref().filter(|lp| !lp.is_empty())?;
+        let rest = t.get(at..)?.strip_prefix(b"[")?;
+        let mut i = 0;
+        let mut style = None;
+        for (k, &lp) in lps.iter().enumerate() {
+            if k > 0 {
+                let sep = if rest.get(i..)?.starts_with(b", ") { LIST_SPACED } else { LIST_COMPACT };
+                if *style.get_or_insert(sep) != sep || rest.get(i) != Some(&b',') {
+                    return None;
+                }
+                i += if sep == LIST_SPACED { 2 } else { 1 };
+            }
+            self.scratch.clear();
+            write_py_float(self.scratch, f64::from(lp));
+            rest.get(i..)?.starts_with(self.scratch.as_bytes()).then_some(())?;
+            i += self.scratch.len();
+        }
+        (rest.get(i) == Some(&b']')).then_some(())?;
+        let end = at + i + 2;
+        self.cuts.push(Cut::plain(at, end, REF_LOGPROB_LIST, style.unwrap_or(LIST_COMPACT), 0));
+        Some(())
     }
 
     /// `logprobs.content` at `at` as a whole (reference 8): cut when it is
@@ -774,9 +804,11 @@ impl Block {
         self.refers_to(2, &[REF_PROMPT])
     }
 
-    /// Whether `extra` holds vLLM's content list as one splice (reference 8).
+    /// Whether `extra` holds vLLM's logprobs as one splice: the chat API's
+    /// content list (reference 8) or the completions API's `token_logprobs`
+    /// (reference 9).
     pub fn has_content_list(&self) -> bool {
-        self.refers_to(DOC_FIELDS.len(), &[REF_CONTENT])
+        self.refers_to(DOC_FIELDS.len(), &[REF_CONTENT, REF_LOGPROB_LIST])
     }
 
     /// Whether a splice refers to the parent's documents.
@@ -854,8 +886,10 @@ impl Block {
         let mut pos = 0;
         for splice in self.splices(splice_range) {
             let s = splice?;
-            if matches!(s.reference, REF_PROMPT | REF_COMPLETION | REF_MESSAGES | REF_PARENT_MESSAGES | REF_PARENT_RESPONSE)
-                && s.arg != 0
+            if matches!(
+                s.reference,
+                REF_PROMPT | REF_COMPLETION | REF_MESSAGES | REF_PARENT_MESSAGES | REF_PARENT_RESPONSE | REF_LOGPROB_LIST
+            ) && s.arg != 0
             {
                 return Err(err(format!("splice reference {} with argument {}", s.reference, s.arg)));
             }
@@ -880,6 +914,12 @@ impl Block {
                     // The run is consumed: the next splice starts after it.
                     pos = end;
                     Hole::Content { end, spaced: s.style == LIST_SPACED }
+                }
+                (REF_LOGPROB_LIST, LIST_COMPACT | LIST_SPACED) if field == DOC_EXTRA => {
+                    if cols.logprobs.is_none_or(<[f32]>::is_empty) {
+                        return Err(err("a logprob list splice without logprobs".into()));
+                    }
+                    Hole::Logprobs { spaced: s.style == LIST_SPACED }
                 }
                 (REF_PROMPT, LIST_COMPACT | LIST_SPACED) => {
                     cols.prompt.ok_or_else(|| err("the prompt column is needed".into()))?;
@@ -945,6 +985,9 @@ pub enum Hole {
     /// token literal of the template from the hole's offset to `end` (which
     /// the hole replaces), with the logprob column's value of that index.
     Content { end: usize, spaced: bool },
+    /// The logprob column as a JSON list of floats (the completions API's
+    /// `token_logprobs`; in `extra` only).
+    Logprobs { spaced: bool },
 }
 
 /// The `extra` document of a docs block as its template and checked holes
@@ -1021,6 +1064,19 @@ fn render(
                 let parent = cols.parent.ok_or("the parent's documents are needed")?;
                 out.extend_from_slice(parent.response_message.ok_or("the parent has no response_message")?);
             }
+            Hole::Logprobs { spaced } => {
+                let logprobs = cols.logprobs.ok_or("a logprob list splice without logprobs")?;
+                out.push(b'[');
+                for (k, v) in logprobs.iter().enumerate() {
+                    if k > 0 {
+                        out.extend_from_slice(if spaced { b", " } else { b"," });
+                    }
+                    scratch.clear();
+                    write_py_float(&mut scratch, f64::from(*v));
+                    out.extend_from_slice(scratch.as_bytes());
+                }
+                out.push(b']');
+            }
             Hole::Content { end, spaced } => {
                 write_content(&mut out, text, offset, end, style(spaced), cols.logprobs, &mut scratch, limit)?;
                 pos = end;
@@ -1090,6 +1146,7 @@ fn rendered_bound(text: &[u8], holes: &[(usize, Hole)], cols: &Columns<'_>, mess
             Hole::ParentResponse => cols.parent?.response_message?.len(),
             // Per token: its literal, at most as many bytes (each at most 12
             // written), a float, and the fixed text of one object.
+            Hole::Logprobs { .. } => cols.logprobs?.len().saturating_mul(32).saturating_add(2),
             Hole::Content { end, .. } => {
                 let n = cols.logprobs?.len();
                 let run = end.saturating_sub(offset);
@@ -1378,6 +1435,43 @@ mod tests {
             let mut call = call_with(&extra, None);
             call.logprobs = Some(lps.to_vec());
             assert!(!refs_of(&call, true).contains(&REF_CONTENT), "{content}");
+            assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+        }
+    }
+
+    #[test]
+    fn token_logprobs_is_one_splice() {
+        let logprobs = [-0.5f32, -2.1e-5, -12.969_864, -0.0];
+        let floats: Vec<String> = logprobs.iter().map(|v| crate::trace_json::py_float(f64::from(*v))).collect();
+        for (sep, style) in [(",", LIST_COMPACT), (", ", LIST_SPACED)] {
+            let list = format!("[{}]", floats.join(sep));
+            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"text_offset":[],"token_logprobs":{list},"tokens":["a","b","c","d"]}}}}]}}"#));
+            let mut call = call_with(&extra, None);
+            call.logprobs = Some(logprobs.to_vec());
+            let mut cuts = Vec::new();
+            extra_cuts(call.extra.as_deref().unwrap_or_default(), &call, &mut cuts, &mut String::new(), true);
+            assert_eq!(cuts.iter().map(|c| (c.reference, c.style)).collect::<Vec<_>>(), [(REF_LOGPROB_LIST, style)]);
+            let e = encode(&call, None).expect("a block");
+            assert_eq!(e.min_format, super::super::FORMAT_CONTENT_REF);
+            assert!(round_trip(&call).is_some());
+            assert_eq!(refs_of(&call, false), [REF_LOGPROB; 4], "format 5: one by one");
+            // Without its column the splice is refused, not rendered empty.
+            let b = open(&e.block, [false, false, false, true]).expect("open");
+            assert!(b.resolve(&Columns { prompt: None, completion: &[], logprobs: None, parent: None }).is_err());
+            assert!(b.resolve(&Columns { prompt: None, completion: &[], logprobs: Some(&[]), parent: None }).is_err());
+        }
+        // Not the whole column, or not its rendering: one by one.
+        for (list, lps) in [
+            (format!("[{}]", floats[..3].join(",")), &logprobs[..]),
+            (format!("[{}]", floats.join(",")), &logprobs[..3]),
+            (format!("[{},{}, {}, {}]", floats[0], floats[1], floats[2], floats[3]), &logprobs[..]),
+            (format!("[{}]", floats.join(",")).replace("-0.5", "-0.50"), &logprobs[..]),
+            (format!("[ {}]", floats.join(",")), &logprobs[..]),
+        ] {
+            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"token_logprobs":{list}}}}}]}}"#));
+            let mut call = call_with(&extra, None);
+            call.logprobs = Some(lps.to_vec());
+            assert!(!refs_of(&call, true).contains(&REF_LOGPROB_LIST), "{list}");
             assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
         }
     }

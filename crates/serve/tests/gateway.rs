@@ -256,7 +256,7 @@ async fn streaming_is_forwarded_chunk_by_chunk_and_captured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_api_streaming_and_not() {
-    let e = env().await;
+    let mut e = env().await;
     let req = serde_json::json!({"model": "mock-model", "prompt": [1, 2, 3, 4294967295u64], "max_tokens": 3});
     let (s, body) = e.post("/sessions/c/v1/completions", &req).await;
     assert_eq!(s, 200, "{body}");
@@ -283,6 +283,12 @@ async fn completions_api_streaming_and_not() {
     assert_eq!(t["response_message"], serde_json::json!({}));
     assert_eq!(traces[1]["response_message"], serde_json::json!({"role": "assistant"}));
     assert_eq!(traces[1]["token_counts"], serde_json::json!({"prompt": 4, "completion": 3}));
+    // The non-streamed answer's `token_logprobs` is one docs-block reference
+    // (format-spec/record.md §7.2, reference 9); the streamed one has no
+    // raw response.
+    e.shutdown().await;
+    let report = trajlog::verify::verify_dir(&e.dir.path().join("store")).expect("verify");
+    assert_eq!(report.split.content_lists, 1, "{:?}", report.split);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,7 +50,7 @@ pub fn verify(dir: &Path) -> trajlog::Result<i32> {
     let s = &report.split;
     if s.calls > 0 {
         println!(
-            "call records: {} calls, {} token columns, {} documents ({} in {} docs blocks, {} of them with messages as a delta, {} with the logprobs content list as one reference, {} plain), {} other",
+            "call records: {} calls, {} token columns, {} documents ({} in {} docs blocks, {} of them with messages as a delta, {} with vLLM's logprobs list as one reference, {} plain), {} other",
             s.calls,
             super::human_bytes(s.token_bytes),
             super::human_bytes(s.docs_block_bytes + s.plain_doc_bytes),
