@@ -370,12 +370,9 @@ fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut Stri
     let t = extra;
     let mut st = Finder { call, cuts, scratch, content };
     walk_object(t, skip_ws(t, 0), &mut |key, at| match key {
-        b"raw_request" => {
-            let messages = st.call.messages.as_deref()?;
-            walk_object(t, at, &mut |key, at| {
-                if key != b"messages" {
-                    return None;
-                }
+        b"raw_request" => walk_object(t, at, &mut |key, at| match key {
+            b"messages" => {
+                let messages = st.call.messages.as_deref()?;
                 // `messages` is one valid JSON document (checked before a
                 // call is encoded): when it is a list, object or string, the
                 // bytes at `at` that equal it are the whole value there, so
@@ -386,8 +383,11 @@ fn extra_cuts(extra: &[u8], call: &Call, cuts: &mut Vec<Cut>, scratch: &mut Stri
                     return Some(at + messages.len());
                 }
                 value_end(t, at)
-            })
-        }
+            }
+            // A token-in completions request: the prompt as ids.
+            b"prompt" if t.get(at) == Some(&b'[') && !st.call.prompt_token_ids.is_empty() => st.ids(t, at, REF_PROMPT),
+            _ => None,
+        }),
         b"raw_response" => walk_object(t, at, &mut |key, at| match key {
             b"prompt_token_ids" => st.ids(t, at, REF_PROMPT),
             b"choices" => walk_array(t, at, &mut |i, at| {
@@ -1472,6 +1472,23 @@ mod tests {
             let mut call = call_with(&extra, None);
             call.logprobs = Some(lps.to_vec());
             assert!(!refs_of(&call, true).contains(&REF_LOGPROB_LIST), "{list}");
+            assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+        }
+    }
+
+    #[test]
+    fn a_token_in_prompt_is_a_reference() {
+        // A completions request that sends the prompt as ids (rLLM's
+        // token-in calls): `raw_request.prompt` is the prompt column again.
+        let extra = padded(r#""raw_request":{"model":"m","prompt":[1, 2, 3],"n":1},"raw_response":{"choices":[{"text":"x"}]}"#);
+        let call = call_with(&extra, None);
+        assert_eq!(refs_of(&call, true), [REF_PROMPT]);
+        assert!(round_trip(&call).is_some());
+        // Text, nested lists, other ids: verbatim.
+        for prompt in [r#""hi""#, "[[1,2,3]]", "[1,2,4]", "[]"] {
+            let extra = padded(&format!(r#""raw_request":{{"prompt":{prompt}}}"#));
+            let call = call_with(&extra, None);
+            assert!(refs_of(&call, true).is_empty(), "{prompt}");
             assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
         }
     }
