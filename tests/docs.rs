@@ -155,8 +155,69 @@ fn check(call: &Call, parent: Option<Parent<'_>>) -> bool {
     uses_parent
 }
 
+/// A completions-API call (token in, token out) as rLLM's gateway stores it:
+/// `raw_request.prompt` the prompt as ids, `raw_response` with
+/// `token_logprobs`, `token_ids` and `prompt_token_ids`, lists in `style`
+/// (`","` or `", "`).
+fn completions_call(prompt: Vec<u32>, completion: Vec<u32>, logprobs: Vec<f32>, sep: &str) -> Call {
+    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(sep);
+    let floats = logprobs.iter().map(|v| trajlog::trace_json::py_float(f64::from(*v))).collect::<Vec<_>>().join(sep);
+    let tokens = completion.iter().map(|t| format!("\"t{t}\"")).collect::<Vec<_>>().join(sep);
+    let extra = format!(
+        r#"{{"raw_request":{{"model":"m","prompt":[{}],"logprobs":1}},"raw_response":{{"choices":[{{"index":0,"logprobs":{{"text_offset":[],"token_logprobs":[{floats}],"tokens":[{tokens}],"top_logprobs":[]}},"token_ids":[{}],"prompt_token_ids":[{}]}}]}}}}"#,
+        ids(&prompt),
+        ids(&completion),
+        ids(&prompt)
+    );
+    Call {
+        trace_id: "c".into(),
+        session_id: "s".into(),
+        prompt_token_ids: prompt,
+        completion_token_ids: completion,
+        logprobs: Some(logprobs),
+        extra: Some(extra.into_bytes()),
+        ..Default::default()
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Completions-API traces, edited like the chat ones (a digit, a
+    /// spacing, a logprob's digits, whitespace) and with columns that may
+    /// disagree: every document comes back exactly, as a format 6 block and
+    /// as a format 5 one.
+    #[test]
+    fn edited_completions_traces_round_trip(
+        prompt in prop::collection::vec(any::<u32>(), 0..300),
+        completion in prop::collection::vec(0u32..200_000, 1..80),
+        seed in any::<u32>(),
+        spaced in any::<bool>(),
+        edits in prop::collection::vec((prop::sample::select(vec![0u8, 1, 3, 5]), any::<usize>()), 0..3),
+        column_edit in 0u8..3,
+    ) {
+        let logprobs: Vec<f32> =
+            completion.iter().map(|&t| -f32::from_bits((t ^ seed) % 0x4100_0000)).collect();
+        let mut call = completions_call(prompt, completion, logprobs, if spaced { ", " } else { "," });
+        for &(kind, pick) in &edits {
+            let text = String::from_utf8(call.extra.clone().unwrap_or_default()).expect("utf-8");
+            call.extra = Some(edit(&text, kind, pick).into_bytes());
+        }
+        match column_edit {
+            1 => if let Some(p) = call.prompt_token_ids.first_mut() { *p ^= 1 },
+            2 => if let Some(lp) = call.logprobs.as_mut().and_then(|l| l.last_mut()) {
+                *lp = f32::from_bits(lp.to_bits() ^ 1)
+            },
+            _ => {}
+        }
+        check(&call, None);
+        // Unedited, with columns as sent and enough tokens for a block to
+        // pay off, the logprob list is one reference (format 6).
+        if edits.is_empty() && column_edit == 0 && call.completion_token_ids.len() >= 40 {
+            let e = encode(&call, None).expect("a block");
+            prop_assert_eq!(e.min_format, trajlog::format::FORMAT_CONTENT_REF);
+        }
+    }
 
     #[test]
     fn edited_gateway_traces_round_trip(
