@@ -128,6 +128,17 @@ def ingested_line(rng, i):
     )
 
 
+def ingest(binary, tmp_path, lines, store):
+    """`trajlog ingest` of `lines` (JSON text) into `store`; it must succeed."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with open(src, "rb") as f:
+        out = subprocess.run([binary, "ingest", "--store", str(store)], stdin=f, capture_output=True,
+                             text=True, env={**os.environ, "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def test_ingested_text_with_any_whitespace_reads_back_as_json_loads_reads_it(tmp_path):
     binary = trajlog_binary()
     if binary is None:
@@ -137,12 +148,7 @@ def test_ingested_text_with_any_whitespace_reads_back_as_json_loads_reads_it(tmp
     # Text only json.loads maps exactly: a lone surrogate, an integer beyond 64 bits.
     lines.append(lines[0].replace('"t0"', '"t12"').replace('1700000000.5', '1700000012.5').replace('"pad"', '"lone": "\\ud800", "pad"'))
     lines.append(lines[1].replace('"t1"', '"t13"').replace('1700000001.5', '1700000013.5').replace('"pad"', '"big": 123456789012345678901234567890, "pad"'))
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with open(src, "rb") as f:
-        out = subprocess.run([binary, "ingest", "--store", str(tmp_path / "st")], stdin=f, capture_output=True,
-                             text=True, env={**os.environ, "NO_COLOR": "1"})
-    assert out.returncode == 0, out.stderr
+    out = ingest(binary, tmp_path, lines, tmp_path / "st")
     assert f"ingested {len(lines)}, refused 0" in out.stderr
     with trajlog.Store(tmp_path / "st", read_only=True) as store:
         got = store.session_dicts("s")
@@ -214,12 +220,7 @@ def test_content_lists_stored_as_one_reference_read_back_exactly(tmp_path):
         assert [json.dumps(d) for d in got] == [json.dumps(store.get(t["trace_id"]).to_dict()) for t in traces]
     assert content_lists(binary, tmp_path / "a") == 5
     lines = [json.dumps(clean_trace("txt", turn, TOKENS[:8]), ensure_ascii=turn % 2 == 0) for turn in range(4)]
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with open(src, "rb") as f:
-        out = subprocess.run([binary, "ingest", "--store", str(tmp_path / "b")], stdin=f, capture_output=True,
-                             text=True, env={**os.environ, "NO_COLOR": "1"})
-    assert out.returncode == 0, out.stderr
+    ingest(binary, tmp_path, lines, tmp_path / "b")
     assert content_lists(binary, tmp_path / "b") == 4
     with trajlog.Store(tmp_path / "b", read_only=True) as store:
         got = store.session_dicts("txt")
