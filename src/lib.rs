@@ -90,7 +90,7 @@ pub use compact::{
     DEFAULT_COLLECT_DEAD_FRACTION, DEFAULT_COPY_FORWARD, DEFAULT_MERGE_FANOUT, MERGE_MAX_ROWS,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use format::docs::{Hole, Spliced};
+pub use format::docs::{found_cuts_agree, ExtraCuts, Hole, Spliced};
 pub use format::record::{Loc, Relation};
 pub use record::{Annotation, Call, Target, ValidCall};
 pub use snapshot::{CallView, Docs, IndexLayers, SegmentInfo, SessionInfo, Snapshot};

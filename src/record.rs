@@ -101,13 +101,13 @@ fn check_json(field: &str, doc: &Option<Vec<u8>>, parse: bool) -> Result<u64> {
 /// It gives the call out only by reference or by value, so it cannot be
 /// changed after the check.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ValidCall(Call);
+pub struct ValidCall(Call, Option<Box<crate::format::docs::ExtraCuts>>);
 
 impl ValidCall {
     /// Check `call` ([`Call::validate`]).
     pub fn new(call: Call) -> Result<ValidCall> {
         call.validate()?;
-        Ok(ValidCall(call))
+        Ok(ValidCall(call, None))
     }
 
     /// Check `call` whose JSON documents (`messages`, `response_message`,
@@ -115,7 +115,7 @@ impl ValidCall {
     /// every check of [`Call::validate`] but re-parsing those documents.
     pub(crate) fn from_parsed_json(call: Call) -> Result<ValidCall> {
         call.check(false)?;
-        Ok(ValidCall(call))
+        Ok(ValidCall(call, None))
     }
 
     /// Check `call` whose JSON documents (`messages`, `response_message`,
@@ -126,7 +126,7 @@ impl ValidCall {
     /// [`ValidCall::new`]: a document that does not parse would fail its reads.
     pub fn from_serialized_json(call: Call) -> Result<ValidCall> {
         call.check(false)?;
-        Ok(ValidCall(call))
+        Ok(ValidCall(call, None))
     }
 
     pub fn call(&self) -> &Call {
@@ -135,6 +135,23 @@ impl ValidCall {
 
     pub fn into_inner(self) -> Call {
         self.0
+    }
+
+    /// The call, and the cuts of its `extra` found while writing it.
+    pub(crate) fn into_parts(self) -> (Call, Option<Box<crate::format::docs::ExtraCuts>>) {
+        (self.0, self.1)
+    }
+
+    /// The call with the cuts of its `extra` that the writer of that text
+    /// found while writing it ([`crate::format::docs::ExtraCuts`]), which
+    /// the encoder then takes instead of searching the text. The caller
+    /// vouches that each cut holds exactly the text its reference renders
+    /// from this call's columns (record.md §7.2): a wrong cut would store a
+    /// document that reads back otherwise. For trajlog's own writers (the
+    /// Python binding's trace walk); debug builds check every use.
+    #[doc(hidden)]
+    pub fn with_found_cuts(self, cuts: crate::format::docs::ExtraCuts) -> ValidCall {
+        ValidCall(self.0, Some(Box::new(cuts)))
     }
 }
 

@@ -264,6 +264,16 @@ fn f32_array<'py>(
     Ok((PyArray1::from_vec(py, out), all_exact))
 }
 
+/// For the tests: walk `trace` as `append_trace` does and say whether the
+/// cuts of `extra` the walk found are exactly those the docs encoder's
+/// search finds (True), or that the walk left the search to the encoder
+/// (None). A False is a defect: a found cut the encoder would take unchecked.
+#[pyfunction]
+fn _found_cuts_agree(py: Python<'_>, trace: &Bound<'_, PyDict>) -> PyResult<Option<bool>> {
+    let (call, found) = trace_dict::call_of_trace(py, trace, 0.0)?;
+    Ok(found.map(|f| trajlog::found_cuts_agree(&call, &f)))
+}
+
 /// How deeply containers nest in a JSON text (`1` for `[]`, `0` for a scalar);
 /// brackets inside strings do not count.
 #[pyfunction]
@@ -332,10 +342,21 @@ struct Call {
 /// Append `call` with the GIL released; with `durable`, wait until it is
 /// durable. `serialized`: its JSON documents are the trace dict walker's
 /// output (JSON by construction), not parsed again.
-fn append_call(py: Python<'_>, store: &trajlog::Store, call: RCall, durable: bool, serialized: bool) -> PyResult<()> {
+/// `found`: the cuts of its `extra` the trace walk found (`trajlog::ExtraCuts`).
+fn append_call(
+    py: Python<'_>,
+    store: &trajlog::Store,
+    call: RCall,
+    durable: bool,
+    serialized: bool,
+    found: Option<trajlog::ExtraCuts>,
+) -> PyResult<()> {
     py.detach(|| {
-        let call =
+        let mut call =
             if serialized { trajlog::ValidCall::from_serialized_json(call)? } else { trajlog::ValidCall::new(call)? };
+        if let Some(found) = found {
+            call = call.with_found_cuts(found);
+        }
         let receipt = store.append_valid(call)?;
         if durable {
             receipt.wait()?;
@@ -831,7 +852,7 @@ impl NativeStore {
             metadata,
             extra,
         };
-        append_call(py, &*self.get()?, call, durable, !docs_are_text)
+        append_call(py, &*self.get()?, call, durable, !docs_are_text, None)
     }
 
     /// Append a gateway-shaped trace dict, walked here (see `trace_dict`):
@@ -839,8 +860,8 @@ impl NativeStore {
     /// returns once the record is durable at the store's level.
     fn append_trace(&self, py: Python<'_>, trace: &Bound<'_, PyDict>, durable: bool) -> PyResult<()> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        let call = trace_dict::call_of_trace(py, trace, now)?;
-        append_call(py, &*self.get()?, call, durable, true)
+        let (call, found) = trace_dict::call_of_trace(py, trace, now)?;
+        append_call(py, &*self.get()?, call, durable, true, found)
     }
 
     /// Append a trace dict without waiting (for an event loop): the dict is
@@ -856,8 +877,8 @@ impl NativeStore {
         waker: &nowait::Waker,
     ) -> PyResult<nowait::Pending> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-        let call = trace_dict::call_of_trace(py, trace, now)?;
-        Ok(self.encoder()?.send(call, waker.signal.clone()))
+        let (call, found) = trace_dict::call_of_trace(py, trace, now)?;
+        Ok(self.encoder()?.send(call, found, waker.signal.clone()))
     }
 
     /// A `Waker` for an event loop: its `fileno()` becomes readable after
@@ -1261,5 +1282,6 @@ fn _trajlog(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(u32_array, m)?)?;
     m.add_function(wrap_pyfunction!(f32_array, m)?)?;
     m.add_function(wrap_pyfunction!(json_depth, m)?)?;
+    m.add_function(wrap_pyfunction!(_found_cuts_agree, m)?)?;
     Ok(())
 }

@@ -55,6 +55,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 enum Job {
     Append {
         call: Box<trajlog::Call>,
+        /// The cuts of its `extra` the walk found (`trajlog::ExtraCuts`).
+        found: Option<trajlog::ExtraCuts>,
         outcome: Arc<Mutex<Outcome>>,
         wake: Arc<Signal>,
     },
@@ -84,9 +86,13 @@ impl Encoder {
         let thread = std::thread::Builder::new().name("trajlog-encode".into()).spawn(move || {
             for job in rx {
                 match job {
-                    Job::Append { call, outcome, wake } => {
-                        let appended =
-                            trajlog::ValidCall::from_serialized_json(*call).and_then(|c| store.append_valid(c));
+                    Job::Append { call, found, outcome, wake } => {
+                        let appended = trajlog::ValidCall::from_serialized_json(*call)
+                            .map(|c| match found {
+                                Some(found) => c.with_found_cuts(found),
+                                None => c,
+                            })
+                            .and_then(|c| store.append_valid(c));
                         match appended {
                             Ok(receipt) => {
                                 receipt.sync_soon();
@@ -108,9 +114,9 @@ impl Encoder {
     }
 
     /// Queue `call`; its outcome is polled through the `Pending`.
-    pub(crate) fn send(&self, call: trajlog::Call, wake: Arc<Signal>) -> Pending {
+    pub(crate) fn send(&self, call: trajlog::Call, found: Option<trajlog::ExtraCuts>, wake: Arc<Signal>) -> Pending {
         let outcome = Arc::new(Mutex::new(Outcome::Queued));
-        let job = Job::Append { call: Box::new(call), outcome: outcome.clone(), wake: wake.clone() };
+        let job = Job::Append { call: Box::new(call), found, outcome: outcome.clone(), wake: wake.clone() };
         let sent = lock(&self.tx).as_ref().is_some_and(|tx| tx.send(job).is_ok());
         if !sent {
             // Finished (the store is closing), or the thread is gone.

@@ -217,13 +217,15 @@ fn write_list(
 
 /// Serialize the dict `dict` (exact type) member by member, in its order,
 /// with `PyDict_Next`'s borrowed keys and values (a value that is not a
-/// plain leaf is held while it is written).
+/// plain leaf is held while it is written); `hook` may write a member's
+/// value itself.
 fn write_dict(
     out: &mut String,
     dict: &Bound<'_, PyAny>,
     path: &Path<'_>,
     depth: usize,
     keys: &mut Keys,
+    mut hook: Option<&mut dyn MemberHook>,
 ) -> PyResult<()> {
     let py = dict.py();
     open(path, depth)?;
@@ -239,12 +241,13 @@ fn write_dict(
     while unsafe { ffi::PyDict_Next(dict.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
         if is_plain_leaf(v) {
             let key = unsafe { Borrowed::from_ptr(py, k) };
-            write_member(out, i, &key, &*unsafe { Borrowed::from_ptr(py, v) }, path, depth, keys)?;
+            let value = unsafe { Borrowed::from_ptr(py, v) };
+            write_member(out, i, &key, &value, path, depth, keys, reborrow(&mut hook))?;
         } else {
             // Both held: the key names the path of a refusal inside the value.
             let key = unsafe { Bound::from_borrowed_ptr(py, k) };
             let value = unsafe { Bound::from_borrowed_ptr(py, v) };
-            write_member(out, i, &key, &value, path, depth, keys)?;
+            write_member(out, i, &key, &value, path, depth, keys, reborrow(&mut hook))?;
             if unsafe { ffi::PyDict_Size(dict.as_ptr()) } != size {
                 return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
                     "{}: the dict changed size while it was written",
@@ -286,7 +289,7 @@ fn write_value_with(
     } else if ty == std::ptr::addr_of_mut!(ffi::PyList_Type) {
         return write_list(out, obj, path, depth, keys);
     } else if ty == std::ptr::addr_of_mut!(ffi::PyDict_Type) {
-        return write_dict(out, obj, path, depth, keys);
+        return write_dict(out, obj, path, depth, keys, None);
     }
     write_other(out, obj, path, depth, keys)
 }
@@ -383,7 +386,7 @@ fn write_other(
         let mut own = Keys::default();
         for (i, item) in dict.call_method0(intern!(obj.py(), "items"))?.try_iter()?.enumerate() {
             let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
-            write_member(out, i, &k, &v, path, depth, &mut own)?;
+            write_member(out, i, &k, &v, path, depth, &mut own, None)?;
             own.clear();
         }
         out.push('}');
@@ -394,7 +397,9 @@ fn write_other(
     Ok(())
 }
 
-/// Write the `i`-th member `k: v` of an object at `path`.
+/// Write the `i`-th member `k: v` of an object at `path`; `hook` may write
+/// the value itself.
+#[allow(clippy::too_many_arguments)]
 fn write_member(
     out: &mut String,
     i: usize,
@@ -403,6 +408,7 @@ fn write_member(
     path: &Path<'_>,
     depth: usize,
     keys: &mut Keys,
+    hook: Option<&mut dyn MemberHook>,
 ) -> PyResult<()> {
     let Ok(key) = k.cast::<PyString>() else {
         return Err(refuse(path, format!("the key {} is not a string; JSON object keys are strings", repr(k))));
@@ -411,10 +417,12 @@ fn write_member(
         out.push(',');
     }
     let addr = key.as_ptr() as usize;
-    if let Some(literal) = keys.get(&addr) {
-        out.push_str(literal);
-        out.push(':');
-        return write_value_with(out, v, &Path::ChildObj(path, key), depth + 1, keys);
+    if hook.is_none() {
+        if let Some(literal) = keys.get(&addr) {
+            out.push_str(literal);
+            out.push(':');
+            return write_value_with(out, v, &Path::ChildObj(path, key), depth + 1, keys);
+        }
     }
     let key = text_of(path, key)?;
     let mut literal = String::with_capacity(key.len() + 2);
@@ -422,7 +430,13 @@ fn write_member(
     out.push_str(&literal);
     keys.insert(addr, literal);
     out.push(':');
-    write_value_with(out, v, &Path::Child(path, &key), depth + 1, keys)
+    let at = Path::Child(path, &key);
+    if let Some(hook) = hook {
+        if hook.member(&key, out, v, (&at, depth + 1, keys))? {
+            return Ok(());
+        }
+    }
+    write_value_with(out, v, &at, depth + 1, keys)
 }
 
 /// Refuse a container that would nest deeper than `JSON_DEPTH_MAX`.
@@ -437,6 +451,401 @@ fn open(path: &Path<'_>, depth: usize) -> PyResult<()> {
         ));
     }
     Ok(())
+}
+
+/// `hook` again, for one member.
+fn reborrow<'a>(hook: &'a mut Option<&mut dyn MemberHook>) -> Option<&'a mut dyn MemberHook> {
+    match hook {
+        Some(h) => Some(&mut **h),
+        None => None,
+    }
+}
+
+/// Writes a member's value instead of [`write_value_with`]: true when it did.
+trait MemberHook {
+    fn member(&mut self, key: &str, out: &mut String, v: &Bound<'_, PyAny>, at: Place<'_, '_>) -> PyResult<bool>;
+}
+
+/// The cuts of `raw_request` and `raw_response` that the docs encoder
+/// would search the written text for (`trajlog::ExtraCuts`: the columns'
+/// copies, `messages` again), found while writing them: each value at one
+/// of those places is compared with the column first, on the Python
+/// objects (exact built-in types only, so no Python code runs between the
+/// comparison and the writing), then written as any other value, and cut
+/// when equal. Anything the search would cut that this does not compare
+/// exactly (a tuple, an `int` subclass, logprobs entries that do not
+/// match as a whole) makes the walk `incomplete`: the encoder then
+/// searches, as before.
+pub(crate) struct Found<'c> {
+    call: &'c RCall,
+    cuts: trajlog::ExtraCuts,
+    incomplete: bool,
+}
+
+/// Where a value is written: its path, its depth, the key literals cache.
+type Place<'p, 'k> = (&'p Path<'p>, usize, &'k mut Keys);
+
+/// Where in a raw body a hooked object sits.
+#[derive(Clone, Copy)]
+enum Level {
+    Request,
+    Response,
+    /// `raw_response.choices[0]`.
+    Choice,
+    /// `raw_response.choices[0].logprobs`.
+    Logprobs,
+}
+
+struct At<'f, 'c> {
+    found: &'f mut Found<'c>,
+    level: Level,
+}
+
+impl Found<'_> {
+    /// A value the search could cut that this walk does not compare: the
+    /// encoder must search.
+    fn unknown(&mut self, v: &Bound<'_, PyAny>) -> bool {
+        if !is_plain_leaf(v.as_ptr()) {
+            self.incomplete = true;
+        }
+        false
+    }
+
+    /// A list of ids at a prompt (`prompt`) or completion reference's place.
+    fn ids(&mut self, out: &mut String, v: &Bound<'_, PyAny>, prompt: bool, at: Place<'_, '_>) -> PyResult<bool> {
+        let Ok(list) = v.cast_exact::<PyList>() else { return Ok(self.unknown(v)) };
+        open(at.0, at.1)?;
+        let column = if prompt { &self.call.prompt_token_ids } else { &self.call.completion_token_ids };
+        let start = out.len();
+        match write_ids(out, list, column) {
+            Some(equal) => {
+                if equal {
+                    self.cuts.ids(start, out.len(), prompt);
+                }
+                Ok(true)
+            }
+            None => {
+                self.incomplete = true;
+                Ok(false)
+            }
+        }
+    }
+
+    /// A whole logprobs list: vLLM's `choices[0].logprobs.content`
+    /// (`content`, reference 8) or the completions API's `token_logprobs`
+    /// (reference 9), cut whole when it is the logprob column's; any other
+    /// the search cuts entry by entry.
+    fn logprobs_list(
+        &mut self,
+        out: &mut String,
+        v: &Bound<'_, PyAny>,
+        at: Place<'_, '_>,
+        content: bool,
+    ) -> PyResult<bool> {
+        let Ok(list) = v.cast_exact::<PyList>() else { return Ok(self.unknown(v)) };
+        if list.is_empty() {
+            return Ok(false);
+        }
+        let lps = self.call.logprobs.as_deref().unwrap_or_default();
+        let start = out.len();
+        // A content entry's `bytes` is two levels down: deeper than the
+        // limit allows, the general writer refuses the list.
+        if at.1 + 2 < JSON_DEPTH_MAX {
+            let cut = if content {
+                write_content(out, list, lps).is_some_and(|l| self.cuts.content(start, out.len(), l.into_bytes()))
+            } else {
+                write_logprobs(out, list, lps) && {
+                    self.cuts.logprob_list(start, out.len());
+                    true
+                }
+            };
+            if cut {
+                return Ok(true);
+            }
+            out.truncate(start);
+        }
+        self.incomplete = true;
+        Ok(false)
+    }
+
+    /// `raw_request.messages`: cut when its text is the `messages` document's.
+    fn messages(&mut self, out: &mut String, v: &Bound<'_, PyAny>, at: Place<'_, '_>) -> PyResult<bool> {
+        let start = out.len();
+        write_value_with(out, v, at.0, at.1, at.2)?;
+        let messages = self.call.messages.as_deref().unwrap_or_default();
+        let delimited = matches!(messages.first(), Some(b'[' | b'{' | b'"'));
+        if delimited && out.as_bytes().get(start..) == Some(messages) {
+            self.cuts.messages(start, out.len());
+        }
+        Ok(true)
+    }
+
+    /// `raw_response.choices`: its first choice walked for its cuts.
+    fn choices(&mut self, out: &mut String, v: &Bound<'_, PyAny>, at: Place<'_, '_>) -> PyResult<bool> {
+        let Ok(list) = v.cast_exact::<PyList>() else { return Ok(self.unknown(v)) };
+        let (path, depth, keys) = at;
+        open(path, depth)?;
+        out.push('[');
+        let mut i = 0;
+        while let Ok(item) = list.get_item(i) {
+            if i > 0 {
+                out.push(',');
+            }
+            let item_path = Path::Index(path, i);
+            if i == 0 && item.is_exact_instance_of::<PyDict>() {
+                let mut hook = At { found: &mut *self, level: Level::Choice };
+                write_dict(out, &item, &item_path, depth + 1, keys, Some(&mut hook))?;
+            } else {
+                if i == 0 {
+                    self.unknown(&item);
+                }
+                write_value_with(out, &item, &item_path, depth + 1, keys)?;
+            }
+            i += 1;
+        }
+        out.push(']');
+        Ok(true)
+    }
+}
+
+// The writers below write what `write_value_with` writes for the same
+// list, comparing it with a column as they go, in one pass: they read only
+// exact built-in types (through borrowed references, running no Python
+// code) and give up, writing nothing, on anything else, which the general
+// writer then writes (and refuses, where it must).
+
+/// The item `i` of the exact list `list`, borrowed; null past its end.
+fn list_item(list: &Bound<'_, PyList>, i: usize) -> *mut ffi::PyObject {
+    let Ok(i) = ffi::Py_ssize_t::try_from(i) else { return std::ptr::null_mut() };
+    // SAFETY: `list` is a live list; PyList_GetItem returns a borrowed
+    // reference (null, with an IndexError set, past the end: cleared by the
+    // callers' `PyErr::take` or left for none, as they give up then).
+    let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i) };
+    if item.is_null() {
+        let _ = PyErr::take(list.py());
+    }
+    item
+}
+
+fn is_type(obj: *mut ffi::PyObject, ty: *mut ffi::PyTypeObject) -> bool {
+    // SAFETY: `obj` is a live object (callers check for null); Py_TYPE reads its type.
+    !obj.is_null() && unsafe { ffi::Py_TYPE(obj) } == ty
+}
+
+/// The value of the exact `int` `obj` when it fits 64 bits.
+fn int_of(py: Python<'_>, obj: *mut ffi::PyObject) -> Option<i64> {
+    if !is_type(obj, std::ptr::addr_of_mut!(ffi::PyLong_Type)) {
+        return None;
+    }
+    let mut overflow = 0;
+    // SAFETY: an exact live `int`; -1 with an exception set is handled below.
+    let v = unsafe { ffi::PyLong_AsLongAndOverflow(obj, &mut overflow) };
+    (overflow == 0 && (v != -1 || PyErr::take(py).is_none())).then_some(v)
+}
+
+/// The value of the exact `float` `obj` when finite.
+fn float_of(obj: *mut ffi::PyObject) -> Option<f64> {
+    if !is_type(obj, std::ptr::addr_of_mut!(ffi::PyFloat_Type)) {
+        return None;
+    }
+    // SAFETY: an exact live `float`, which PyFloat_AsDouble reads without failing.
+    let v = unsafe { ffi::PyFloat_AsDouble(obj) };
+    v.is_finite().then_some(v)
+}
+
+/// The UTF-8 text of the exact `str` `obj`, borrowed from it; None for
+/// another type or text with a lone surrogate.
+fn str_of<'a>(py: Python<'_>, obj: *mut ffi::PyObject) -> Option<&'a str> {
+    if !is_type(obj, std::ptr::addr_of_mut!(ffi::PyUnicode_Type)) {
+        return None;
+    }
+    let mut len: ffi::Py_ssize_t = 0;
+    // SAFETY: an exact live `str`; the UTF-8 buffer it returns lives as long
+    // as the string, which its container holds while the caller writes it
+    // (no Python code runs meanwhile). Null with an exception for a lone
+    // surrogate.
+    let p = unsafe { ffi::PyUnicode_AsUTF8AndSize(obj, &mut len) };
+    if p.is_null() {
+        let _ = PyErr::take(py);
+        return None;
+    }
+    // SAFETY: CPython's UTF-8 buffer of `len` bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(p.cast::<u8>(), usize::try_from(len).ok()?) };
+    std::str::from_utf8(bytes).ok()
+}
+
+/// Write the exact list `list` of exact ints; `Some(equal to column)`, or
+/// None with nothing written when an item is anything else.
+fn write_ids(out: &mut String, list: &Bound<'_, PyList>, column: &[u32]) -> Option<bool> {
+    let start = out.len();
+    let n = list.len();
+    let mut equal = n == column.len();
+    out.reserve(n.saturating_mul(7).min(16 << 20));
+    out.push('[');
+    for i in 0..n {
+        let Some(v) = int_of(list.py(), list_item(list, i)) else {
+            out.truncate(start);
+            return None;
+        };
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(itoa::Buffer::new().format(v));
+        equal &= column.get(i).is_some_and(|&c| i64::from(c) == v);
+    }
+    out.push(']');
+    Some(equal)
+}
+
+/// Write the exact list `list` when it is exactly the logprob column `lps`
+/// as floats; false (nothing written) otherwise.
+fn write_logprobs(out: &mut String, list: &Bound<'_, PyList>, lps: &[f32]) -> bool {
+    let start = out.len();
+    if list.len() != lps.len() {
+        return false;
+    }
+    out.push('[');
+    for (i, &lp) in lps.iter().enumerate() {
+        match float_of(list_item(list, i)) {
+            Some(v) if v.to_bits() == f64::from(lp).to_bits() => {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_float(out, v);
+            }
+            _ => {
+                out.truncate(start);
+                return false;
+            }
+        }
+    }
+    out.push(']');
+    true
+}
+
+/// Write the exact list `list` when it is exactly vLLM's
+/// `logprobs.content` of the column `lps` — one `{"token", "logprob",
+/// "bytes", "top_logprobs": []}` dict per logprob, each logprob the
+/// column's value, each `bytes` its token's UTF-8 — and return its token
+/// literals back to back; None (nothing written) otherwise.
+fn write_content(out: &mut String, list: &Bound<'_, PyList>, lps: &[f32]) -> Option<String> {
+    let start = out.len();
+    let written = write_content_entries(out, list, lps);
+    if written.is_none() {
+        out.truncate(start);
+    }
+    written
+}
+
+fn write_content_entries(out: &mut String, list: &Bound<'_, PyList>, lps: &[f32]) -> Option<String> {
+    const NAMES: [&str; 4] = ["token", "logprob", "bytes", "top_logprobs"];
+    if list.len() != lps.len() || lps.is_empty() {
+        return None;
+    }
+    let py = list.py();
+    let mut literals = String::new();
+    out.push('[');
+    for (i, &lp) in lps.iter().enumerate() {
+        let entry = list_item(list, i);
+        // SAFETY (the block): `entry` is a live exact dict (checked first);
+        // PyDict_Size reads its size and PyDict_Next hands out borrowed
+        // references to its members, valid while nothing changes it (no
+        // Python code runs here).
+        let mut members = [std::ptr::null_mut(); 4];
+        unsafe {
+            if !is_type(entry, std::ptr::addr_of_mut!(ffi::PyDict_Type)) || ffi::PyDict_Size(entry) != 4 {
+                return None;
+            }
+            let mut pos: ffi::Py_ssize_t = 0;
+            for (name, slot) in NAMES.iter().zip(members.iter_mut()) {
+                let (mut k, mut v) = (std::ptr::null_mut(), std::ptr::null_mut());
+                if ffi::PyDict_Next(entry, &mut pos, &mut k, &mut v) == 0 || str_of(py, k) != Some(*name) {
+                    return None;
+                }
+                *slot = v;
+            }
+        }
+        let [token, logprob, bytes, top] = members;
+        let token = str_of(py, token)?;
+        let logprob = float_of(logprob).filter(|v| v.to_bits() == f64::from(lp).to_bits())?;
+        if !is_type(bytes, std::ptr::addr_of_mut!(ffi::PyList_Type))
+            || !is_type(top, std::ptr::addr_of_mut!(ffi::PyList_Type))
+        {
+            return None;
+        }
+        // SAFETY: both are live exact lists (checked just above), borrowed
+        // from the entry, which the list holds.
+        let (bytes, top) = unsafe { (Borrowed::from_ptr(py, bytes), Borrowed::from_ptr(py, top)) };
+        // SAFETY: checked to be exact lists.
+        let (bytes, top) = unsafe { (bytes.cast_unchecked::<PyList>(), top.cast_unchecked::<PyList>()) };
+        if !top.is_empty() || bytes.len() != token.len() {
+            return None;
+        }
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str("{\"token\":");
+        let at = out.len();
+        write_str(out, token);
+        literals.push_str(out.get(at..)?);
+        out.push_str(",\"logprob\":");
+        write_float(out, logprob);
+        out.push_str(",\"bytes\":[");
+        for (j, &want) in token.as_bytes().iter().enumerate() {
+            if int_of(py, list_item(&bytes, j)) != Some(i64::from(want)) {
+                return None;
+            }
+            if j > 0 {
+                out.push(',');
+            }
+            out.push_str(itoa::Buffer::new().format(want));
+        }
+        out.push_str("],\"top_logprobs\":[]}");
+    }
+    out.push(']');
+    Some(literals)
+}
+
+impl MemberHook for At<'_, '_> {
+    fn member(&mut self, key: &str, out: &mut String, v: &Bound<'_, PyAny>, at: Place<'_, '_>) -> PyResult<bool> {
+        let f = &mut *self.found;
+        match (self.level, key) {
+            (Level::Request, "messages") => f.messages(out, v, at),
+            (Level::Request, "prompt") if !f.call.prompt_token_ids.is_empty() => f.ids(out, v, true, at),
+            (Level::Response | Level::Choice, "prompt_token_ids") => f.ids(out, v, true, at),
+            (Level::Response, "choices") => f.choices(out, v, at),
+            (Level::Choice, "token_ids") => f.ids(out, v, false, at),
+            (Level::Choice, "logprobs") => {
+                if !v.is_exact_instance_of::<PyDict>() {
+                    return Ok(f.unknown(v));
+                }
+                let mut hook = At { found: f, level: Level::Logprobs };
+                write_dict(out, v, at.0, at.1, at.2, Some(&mut hook))?;
+                Ok(true)
+            }
+            (Level::Logprobs, "content") => f.logprobs_list(out, v, at, true),
+            (Level::Logprobs, "token_logprobs") => f.logprobs_list(out, v, at, false),
+            _ => Ok(false),
+        }
+    }
+}
+
+/// `raw_request` or `raw_response` (`key`) as JSON text, with the cuts
+/// found in it (offsets into that text) unless the walk is incomplete.
+fn raw_body(call: &RCall, key: &str, v: &Bound<'_, PyAny>) -> PyResult<(String, Option<trajlog::ExtraCuts>)> {
+    let mut out = String::new();
+    let mut found = Found { call, cuts: trajlog::ExtraCuts::default(), incomplete: false };
+    let path = Path::Key(key);
+    let mut keys = Keys::default();
+    if v.is_exact_instance_of::<PyDict>() {
+        let level = if key == "raw_request" { Level::Request } else { Level::Response };
+        let mut hook = At { found: &mut found, level };
+        write_dict(&mut out, v, &path, 0, &mut keys, Some(&mut hook))?;
+    } else {
+        found.unknown(v);
+        write_value_with(&mut out, v, &path, 0, &mut keys)?;
+    }
+    Ok((out, (!found.incomplete).then_some(found.cuts)))
 }
 
 /// One document as JSON text.
@@ -577,10 +986,19 @@ fn logprobs(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Option<
     Ok((column, Some(verbatim)))
 }
 
-/// The call of a gateway-shaped trace dict; a refusal names the field (and
-/// the path inside it). `now` fills a missing timestamp.
-pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64) -> PyResult<RCall> {
+/// The call of a gateway-shaped trace dict, and the cuts of its `extra`
+/// found while writing it ([`Found`]; none when the walk could not find
+/// them all); a refusal names the field (and the path inside it). `now`
+/// fills a missing timestamp.
+pub(crate) fn call_of_trace(
+    py: Python<'_>,
+    trace: &Bound<'_, PyDict>,
+    now: f64,
+) -> PyResult<(RCall, Option<trajlog::ExtraCuts>)> {
     let mut call = RCall { timestamp: now, ..Default::default() };
+    // `raw_request` and `raw_response`, written once the columns and
+    // `messages` they may repeat are known.
+    let mut raw: Vec<(usize, Bound<'_, PyAny>)> = Vec::new();
     let (mut has_trace_id, mut has_session_id, mut verbatim_logprobs) = (false, false, false);
     // The trace's keys in order, and those kept in `extra` (with whether null).
     let mut order: Vec<String> = Vec::with_capacity(trace.len());
@@ -664,11 +1082,27 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
             "response_message" => call.response_message = Some(document(key, &v)?),
             "metadata" => call.metadata = Some(document(key, &v)?),
             "routing_matrices" => call.routing_matrices = Some(document(key, &v)?),
+            "raw_request" | "raw_response" => {
+                raw.push((extra.len(), v));
+                extra_field(&mut extra, key, String::new());
+            }
             _ => {
                 let mut json = String::new();
                 write_value(&mut json, &v, &Path::Key(key), 0)?;
                 extra_field(&mut extra, key, json);
             }
+        }
+    }
+    let mut found_in: Vec<(&'static str, trajlog::ExtraCuts)> = Vec::new();
+    let mut incomplete = false;
+    for (at, v) in raw {
+        let Some((key, json)) = extra.get_mut(at) else { continue };
+        let key: &'static str = if key == "raw_request" { "raw_request" } else { "raw_response" };
+        let (text, cuts) = raw_body(&call, key, &v)?;
+        *json = text;
+        match cuts {
+            Some(cuts) => found_in.push((key, cuts)),
+            None => incomplete = true,
         }
     }
     for (key, present) in [("trace_id", has_trace_id), ("session_id", has_session_id)] {
@@ -691,6 +1125,7 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
         let at = extra.partition_point(|(k, _)| k.as_str() < KEY_ORDER);
         extra.insert(at, (KEY_ORDER.to_owned(), kept));
     }
+    let mut found = trajlog::ExtraCuts::default();
     if !extra.is_empty() {
         let mut out = String::with_capacity(2 + extra.iter().map(|(k, v)| k.len() + v.len() + 4).sum::<usize>());
         out.push('{');
@@ -700,12 +1135,15 @@ pub(crate) fn call_of_trace(py: Python<'_>, trace: &Bound<'_, PyDict>, now: f64)
             }
             write_str(&mut out, k);
             out.push(':');
+            if let Some(at) = found_in.iter().position(|(key, _)| key == k) {
+                found.extend_at(found_in.swap_remove(at).1, out.len());
+            }
             out.push_str(v);
         }
         out.push('}');
         call.extra = Some(out.into_bytes());
     }
-    Ok(call)
+    Ok((call, (!incomplete).then_some(found)))
 }
 
 // ---- Out: JSON text straight into Python objects ----

@@ -112,7 +112,7 @@ pub struct Parent<'a> {
 
 // ---------------------------------------------------------------- encoding
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 struct Cut {
     start: usize,
     end: usize,
@@ -156,6 +156,115 @@ impl Allow {
     }
 }
 
+/// The cuts of `extra` that [`encode`] would find by searching its text
+/// (record.md §7.2: references 1, 2, 5, 8 and 9 in `raw_request` and
+/// `raw_response`), as the writer of that text found them while writing it
+/// from values it compared with the call's columns: the Python binding's
+/// trace walk, which saves the encoder a second reading of ~100 kB of
+/// text per gateway call. Offsets are byte offsets into `extra`, lists and
+/// objects in the compact style (no space after `,` and `:`).
+///
+/// A writer that meets anything it does not compare exactly as the search
+/// would (per-entry logprob references, a tuple, an `int` subclass) gives
+/// no cuts at all ([`crate::ValidCall::with_found_cuts`] is then not
+/// called), and the encoder searches as before. Each cut must hold exactly
+/// the text the reference renders: the search's own rule. The encoder
+/// checks what is cheap to check ([`ExtraCuts::plausible`]); debug builds
+/// compare every use with a search.
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ExtraCuts {
+    cuts: Vec<Cut>,
+}
+
+impl ExtraCuts {
+    /// `extra[start..end]` is the prompt column (`prompt`) or the
+    /// completion column as a compact JSON list.
+    pub fn ids(&mut self, start: usize, end: usize, prompt: bool) {
+        let reference = if prompt { REF_PROMPT } else { REF_COMPLETION };
+        self.cuts.push(Cut::plain(start, end, reference, LIST_COMPACT, 0));
+    }
+
+    /// `extra[start..end]` is the call's `messages` document, byte for byte.
+    pub fn messages(&mut self, start: usize, end: usize) {
+        self.cuts.push(Cut::plain(start, end, REF_MESSAGES, 0, 0));
+    }
+
+    /// `extra[start..end]` is vLLM's compact `logprobs.content` list of the
+    /// logprob column (reference 8), whose token literals are `literals`,
+    /// back to back. False (nothing added) when the run is too long for a
+    /// splice's argument.
+    pub fn content(&mut self, start: usize, end: usize, literals: Vec<u8>) -> bool {
+        let Ok(arg) = u32::try_from(literals.len()) else { return false };
+        self.cuts.push(Cut { start, end, reference: REF_CONTENT, style: LIST_COMPACT, arg, token_at: 0, kept: literals });
+        true
+    }
+
+    /// `extra[start..end]` is the logprob column as a compact JSON list of
+    /// floats (reference 9).
+    pub fn logprob_list(&mut self, start: usize, end: usize) {
+        self.cuts.push(Cut::plain(start, end, REF_LOGPROB_LIST, LIST_COMPACT, 0));
+    }
+
+    /// Take `other`'s cuts, found in a piece of text that starts at byte
+    /// `at` of `extra`.
+    pub fn extend_at(&mut self, other: ExtraCuts, at: usize) {
+        self.cuts.extend(other.cuts.into_iter().map(|c| Cut { start: c.start + at, end: c.end + at, ..c }));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cuts.is_empty()
+    }
+
+    fn sorted(&self) -> Vec<Cut> {
+        let mut cuts = self.cuts.clone();
+        cuts.sort_by_key(|c| c.start);
+        cuts
+    }
+}
+
+/// What is cheap to check of cuts found while writing (sorted): they are
+/// apart and inside `extra`; a list starts with `[` and ends with `]`;
+/// `messages` is there byte for byte; a content run's literals fit in its
+/// list; a logprobs reference has its column.
+fn plausible(call: &Call, cuts: &[Cut]) -> bool {
+    let Some(text) = call.extra.as_deref() else { return false };
+    let mut pos = 0;
+    cuts.iter().all(|c| {
+        let ok = c.start >= pos
+            && c.end <= text.len()
+            && match c.reference {
+                REF_MESSAGES => call.messages.as_deref().is_some_and(|m| text.get(c.start..c.end) == Some(m)),
+                REF_PROMPT | REF_COMPLETION => list_bounds(text, c),
+                REF_CONTENT | REF_LOGPROB_LIST => {
+                    call.logprobs.as_ref().is_some_and(|l| !l.is_empty())
+                        && list_bounds(text, c)
+                        && c.kept.len() < c.end - c.start
+                }
+                _ => false,
+            };
+        pos = c.end;
+        ok
+    })
+}
+
+fn list_bounds(text: &[u8], c: &Cut) -> bool {
+    c.end >= c.start + 2 && text.get(c.start) == Some(&b'[') && text.get(c.end - 1) == Some(&b']')
+}
+
+/// Whether `found` are exactly the cuts a search of `call.extra` finds,
+/// and pass the encoder's checks (the Python binding's tests compare the
+/// two on every shape of trace they write).
+#[doc(hidden)]
+pub fn found_cuts_agree(call: &Call, found: &ExtraCuts) -> bool {
+    let mut searched = Vec::new();
+    if let Some(extra) = &call.extra {
+        extra_cuts(extra, call, &mut searched, &mut String::new(), true);
+    }
+    let found = found.sorted();
+    found == searched && (found.is_empty() || plausible(call, &found))
+}
+
 /// The docs block for `call`'s documents (a validated call), or `None` when
 /// storing the documents as they are is at least as small. With `parent`
 /// (the documents of the call that will be this call's prefix-delta parent),
@@ -169,6 +278,18 @@ pub fn encode(call: &Call, parent: Option<Parent<'_>>) -> Option<Encoded> {
 /// [`encode`] with only the references `allow` names (a block for an older
 /// segment format).
 pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Option<Encoded> {
+    encode_with(call, parent, allow, None)
+}
+
+/// [`encode`], taking `extra`'s cuts from `found` (the writer of the text
+/// found them as it wrote it, [`ExtraCuts`]) instead of searching the text
+/// for them, when `found` is complete and usable in a segment of the
+/// current format and passes [`ExtraCuts::plausible`].
+pub(crate) fn encode_found(call: &Call, parent: Option<Parent<'_>>, found: Option<&ExtraCuts>) -> Option<Encoded> {
+    encode_with(call, parent, Allow::format(super::FORMAT_VERSION), found)
+}
+
+fn encode_with(call: &Call, parent: Option<Parent<'_>>, allow: Allow, found: Option<&ExtraCuts>) -> Option<Encoded> {
     let parent = parent.filter(|_| allow.parent);
     let docs = [&call.messages, &call.response_message, &call.metadata, &call.extra];
     let plain: usize = docs.iter().map(|d| d.as_ref().map_or(0, Vec::len)).sum();
@@ -181,8 +302,21 @@ pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Opti
     }
     let uses_parent = !cuts[0].is_empty();
     if let Some(extra) = &call.extra {
-        let mut scratch = String::new();
-        extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch, allow.content);
+        match found.filter(|_| allow.content).map(ExtraCuts::sorted).filter(|f| plausible(call, f)) {
+            Some(found) => {
+                #[cfg(debug_assertions)]
+                {
+                    let mut searched = Vec::new();
+                    extra_cuts(extra, call, &mut searched, &mut String::new(), allow.content);
+                    debug_assert_eq!(found, searched, "the cuts found while writing differ from a search");
+                }
+                cuts[DOC_EXTRA] = found;
+            }
+            None => {
+                let mut scratch = String::new();
+                extra_cuts(extra, call, &mut cuts[DOC_EXTRA], &mut scratch, allow.content);
+            }
+        }
     }
     let uses_content = cuts[DOC_EXTRA].iter().any(|c| matches!(c.reference, REF_CONTENT | REF_LOGPROB_LIST));
     let min_format = if uses_content {
@@ -1437,6 +1571,47 @@ mod tests {
             assert!(!refs_of(&call, true).contains(&REF_CONTENT), "{content}");
             assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
         }
+    }
+
+    #[test]
+    fn found_cuts_stand_in_for_the_search() {
+        let msgs = r#"[{"role":"user","content":"hi"}]"#;
+        let tokens = [r#""ab""#, r#""\u00e9""#];
+        let logprobs = [-0.5f32, -0.0];
+        let content = content_list(&tokens, &logprobs, LIST_COMPACT);
+        let extra = padded(&format!(
+            r#""raw_request":{{"messages":{msgs}}},"raw_response":{{"choices":[{{"logprobs":{{"content":{content}}},"token_ids":[10,11]}}],"prompt_token_ids":[1,2,3]}}"#
+        ));
+        let mut call = call_with(&extra, Some(msgs));
+        call.logprobs = Some(logprobs.to_vec());
+        let at = |needle: &str| extra.find(needle).expect("in the text");
+        let mut found = ExtraCuts::default();
+        found.ids(at("[1,2,3]"), at("[1,2,3]") + 7, true);
+        found.messages(at(msgs), at(msgs) + msgs.len());
+        found.ids(at("[10,11]"), at("[10,11]") + 7, false);
+        assert!(found.content(at(&content), at(&content) + content.len(), tokens.concat().into_bytes()));
+        assert!(found_cuts_agree(&call, &found));
+        let searched = encode(&call, None).expect("a block");
+        assert_eq!(encode_found(&call, None, Some(&found)), Some(searched.clone()));
+        // Cuts that fail the cheap checks are not taken: the text is searched.
+        for bad in [
+            |f: &mut ExtraCuts| f.ids(1, 8, true),
+            |f: &mut ExtraCuts| f.messages(0, 5),
+            |f: &mut ExtraCuts| f.logprob_list(0, 2),
+        ] {
+            let mut f = found.clone();
+            bad(&mut f);
+            assert!(!found_cuts_agree(&call, &f));
+            assert_eq!(encode_found(&call, None, Some(&f)), Some(searched.clone()));
+        }
+        // Found cuts that the search does not find disagree.
+        let mut missing = ExtraCuts::default();
+        missing.messages(at(msgs), at(msgs) + msgs.len());
+        assert!(!found_cuts_agree(&call, &missing));
+        // No logprobs column: no whole-list reference is plausible.
+        let mut no_column = call.clone();
+        no_column.logprobs = None;
+        assert!(!plausible(&no_column, &found.sorted()));
     }
 
     #[test]

@@ -63,6 +63,7 @@ use writer::{Journal, Writer};
 use crate::delta::{Context, DeltaCache};
 use crate::error::Problem;
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::docs::ExtraCuts;
 use crate::format::frame::{frame_bytes, write_frame};
 use crate::format::manifest::{
     decode_manifest, encode_manifest, Manifest, ManifestSegment, PendingRename, SegmentState, ShardChecksum,
@@ -434,11 +435,11 @@ impl Store {
     /// [`Store::append`] for a call already checked ([`ValidCall`]): the
     /// boundary check is not run twice.
     pub fn append_valid(&self, call: ValidCall) -> Result<Receipt> {
-        let call = call.into_inner();
+        let (call, found) = call.into_parts();
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;
-        self.append_admitted(call, permit)
+        self.append_admitted(call, found.as_deref(), permit)
     }
 
     /// [`Store::append_valid`] that never waits for room: when the queue is
@@ -451,7 +452,8 @@ impl Store {
         let Some(permit) = self.inner.queue.try_acquire(call_bytes(call.call()))? else {
             return Ok(TryAppend::Full(Box::new(call)));
         };
-        self.append_admitted(call.into_inner(), permit).map(TryAppend::Appended)
+        let (call, found) = call.into_parts();
+        self.append_admitted(call, found.as_deref(), permit).map(TryAppend::Appended)
     }
 
     /// Call `listener` each time the store's durability state changes:
@@ -466,7 +468,8 @@ impl Store {
         lock(&self.inner.listeners).push(Arc::new(listener));
     }
 
-    fn append_admitted(&self, call: Call, permit: Permit) -> Result<Receipt> {
+    /// `found`: the cuts of `extra` its writer found (`ValidCall::with_found_cuts`).
+    fn append_admitted(&self, call: Call, found: Option<&ExtraCuts>, permit: Permit) -> Result<Receipt> {
         // Structure-aware documents, made here so that appenders share the
         // work: `messages` as a delta against the session's previous append
         // (the writer checks that it is the parent it chooses).
@@ -474,7 +477,7 @@ impl Store {
         let parent = prev.as_deref().filter(|p| p.depth < crate::limits::MESSAGES_DELTA_DEPTH_MAX).map(|p| {
             crate::format::docs::Parent { messages: &p.messages, response_message: p.response_message.as_deref() }
         });
-        let docs = crate::format::docs::encode(&call, parent);
+        let docs = crate::format::docs::encode_found(&call, parent, found);
         let (docs_parent_seq, depth) = match (&docs, &prev) {
             (Some(d), Some(p)) if d.uses_parent => (Some(p.seq), p.depth + 1),
             _ => (None, 0),
