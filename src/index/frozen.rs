@@ -558,6 +558,12 @@ impl Frozen {
     /// row (`None` for a row not frozen). `None` past what the layer's
     /// 32-bit numbers address: the caller keeps every call in the maps then.
     pub fn build<R: AsRow>(rows: &[R], cold: &[bool]) -> Option<(Frozen, Vec<Option<u32>>)> {
+        Self::build_with(rows, cold, true)
+    }
+
+    /// [`Frozen::build`]; without `row_map`, the second value is empty (an
+    /// open's cold layer has no use for it: 8 bytes a call).
+    pub fn build_with<R: AsRow>(rows: &[R], cold: &[bool], row_map: bool) -> Option<(Frozen, Vec<Option<u32>>)> {
         if u32::try_from(rows.len()).is_err() {
             return None;
         }
@@ -585,7 +591,7 @@ impl Frozen {
         let (mut names, mut ids) = (Vec::new(), Vec::new());
         let (mut frows, mut sessions) = (Vec::with_capacity(order.len()), Vec::<FrozenSession>::new());
         let mut by_trace = Vec::with_capacity(order.len());
-        let mut frozen_row_of_input = vec![None; rows.len()];
+        let mut frozen_row_of_input = if row_map { vec![None; rows.len()] } else { Vec::new() };
         let mut last_name: Option<&str> = None;
         for (hash, i) in order {
             let Some(r) = row(i) else { continue };

@@ -242,7 +242,7 @@ impl<'a> ColdPlan<'a> {
             return;
         }
         let all = vec![true; self.calls.len()];
-        let built = Frozen::build(&self.calls, &all);
+        let built = Frozen::build_with(&self.calls, &all, false);
         drop(all);
         let Some((mut frozen, _)) = built else {
             for c in &self.calls {
