@@ -211,3 +211,19 @@ def test_a_token_with_a_lone_surrogate_is_refused_as_before(tmp_path, token):
             store.append_trace(t)
         store.flush()
         assert store.session_dicts(t["session_id"]) == []
+
+
+def test_ints_are_written_exactly(tmp_path):
+    """The walk writes ints' digits in place: every width and sign, the
+    int64 ends, in a copy of a column and anywhere else."""
+    edges = [0, 1, 9, 10, 99, 100, 2**31, 2**32 - 1, 2**32, -1, -9, -10, 2**63 - 1, -(2**63), 123456789012345678]
+    rng = random.Random(5)
+    edges += [rng.randint(-(2**63), 2**63 - 1) for _ in range(200)]
+    t = clean_trace(rng, 1, n=3)
+    t["raw_response"]["edges"] = edges
+    t["prompt_token_ids"] = t["raw_response"]["prompt_token_ids"] = [0, 9, 10, 2**32 - 1]
+    assert _trajlog._found_cuts_agree(t) is True
+    with trajlog.Store(tmp_path / "s") as store:
+        store.append_trace(t)
+        store.flush()
+        assert_same(store.session_dicts(t["session_id"]), [plain(t)])
