@@ -85,7 +85,7 @@ step "rLLM's model-gateway tests, unchanged, against trajlog serve (compat/)"
 bash compat/run-rllm-suite.sh
 
 step "bench-gateway smoke run"
-"$TRAJLOG_BIN" bench-gateway --sessions 2 --turns 2 --calls 8
+"$TRAJLOG_BIN" bench-gateway --sessions 2 --turns 2 --calls 8 --async-serve
 
 step "demo smoke run"
 demo_dir="$(mktemp -d)/store"

@@ -34,6 +34,8 @@ pub(crate) struct Args {
     pub completion_tokens: usize,
     pub rllm_python: Option<PathBuf>,
     pub baseline_serve: Option<PathBuf>,
+    /// Also run this build's serve with `--durability async`.
+    pub async_serve: bool,
     pub dir: Option<PathBuf>,
     pub json: bool,
 }
@@ -372,20 +374,24 @@ fn run_inner(args: &Args) -> Res<()> {
     let mut mock_cmd = Command::new(&exe);
     mock_cmd.args(["mock-vllm", "--port", "0"]);
     let mock = spawn_listening(mock_cmd, "trajlog mock-vllm")?;
-    let serve_cmd = |exe: &Path, store: &str| {
+    let serve_cmd = |exe: &Path, store: &str, durability: &str| {
         let mut cmd = Command::new(exe);
-        cmd.args(["serve", "--port", "0", "--durability", "sync", "--log-level", "warn", "--store"])
+        cmd.args(["serve", "--port", "0", "--durability", durability, "--log-level", "warn", "--store"])
             .arg(tmp.join(store))
             .arg("--worker")
             .arg(format!("{}/v1", mock.url));
         cmd
     };
-    let serve = spawn_listening(serve_cmd(&exe, "store"), "trajlog serve")?;
+    let serve = spawn_listening(serve_cmd(&exe, "store", "sync"), "trajlog serve")?;
     let mut gateways: Vec<(Target, Proc)> =
         vec![(Target { name: "trajlog serve", base: serve.url.clone(), direct: false }, serve)];
     if let Some(other) = &args.baseline_serve {
-        let p = spawn_listening(serve_cmd(other, "store-baseline"), "the baseline trajlog serve")?;
+        let p = spawn_listening(serve_cmd(other, "store-baseline", "sync"), "the baseline trajlog serve")?;
         gateways.push((Target { name: "trajlog serve, baseline", base: p.url.clone(), direct: false }, p));
+    }
+    if args.async_serve {
+        let p = spawn_listening(serve_cmd(&exe, "store-async", "async"), "trajlog serve --durability async")?;
+        gateways.push((Target { name: "trajlog serve, async", base: p.url.clone(), direct: false }, p));
     }
     if let Some(python) = &args.rllm_python {
         for (name, store) in [("rLLM gateway, SQLite", "sqlite"), ("rLLM gateway, memory", "memory")] {
@@ -452,8 +458,10 @@ fn print_rows(rows: &[Row], args: &Args) {
         return;
     }
     println!(
-        "chat calls, {} turns per session, {} completion tokens with logprobs, growing history; durable capture",
-        args.turns, args.completion_tokens
+        "chat calls, {} turns per session, {} completion tokens with logprobs, growing history; durable capture{}",
+        args.turns,
+        args.completion_tokens,
+        if args.async_serve { " (async: answered before durable, made durable by the next group commit)" } else { "" }
     );
     println!(
         "{:<24} {:>8} {:>7} {:>9} {:>8} {:>8} {:>10} {:>10} {:>10} {:>6}",

@@ -306,6 +306,10 @@ enum Command {
         /// beside this one's under the same load, as "trajlog serve, baseline".
         #[arg(long, value_name = "TRAJLOG")]
         baseline_serve: Option<PathBuf>,
+        /// Also run `trajlog serve --durability async` beside, as "trajlog serve, async": it answers
+        /// before the trace is durable (the next group commit makes it so; a flush waits for it).
+        #[arg(long)]
+        async_serve: bool,
         /// Scratch directory for the store and rLLM's database (removed after); default: the temp directory.
         #[arg(long)]
         dir: Option<PathBuf>,
@@ -502,18 +506,27 @@ pub fn main() -> i32 {
             cumulative_token_mode,
             renderer_family,
         }),
-        Command::BenchGateway { sessions, turns, calls, completion_tokens, rllm_python, baseline_serve, dir, json } => {
-            crate::bench_gateway::run(&crate::bench_gateway::Args {
-                sessions,
-                turns,
-                calls,
-                completion_tokens,
-                rllm_python,
-                baseline_serve,
-                dir,
-                json,
-            })
-        }
+        Command::BenchGateway {
+            sessions,
+            turns,
+            calls,
+            completion_tokens,
+            rllm_python,
+            baseline_serve,
+            async_serve,
+            dir,
+            json,
+        } => crate::bench_gateway::run(&crate::bench_gateway::Args {
+            sessions,
+            turns,
+            calls,
+            completion_tokens,
+            rllm_python,
+            baseline_serve,
+            async_serve,
+            dir,
+            json,
+        }),
         Command::MockVllm { host, port } => serve::mock(&host, port),
         Command::Generate {
             store,
