@@ -491,10 +491,11 @@ trait MemberHook {
 /// The cuts of `raw_request` and `raw_response` that the docs encoder
 /// would search the written text for (`trajlog::ExtraCuts`: the columns'
 /// copies, `messages` again), found while writing them: each value at one
-/// of those places is compared with the column first, on the Python
-/// objects (exact built-in types only, so no Python code runs between the
-/// comparison and the writing), then written as any other value, and cut
-/// when equal. Anything the search would cut that this does not compare
+/// of those places is compared with the column as it is written, on the
+/// Python objects (exact built-in types only, read through borrowed
+/// references, so no Python code runs meanwhile), into the very text the
+/// general writer makes of it, and cut when equal (`messages`: its text
+/// compared with the `messages` document's). Anything the search would cut that this does not compare
 /// exactly (a tuple, an `int` subclass, logprobs entries that do not
 /// match as a whole) makes the walk `incomplete`: the encoder then
 /// searches, as before.

@@ -169,8 +169,8 @@ impl Allow {
 /// no cuts at all ([`crate::ValidCall::with_found_cuts`] is then not
 /// called), and the encoder searches as before. Each cut must hold exactly
 /// the text the reference renders: the search's own rule. The encoder
-/// checks what is cheap to check ([`ExtraCuts::plausible`]); debug builds
-/// compare every use with a search.
+/// checks what is cheap to check (`plausible`); debug builds compare every
+/// use with a search.
 #[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ExtraCuts {
@@ -210,10 +210,6 @@ impl ExtraCuts {
     /// `at` of `extra`.
     pub fn extend_at(&mut self, other: ExtraCuts, at: usize) {
         self.cuts.extend(other.cuts.into_iter().map(|c| Cut { start: c.start + at, end: c.end + at, ..c }));
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.cuts.is_empty()
     }
 
     fn sorted(&self) -> Vec<Cut> {
@@ -283,8 +279,8 @@ pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Opti
 
 /// [`encode`], taking `extra`'s cuts from `found` (the writer of the text
 /// found them as it wrote it, [`ExtraCuts`]) instead of searching the text
-/// for them, when `found` is complete and usable in a segment of the
-/// current format and passes [`ExtraCuts::plausible`].
+/// for them, when `found` is usable in a segment of the current format and
+/// passes the cheap checks (`plausible`).
 pub(crate) fn encode_found(call: &Call, parent: Option<Parent<'_>>, found: Option<&ExtraCuts>) -> Option<Encoded> {
     encode_with(call, parent, Allow::format(super::FORMAT_VERSION), found)
 }
