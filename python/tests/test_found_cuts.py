@@ -85,9 +85,10 @@ class F(float):
     pass
 
 
-def variants(rng):
-    """Traces that step off the walk's exact path one way each: it must then
-    leave the search to the encoder (None) or find what the search finds."""
+def edits():
+    """Ways a trace steps off the walk's exact path, by name: after each the
+    walk must leave the search to the encoder (None) or find what the search
+    finds."""
     def at(t, *path):
         v = t
         for k in path:
@@ -141,10 +142,46 @@ def variants(rng):
                                                     ("prompt_token_ids", "completion_token_ids", "logprobs", "messages")],
         "logprobs kept verbatim": lambda t: t["logprobs"].__setitem__(0, 1e-300),
     }
-    for name, edit in edits.items():
+    return edits
+
+
+def variants(rng):
+    """A trace per edit, each off the exact path one way."""
+    for name, edit in edits().items():
         t = clean_trace(rng, rng.randint(0, 10**6))
         edit(t)
         yield name, t
+
+
+def test_traces_with_several_edits_find_the_search_s_cuts_or_leave_the_search(tmp_path):
+    """Two to four edits at once, on chat, completions-API and token-in
+    traces: the walk's cuts are the search's or none, and every trace reads
+    back as it was stored."""
+    rng = random.Random(6)
+    names = sorted(edits())
+    cases = []
+    outcomes = collections.Counter()
+    for i in range(150):
+        t = clean_trace(rng, 1000 + i, completions_api=i % 5 == 1, token_in=i % 5 == 2)
+        chosen = rng.sample(names, rng.randint(2, 4))
+        for name in chosen:
+            try:
+                edits()[name](t)
+            except (KeyError, IndexError, TypeError, AttributeError):
+                pass  # an edit of a part an earlier edit took away
+        agree = _trajlog._found_cuts_agree(t)
+        assert agree is not False, chosen
+        outcomes[agree] += 1
+        cases.append((chosen, t))
+    # Both ways are exercised (56 and 94 with this seed).
+    assert outcomes[True] >= 20 and outcomes[None] >= 20, outcomes
+    with trajlog.Store(tmp_path / "s") as store:
+        for i, (chosen, t) in enumerate(cases):
+            store.append_trace(dict(t, trace_id=f"e{i}", session_id=f"es{i}"))
+        store.flush()
+        for i, (chosen, t) in enumerate(cases):
+            want = as_read(dict(t, trace_id=f"e{i}", session_id=f"es{i}"))
+            assert_same(store.session_dicts(f"es{i}"), [want], where=str(chosen))
 
 
 def test_exact_raw_bodies_are_cut_as_the_search_cuts_them():
