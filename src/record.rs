@@ -143,15 +143,15 @@ impl ValidCall {
     }
 
     /// The call with the cuts of its `extra` that the writer of that text
-    /// found while writing it ([`crate::format::docs::ExtraCuts`]), which
+    /// found while writing it (none: the encoder searches) ([`crate::format::docs::ExtraCuts`]), which
     /// the encoder then takes instead of searching the text. The caller
     /// vouches that each cut holds exactly the text its reference renders
     /// from this call's columns (record.md §7.2): a wrong cut would store a
     /// document that reads back otherwise. For trajlog's own writers (the
     /// Python binding's trace walk); debug builds check every use.
     #[doc(hidden)]
-    pub fn with_found_cuts(self, cuts: crate::format::docs::ExtraCuts) -> ValidCall {
-        ValidCall(self.0, Some(Box::new(cuts)))
+    pub fn with_found_cuts(self, cuts: Option<crate::format::docs::ExtraCuts>) -> ValidCall {
+        ValidCall(self.0, cuts.map(Box::new))
     }
 }
 

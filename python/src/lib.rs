@@ -352,11 +352,9 @@ fn append_call(
     found: Option<trajlog::ExtraCuts>,
 ) -> PyResult<()> {
     py.detach(|| {
-        let mut call =
+        let call =
             if serialized { trajlog::ValidCall::from_serialized_json(call)? } else { trajlog::ValidCall::new(call)? };
-        if let Some(found) = found {
-            call = call.with_found_cuts(found);
-        }
+        let call = call.with_found_cuts(found);
         let receipt = store.append_valid(call)?;
         if durable {
             receipt.wait()?;

@@ -88,11 +88,7 @@ impl Encoder {
                 match job {
                     Job::Append { call, found, outcome, wake } => {
                         let appended = trajlog::ValidCall::from_serialized_json(*call)
-                            .map(|c| match found {
-                                Some(found) => c.with_found_cuts(found),
-                                None => c,
-                            })
-                            .and_then(|c| store.append_valid(c));
+                            .and_then(|c| store.append_valid(c.with_found_cuts(found)));
                         match appended {
                             Ok(receipt) => {
                                 receipt.sync_soon();

@@ -166,8 +166,8 @@ impl Allow {
 ///
 /// A writer that meets anything it does not compare exactly as the search
 /// would (per-entry logprob references, a tuple, an `int` subclass) gives
-/// no cuts at all ([`crate::ValidCall::with_found_cuts`] is then not
-/// called), and the encoder searches as before. Each cut must hold exactly
+/// no cuts at all ([`crate::ValidCall::with_found_cuts`] then takes
+/// `None`), and the encoder searches as before. Each cut must hold exactly
 /// the text the reference renders: the search's own rule. The encoder
 /// checks what is cheap to check (`plausible`); debug builds compare every
 /// use with a search.
@@ -212,11 +212,12 @@ impl ExtraCuts {
         self.cuts.extend(other.cuts.into_iter().map(|c| Cut { start: c.start + at, end: c.end + at, ..c }));
     }
 
-    fn sorted(&self) -> Vec<Cut> {
-        let mut cuts = self.cuts.clone();
+    fn into_sorted(self) -> Vec<Cut> {
+        let mut cuts = self.cuts;
         cuts.sort_by_key(|c| c.start);
         cuts
     }
+
 }
 
 /// What is cheap to check of cuts found while writing (sorted): they are
@@ -257,7 +258,7 @@ pub fn found_cuts_agree(call: &Call, found: &ExtraCuts) -> bool {
     if let Some(extra) = &call.extra {
         extra_cuts(extra, call, &mut searched, &mut String::new(), true);
     }
-    let found = found.sorted();
+    let found = found.clone().into_sorted();
     found == searched && (found.is_empty() || plausible(call, &found))
 }
 
@@ -281,11 +282,11 @@ pub fn encode_for(call: &Call, parent: Option<Parent<'_>>, allow: Allow) -> Opti
 /// found them as it wrote it, [`ExtraCuts`]) instead of searching the text
 /// for them, when `found` is usable in a segment of the current format and
 /// passes the cheap checks (`plausible`).
-pub(crate) fn encode_found(call: &Call, parent: Option<Parent<'_>>, found: Option<&ExtraCuts>) -> Option<Encoded> {
-    encode_with(call, parent, Allow::format(super::FORMAT_VERSION), found)
+pub(crate) fn encode_found(call: &Call, parent: Option<Parent<'_>>, found: Option<ExtraCuts>) -> Option<Encoded> {
+    encode_with(call, parent, Allow::format(super::FORMAT_VERSION), found.map(ExtraCuts::into_sorted))
 }
 
-fn encode_with(call: &Call, parent: Option<Parent<'_>>, allow: Allow, found: Option<&ExtraCuts>) -> Option<Encoded> {
+fn encode_with(call: &Call, parent: Option<Parent<'_>>, allow: Allow, found: Option<Vec<Cut>>) -> Option<Encoded> {
     let parent = parent.filter(|_| allow.parent);
     let docs = [&call.messages, &call.response_message, &call.metadata, &call.extra];
     let plain: usize = docs.iter().map(|d| d.as_ref().map_or(0, Vec::len)).sum();
@@ -298,7 +299,7 @@ fn encode_with(call: &Call, parent: Option<Parent<'_>>, allow: Allow, found: Opt
     }
     let uses_parent = !cuts[0].is_empty();
     if let Some(extra) = &call.extra {
-        match found.filter(|_| allow.content).map(ExtraCuts::sorted).filter(|f| plausible(call, f)) {
+        match found.filter(|f| allow.content && plausible(call, f)) {
             Some(found) => {
                 #[cfg(debug_assertions)]
                 {
@@ -1522,6 +1523,16 @@ mod tests {
         cuts.iter().map(|c| c.reference).collect()
     }
 
+    /// `logprobs.<key>` holding `list`, which is not the column `lps`'s
+    /// whole list: no `reference` is cut, and the text comes back.
+    fn near_miss(key: &str, list: &str, lps: &[f32], reference: u8) {
+        let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"{key}":{list}}}}}]}}"#));
+        let mut call = call_with(&extra, None);
+        call.logprobs = Some(lps.to_vec());
+        assert!(!refs_of(&call, true).contains(&reference), "{list}");
+        assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+    }
+
     #[test]
     fn the_content_list_is_one_splice() {
         let tokens = [r#""ab""#, r#""\u00e9""#, r#""\"q""#, r#""""#];
@@ -1561,11 +1572,7 @@ mod tests {
             (compact.replacen(r#","bytes":[97,98]"#, "", 1), &logprobs[..]),
             (compact.replace(r#""token":"#, r#""token" :"#), &logprobs[..]),
         ] {
-            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"content":{content}}}}}]}}"#));
-            let mut call = call_with(&extra, None);
-            call.logprobs = Some(lps.to_vec());
-            assert!(!refs_of(&call, true).contains(&REF_CONTENT), "{content}");
-            assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+            near_miss("content", &content, lps, REF_CONTENT);
         }
     }
 
@@ -1588,7 +1595,7 @@ mod tests {
         assert!(found.content(at(&content), at(&content) + content.len(), tokens.concat().into_bytes()));
         assert!(found_cuts_agree(&call, &found));
         let searched = encode(&call, None).expect("a block");
-        assert_eq!(encode_found(&call, None, Some(&found)), Some(searched.clone()));
+        assert_eq!(encode_found(&call, None, Some(found.clone())), Some(searched.clone()));
         // Cuts that fail the cheap checks are not taken: the text is searched.
         for bad in [
             |f: &mut ExtraCuts| f.ids(1, 8, true),
@@ -1598,7 +1605,7 @@ mod tests {
             let mut f = found.clone();
             bad(&mut f);
             assert!(!found_cuts_agree(&call, &f));
-            assert_eq!(encode_found(&call, None, Some(&f)), Some(searched.clone()));
+            assert_eq!(encode_found(&call, None, Some(f)), Some(searched.clone()));
         }
         // Found cuts that the search does not find disagree.
         let mut missing = ExtraCuts::default();
@@ -1607,7 +1614,7 @@ mod tests {
         // No logprobs column: no whole-list reference is plausible.
         let mut no_column = call.clone();
         no_column.logprobs = None;
-        assert!(!plausible(&no_column, &found.sorted()));
+        assert!(!plausible(&no_column, &found.into_sorted()));
     }
 
     #[test]
@@ -1639,11 +1646,7 @@ mod tests {
             (format!("[{}]", floats.join(",")).replace("-0.5", "-0.50"), &logprobs[..]),
             (format!("[ {}]", floats.join(",")), &logprobs[..]),
         ] {
-            let extra = padded(&format!(r#""raw_response":{{"choices":[{{"logprobs":{{"token_logprobs":{list}}}}}]}}"#));
-            let mut call = call_with(&extra, None);
-            call.logprobs = Some(lps.to_vec());
-            assert!(!refs_of(&call, true).contains(&REF_LOGPROB_LIST), "{list}");
-            assert_eq!(round_trip(&call).map(|d| d.extra).unwrap_or(call.extra.clone()), call.extra);
+            near_miss("token_logprobs", &list, lps, REF_LOGPROB_LIST);
         }
     }
 

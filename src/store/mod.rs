@@ -439,7 +439,7 @@ impl Store {
         self.writable()?;
         // Back-pressure first, holding no lock.
         let permit = self.inner.queue.acquire(call_bytes(&call))?;
-        self.append_admitted(call, found.as_deref(), permit)
+        self.append_admitted(call, found.map(|f| *f), permit)
     }
 
     /// [`Store::append_valid`] that never waits for room: when the queue is
@@ -453,7 +453,7 @@ impl Store {
             return Ok(TryAppend::Full(Box::new(call)));
         };
         let (call, found) = call.into_parts();
-        self.append_admitted(call, found.as_deref(), permit).map(TryAppend::Appended)
+        self.append_admitted(call, found.map(|f| *f), permit).map(TryAppend::Appended)
     }
 
     /// Call `listener` each time the store's durability state changes:
@@ -469,7 +469,7 @@ impl Store {
     }
 
     /// `found`: the cuts of `extra` its writer found (`ValidCall::with_found_cuts`).
-    fn append_admitted(&self, call: Call, found: Option<&ExtraCuts>, permit: Permit) -> Result<Receipt> {
+    fn append_admitted(&self, call: Call, found: Option<ExtraCuts>, permit: Permit) -> Result<Receipt> {
         // Structure-aware documents, made here so that appenders share the
         // work: `messages` as a delta against the session's previous append
         // (the writer checks that it is the parent it chooses).

@@ -27,16 +27,38 @@ use std::time::{Duration, Instant};
 
 type Res<T> = std::result::Result<T, String>;
 
+/// `trajlog bench-gateway`'s options.
+#[derive(clap::Args)]
 pub(crate) struct Args {
+    /// Concurrent sessions, one run each (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     pub sessions: Vec<usize>,
+    /// Calls per conversation; the history grows every turn.
+    #[arg(long, default_value_t = 8)]
     pub turns: usize,
+    /// Calls per run (at least one conversation per session).
+    #[arg(long, default_value_t = 2000)]
     pub calls: usize,
+    /// Completion tokens per call (with logprobs).
+    #[arg(long, default_value_t = 400)]
     pub completion_tokens: usize,
+    /// A Python with rLLM's gateway dependencies (fastapi, uvicorn, httpx, aiosqlite, PyYAML):
+    /// runs rLLM's gateway from compat/ beside trajlog serve, with its SQLite and memory stores.
+    #[arg(long, value_name = "PYTHON")]
     pub rllm_python: Option<PathBuf>,
+    /// Another trajlog binary (say, a build of an earlier commit): its `trajlog serve` runs
+    /// beside this one's under the same load, as "trajlog serve, baseline".
+    #[arg(long, value_name = "TRAJLOG")]
     pub baseline_serve: Option<PathBuf>,
-    /// Also run this build's serve with `--durability async`.
+    /// Also run `trajlog serve --durability async` beside, as "trajlog serve, async": it answers
+    /// before the trace is durable (the next group commit makes it so; a flush waits for it).
+    #[arg(long)]
     pub async_serve: bool,
+    /// Scratch directory for the store and rLLM's database (removed after); default: the temp directory.
+    #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Print the figures as JSON.
+    #[arg(long)]
     pub json: bool,
 }
 

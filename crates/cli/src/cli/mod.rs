@@ -285,38 +285,7 @@ enum Command {
         shape: Shape,
     },
     /// Measure the capture gateway: trajlog serve (and rLLM's gateway) in front of a mock inference server, beside calling the mock directly.
-    BenchGateway {
-        /// Concurrent sessions, one run each (comma-separated).
-        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
-        sessions: Vec<usize>,
-        /// Calls per conversation; the history grows every turn.
-        #[arg(long, default_value_t = 8)]
-        turns: usize,
-        /// Calls per run (at least one conversation per session).
-        #[arg(long, default_value_t = 2000)]
-        calls: usize,
-        /// Completion tokens per call (with logprobs).
-        #[arg(long, default_value_t = 400)]
-        completion_tokens: usize,
-        /// A Python with rLLM's gateway dependencies (fastapi, uvicorn, httpx, aiosqlite, PyYAML):
-        /// runs rLLM's gateway from compat/ beside trajlog serve, with its SQLite and memory stores.
-        #[arg(long, value_name = "PYTHON")]
-        rllm_python: Option<PathBuf>,
-        /// Another trajlog binary (say, a build of an earlier commit): its `trajlog serve` runs
-        /// beside this one's under the same load, as "trajlog serve, baseline".
-        #[arg(long, value_name = "TRAJLOG")]
-        baseline_serve: Option<PathBuf>,
-        /// Also run `trajlog serve --durability async` beside, as "trajlog serve, async": it answers
-        /// before the trace is durable (the next group commit makes it so; a flush waits for it).
-        #[arg(long)]
-        async_serve: bool,
-        /// Scratch directory for the store and rLLM's database (removed after); default: the temp directory.
-        #[arg(long)]
-        dir: Option<PathBuf>,
-        /// Print the figures as JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    BenchGateway(crate::bench_gateway::Args),
     /// Migrate an rLLM SQLite trace database (gateway or older SDK schema) into a store, exactly.
     ImportRllmSqlite {
         /// The rLLM database file (opened read-only).
@@ -506,27 +475,7 @@ pub fn main() -> i32 {
             cumulative_token_mode,
             renderer_family,
         }),
-        Command::BenchGateway {
-            sessions,
-            turns,
-            calls,
-            completion_tokens,
-            rllm_python,
-            baseline_serve,
-            async_serve,
-            dir,
-            json,
-        } => crate::bench_gateway::run(&crate::bench_gateway::Args {
-            sessions,
-            turns,
-            calls,
-            completion_tokens,
-            rllm_python,
-            baseline_serve,
-            async_serve,
-            dir,
-            json,
-        }),
+        Command::BenchGateway(args) => crate::bench_gateway::run(&args),
         Command::MockVllm { host, port } => serve::mock(&host, port),
         Command::Generate {
             store,
