@@ -114,6 +114,10 @@ pub struct IndexLayers {
     /// the annotation cache instead of replaying their records
     /// (format-spec/shard-index.md §7); 0: none.
     pub cached_annotation_segments: usize,
+    /// Sealed segments whose footers the open took from the backlog index
+    /// file (its cold layer then mapped from it, format-spec/backlog-index.md)
+    /// instead of reading them; 0: none.
+    pub backlog_segments: usize,
 }
 
 /// Summary of one session.
@@ -706,6 +710,7 @@ impl Snapshot {
             cold_bytes,
             index_file_bytes,
             cached_annotation_segments: self.view.index.cached_segments(),
+            backlog_segments: self.view.index.backlog_segments(),
         }
     }
 

@@ -454,6 +454,14 @@ fn verify_once(dir: &Path) -> Result<VerifyReport> {
             }
         }
     }
+    // The backlog index file (format-spec/backlog-index.md), if current.
+    if let Some(what) = crate::store::check_backlog_file(dir, &manifest) {
+        report.problems.push(Problem {
+            path: dir.join(crate::store::BACKLOG_FILE),
+            offset: 0,
+            what: format!("backlog index file: {what}; delete it (it holds nothing the segments do not) and the next writable open writes it anew"),
+        });
+    }
     // The rewards side table (format-spec/shard.md §8), if there is one.
     let rewards = shards_dir.join(crate::store::REWARDS_FILE);
     if rewards.exists() {

@@ -3,7 +3,9 @@
 //! reader answers exactly as the writer's maps do, before and after
 //! refreshes that name them (and thaw them); a writer that reopened, or
 //! whose index a publication rebuilt, answers as one that did not and as
-//! a fresh open.
+//! a fresh open. The backlog index file (src/store/backlog_file.rs), which
+//! holds a writable open's cold layer for the next opens, changes no
+//! answer: an open with it answers as one without it.
 
 use proptest::prelude::*;
 use std::path::Path;
@@ -259,8 +261,67 @@ fn run_rebuilt(dir: &Path, before: &[Op], after: &[Op], copy_forward: bool) -> R
     Ok(cold)
 }
 
+/// The backlog index file's name in the store directory.
+const BACKLOG: &str = "backlog.tbi";
+
+fn backlog_options() -> Options {
+    Options::default().backlog_index_min_calls(1)
+}
+
+/// A writer takes `before`, closes, and reopens with
+/// `backlog_index_min_calls(1)`: the open writes the backlog index file
+/// when its survey built a cold layer. The writer then takes `after`
+/// (appends, annotations and deletions that name cold sessions, rolls,
+/// compactions that retire listed segments). A read-only open with the
+/// file answers as one with the file moved aside and as the writer; so
+/// does a writable open after the writer closed, and `verify` finds
+/// nothing. Returns the segments the read-only open took from the file.
+fn run_backlog(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCaseError> {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let file = dir.join(BACKLOG);
+    let aside = dir.join("backlog.aside");
+    let store = Store::open(dir, backlog_options()).expect("open");
+    before.iter().for_each(|o| apply(&store, o));
+    store.close().expect("close");
+    let store = Store::open(dir, backlog_options()).expect("reopen");
+    let cold = store.snapshot().index_layers().cold_calls;
+    prop_assert_eq!(file.exists(), cold > 0, "a file iff the open's survey built a cold layer");
+    for o in after {
+        apply(&store, o);
+    }
+    store.flush().expect("flush");
+    let with = Store::open_read_only(dir).expect("open read-only");
+    let used = with.snapshot().index_layers().backlog_segments;
+    let want = fingerprint(&store.snapshot(), &ids);
+    prop_assert_eq!(&fingerprint(&with.snapshot(), &ids), &want);
+    if file.exists() {
+        std::fs::rename(&file, &aside).expect("move aside");
+        let without = Store::open_read_only(dir).expect("open read-only");
+        prop_assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
+        prop_assert_eq!(&fingerprint(&without.snapshot(), &ids), &want);
+        std::fs::rename(&aside, &file).expect("move back");
+    }
+    store.close().expect("close");
+    let reopened = Store::open(dir, backlog_options()).expect("reopen");
+    prop_assert_eq!(&fingerprint(&reopened.snapshot(), &ids), &want);
+    let report = trajlog::verify::verify_dir(dir).expect("verify");
+    prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
+    Ok(used)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Opens with the backlog index file answer as opens without it, after
+    /// any operations since it was written.
+    #[test]
+    fn an_open_with_the_backlog_file_answers_as_one_without(
+        before in prop::collection::vec(op(), 1..80),
+        after in prop::collection::vec(writer_op(), 0..30),
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        run_backlog(dir.path(), &before, &after)?;
+    }
 
     /// A writer whose index a publication rebuilt with a cold layer
     /// answers as a fresh open through appends, annotations, deletions,
@@ -452,4 +513,136 @@ fn a_trace_id_with_a_shard_row_keeps_its_new_session_out_of_the_layer() {
         let report = trajlog::verify::verify_dir(dir.path()).expect("verify");
         assert!(report.problems.is_empty(), "{:?}", report.problems);
     }
+}
+
+/// The backlog cases use the file: over fixed seeds of the same generator,
+/// most read-only opens take segments from it (with no operation after it,
+/// and with a few that thaw cold sessions).
+#[test]
+fn the_backlog_cases_use_the_file() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
+    let (mut cases, mut used) = (0, 0);
+    for i in 0..24 {
+        let before = prop::collection::vec(op(), 40..80).new_tree(&mut runner).expect("case").current();
+        let after = match i % 2 {
+            0 => Vec::new(),
+            _ => vec![Op::Append { s: 3, t: 3, uid: None, ts: 1 }, Op::Seal(4), Op::Delete(5), Op::Reward(6, 1)],
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        cases += 1;
+        used += usize::from(run_backlog(dir.path(), &before, &after).expect("case") > 0);
+    }
+    assert!(used * 2 >= cases, "{used} of {cases} cases used the file");
+}
+
+/// Sealed sessions in sealed segments, a writer reopened with the option:
+/// the open writes the file; the next read-only open maps it (reading no
+/// footer) and answers as before.
+fn backlog_store(dir: &Path) -> Vec<String> {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let store = Store::open(dir, Options::default()).expect("open");
+    sealed_sessions(&store, "b", 40, 5);
+    store.roll().expect("roll");
+    store.close().expect("close");
+    let store = Store::open(dir, backlog_options()).expect("reopen");
+    assert_eq!(store.snapshot().index_layers().cold_calls, 200);
+    let want = fingerprint(&store.snapshot(), &ids);
+    store.close().expect("close");
+    assert!(dir.join(BACKLOG).exists());
+    want
+}
+
+/// A stale, truncated or damaged file changes no answer: a stale or
+/// truncated one is not used; a damaged table block makes the read that
+/// meets it fail with an error naming the file (never a silent miss), a
+/// writer that met it refuses to write on and removes the file, and the
+/// next open without it answers as before. The default threshold writes no
+/// file for a small store.
+#[test]
+fn a_damaged_or_stale_backlog_file_changes_no_answer() {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let want = backlog_store(dir.path());
+    let file = dir.path().join(BACKLOG);
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert!(ro.snapshot().index_layers().backlog_segments > 0);
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
+    drop(ro);
+    let bytes = std::fs::read(&file).expect("read");
+    // Truncated: not used.
+    std::fs::write(&file, &bytes[..bytes.len() - 8]).expect("write");
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(ro.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
+    drop(ro);
+    // A flipped bit in the first cold row (the tables follow the head, in
+    // the order rows, sessions, trace table, text, two bit sets, rewards;
+    // then the block checksums; format-spec/backlog-index.md): the open
+    // maps it; the read that meets its block reports it.
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes")) as usize;
+    let (rows, by_trace, text) = (u64_at(32), u64_at(40), u64_at(48));
+    let sessions = u32::from_le_bytes(bytes[56..60].try_into().expect("4 bytes")) as usize;
+    let pad8 = |n: usize| n.div_ceil(8) * 8;
+    let words = sessions.div_ceil(64) * 8;
+    let tables = [rows * 40, sessions * 24, by_trace * 16, text, words, words, sessions * 8];
+    let blocks: usize = tables.iter().map(|t| t.div_ceil(16 << 10)).sum();
+    let tables_at = bytes.len() - pad8(blocks * 4) - tables.iter().map(|t| pad8(*t)).sum::<usize>();
+    let mut bad = bytes.clone();
+    bad[tables_at + 3] ^= 0x40;
+    std::fs::write(&file, &bad).expect("write");
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    let snap = ro.snapshot();
+    let mut failed = false;
+    for s in snap.sessions() {
+        failed |= snap.session(&s.session_id, None, None).is_err();
+    }
+    let scan = snap.for_each_call(|_| Ok(()));
+    assert!(failed || scan.is_err(), "a read met the damaged block");
+    let e = scan.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.is_empty() || e.contains(BACKLOG), "{e}");
+    drop(snap);
+    drop(ro);
+    // A writer's open reads no table block here (every footer entry went
+    // to the layer: no warm entry to look up), so it maps the file as a
+    // read-only open does. A read of its view that meets the block fails
+    // naming the file; the writer then acts on nothing it read: its next
+    // flush is refused (poisoned) and it removes the file. The next
+    // writable open does without it and writes the same file anew.
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    let snap = w.snapshot();
+    let mut failed = false;
+    for s in snap.sessions() {
+        failed |= snap.session(&s.session_id, None, None).is_err();
+    }
+    let scan = snap.for_each_call(|_| Ok(()));
+    assert!(failed || scan.is_err(), "a read met the damaged block");
+    drop(snap);
+    let e = w.flush().expect_err("the writer is poisoned");
+    assert!(matches!(e.kind(), trajlog::ErrorKind::Poisoned), "{e}");
+    assert!(e.to_string().contains(BACKLOG), "{e}");
+    assert!(!file.exists(), "the poisoned writer removed the file");
+    drop(w);
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert_eq!(w.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&w.snapshot(), &ids), want);
+    w.close().expect("close");
+    assert_eq!(std::fs::read(&file).expect("read"), bytes, "the same file, written anew");
+    // Stale: a listed segment retired by a compaction.
+    let w = Store::open(dir.path(), Options::default().backlog_index_min_calls(0)).expect("open");
+    let r = w.compact(&CompactOptions::default()).expect("compact");
+    assert!(r.retired_segments > 0, "{r:?}");
+    let want = fingerprint(&w.snapshot(), &ids);
+    w.close().expect("close");
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(ro.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
+    // The default threshold (65,536 calls) writes none for 200 calls, and
+    // removes the stale one.
+    drop(ro);
+    let w = Store::open(dir.path(), Options::default()).expect("open");
+    w.close().expect("close");
+    assert!(!file.exists());
 }

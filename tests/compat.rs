@@ -1733,3 +1733,148 @@ fn appends_to_a_format_5_segment_make_no_content_references() {
     assert_eq!(report.split.content_lists, 0, "{:?}", report.split);
     assert!(report.split.docs_blocks >= calls.len() as u64, "{:?}", report.split);
 }
+
+fn fixture_v19_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v19")
+}
+
+/// The v19 fixture's calls: the v1 calls, `z/0`, and four sessions
+/// `c:0` … `c:3` of two calls each.
+fn fixture_v19_calls() -> Vec<Call> {
+    let mut calls: Vec<Call> = fixture_calls().into_iter().chain([fixture_v12_z()]).collect();
+    for s in 0..4u32 {
+        for step in 0..2u32 {
+            calls.push(Call {
+                trace_id: format!("c{s}/{step}"),
+                session_id: format!("c:{s}"),
+                timestamp: 400.0 + f64::from(s * 2 + step),
+                prompt_token_ids: (0..8 + step * 4).map(|i| s * 100 + i).collect(),
+                completion_token_ids: vec![900 + s, 901],
+                logprobs: Some(vec![-0.125 * s as f32, -0.0]),
+                ..Default::default()
+            });
+        }
+    }
+    calls
+}
+
+/// Store format 19: the v19 calls in 64 KiB segments; `z` and `c:0` …
+/// `c:3` sealed (`c:1` with a session reward, `c2/1` with a
+/// trace reward), `task-1:0` sealed, `task-2:0` open; a roll; then a
+/// writable open with `backlog_index_min_calls(1)` wrote the backlog index
+/// file `backlog.tbi` (format-spec/backlog-index.md): its cold layer holds
+/// the sessions in sealed segments that nothing but their own calls, seals
+/// and session rewards names (`z`, `c:0`, `c:1`, `c:3` and the open
+/// `task-2:0`; `task-1:0` has a session uid, `c:2` a trace reward), and
+/// the rest of the footers' entries are its warm
+/// entries.
+fn write_fixture_v19() {
+    let dir = fixture_v19_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024)).unwrap();
+    for c in fixture_v19_calls() {
+        store.append(c).unwrap();
+    }
+    store.set_reward(Target::Session("c:1".into()), 0.75).unwrap();
+    store.set_reward(Target::Trace("c2/1".into()), -2.0).unwrap();
+    for s in ["task-1:0", "z", "c:0", "c:1", "c:2", "c:3"] {
+        store.seal_session(s).unwrap();
+    }
+    store.roll().unwrap();
+    store.close().unwrap();
+    let store = Store::open(&dir, Options::default().segment_bytes(64 * 1024).backlog_index_min_calls(1)).unwrap();
+    assert_eq!(store.snapshot().index_layers().cold_calls, 8, "{:?}", store.snapshot().index_layers());
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    assert!(dir.join("backlog.tbi").exists());
+}
+
+/// What the v19 fixture reads as, with or without its backlog file.
+fn check_fixture_v19(dir: &std::path::Path) -> trajlog::Snapshot {
+    let snap = Store::open_read_only(dir).expect("fixture opens").snapshot();
+    let calls = fixture_v19_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), c);
+    }
+    for s in ["task-1:0", "z", "c:0", "c:1", "c:2", "c:3"] {
+        assert!(snap.is_sealed(s), "{s}");
+        let want: Vec<Call> = calls.iter().filter(|c| c.session_id == s).cloned().collect();
+        assert_eq!(snap.session_calls(s, None, None).unwrap(), want, "{s}");
+    }
+    assert!(!snap.is_sealed("task-2:0"));
+    assert_eq!(snap.session_reward("c:1"), Some(0.75));
+    assert_eq!(snap.session_reward("c:0"), None);
+    assert_eq!(snap.trace_reward("c2/1").map(f64::to_bits), Some((-2.0f64).to_bits()));
+    snap
+}
+
+/// Where each table of backlog index file `b` starts, and its length
+/// (format-spec/backlog-index.md §2: rows, sessions, trace table, text,
+/// the sealed and has-reward bit sets, the rewards; each 8-aligned; then
+/// the block checksums, the file's last bytes).
+fn backlog_tables(b: &[u8]) -> [(usize, usize); 7] {
+    let u64_at = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
+    let (rows, by_trace, text) = (u64_at(32), u64_at(40), u64_at(48));
+    let sessions = u32::from_le_bytes(b[56..60].try_into().unwrap()) as usize;
+    let pad8 = |n: usize| n.div_ceil(8) * 8;
+    let words = sessions.div_ceil(64) * 8;
+    let lens = [rows * 40, sessions * 24, by_trace * 16, text, words, words, sessions * 8];
+    let blocks: usize = lens.iter().map(|t| t.div_ceil(16 << 10)).sum();
+    let mut at = b.len() - pad8(blocks * 4) - lens.iter().map(|t| pad8(*t)).sum::<usize>();
+    lens.map(|len| {
+        let t = (at, len);
+        at += pad8(len);
+        t
+    })
+}
+
+/// Store format 19: an open maps the backlog index file (reading none of
+/// the listed segments' footers) and answers as an open without it; a
+/// writable open uses it too and a writer that rewrites it writes the
+/// same bytes; `trajlog verify` finds it sound, and names it when a
+/// block of its tables is damaged.
+#[test]
+fn reads_the_v19_fixture_through_its_backlog_index_file() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v19_dir().exists() {
+        write_fixture_v19();
+    }
+    let dir = fixture_v19_dir();
+    let file = std::fs::read(dir.join("backlog.tbi")).expect("the fixture has a backlog index file");
+    assert_eq!(&file[..8], b"TRJLBLX1");
+    assert_eq!(file[8..12], 1u32.to_le_bytes(), "version 1");
+    let snap = check_fixture_v19(&dir);
+    let layers = snap.index_layers();
+    assert!(layers.backlog_segments > 0, "{layers:?}");
+    assert_eq!(layers.cold_calls, 8, "{layers:?}");
+    drop(snap);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+
+    // Without it: the same answers, from the footers.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let path = copy.path().join("backlog.tbi");
+    std::fs::remove_file(&path).unwrap();
+    let snap = check_fixture_v19(copy.path());
+    assert_eq!(snap.index_layers().backlog_segments, 0);
+    drop(snap);
+    // A writable open with the option writes the same bytes again, and
+    // the next one uses them.
+    let opts = Options::default().backlog_index_min_calls(1);
+    Store::open(copy.path(), opts.clone()).unwrap().close().unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), file);
+    let store = Store::open(copy.path(), opts).unwrap();
+    assert!(store.snapshot().index_layers().backlog_segments > 0);
+    store.close().unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), file);
+
+    // A flipped bit in the last table (the session rewards): verify names
+    // the file (reads that meet such a block fail: tests/cold.rs).
+    let mut bad = file.clone();
+    let rewards_at = backlog_tables(&file)[6].0;
+    bad[rewards_at] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+    assert!(report.problems.iter().any(|p| format!("{p:?}").contains("backlog")), "{report:?}");
+}

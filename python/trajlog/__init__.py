@@ -663,7 +663,8 @@ class Store:
         the totals `segment_bytes`, `shard_bytes`, `live_bytes` and
         `disk_over_live` (segments and `steps` shards over the live data);
         `other`: the directory's other files (`trajectories_bytes`,
-        `index_file_bytes`: the shard index file and its annotation cache,
+        `index_file_bytes`: the shard index file, its annotation cache and
+        the backlog index file,
         `other_bytes`), and `total_bytes` /
         `total_over_live` for everything in the directory; `index`:
         `live_calls`, and how many of them the index holds in its frozen
@@ -672,7 +673,9 @@ class Store:
         shard index file the open mapped (0: none, the shards were decoded;
         format-spec/shard-index.md), and `cached_annotation_segments`, the
         segments whose seals and rewards the open took from the annotation
-        cache (shard-index.md §7)."""
+        cache (shard-index.md §7), and `backlog_segments`, the sealed
+        segments whose footers and cold layer the open took from the
+        backlog index file (format-spec/backlog-index.md)."""
         return json.loads(self._native.space_json())
 
     def close(self) -> None:

@@ -91,18 +91,7 @@ pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEnt
     out.put_u32(entries.len() as u32);
     out.put_u32(0);
     for e in entries {
-        out.put_u64(e.frame_offset);
-        out.put_u32(e.body_len);
-        out.put_u8(e.kind);
-        let kept = rewards_in_footer || e.reward_target == 0;
-        out.put_u8(if kept { e.reward_target } else { 0 });
-        out.put_u16(e.session_uids.len() as u16);
-        out.put_f64(if kept { e.timestamp } else { 0.0 });
-        out.put_str16(&e.id);
-        out.put_str16(&e.session_id);
-        for uid in &e.session_uids {
-            out.put_str16(uid);
-        }
+        encode_entry(out, &e.as_ref(), rewards_in_footer);
     }
     out.pad_to(8);
     let body = out.get(start..).unwrap_or_default();
@@ -116,6 +105,24 @@ pub fn encode_footer(out: &mut Vec<u8>, footer_offset: u64, entries: &[FooterEnt
     trailer.put_u32(trailer_crc);
     trailer.extend_from_slice(&TRAILER_MAGIC);
     out.extend_from_slice(&trailer);
+}
+
+/// Encode one footer entry (segment.md §4) as a footer of a format with
+/// rewards in the footer (`rewards_in_footer`, 4 and later) or without.
+/// The backlog index file keeps the entries it replays in this encoding.
+pub fn encode_entry(out: &mut Vec<u8>, e: &FooterEntryRef<'_>, rewards_in_footer: bool) {
+    out.put_u64(e.frame_offset);
+    out.put_u32(e.body_len);
+    out.put_u8(e.kind);
+    let kept = rewards_in_footer || e.reward_target == 0;
+    out.put_u8(if kept { e.reward_target } else { 0 });
+    out.put_u16(e.session_uids.len() as u16);
+    out.put_f64(if kept { e.timestamp } else { 0.0 });
+    out.put_str16(e.id);
+    out.put_str16(e.session_id);
+    for uid in e.session_uids.iter() {
+        out.put_str16(uid);
+    }
 }
 
 /// A sealed segment's trailer, validated.

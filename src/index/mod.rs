@@ -264,6 +264,9 @@ pub struct Index {
     cold_thawed: imbl::OrdSet<u32>,
     /// Their calls, in all.
     cold_thawed_rows: usize,
+    /// Sealed segments whose footers the open took from the backlog index
+    /// file (its cold layer is that file's).
+    backlog_segments: usize,
 }
 
 /// What a count of live calls per shard file reads of an [`Index`] (its
@@ -330,6 +333,12 @@ impl Index {
         &self.frozen
     }
 
+    /// The cold layer (built by an open's survey, or mapped from the
+    /// backlog index file), thawed sessions included.
+    pub(crate) fn cold(&self) -> &Frozen {
+        &self.cold
+    }
+
     /// The frozen session `name`, unless thawed.
     fn frozen_session(&self, name: &str) -> Option<u32> {
         self.frozen.session(name).filter(|i| !self.thawed.contains(i))
@@ -389,6 +398,19 @@ impl Index {
         self.cold = Arc::new(cold);
         self.cold_thawed = imbl::OrdSet::new();
         self.cold_thawed_rows = 0;
+    }
+
+    /// [`Index::set_cold`] with the backlog index file's layer, which
+    /// stands for `segments` sealed segments' footers.
+    pub(crate) fn set_cold_from_backlog(&mut self, cold: Frozen, segments: usize) {
+        self.set_cold(cold);
+        self.backlog_segments = segments;
+    }
+
+    /// Sealed segments whose footers the open took from the backlog index
+    /// file.
+    pub(crate) fn backlog_segments(&self) -> usize {
+        self.backlog_segments
     }
 
     /// The cold session `name`, unless thawed.

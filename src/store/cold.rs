@@ -237,9 +237,11 @@ impl<'a> ColdPlan<'a> {
     /// its 32-bit row numbers), they are applied to the maps instead, in
     /// the order the replay met them: no other record names a cold session
     /// or its trace ids, so that gives the maps a replay would have built.
-    pub(super) fn finish(self, index: &mut Index) {
+    /// Returns the sessions the layer holds (by name hash), `None` when
+    /// none went there.
+    pub(super) fn finish(self, index: &mut Index) -> Option<HashSet<u64>> {
         if self.calls.is_empty() {
-            return;
+            return None;
         }
         let all = vec![true; self.calls.len()];
         let built = Frozen::build_with(&self.calls, &all, false);
@@ -257,7 +259,7 @@ impl<'a> ColdPlan<'a> {
                     index.set_session_reward(name, r);
                 }
             }
-            return;
+            return None;
         };
         // In hash order: one walk forward through the layer's sessions.
         let mut marks: Vec<_> = self.marks.into_iter().map(|(name, m)| (id_hash(name), name, m)).collect();
@@ -275,5 +277,6 @@ impl<'a> ColdPlan<'a> {
             }
         }
         index.set_cold(frozen);
+        Some(self.cold)
     }
 }

@@ -23,6 +23,7 @@
 
 mod admission;
 mod annotation_cache;
+mod backlog_file;
 mod cold;
 mod deletions;
 mod options;
@@ -40,6 +41,7 @@ mod tests;
 mod writer;
 
 pub(crate) use annotation_cache::{check as check_annotation_cache, CACHE_FILE_NAME as ANNOTATION_CACHE_FILE};
+pub(crate) use backlog_file::{check as check_backlog_file, BACKLOG_FILE_NAME as BACKLOG_FILE};
 pub(crate) use deletions::{check as check_deletions, DELETIONS_FILE};
 
 pub use options::{Durability, Options, RecoveryMode};
@@ -178,6 +180,8 @@ impl Store {
             .map_err(|e| Error::io("remove a half-written shard index file", e))?;
         recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_TMP_NAME))
             .map_err(|e| Error::io("remove a half-written annotation cache", e))?;
+        recovery::remove_if_present(&dir.join(backlog_file::BACKLOG_TMP_NAME))
+            .map_err(|e| Error::io("remove a half-written backlog index file", e))?;
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
         // that no manifest ever lists two active segments.
@@ -221,6 +225,7 @@ impl Store {
                 let _ = recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_FILE_NAME));
             }
         }
+        write_backlog_file(&dir, &loaded, &options);
         let sealed = admission::Sealed::new(loaded.index.clone());
         let mut segments = loaded.segments.clone();
         segments
@@ -675,5 +680,34 @@ impl Store {
 impl Drop for Store {
     fn drop(&mut self) {
         let _ = self.shutdown();
+    }
+}
+
+/// The backlog index file (store/backlog_file.rs) after a writable open
+/// that did not use one: written when the open's survey built a cold layer
+/// of at least [`Options::backlog_index_min_calls`] calls over the sealed
+/// segments, else any file there (stale, or set aside) is removed. Best
+/// effort, as for the other caches: without it an open only takes longer.
+fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) {
+    let path = dir.join(backlog_file::BACKLOG_FILE_NAME);
+    if loaded.backlog_used {
+        return;
+    }
+    let cold = loaded.index.cold();
+    let any_shards = loaded.shards.files().next().is_some();
+    let key = recovery::backlog_key(&loaded.shards);
+    let worth = options.backlog_index_min_calls > 0 && cold.len() as u64 >= options.backlog_index_min_calls;
+    let written = match &loaded.cold_taken {
+        Some(taken) if worth && (key.is_some() || !any_shards) => {
+            // Every sealed segment, in log order (the active one is not in
+            // `segments` any more).
+            let segments: Vec<&crate::segment::SegmentRef> = loaded.segments.values().filter(|s| s.sealed).collect();
+            let w = backlog_file::ToWrite { segments, cold, taken, shard_key: key };
+            backlog_file::write(dir, &w, &options.faults).is_ok_and(|n| n > 0)
+        }
+        _ => false,
+    };
+    if !written {
+        let _ = recovery::remove_if_present(&path);
     }
 }

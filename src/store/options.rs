@@ -160,6 +160,12 @@ pub struct Options {
     /// copy-on-write file system (btrfs, ZFS), where an overwrite allocates
     /// anyway and the zeros are extra writes.
     pub zero_ahead_bytes: u64,
+    /// Write the backlog index file (`DIR/backlog.tbi`,
+    /// format-spec/backlog-index.md) at a writable open that finds at least
+    /// this many calls of finished sessions in sealed segments and no file
+    /// it could use: later opens then map it instead of reading every
+    /// sealed segment's footer. Default 65,536; 0 never writes one.
+    pub backlog_index_min_calls: u64,
     /// Fault injection for the test suite; None in use.
     pub(crate) faults: crate::storage::fault::Faults,
 }
@@ -213,6 +219,12 @@ impl Options {
         self.zero_ahead_bytes = v;
         self
     }
+    /// Set [`Options::backlog_index_min_calls`].
+    #[must_use]
+    pub fn backlog_index_min_calls(mut self, v: u64) -> Self {
+        self.backlog_index_min_calls = v;
+        self
+    }
     /// Fault injection (test suite only).
     #[cfg(feature = "internals")]
     #[doc(hidden)]
@@ -222,6 +234,9 @@ impl Options {
         self
     }
 }
+
+/// Default for [`Options::backlog_index_min_calls`].
+pub const DEFAULT_BACKLOG_INDEX_MIN_CALLS: u64 = 1 << 16;
 
 impl Default for Options {
     fn default() -> Self {
@@ -236,6 +251,7 @@ impl Default for Options {
             faults: None,
             recovery: RecoveryMode::TolerateTornTail,
             zero_ahead_bytes: crate::segment::writer::ZERO_AHEAD_DEFAULT,
+            backlog_index_min_calls: DEFAULT_BACKLOG_INDEX_MIN_CALLS,
         }
     }
 }

@@ -100,11 +100,12 @@ impl Inner {
         self.notify_listeners();
     }
 
-    /// A block of the shard index file or of the annotation cache failed
-    /// its check under one of the writer's lookups (a writable open checks
-    /// both a block at a time): the lookup may have missed, so no further
-    /// write is accepted. The file, a cache (of the shards, of the
-    /// annotation segments), is removed, so that the next open does without
+    /// A block of the shard index file, of the annotation cache or of the
+    /// backlog index file failed its check under one of the writer's
+    /// lookups (a writable open checks them a block at a time): the lookup
+    /// may have missed, so no further write is accepted. The file, a cache
+    /// (of the shards, of the annotation segments, of the sealed segments'
+    /// footers), is removed, so that the next open does without
     /// it and writes it anew rather than meet the block again. Returns the
     /// error the write gets.
     pub(super) fn index_damaged(&self, cause: &Error) -> Error {
@@ -116,6 +117,11 @@ impl Inner {
                 if recovery::remove_if_present(&shards_dir.join(name)).is_ok() {
                     let _ = crate::storage::sync_dir(&shards_dir, &self.options.faults);
                 }
+            }
+            if name == Some(super::backlog_file::BACKLOG_FILE_NAME)
+                && recovery::remove_if_present(&self.dir.join(super::backlog_file::BACKLOG_FILE_NAME)).is_ok()
+            {
+                let _ = crate::storage::sync_dir(&self.dir, &self.options.faults);
             }
         }
         self.poison(cause);

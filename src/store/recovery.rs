@@ -25,7 +25,7 @@ pub(super) fn read_manifest(dir: &Path) -> Result<Option<Manifest>> {
 }
 
 /// Everything recovered from a directory.
-pub(super) struct Loaded {
+pub(crate) struct Loaded {
     pub(super) manifest: Manifest,
     pub(super) index: Index,
     pub(super) segments: imbl::OrdMap<u64, SegmentRef>,
@@ -50,6 +50,11 @@ pub(super) struct Loaded {
     pub(super) index_to_write: Option<IndexToWrite>,
     /// Whether the open used the annotation cache.
     pub(super) annotation_cache: CacheUse,
+    /// Whether the open took its cold layer from the backlog index file.
+    pub(super) backlog_used: bool,
+    /// The sessions (by name hash) of the cold layer a survey built (not
+    /// one the backlog index file held), for the file a writer writes.
+    pub(super) cold_taken: Option<std::collections::HashSet<u64>>,
 }
 
 /// What an open did with the annotation cache (store/annotation_cache.rs).
@@ -254,7 +259,12 @@ pub(super) fn load_dir(
 /// checked a block at a time, as lookups read them): a lookup may have
 /// missed.
 pub(crate) fn lazy_damage(shards: &crate::shard::set::ShardSet, index: &Index) -> Option<Error> {
-    shards.index_file().and_then(|ix| ix.damage()).or_else(|| index.frozen().cache_damage())
+    shards
+        .index_file()
+        .and_then(|ix| ix.damage())
+        .or_else(|| index.frozen().cache_damage())
+        .or_else(|| index.cold().table_damage())
+        .or_else(|| index.cold().cache_damage())
 }
 
 /// What failed of the lazily checked tables a writer's lookups read —
@@ -272,6 +282,8 @@ pub(crate) fn writer_damage(
         .and_then(|ix| ix.damage())
         .or_else(|| index.frozen().table_damage())
         .or_else(|| index.frozen().cache_damage())
+        .or_else(|| index.cold().table_damage())
+        .or_else(|| index.cold().cache_damage())
         .or_else(|| counts.iter().find_map(|c| c.damage()))
 }
 
@@ -298,7 +310,15 @@ fn load_dir_lazy(
         if cache.listed.iter().any(|l| keep_reward(Loc { segment: l.id, offset: u64::MAX })) {
             used = CacheUse::SetAside;
         } else {
-            match load_dir_with(dir, manifest.clone(), recovery, writable, keep_reward, Some(cache.clone()), lazy)? {
+            match load_dir_with(
+                dir,
+                manifest.clone(),
+                recovery,
+                writable,
+                keep_reward,
+                Offered::Cache(cache.clone()),
+                lazy,
+            )? {
                 Some(loaded) => return Ok(loaded),
                 None => used = CacheUse::SetAside,
             }
@@ -309,7 +329,19 @@ fn load_dir_lazy(
             used = CacheUse::NotUsed;
         }
     }
-    let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, None, lazy)?
+    // The backlog index file, read by an open that reads the listed
+    // segments no other way (not through the annotation cache, not frame
+    // by frame) and keeps none of their rewards for the side table (which
+    // matters only once some session is in a shard).
+    let any_shards = !steps_shard_paths(dir, &manifest).is_empty();
+    let backlog = match recovery {
+        RecoveryMode::SkipCorrupted => None,
+        _ => backlog_file::usable(dir, &manifest, lazy)
+            .filter(|b| !any_shards || !b.listed.iter().any(|l| keep_reward(Loc { segment: l.id, offset: u64::MAX })))
+            .map(Arc::new),
+    };
+    let offered = backlog.map_or(Offered::Nothing, Offered::Backlog);
+    let mut loaded = load_dir_with(dir, manifest, recovery, writable, keep_reward, offered, lazy)?
         .ok_or_else(|| Error::new(ErrorKind::Io, "internal: an open without the annotation cache stopped"))?;
     loaded.annotation_cache = used;
     Ok(loaded)
@@ -324,7 +356,16 @@ fn on_damage_of(recovery: RecoveryMode) -> OnDamage {
     }
 }
 
-/// [`load_dir`], with the annotation cache `cache` if given: `None` when
+/// What an open is offered to read the listed segments' footers from
+/// instead of the segments: at most one of the two files.
+enum Offered {
+    Nothing,
+    Cache(Arc<AnnotationCache>),
+    Backlog(Arc<backlog_file::BacklogFile>),
+}
+
+/// [`load_dir`], with the annotation cache or the backlog index file if
+/// `offered`: `None` when
 /// a record replayed before a listed one changes a session the cache sets
 /// something on: the open must then replay without it. (When the shards
 /// were not loaded through the index file the cache is keyed to, the
@@ -335,9 +376,14 @@ fn load_dir_with(
     recovery: RecoveryMode,
     writable: bool,
     keep_reward: &dyn Fn(Loc) -> bool,
-    cache: Option<Arc<AnnotationCache>>,
+    offered: Offered,
     lazy: bool,
 ) -> Result<Option<Loaded>> {
+    let (cache, backlog) = match offered {
+        Offered::Nothing => (None, None),
+        Offered::Cache(c) => (Some(c), None),
+        Offered::Backlog(b) => (None, Some(b)),
+    };
     let on_damage = on_damage_of(recovery);
     // A helper thread reads the segments and decodes their footers, one
     // segment ahead of the replay, while this thread loads the shards (the
@@ -348,14 +394,19 @@ fn load_dir_with(
     // the helper's next send fails and it stops too.
     let listed = manifest.segments.clone();
     let cached = cache.clone();
+    let in_backlog = backlog.clone();
     std::thread::scope(|scope| {
         let (ahead, read_ahead) = crossbeam_channel::bounded::<Result<LoadedSegment>>(1);
         scope.spawn(move || {
             for ms in &listed {
                 let path = crate::storage::segment_path(dir, ms.id);
                 let in_cache = cached.as_ref().and_then(|c| c.listed.iter().find(|l| l.id == ms.id));
+                let in_backlog = in_backlog.as_ref().and_then(|b| b.listed(ms.id));
                 let seg = if let Some(l) = in_cache {
                     // What its footer says is in the cache.
+                    crate::segment::recovery::map_sealed_unread(dir, ms.id, l.footer_offset)
+                } else if let Some(l) = in_backlog {
+                    // Likewise, in the backlog index file.
                     crate::segment::recovery::map_sealed_unread(dir, ms.id, l.footer_offset)
                 } else if path.exists() {
                     crate::segment::recovery::load_segment_in_place(
@@ -380,7 +431,7 @@ fn load_dir_with(
                 }
             }
         });
-        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead, cache, lazy)
+        replay(dir, manifest, writable, recovery, keep_reward, &read_ahead, cache, backlog, lazy)
     })
 }
 
@@ -395,6 +446,7 @@ fn replay(
     keep_reward: &dyn Fn(Loc) -> bool,
     read_ahead: &crossbeam_channel::Receiver<Result<LoadedSegment>>,
     cache: Option<Arc<AnnotationCache>>,
+    backlog: Option<Arc<backlog_file::BacklogFile>>,
     lazy: bool,
 ) -> Result<Option<Loaded>> {
     let mut segments = imbl::OrdMap::new();
@@ -422,6 +474,23 @@ fn replay(
         }
         None => CacheUse::NotUsed,
     };
+    // The backlog index file's cold layer, when the file was keyed to
+    // these shards (all of them in the shard index file, or none at all)
+    // and the open read no listed segment through the annotation cache.
+    let offered = backlog.clone();
+    let backlog = backlog.filter(|b| {
+        annotation_cache != CacheUse::Used
+            && b.shard_key == backlog_key(&shards)
+            && (b.shard_key.is_some() || !any_shards)
+            && index.cold().is_empty()
+    });
+    let backlog = match backlog.as_ref().and_then(|b| b.frozen()) {
+        Some(frozen) => {
+            index.set_cold_from_backlog(frozen, backlog.as_ref().map_or(0, |b| b.listed.len()));
+            backlog
+        }
+        None => None,
+    };
     // Rewards matter to the side table only once some session is in a shard.
     let keep = |loc: Loc| any_shards && keep_reward(loc);
     let last = manifest.segments.last().map(|s| s.id);
@@ -437,7 +506,10 @@ fn replay(
         let mut seg = read_ahead
             .recv()
             .map_err(|_| Error::new(ErrorKind::Io, "internal: the segment reader stopped early"))??;
-        if annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id)) {
+        // Mapped unread for a file this open does not use after all.
+        let unread_by_cache = annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id));
+        let unread_by_backlog = backlog.is_none() && offered.as_ref().is_some_and(|b| b.lists(ms.id));
+        if unread_by_cache || unread_by_backlog {
             seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
         }
         if seg.in_footer.is_some() {
@@ -447,10 +519,17 @@ fn replay(
         }
         loaded_segments.push(seg);
     }
-    let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
-    let mut cold = super::cold::ColdPlan::survey(surveyed, &index, feed.row_hashes(), &keep, &mut |id| {
-        release_footer(&loaded_segments, id, |s| s)
-    });
+    // With the backlog index file, the cold layer is the file's: no
+    // survey (records naming a cold session thaw it as they apply).
+    let mut cold = match backlog {
+        Some(_) => None,
+        None => {
+            let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
+            super::cold::ColdPlan::survey(surveyed, &index, feed.row_hashes(), &keep, &mut |id| {
+                release_footer(&loaded_segments, id, |s| s)
+            })
+        }
+    };
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
@@ -482,7 +561,11 @@ fn replay(
             ));
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
-        feed.replay_segment(&mut index, &shards, &r, seg.entry_refs(), &mut damage, &mut rewards, &keep, cold.as_mut());
+        let entries = match backlog.as_deref().filter(|b| b.lists(seg.id)) {
+            Some(b) => Box::new(b.warm(seg.id)),
+            None => seg.entry_refs(),
+        };
+        feed.replay_segment(&mut index, &shards, &r, entries, &mut damage, &mut rewards, &keep, cold.as_mut());
         if feed.conflict {
             return Ok(None);
         }
@@ -495,6 +578,13 @@ fn replay(
         }
         segments.insert(seg.id, r);
     }
+    if backlog.is_some() {
+        // What the lookups of the replayed records (is it a cold call?)
+        // touched of the file need not stay resident: later reads touch
+        // the pages they read.
+        index.cold().release_pages();
+    }
+    let mut cold_taken = None;
     if let Some(cold) = cold {
         // What the replay touched of the shard index file (up to the
         // replay's page budget) need not stay resident beside the layer's
@@ -503,7 +593,7 @@ fn replay(
         if let Some(ix) = shards.index_file() {
             ix.release_pages();
         }
-        cold.finish(&mut index);
+        cold_taken = cold.finish(&mut index);
         // The layer's build read the ids and names it copied from the
         // footers: their pages need not stay resident (~0.6 GB at 10M
         // calls in segments).
@@ -548,7 +638,21 @@ fn replay(
         rewards,
         index_to_write: to_write,
         annotation_cache,
+        backlog_used: backlog.is_some(),
+        cold_taken,
     }))
+}
+
+/// The key a backlog index file over `shards` carries: the shard index
+/// file's, when it describes every shard row; `None` otherwise (a store
+/// without shards, or one whose rows an open decodes: no file is written
+/// for it, and none keyed `None` is used while it has shards).
+pub(super) fn backlog_key(shards: &crate::shard::set::ShardSet) -> Option<annotation_cache::IndexKey> {
+    let ix = shards.index_file()?;
+    if shards.undescribed_rows() > 0 {
+        return None;
+    }
+    annotation_cache::key_of(ix)
 }
 
 /// What an open takes from the `steps` shards: their set, the index with

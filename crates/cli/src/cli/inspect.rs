@@ -178,6 +178,12 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
         0 => file,
         n => format!("{file}; the seals and rewards of {n} annotation segments from its cache (shards/index.tsa)"),
     };
+    let file = match layers.backlog_segments {
+        0 => file,
+        n => format!(
+            "{file}; the footers of {n} sealed segments and the cold layer from the backlog index file (backlog.tbi)"
+        ),
+    };
     let cold = match layers.cold_calls {
         0 => String::new(),
         n => format!(

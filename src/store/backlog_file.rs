@@ -1,0 +1,508 @@
+//! The backlog index file, `DIR/backlog.tbi` (format-spec/backlog-index.md):
+//! what an open of a store with many calls in sealed segments would
+//! otherwise rebuild from every footer — the cold layer (store/cold.rs:
+//! the sessions nothing but their own records names, in flat tables) and
+//! the footer entries of the same segments that the layer does not take
+//! (the *warm* entries, replayed into the maps) — written by a writable
+//! open that built a cold layer of at least
+//! [`Options::backlog_index_min_calls`] calls, and mapped by the next opens,
+//! which then read none of those segments' footers.
+//!
+//! Like the shard index file and the annotation cache, it is a cache of a
+//! pure function of what it names: the *listed* sealed segments (id and
+//! their trailer's footer offset, length and crc32) and the shard index
+//! file the survey ran against (its key, or none for a store without
+//! shards). An open uses it only when every listed segment is still
+//! sealed in the manifest with the same trailer, the shards are the ones
+//! it was keyed to, and nothing else (the annotation cache, a
+//! skip-corrupted recovery) reads those segments; otherwise it surveys the
+//! log as before. So losing or damaging it costs time, never data, and a
+//! crash at any point of its replacement leaves either file, both
+//! consistent.
+//!
+//! Why an open with it answers as one without it: the survey that built
+//! it put a session in the layer only when no record of the whole log then
+//! named it or its trace ids except its own calls, seals and session
+//! rewards, and no shard row did; the listed segments' other entries are
+//! kept verbatim, in log order. Records written after it (in segments it
+//! does not list) that name a cold session thaw it into the maps before
+//! they apply, as a read-only refresh does, so the replay rules
+//! (format-spec/record.md §6) run on the calls they ran on before.
+
+use super::*;
+use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
+use crate::format::segment::{CheckedFooter, FooterEntryRef};
+use crate::index::frozen::{id_hash, CachedMarks, Frozen, FrozenRow, FrozenSession, TraceEntry};
+use crate::storage::mmap::Mapping;
+use crate::storage::table::{BlockCheck, Table, CHECK_BLOCK};
+use annotation_cache::IndexKey;
+use std::collections::HashSet;
+use std::io::{BufWriter, Write};
+use std::sync::Arc;
+
+/// The file's name, in the store directory.
+pub(crate) const BACKLOG_FILE_NAME: &str = "backlog.tbi";
+/// What a crash during its replacement may leave behind.
+pub(crate) const BACKLOG_TMP_NAME: &str = "backlog.tbi.tmp";
+const MAGIC: [u8; 8] = *b"TRJLBLX1";
+/// The version written and read.
+pub(crate) const BACKLOG_VERSION: u32 = 1;
+const HEADER_LEN: usize = 72;
+const LISTED_LEN: usize = 40;
+/// The tables, in file order: frozen rows, sessions, trace table, text,
+/// the sealed and has-reward bit sets, the rewards.
+const TABLES: usize = 7;
+
+/// [`BlockCheck`]'s note for the file.
+const NOTE: &str = "a lookup of this view may have missed a call of the backlog (an open checks the backlog index \
+     file a block at a time, as lookups read it). The file is a cache of the sealed segments' footers: \
+     `Store::refresh` loads the view again without it, and a writable open writes it anew";
+
+/// A sealed segment the file covers, as its trailer names its footer, and
+/// where its warm entries are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Listed {
+    pub id: u64,
+    pub footer_offset: u64,
+    pub footer_len: u64,
+    pub footer_crc32: u32,
+    /// How many of its footer entries the file keeps (the warm ones).
+    pub warm_count: u32,
+    /// Their bytes (segment.md §4 encoding, rewards in the entry).
+    pub warm_len: u64,
+}
+
+/// An open, checked backlog index file.
+#[derive(Debug)]
+pub(crate) struct BacklogFile {
+    map: Arc<Mapping>,
+    /// The shard index file it was built against; `None`: a store without
+    /// shards.
+    pub shard_key: Option<IndexKey>,
+    pub listed: Vec<Listed>,
+    /// Byte offset of each listed segment's warm entries.
+    warm_at: Vec<usize>,
+    /// (byte offset, length) of each table, in file order.
+    tables: [(usize, usize); TABLES],
+    rows: usize,
+    sessions: usize,
+    by_trace: usize,
+    /// Checks the tables' blocks as lookups read them; `None` when every
+    /// table was checked whole at the open (a writer's).
+    check: Option<Arc<BlockCheck>>,
+}
+
+fn pad8(n: usize) -> usize {
+    n.div_ceil(8) * 8
+}
+
+fn le_u32(b: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn le_u64(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// The (offset, length) of each table for these counts, the first at `at`,
+/// and where the block checksums start.
+fn table_spans(
+    at: usize,
+    rows: usize,
+    sessions: usize,
+    by_trace: usize,
+    text: usize,
+) -> Option<([(usize, usize); TABLES], usize)> {
+    let words = sessions.div_ceil(64).checked_mul(8)?;
+    let lens = [
+        rows.checked_mul(std::mem::size_of::<FrozenRow>())?,
+        sessions.checked_mul(std::mem::size_of::<FrozenSession>())?,
+        by_trace.checked_mul(std::mem::size_of::<TraceEntry>())?,
+        text,
+        words,
+        words,
+        sessions.checked_mul(8)?,
+    ];
+    let mut out = [(0, 0); TABLES];
+    let mut next = at;
+    for (o, len) in out.iter_mut().zip(lens) {
+        *o = (next, len);
+        next = pad8(next.checked_add(len)?);
+    }
+    Some((out, next))
+}
+
+/// Whether footer entry `e` is a record of a session in `cold` (by name
+/// hash) that the cold layer takes (cold.rs, `ColdPlan::take`): a call of
+/// that session alone, its seal, its session reward. The survey keeps out
+/// of the layer every session a reward the open keeps names, so a taken
+/// reward is never one of those.
+pub(super) fn taken(cold: &HashSet<u64>, e: &FooterEntryRef<'_>) -> bool {
+    match (e.kind, e.reward_target) {
+        (KIND_CALL, _) => e.session_uids.is_empty() && cold.contains(&id_hash(e.session_id)),
+        (KIND_SEAL, _) | (KIND_REWARD, 2) => cold.contains(&id_hash(e.id)),
+        _ => false,
+    }
+}
+
+/// A section's bytes, its block checksums appended to `crcs`.
+fn block_crcs(bytes: &[u8], crcs: &mut Vec<u32>) {
+    crcs.extend(bytes.chunks(CHECK_BLOCK).map(crc32fast::hash));
+}
+
+/// Writes through a running crc32 of the head (header excepted).
+struct Out {
+    w: BufWriter<File>,
+    at: usize,
+    path: PathBuf,
+}
+
+impl Out {
+    fn put(&mut self, bytes: &[u8], head: Option<&mut crc32fast::Hasher>) -> Result<()> {
+        if let Some(h) = head {
+            h.update(bytes);
+        }
+        self.at += bytes.len();
+        self.w.write_all(bytes).map_err(|e| Error::io(format!("write {}", self.path.display()), e))
+    }
+
+    fn pad(&mut self, head: Option<&mut crc32fast::Hasher>) -> Result<()> {
+        let n = pad8(self.at) - self.at;
+        self.put([0u8; 8].get(..n).unwrap_or_default(), head)
+    }
+}
+
+/// What a writable open hands [`write`]: the sealed segments it replayed
+/// (in log order, mapped), the cold layer it built and the sessions it
+/// took (by name hash), the key of its shard index file.
+pub(super) struct ToWrite<'a> {
+    pub segments: Vec<&'a SegmentRef>,
+    pub cold: &'a Frozen,
+    pub taken: &'a HashSet<u64>,
+    pub shard_key: Option<IndexKey>,
+}
+
+/// Write the file into `dir`, replacing any: a temporary file, fsynced,
+/// renamed, the directory fsynced. Returns its size; `Ok(0)` (nothing
+/// written, any old file removed) when a segment's footer does not read
+/// cleanly (a damaged or gapped footer: such segments are surveyed at
+/// every open, which reports them).
+pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
+    let dst = dir.join(BACKLOG_FILE_NAME);
+    // Each listed segment's checked footer.
+    let mut footers = Vec::with_capacity(w.segments.len());
+    for seg in &w.segments {
+        let bytes = seg.mapped_bytes();
+        let footer = crate::format::segment::read_trailer(bytes).and_then(|t| {
+            let f = crate::format::segment::check_footer(bytes, &t).ok()?;
+            (f.gaps.is_empty() && (f.has_reward_targets || !f.iter().any(|e| e.kind == KIND_REWARD))).then_some((t, f))
+        });
+        match footer {
+            Some(f) => footers.push((seg.id, f)),
+            None => {
+                recovery::remove_if_present(&dst).map_err(|e| Error::io("remove a stale backlog index file", e))?;
+                return Ok(0);
+            }
+        }
+    }
+    crate::storage::fault::check(faults, crate::storage::fault::Op::Replace { path: &dst })
+        .map_err(|e| Error::io(format!("replace {}", dst.display()), e))?;
+    let tmp = dir.join(BACKLOG_TMP_NAME);
+    let file = File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
+    let mut out = Out { w: BufWriter::with_capacity(1 << 20, file), at: 0, path: tmp.clone() };
+    // The warm entries of each segment, encoded once to learn their
+    // lengths (for the listed table that precedes them), then written.
+    let mut warm: Vec<(u32, Vec<u8>)> = Vec::with_capacity(footers.len());
+    for (seg, (_, (_, f))) in w.segments.iter().zip(&footers) {
+        let mut bytes = Vec::new();
+        let mut count = 0u32;
+        for e in f.iter().filter(|e| !taken(w.taken, e)) {
+            crate::format::segment::encode_entry(&mut bytes, &e, true);
+            count += 1;
+        }
+        warm.push((count, bytes));
+        // Its footer was read twice (checked, encoded): not again.
+        seg.release_pages();
+    }
+    let t = w.cold.tables();
+    let sessions = t.sessions.len();
+    let words = sessions.div_ceil(64);
+    let (mut sealed, mut has_reward, mut rewards) = (vec![0u64; words], vec![0u64; words], vec![0u64; sessions]);
+    for i in 0..sessions as u32 {
+        if w.cold.is_sealed(i) {
+            crate::index::frozen::set_bit(&mut sealed, i);
+        }
+        if let Some(r) = w.cold.reward(i) {
+            crate::index::frozen::set_bit(&mut has_reward, i);
+            if let Some(slot) = rewards.get_mut(i as usize) {
+                *slot = r.to_bits();
+            }
+        }
+    }
+    let mut header = Vec::with_capacity(HEADER_LEN);
+    header.extend_from_slice(&MAGIC);
+    header.extend_from_slice(&BACKLOG_VERSION.to_le_bytes());
+    header.extend_from_slice(&u32::from(w.shard_key.is_some()).to_le_bytes());
+    header.extend_from_slice(&w.shard_key.map_or(0, |k| k.dir_crc32).to_le_bytes());
+    header.extend_from_slice(&(footers.len() as u32).to_le_bytes());
+    header.extend_from_slice(&w.shard_key.map_or(0, |k| k.len).to_le_bytes());
+    header.extend_from_slice(&(t.rows.len() as u64).to_le_bytes());
+    header.extend_from_slice(&(t.by_trace.len() as u64).to_le_bytes());
+    header.extend_from_slice(&(t.text.len() as u64).to_le_bytes());
+    header.extend_from_slice(&(sessions as u32).to_le_bytes());
+    header.extend_from_slice(&0u32.to_le_bytes());
+    let mut listed = Vec::with_capacity(footers.len() * LISTED_LEN);
+    for ((id, (trailer, _)), (count, bytes)) in footers.iter().zip(&warm) {
+        listed.extend_from_slice(&id.to_le_bytes());
+        listed.extend_from_slice(&trailer.footer_offset.to_le_bytes());
+        listed.extend_from_slice(&trailer.footer_len.to_le_bytes());
+        listed.extend_from_slice(&trailer.footer_crc.to_le_bytes());
+        listed.extend_from_slice(&count.to_le_bytes());
+        listed.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    }
+    let mut head = crc32fast::Hasher::new();
+    head.update(&header);
+    // The header's two checksums are written last, in place.
+    out.put(&header, None)?;
+    out.put(&[0u8; 8], None)?;
+    out.put(&listed, Some(&mut head))?;
+    for (_, bytes) in &warm {
+        out.put(bytes, Some(&mut head))?;
+        out.pad(Some(&mut head))?;
+    }
+    drop(warm);
+    let mut crcs = Vec::new();
+    let tables: [&[u8]; TABLES] = [
+        bytemuck::cast_slice(t.rows),
+        bytemuck::cast_slice(t.sessions),
+        bytemuck::cast_slice(t.by_trace),
+        t.text,
+        bytemuck::cast_slice(&sealed),
+        bytemuck::cast_slice(&has_reward),
+        bytemuck::cast_slice(&rewards),
+    ];
+    for bytes in tables {
+        block_crcs(bytes, &mut crcs);
+        out.put(bytes, None)?;
+        out.pad(None)?;
+    }
+    let crc_bytes: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
+    out.put(&crc_bytes, None)?;
+    out.pad(None)?;
+    let len = out.at as u64;
+    let mut sums = Vec::with_capacity(8);
+    sums.extend_from_slice(&head.finalize().to_le_bytes());
+    sums.extend_from_slice(&crc32fast::hash(&crc_bytes).to_le_bytes());
+    let mut file = out.w.into_inner().map_err(|e| Error::io(format!("write {}", tmp.display()), e.into_error()))?;
+    let written = (|| -> std::io::Result<()> {
+        use std::io::{Seek, SeekFrom};
+        file.seek(SeekFrom::Start((HEADER_LEN - 8) as u64))?;
+        file.write_all(&sums)?;
+        file.sync_all()
+    })();
+    written.map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
+    drop(file);
+    std::fs::rename(&tmp, &dst).map_err(|e| Error::io(format!("rename over {}", dst.display()), e))?;
+    crate::storage::sync_dir(dir, faults)?;
+    Ok(len)
+}
+
+impl BacklogFile {
+    /// The file in `dir`, mapped and checked: its head (header, listed
+    /// segments, warm entries) whole, its tables a block at a time as
+    /// lookups read them (`lazy`) or whole now. `None` when there is none
+    /// or it does not pass (an open then surveys the log).
+    pub(crate) fn open(dir: &Path, lazy: bool) -> Option<BacklogFile> {
+        let path = dir.join(BACKLOG_FILE_NAME);
+        let file = File::open(&path).ok()?;
+        let len = file.metadata().ok()?.len();
+        let map = Arc::new(Mapping::map(&file, len, &path).ok()?);
+        let f = Self::decode(map, &path, lazy);
+        if let Some(f) = &f {
+            // Its tables are read in place as lookups need them.
+            f.map.release_pages();
+        }
+        f
+    }
+
+    fn decode(map: Arc<Mapping>, path: &Path, lazy: bool) -> Option<BacklogFile> {
+        let b = map.bytes();
+        if b.get(..8)? != MAGIC || le_u32(b, 8)? != BACKLOG_VERSION {
+            return None;
+        }
+        let flags = le_u32(b, 12)?;
+        let shard_key = (flags & 1 == 1).then(|| Some(IndexKey { dir_crc32: le_u32(b, 16)?, len: le_u64(b, 24)? }));
+        let shard_key = match shard_key {
+            Some(k) => Some(k?),
+            None => None,
+        };
+        let n_listed = le_u32(b, 20)? as usize;
+        let rows = usize::try_from(le_u64(b, 32)?).ok()?;
+        let by_trace = usize::try_from(le_u64(b, 40)?).ok()?;
+        let text = usize::try_from(le_u64(b, 48)?).ok()?;
+        let sessions = le_u32(b, 56)? as usize;
+        let (head_crc, crcs_crc) = (le_u32(b, 64)?, le_u32(b, 68)?);
+        let listed_end = HEADER_LEN.checked_add(n_listed.checked_mul(LISTED_LEN)?)?;
+        let mut listed = Vec::with_capacity(n_listed);
+        let mut warm_at = Vec::with_capacity(n_listed);
+        let mut at = listed_end;
+        for i in 0..n_listed {
+            let e = HEADER_LEN + i * LISTED_LEN;
+            let l = Listed {
+                id: le_u64(b, e)?,
+                footer_offset: le_u64(b, e + 8)?,
+                footer_len: le_u64(b, e + 16)?,
+                footer_crc32: le_u32(b, e + 24)?,
+                warm_count: le_u32(b, e + 28)?,
+                warm_len: le_u64(b, e + 32)?,
+            };
+            warm_at.push(at);
+            at = pad8(at.checked_add(usize::try_from(l.warm_len).ok()?)?);
+            listed.push(l);
+        }
+        let head_end = at;
+        let mut h = crc32fast::Hasher::new();
+        h.update(b.get(..HEADER_LEN - 8)?);
+        h.update(b.get(HEADER_LEN..head_end)?);
+        if h.finalize() != head_crc {
+            return None;
+        }
+        let (tables, crcs_at) = table_spans(head_end, rows, sessions, by_trace, text)?;
+        let blocks: usize = tables.iter().map(|(_, len)| len.div_ceil(CHECK_BLOCK)).sum();
+        let crcs_end = crcs_at.checked_add(blocks.checked_mul(4)?)?;
+        if pad8(crcs_end) != b.len() || crc32fast::hash(b.get(crcs_at..crcs_end)?) != crcs_crc {
+            return None;
+        }
+        // The warm entries parse (they are replayed from the mapping).
+        for (l, at) in listed.iter().zip(&warm_at) {
+            let end = at.checked_add(usize::try_from(l.warm_len).ok()?)?;
+            let f = CheckedFooter::checked_before(b, *at..end, l.warm_count);
+            if f.iter().count() != l.warm_count as usize {
+                return None;
+            }
+        }
+        let crcs = Table::<u32>::mapped(&map, crcs_at, blocks)?;
+        let mut sections = Vec::with_capacity(TABLES);
+        let mut first = 0;
+        for (offset, len) in tables {
+            sections.push(Some((offset, len, first)));
+            first += len.div_ceil(CHECK_BLOCK);
+        }
+        let check = Arc::new(BlockCheck::new(map.clone(), path, sections, crcs, NOTE)?);
+        if !lazy && !check.ok_all() {
+            return None;
+        }
+        Some(BacklogFile {
+            map,
+            shard_key,
+            listed,
+            warm_at,
+            tables,
+            rows,
+            sessions,
+            by_trace,
+            check: lazy.then_some(check),
+        })
+    }
+
+    /// Whether it lists segment `id`.
+    pub(crate) fn lists(&self, id: u64) -> bool {
+        self.listed.binary_search_by_key(&id, |l| l.id).is_ok()
+    }
+
+    /// The listed segment `id`.
+    pub(crate) fn listed(&self, id: u64) -> Option<&Listed> {
+        self.listed.binary_search_by_key(&id, |l| l.id).ok().and_then(|i| self.listed.get(i))
+    }
+
+    /// The warm entries of listed segment `id`, in log order.
+    pub(crate) fn warm(&self, id: u64) -> impl Iterator<Item = FooterEntryRef<'_>> + '_ {
+        let i = self.listed.binary_search_by_key(&id, |l| l.id).ok();
+        let f = i.and_then(|i| {
+            let (l, at) = (self.listed.get(i)?, *self.warm_at.get(i)?);
+            let end = at.checked_add(usize::try_from(l.warm_len).ok()?)?;
+            Some(CheckedFooter::checked_before(self.map.bytes(), at..end, l.warm_count))
+        });
+        f.into_iter().flat_map(|f| f.iter())
+    }
+
+    /// Its cold layer, read in place, with its seals and session rewards.
+    pub(crate) fn frozen(&self) -> Option<Frozen> {
+        let t = |k: usize| self.tables.get(k).copied().unwrap_or_default();
+        let checked = |table: Option<Table<u64>>, k: usize| match &self.check {
+            Some(c) => table.map(|x| x.checked_by(c, k)),
+            None => table,
+        };
+        let rows = Table::<FrozenRow>::mapped(&self.map, t(0).0, self.rows)?;
+        let sessions = Table::<FrozenSession>::mapped(&self.map, t(1).0, self.sessions)?;
+        let by_trace = Table::<TraceEntry>::mapped(&self.map, t(2).0, self.by_trace)?;
+        let text = Table::<u8>::mapped(&self.map, t(3).0, t(3).1)?;
+        let words = self.sessions.div_ceil(64);
+        let sealed = checked(Table::<u64>::mapped(&self.map, t(4).0, words), 4)?;
+        let has_reward = checked(Table::<u64>::mapped(&self.map, t(5).0, words), 5)?;
+        let rewards = checked(Table::<u64>::mapped(&self.map, t(6).0, self.sessions), 6)?;
+        let (rows, sessions, by_trace, text) = match &self.check {
+            Some(c) => {
+                (rows.checked_by(c, 0), sessions.checked_by(c, 1), by_trace.checked_by(c, 2), text.checked_by(c, 3))
+            }
+            None => (rows, sessions, by_trace, text),
+        };
+        let mut frozen = Frozen::from_tables(text, rows, sessions, by_trace);
+        frozen.set_cached(CachedMarks { sealed, has_reward, rewards }).then_some(frozen)
+    }
+
+    /// Whether every listed segment is sealed in `manifest` with the
+    /// trailer the file names (read from the file's last bytes).
+    pub(crate) fn matches(&self, dir: &Path, manifest: &Manifest) -> bool {
+        use std::os::unix::fs::FileExt;
+        let sealed: HashSet<u64> =
+            manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).map(|s| s.id).collect();
+        self.listed.iter().all(|l| {
+            sealed.contains(&l.id)
+                && (|| {
+                    let f = File::open(crate::storage::segment_path(dir, l.id)).ok()?;
+                    let len = f.metadata().ok()?.len();
+                    let mut tail = [0u8; crate::format::segment::TRAILER_BYTES as usize];
+                    let at = len.checked_sub(tail.len() as u64)?;
+                    f.read_exact_at(&mut tail, at).ok()?;
+                    let t = crate::format::segment::decode_trailer(&tail, len)?;
+                    Some(
+                        (t.footer_offset, t.footer_len, t.footer_crc)
+                            == (l.footer_offset, l.footer_len, l.footer_crc32),
+                    )
+                })()
+                .unwrap_or(false)
+        })
+    }
+
+    /// Check every table block; whether all pass.
+    pub(crate) fn check_whole(&self) -> bool {
+        self.check.as_ref().is_none_or(|c| c.ok_all())
+    }
+}
+
+/// The file in `dir` when an open of `manifest` may use it: it passes its
+/// checks and every listed segment is sealed there with the same trailer
+/// (the shard key is checked by the open, once the shards are loaded).
+pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<BacklogFile> {
+    let f = BacklogFile::open(dir, lazy)?;
+    f.matches(dir, manifest).then_some(f)
+}
+
+/// The file, checked for `trajlog verify`: `None` when there is none or it
+/// is stale (an open does not use it); else what is wrong with it.
+pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
+    if !dir.join(BACKLOG_FILE_NAME).exists() {
+        return None;
+    }
+    let Some(f) = BacklogFile::open(dir, true) else {
+        return Some("it fails its checks (header, listed segments, warm entries or block checksums)".into());
+    };
+    if !f.matches(dir, manifest) {
+        return None;
+    }
+    if !f.check_whole() {
+        return Some("a block of its tables fails its crc32".into());
+    }
+    None
+}
