@@ -646,3 +646,150 @@ fn a_damaged_or_stale_backlog_file_changes_no_answer() {
     w.close().expect("close");
     assert!(!file.exists());
 }
+
+/// A writable open in skip-corrupted mode writes no file: its replay left
+/// a damaged record out that the footer still names, so a file built from
+/// it would lose that call for every later open (which, without the file,
+/// finds the damage again).
+#[test]
+fn a_skip_corrupted_open_writes_no_backlog_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    sealed_sessions(&store, "b", 40, 5);
+    store.roll().expect("roll");
+    let loc = store.snapshot().get("b-3-2").expect("get").expect("live").loc;
+    store.close().expect("close");
+    let seg = dir.path().join(format!("seg-{:010}.tlog", loc.segment));
+    let mut bytes = std::fs::read(&seg).expect("read");
+    bytes[loc.offset as usize + 24] ^= 0x55;
+    std::fs::write(&seg, &bytes).expect("write");
+    let opts = backlog_options().recovery(trajlog::RecoveryMode::SkipCorrupted);
+    let w = Store::open(dir.path(), opts).expect("a skip-corrupted open");
+    assert_eq!(w.snapshot().call_count(), 199, "the damaged call left out");
+    w.close().expect("close");
+    assert!(!dir.path().join(BACKLOG).exists());
+    // A default open meets the damage where it is, as without a file.
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(ro.snapshot().index_layers().backlog_segments, 0);
+    let e = ro.snapshot().get("b-3-2").expect_err("the damaged frame");
+    assert!(matches!(e.kind(), trajlog::ErrorKind::Corrupt { .. }), "{e}");
+}
+
+/// The file holds what its listed segments set: a seal and a session
+/// reward in the active segment (unlisted) are not in it, so an open
+/// whose log lost that segment (here: deleted, then `repair`) answers as
+/// without the file.
+#[test]
+fn the_backlog_file_holds_only_what_its_segments_set() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    sealed_sessions(&store, "b", 4, 3);
+    store.roll().expect("roll");
+    store.seal_session("b-0").err(); // sealed already: refused or a no-op
+    store.set_reward(trajlog::Target::Session("b-1".into()), 0.5).expect("reward");
+    store.close().expect("close");
+    let w = Store::open(dir.path(), backlog_options()).expect("reopen");
+    assert_eq!(w.snapshot().session_reward("b-1"), Some(0.5));
+    let active = w.snapshot().index_layers();
+    assert!(active.cold_calls > 0, "{active:?}");
+    w.close().expect("close");
+    assert!(dir.path().join(BACKLOG).exists());
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert!(ro.snapshot().index_layers().backlog_segments > 0);
+    assert_eq!(ro.snapshot().session_reward("b-1"), Some(0.5), "from the active segment's record");
+    drop(ro);
+    let mut segments: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .filter(|n| n.starts_with("seg-"))
+        .collect();
+    segments.sort();
+    std::fs::remove_file(dir.path().join(segments.last().expect("the active segment"))).expect("remove");
+    trajlog::repair::repair(dir.path(), false).expect("repair");
+    let with = Store::open_read_only(dir.path()).expect("open read-only");
+    assert!(with.snapshot().index_layers().backlog_segments > 0);
+    std::fs::rename(dir.path().join(BACKLOG), dir.path().join("aside")).expect("move aside");
+    let without = Store::open_read_only(dir.path()).expect("open read-only");
+    let ids: Vec<String> = (0..4).flat_map(|s| (0..3).map(move |n| format!("b-{s}-{n}"))).collect();
+    assert_eq!(fingerprint(&with.snapshot(), &ids), fingerprint(&without.snapshot(), &ids));
+    assert_eq!(with.snapshot().session_reward("b-1"), None);
+    assert!(with.snapshot().is_sealed("b-0"));
+}
+
+/// Damage in the header's counts (before any checksum is checked) makes
+/// the file unusable, never an abort or a panic: a huge listed-segment
+/// count, a warm length at the edge of `u64`.
+#[test]
+fn a_backlog_file_with_absurd_counts_is_not_used() {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let want = backlog_store(dir.path());
+    let file = dir.path().join(BACKLOG);
+    let bytes = std::fs::read(&file).expect("read");
+    let listed = u32::from_le_bytes(bytes[20..24].try_into().expect("4 bytes")) as u64;
+    let warm_at = 72 + 40 * listed;
+    let mut cases = Vec::new();
+    let mut b = bytes.clone();
+    b[20..24].copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
+    cases.push(b);
+    let mut b = bytes.clone();
+    b[72 + 32..72 + 40].copy_from_slice(&(u64::MAX - warm_at).to_le_bytes());
+    cases.push(b);
+    let mut b = bytes.clone();
+    b[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
+    cases.push(b);
+    let mut b = bytes.clone();
+    b[12] |= 2; // an unknown flag
+    cases.push(b);
+    for bad in cases {
+        std::fs::write(&file, &bad).expect("write");
+        let ro = Store::open_read_only(dir.path()).expect("open read-only");
+        assert_eq!(ro.snapshot().index_layers().backlog_segments, 0);
+        assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
+        let report = trajlog::verify::verify_dir(dir.path()).expect("verify");
+        assert!(report.problems.iter().any(|p| format!("{p:?}").contains("backlog")), "{report:?}");
+    }
+}
+
+/// A writable open does without the file once the sealed segments it does
+/// not list are more than an eighth of those it lists, and writes it anew
+/// over them all; with fewer, it uses it (and leaves it as it is).
+#[test]
+fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listed = |dir: &Path| {
+        let b = std::fs::read(dir.join(BACKLOG)).expect("read");
+        u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
+    };
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for i in 0..16 {
+        sealed_sessions(&store, &format!("a{i}"), 2, 2);
+        store.roll().expect("roll");
+    }
+    store.close().expect("close");
+    Store::open(dir.path(), backlog_options()).expect("open").close().expect("close");
+    let first = listed(dir.path());
+    assert!(first >= 16, "{first}");
+    // One more sealed segment: an eighth of 16 or fewer, so the file is used.
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    sealed_sessions(&w, "c", 2, 2);
+    w.roll().expect("roll");
+    w.close().expect("close");
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    w.close().expect("close");
+    assert_eq!(listed(dir.path()), first);
+    // Three more: past an eighth; the open surveys and writes it anew.
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    for i in 0..3 {
+        sealed_sessions(&w, &format!("d{i}"), 2, 2);
+        w.roll().expect("roll");
+    }
+    w.close().expect("close");
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert_eq!(w.snapshot().index_layers().backlog_segments, 0);
+    w.close().expect("close");
+    assert!(listed(dir.path()) > first + 3, "{} then {}", first, listed(dir.path()));
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(ro.snapshot().index_layers().backlog_segments as u32, listed(dir.path()));
+}

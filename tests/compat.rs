@@ -1877,4 +1877,32 @@ fn reads_the_v19_fixture_through_its_backlog_index_file() {
     std::fs::write(&path, &bad).unwrap();
     let report = trajlog::verify::verify_dir(copy.path()).unwrap();
     assert!(report.problems.iter().any(|p| format!("{p:?}").contains("backlog")), "{report:?}");
+
+    // A file whose checksums pass but whose content is not what the
+    // listed segments make of it (here: c:1's session reward 0.75 made
+    // 0.5, the block checksums recomputed): an open would answer from it;
+    // verify compares it with the footers and names what differs.
+    let mut bad = file.clone();
+    let tables = backlog_tables(&file);
+    let (rewards_at, rewards_len) = tables[6];
+    let slot = (rewards_at..rewards_at + rewards_len)
+        .step_by(8)
+        .find(|&at| bad[at..at + 8] == 0.75f64.to_bits().to_le_bytes())
+        .expect("c:1's reward");
+    bad[slot..slot + 8].copy_from_slice(&0.5f64.to_bits().to_le_bytes());
+    let crcs_at = tables[6].0 + tables[6].1.div_ceil(8) * 8;
+    let blocks: usize = tables.iter().map(|t| t.1.div_ceil(16 << 10)).sum();
+    let rewards_block = crcs_at + 4 * (blocks - 1);
+    let crc = crc32fast::hash(&bad[rewards_at..rewards_at + rewards_len]);
+    bad[rewards_block..rewards_block + 4].copy_from_slice(&crc.to_le_bytes());
+    let crcs_crc = crc32fast::hash(&bad[crcs_at..crcs_at + 4 * blocks]);
+    bad[68..72].copy_from_slice(&crcs_crc.to_le_bytes());
+    std::fs::write(&path, &bad).unwrap();
+    let snap = Store::open_read_only(copy.path()).unwrap().snapshot();
+    assert!(snap.index_layers().backlog_segments > 0, "its checks pass");
+    assert_eq!(snap.session_reward("c:1"), Some(0.5));
+    drop(snap);
+    let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+    let found: Vec<&str> = report.problems.iter().map(|p| p.what.as_str()).collect();
+    assert!(found.iter().any(|p| p.contains("backlog") && p.contains("\"c:1\"")), "{found:?}");
 }

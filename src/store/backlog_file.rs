@@ -92,8 +92,9 @@ pub(crate) struct BacklogFile {
     check: Option<Arc<BlockCheck>>,
 }
 
-fn pad8(n: usize) -> usize {
-    n.div_ceil(8) * 8
+/// `n` rounded up to a multiple of 8; `None` past `usize::MAX`.
+fn pad8(n: usize) -> Option<usize> {
+    n.checked_next_multiple_of(8)
 }
 
 fn le_u32(b: &[u8], at: usize) -> Option<u32> {
@@ -127,7 +128,7 @@ fn table_spans(
     let mut next = at;
     for (o, len) in out.iter_mut().zip(lens) {
         *o = (next, len);
-        next = pad8(next.checked_add(len)?);
+        next = pad8(next.checked_add(len)?)?;
     }
     Some((out, next))
 }
@@ -167,7 +168,7 @@ impl Out {
     }
 
     fn pad(&mut self, head: Option<&mut crc32fast::Hasher>) -> Result<()> {
-        let n = pad8(self.at) - self.at;
+        let n = self.at.next_multiple_of(8) - self.at;
         self.put([0u8; 8].get(..n).unwrap_or_default(), head)
     }
 }
@@ -188,6 +189,15 @@ pub(super) struct ToWrite<'a> {
 /// cleanly (a damaged or gapped footer: such segments are surveyed at
 /// every open, which reports them).
 pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
+    let written = write_through_tmp(dir, w, faults);
+    if written.is_err() {
+        // What a failed write left (the next writable open would too).
+        let _ = recovery::remove_if_present(&dir.join(BACKLOG_TMP_NAME));
+    }
+    written
+}
+
+fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
     let dst = dir.join(BACKLOG_FILE_NAME);
     // Each listed segment's checked footer.
     let mut footers = Vec::with_capacity(w.segments.len());
@@ -212,13 +222,25 @@ pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault:
     let mut out = Out { w: BufWriter::with_capacity(1 << 20, file), at: 0, path: tmp.clone() };
     // The warm entries of each segment, encoded once to learn their
     // lengths (for the listed table that precedes them), then written.
+    // The seals and session rewards are what the listed segments' taken
+    // entries set, in log order: not the layer's, which holds those of
+    // the unlisted (active) segment too.
     let mut warm: Vec<(u32, Vec<u8>)> = Vec::with_capacity(footers.len());
+    let mut marks: std::collections::HashMap<&str, (bool, Option<f64>)> = std::collections::HashMap::new();
     for (seg, (_, (_, f))) in w.segments.iter().zip(&footers) {
         let mut bytes = Vec::new();
         let mut count = 0u32;
-        for e in f.iter().filter(|e| !taken(w.taken, e)) {
-            crate::format::segment::encode_entry(&mut bytes, &e, true);
-            count += 1;
+        for e in f.iter() {
+            if !taken(w.taken, &e) {
+                crate::format::segment::encode_entry(&mut bytes, &e, true);
+                count += 1;
+                continue;
+            }
+            match (e.kind, e.reward_target) {
+                (KIND_SEAL, _) => marks.entry(e.id).or_default().0 = true,
+                (KIND_REWARD, 2) => marks.entry(e.id).or_default().1 = Some(e.timestamp),
+                _ => {}
+            }
         }
         warm.push((count, bytes));
         // Its footer was read twice (checked, encoded): not again.
@@ -226,13 +248,17 @@ pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault:
     }
     let t = w.cold.tables();
     let sessions = t.sessions.len();
+    let mut marks: Vec<_> = marks.into_iter().map(|(name, m)| (id_hash(name), name, m)).collect();
+    marks.sort_unstable_by_key(|m| m.0);
     let words = sessions.div_ceil(64);
     let (mut sealed, mut has_reward, mut rewards) = (vec![0u64; words], vec![0u64; words], vec![0u64; sessions]);
-    for i in 0..sessions as u32 {
-        if w.cold.is_sealed(i) {
+    let mut at = 0;
+    for (_, name, (seal, reward)) in marks {
+        let Some(i) = w.cold.session_from(&mut at, name) else { continue };
+        if seal {
             crate::index::frozen::set_bit(&mut sealed, i);
         }
-        if let Some(r) = w.cold.reward(i) {
+        if let Some(r) = reward {
             crate::index::frozen::set_bit(&mut has_reward, i);
             if let Some(slot) = rewards.get_mut(i as usize) {
                 *slot = r.to_bits();
@@ -298,7 +324,7 @@ pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault:
         use std::io::{Seek, SeekFrom};
         file.seek(SeekFrom::Start((HEADER_LEN - 8) as u64))?;
         file.write_all(&sums)?;
-        file.sync_all()
+        crate::storage::fault::sync(faults, &file, &tmp, true)
     })();
     written.map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
     drop(file);
@@ -331,6 +357,9 @@ impl BacklogFile {
             return None;
         }
         let flags = le_u32(b, 12)?;
+        if flags & !1 != 0 || le_u32(b, 60)? != 0 {
+            return None;
+        }
         let shard_key = (flags & 1 == 1).then(|| Some(IndexKey { dir_crc32: le_u32(b, 16)?, len: le_u64(b, 24)? }));
         let shard_key = match shard_key {
             Some(k) => Some(k?),
@@ -343,6 +372,9 @@ impl BacklogFile {
         let sessions = le_u32(b, 56)? as usize;
         let (head_crc, crcs_crc) = (le_u32(b, 64)?, le_u32(b, 68)?);
         let listed_end = HEADER_LEN.checked_add(n_listed.checked_mul(LISTED_LEN)?)?;
+        // The count is not checked yet: the table must be in the file
+        // before anything is sized by it.
+        b.get(HEADER_LEN..listed_end)?;
         let mut listed = Vec::with_capacity(n_listed);
         let mut warm_at = Vec::with_capacity(n_listed);
         let mut at = listed_end;
@@ -356,8 +388,11 @@ impl BacklogFile {
                 warm_count: le_u32(b, e + 28)?,
                 warm_len: le_u64(b, e + 32)?,
             };
+            if listed.last().is_some_and(|p: &Listed| p.id >= l.id) {
+                return None;
+            }
             warm_at.push(at);
-            at = pad8(at.checked_add(usize::try_from(l.warm_len).ok()?)?);
+            at = pad8(at.checked_add(usize::try_from(l.warm_len).ok()?)?)?;
             listed.push(l);
         }
         let head_end = at;
@@ -370,7 +405,7 @@ impl BacklogFile {
         let (tables, crcs_at) = table_spans(head_end, rows, sessions, by_trace, text)?;
         let blocks: usize = tables.iter().map(|(_, len)| len.div_ceil(CHECK_BLOCK)).sum();
         let crcs_end = crcs_at.checked_add(blocks.checked_mul(4)?)?;
-        if pad8(crcs_end) != b.len() || crc32fast::hash(b.get(crcs_at..crcs_end)?) != crcs_crc {
+        if pad8(crcs_end)? != b.len() || crc32fast::hash(b.get(crcs_at..crcs_end)?) != crcs_crc {
             return None;
         }
         // The warm entries parse (they are replayed from the mapping).
@@ -452,11 +487,19 @@ impl BacklogFile {
     }
 
     /// Whether every listed segment is sealed in `manifest` with the
-    /// trailer the file names (read from the file's last bytes).
+    /// trailer the file names (read from the file's last bytes), and they
+    /// are the manifest's first segments.
     pub(crate) fn matches(&self, dir: &Path, manifest: &Manifest) -> bool {
         use std::os::unix::fs::FileExt;
         let sealed: HashSet<u64> =
             manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).map(|s| s.id).collect();
+        // The listed segments come first in the log, none between them
+        // unlisted: an open replays the others after the file's layer
+        // (a record there thaws what it names, as a later record would).
+        let last = self.listed.last().map_or(0, |l| l.id);
+        if manifest.segments.iter().filter(|s| s.id <= last).count() != self.listed.len() {
+            return false;
+        }
         self.listed.iter().all(|l| {
             sealed.contains(&l.id)
                 && (|| {
@@ -489,6 +532,15 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<Back
     f.matches(dir, manifest).then_some(f)
 }
 
+/// Whether the sealed segments of `manifest` that `file` does not list are
+/// more than an eighth of those it lists (a writable open then writes it
+/// anew from a survey of them all).
+pub(crate) fn outgrown(file: &BacklogFile, manifest: &Manifest) -> bool {
+    let sealed = manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).count();
+    let unlisted = sealed.saturating_sub(file.listed.len());
+    unlisted.saturating_mul(8) > file.listed.len()
+}
+
 /// The file, checked for `trajlog verify`: `None` when there is none or it
 /// is stale (an open does not use it); else what is wrong with it.
 pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
@@ -504,5 +556,70 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
     if !f.check_whole() {
         return Some("a block of its tables fails its crc32".into());
     }
-    None
+    f.content_problem(dir)
+}
+
+impl BacklogFile {
+    /// What the file holds that the listed segments' footers do not make
+    /// of it: for its cold sessions, the warm entries (every other entry,
+    /// byte for byte), the rows' locations and the seals and session
+    /// rewards; `None` when it agrees. (Which sessions went cold is the
+    /// survey's choice over the whole log, not checked here.)
+    fn content_problem(&self, dir: &Path) -> Option<String> {
+        let Some(frozen) = self.frozen() else { return Some("its tables do not read".into()) };
+        let cold: HashSet<u64> = (0..frozen.session_count()).map(|i| frozen.session_hash(i)).collect();
+        let mut locs: Vec<(u64, u64)> = Vec::with_capacity(self.rows);
+        let mut marks: std::collections::HashMap<String, (bool, Option<u64>)> = std::collections::HashMap::new();
+        for (i, l) in self.listed.iter().enumerate() {
+            let path = crate::storage::segment_path(dir, l.id);
+            let what = |w: &str| Some(format!("listed segment {} ({}): {w}", l.id, path.display()));
+            let Ok(file) = File::open(&path) else { return what("cannot be opened") };
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            let Ok(map) = Mapping::map(&file, len, &path) else { return what("cannot be mapped") };
+            let bytes = map.bytes();
+            let footer = crate::format::segment::read_trailer(bytes)
+                .and_then(|t| crate::format::segment::check_footer(bytes, &t).ok());
+            let Some(footer) = footer else { return what("its footer does not read") };
+            let (mut warm, mut count) = (Vec::new(), 0u32);
+            for e in footer.iter() {
+                if !taken(&cold, &e) {
+                    crate::format::segment::encode_entry(&mut warm, &e, true);
+                    count += 1;
+                    continue;
+                }
+                match (e.kind, e.reward_target) {
+                    (KIND_CALL, _) => locs.push((l.id, e.frame_offset)),
+                    (KIND_SEAL, _) => marks.entry(e.id.to_owned()).or_default().0 = true,
+                    (KIND_REWARD, _) => marks.entry(e.id.to_owned()).or_default().1 = Some(e.timestamp.to_bits()),
+                    _ => {}
+                }
+            }
+            let kept = self.warm_at.get(i).and_then(|&at| {
+                let end = at.checked_add(usize::try_from(l.warm_len).ok()?)?;
+                self.map.bytes().get(at..end)
+            });
+            if count != l.warm_count || kept != Some(warm.as_slice()) {
+                return what("its footer entries of sessions not in the cold layer differ from the file's");
+            }
+            map.release_pages();
+        }
+        let mut rows: Vec<(u64, u64)> = frozen.rows().iter().map(|r| (r.loc().segment, r.loc().offset)).collect();
+        rows.sort_unstable();
+        locs.sort_unstable();
+        if rows != locs {
+            return Some(format!(
+                "its {} cold rows are not the {} calls of its cold sessions in the listed segments",
+                rows.len(),
+                locs.len()
+            ));
+        }
+        for i in 0..frozen.session_count() {
+            let name = frozen.session_name(i);
+            let (sealed, reward) = marks.get(name).copied().unwrap_or_default();
+            if (frozen.is_sealed(i), frozen.reward(i).map(f64::to_bits)) != (sealed, reward) {
+                return Some(format!("cold session {name:?}: its seal or session reward differs from its records'"));
+            }
+        }
+        None
+    }
 }

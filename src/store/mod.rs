@@ -686,19 +686,27 @@ impl Drop for Store {
 /// The backlog index file (store/backlog_file.rs) after a writable open
 /// that did not use one: written when the open's survey built a cold layer
 /// of at least [`Options::backlog_index_min_calls`] calls over the sealed
-/// segments, else any file there (stale, or set aside) is removed. Best
+/// segments, read cleanly, else any file there (stale, or set aside) is
+/// removed. Best
 /// effort, as for the other caches: without it an open only takes longer.
 fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) {
     let path = dir.join(backlog_file::BACKLOG_FILE_NAME);
     if loaded.backlog_used {
         return;
     }
+    // Only from a replay of every sealed segment as its footer has it: a
+    // skip-corrupted open leaves damaged records out of its layer that
+    // the footers still name. And not beside the annotation cache, which
+    // an open uses first (the file would never be read).
+    let clean = options.recovery != RecoveryMode::SkipCorrupted
+        && loaded.report.events.iter().all(|e| e.kind == crate::segment::recovery::RecoveryEventKind::TornTailCut)
+        && loaded.annotation_cache != recovery::CacheUse::Used;
     let cold = loaded.index.cold();
     let any_shards = loaded.shards.files().next().is_some();
     let key = recovery::backlog_key(&loaded.shards);
     let worth = options.backlog_index_min_calls > 0 && cold.len() as u64 >= options.backlog_index_min_calls;
     let written = match &loaded.cold_taken {
-        Some(taken) if worth && (key.is_some() || !any_shards) => {
+        Some(taken) if clean && worth && (key.is_some() || !any_shards) => {
             // Every sealed segment, in log order (the active one is not in
             // `segments` any more).
             let segments: Vec<&crate::segment::SegmentRef> = loaded.segments.values().filter(|s| s.sealed).collect();

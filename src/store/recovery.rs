@@ -333,11 +333,17 @@ fn load_dir_lazy(
     // segments no other way (not through the annotation cache, not frame
     // by frame) and keeps none of their rewards for the side table (which
     // matters only once some session is in a shard).
+    // A writable open does without it once the sealed segments it does not
+    // list are more than an eighth of those it lists: its survey then
+    // builds the layer of them all, and it writes the file anew (so the
+    // segments an open reads stay a bounded share of the backlog, and the
+    // bytes written O(1) a call).
     let any_shards = !steps_shard_paths(dir, &manifest).is_empty();
     let backlog = match recovery {
         RecoveryMode::SkipCorrupted => None,
         _ => backlog_file::usable(dir, &manifest, lazy)
             .filter(|b| !any_shards || !b.listed.iter().any(|l| keep_reward(Loc { segment: l.id, offset: u64::MAX })))
+            .filter(|b| !writable || !backlog_file::outgrown(b, &manifest))
             .map(Arc::new),
     };
     let offered = backlog.map_or(Offered::Nothing, Offered::Backlog);
