@@ -446,6 +446,8 @@ impl Snapshot {
         // An older shard index file's, when a publication replaced the file
         // and the writer's frozen layer still reads the old one.
         self.view.index.frozen().release_pages();
+        // The backlog index file's, when the cold layer is mapped from it.
+        self.view.index.cold().release_pages();
     }
 
     fn segment(&self, id: u64) -> Result<&SegmentRef> {
@@ -797,7 +799,12 @@ impl Snapshot {
             // The maps' calls and the cold layer's (a writer's cold calls
             // stay in the layer once compacted, as its maps' do).
             let hot = index.hot_calls().values().map(|m| m.loc).chain(index.cold_calls().map(|(loc, _)| loc));
-            positions_in_order(shards, hot, || (), |shard| *live.entry(shard).or_default() += 1);
+            positions_in_order(
+                shards,
+                hot,
+                || index.cold().release_pages(),
+                |shard| *live.entry(shard).or_default() += 1,
+            );
         } else {
             // Every call, the frozen ones of an older file's rows too (a
             // writer's, until it reopens or rebuilds its index: read in

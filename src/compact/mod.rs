@@ -30,6 +30,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Sessions the compaction's selection walks between two givebacks of
+/// the mapped pages it read.
+const SELECTION_RELEASE_EVERY: u64 = 1 << 16;
+
 /// Which sessions a compaction takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Selection {
@@ -758,6 +762,10 @@ fn publish_one(
     // already compacted is listed, read or decoded again.
     // (first call's timestamp, live calls, session)
     let mut chosen_sessions: Vec<(f64, u64, String)> = Vec::new();
+    // The walk reads the cold layer whole (mapped from the backlog index
+    // file, 0.76 GB at 10M calls in segments): its pages are given back
+    // as it goes.
+    let mut walked = 0u64;
     snap.for_each_session_in_maps(|s| {
         let chosen = match opts.selection {
             Selection::SealedOnly => s.sealed,
@@ -766,7 +774,12 @@ fn publish_one(
         if chosen && snap.has_calls_in_segments(&s.session_id) {
             chosen_sessions.push((s.first_timestamp, s.calls as u64, s.session_id));
         }
+        walked += 1;
+        if walked.is_multiple_of(SELECTION_RELEASE_EVERY) {
+            snap.release_pages();
+        }
     });
+    snap.release_pages();
     let mut left_by_max = 0;
     let taking = taking.get_or_insert_with(|| {
         let (taken, left) = take_up_to(&chosen_sessions, opts.max_calls);

@@ -17,6 +17,10 @@ use super::*;
 use crate::index::LiveCall;
 use crate::shard::set::ShardSet;
 
+/// Cold calls a walk of the cold layer reads between two givebacks of its
+/// mapped pages.
+const COLD_RELEASE_EVERY: usize = 1 << 20;
+
 /// A compaction begun ([`Store::begin_compaction`]): its shard generation and
 /// the snapshot it compacts. Dropped without publishing, it tells the writer
 /// to stop noting changes for it.
@@ -282,12 +286,19 @@ fn prepare(
     let mut staying = 0usize;
     let hot = base_index.hot_calls().values().map(|m| LiveCall::Hot(m));
     let cold = base_index.cold_calls().map(|(loc, session)| LiveCall::Frozen { loc, session });
-    for call in hot.chain(cold) {
+    // The walk reads the whole cold layer (mapped from the backlog index
+    // file: 0.76 GB at 10M calls in segments): its pages are given back
+    // as it goes.
+    for (n, call) in hot.chain(cold).enumerate() {
         if let Some(s) = in_segments_of(Some(call), &shards) {
             count_in_segments(&mut in_segments, s);
             staying += 1;
         }
+        if n % COLD_RELEASE_EVERY == COLD_RELEASE_EVERY - 1 {
+            base_index.cold().release_pages();
+        }
     }
+    base_index.cold().release_pages();
     let in_maps_or_cold = base_index.hot_calls().len() + base_index.cold_stats().0;
     // With the file written for every `steps` file, the writer takes an
     // index replayed over it, as an open would build it, instead of its
