@@ -532,6 +532,33 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<Back
     f.matches(dir, manifest).then_some(f)
 }
 
+/// Remove the file in `dir` if it lists one of `ids` (segments retired:
+/// it is stale then), reading only its header and listed table. Best
+/// effort: a file left is one no open uses, removed by the next writable
+/// open.
+pub(super) fn remove_if_listing(dir: &Path, ids: &[u64], faults: &crate::storage::fault::Faults) {
+    use std::os::unix::fs::FileExt;
+    if ids.is_empty() {
+        return;
+    }
+    let path = dir.join(BACKLOG_FILE_NAME);
+    let lists = (|| {
+        let f = File::open(&path).ok()?;
+        let mut header = [0u8; HEADER_LEN];
+        f.read_exact_at(&mut header, 0).ok()?;
+        let n = le_u32(&header, 20)? as u64;
+        let len = f.metadata().ok()?.len();
+        let table = n.checked_mul(LISTED_LEN as u64).filter(|t| t.saturating_add(HEADER_LEN as u64) <= len)?;
+        let mut listed = vec![0u8; usize::try_from(table).ok()?];
+        f.read_exact_at(&mut listed, HEADER_LEN as u64).ok()?;
+        Some(listed.chunks_exact(LISTED_LEN).any(|l| le_u64(l, 0).is_some_and(|id| ids.contains(&id))))
+    })();
+    // One that does not read is left to the next writable open.
+    if lists == Some(true) && recovery::remove_if_present(&path).is_ok() {
+        let _ = crate::storage::sync_dir(dir, faults);
+    }
+}
+
 /// Whether the sealed segments of `manifest` that `file` does not list are
 /// more than an eighth of those it lists (a writable open then writes it
 /// anew from a survey of them all).

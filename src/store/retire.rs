@@ -339,7 +339,12 @@ impl Writer {
         // Made now: what changes from here on (the annotations carried
         // below too) is noted against them.
         self.annotation_verdicts.replace(std::mem::take(&mut plan.verdicts));
-        Ok((self.retire_planned(plan)?, copied))
+        let retired = self.retire_planned(plan)?;
+        // A backlog index file that lists a retired segment is stale (no
+        // open uses it): its space is given back now, not at the next
+        // writable open.
+        super::backlog_file::remove_if_listing(&self.dir, &retired, &self.options.faults);
+        Ok((retired, copied))
     }
 
     /// The position below which no record of `session` is needed as a
