@@ -206,5 +206,13 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
     }
     crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(&manifest), &None)?;
     report.written = true;
+    // The backlog index file describes the log of the manifest it was
+    // written under; it is a cache (format-spec/backlog-index.md), so the
+    // repaired store does without it until a writable open writes it anew.
+    let backlog = dir.join(crate::store::BACKLOG_FILE);
+    if backlog.exists() {
+        fs::remove_file(&backlog).map_err(|e| Error::io(format!("remove {}", backlog.display()), e))?;
+        crate::storage::sync_dir(dir, &None)?;
+    }
     Ok(report)
 }

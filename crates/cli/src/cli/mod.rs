@@ -137,7 +137,8 @@ enum Command {
     },
     /// Rebuild a lost, damaged or outdated MANIFEST from the segment and shard
     /// files in the directory (files that cannot belong move to DIR/lost+found/;
-    /// nothing is deleted; the old MANIFEST is kept beside it).
+    /// no data is deleted, only the backlog index cache; the old MANIFEST is
+    /// kept beside it).
     Repair {
         #[arg(long)]
         store: PathBuf,
