@@ -547,6 +547,19 @@ pub fn load_segment_in_place(dir: &Path, id: u64, must_be_sealed: bool, on_damag
     load_segment_with(dir, id, must_be_sealed, on_damage, on_damage == OnDamage::Refuse)
 }
 
+/// Segment `id`'s trailer as its file in `dir` ends now (its last
+/// `TRAILER_BYTES`, read without mapping it): what a cache of the
+/// segment's footer is keyed to. `None` when it cannot be read or does
+/// not decode.
+pub fn trailer_on_disk(dir: &Path, id: u64) -> Option<crate::format::segment::Trailer> {
+    let f = File::open(crate::storage::segment_path(dir, id)).ok()?;
+    let len = f.metadata().ok()?.len();
+    let mut tail = [0u8; crate::format::segment::TRAILER_BYTES as usize];
+    let at = len.checked_sub(tail.len() as u64)?;
+    f.read_exact_at(&mut tail, at).ok()?;
+    crate::format::segment::decode_trailer(&tail, len)
+}
+
 /// A sealed segment mapped without reading its footer, for an open that
 /// has what the footer says elsewhere (the annotation cache, which checked
 /// the trailer): no entries; `footer_offset` is where its frames end.

@@ -722,7 +722,6 @@ pub(crate) fn write_after(
 /// index file on disk, each listed segment listed sealed in `manifest` with
 /// the footer the cache names. `None` otherwise.
 pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool, writer: bool) -> Option<AnnotationCache> {
-    use std::os::unix::fs::FileExt;
     let shards_dir = dir.join(SHARDS_DIR);
     // Mapped, its per-session tables read in place (the open's frozen layer
     // keeps the mapping): the pages its crc32 check read are given back.
@@ -741,12 +740,7 @@ pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool, writer: bool) 
         if !listed_sealed {
             return None;
         }
-        let f = File::open(crate::storage::segment_path(dir, l.id)).ok()?;
-        let len = f.metadata().ok()?.len();
-        let mut tail = [0u8; crate::format::segment::TRAILER_BYTES as usize];
-        let at = len.checked_sub(tail.len() as u64)?;
-        f.read_exact_at(&mut tail, at).ok()?;
-        let t = crate::format::segment::decode_trailer(&tail, len)?;
+        let t = crate::segment::recovery::trailer_on_disk(dir, l.id)?;
         if (t.footer_offset, t.footer_crc) != (l.footer_offset, l.footer_crc32) {
             return None;
         }

@@ -442,7 +442,7 @@ impl BacklogFile {
 
     /// Whether it lists segment `id`.
     pub(crate) fn lists(&self, id: u64) -> bool {
-        self.listed.binary_search_by_key(&id, |l| l.id).is_ok()
+        self.listed(id).is_some()
     }
 
     /// The listed segment `id`.
@@ -490,7 +490,6 @@ impl BacklogFile {
     /// trailer the file names (read from the file's last bytes), and they
     /// are the manifest's first segments.
     pub(crate) fn matches(&self, dir: &Path, manifest: &Manifest) -> bool {
-        use std::os::unix::fs::FileExt;
         let sealed: HashSet<u64> =
             manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).map(|s| s.id).collect();
         // The listed segments come first in the log, none between them
@@ -502,19 +501,9 @@ impl BacklogFile {
         }
         self.listed.iter().all(|l| {
             sealed.contains(&l.id)
-                && (|| {
-                    let f = File::open(crate::storage::segment_path(dir, l.id)).ok()?;
-                    let len = f.metadata().ok()?.len();
-                    let mut tail = [0u8; crate::format::segment::TRAILER_BYTES as usize];
-                    let at = len.checked_sub(tail.len() as u64)?;
-                    f.read_exact_at(&mut tail, at).ok()?;
-                    let t = crate::format::segment::decode_trailer(&tail, len)?;
-                    Some(
-                        (t.footer_offset, t.footer_len, t.footer_crc)
-                            == (l.footer_offset, l.footer_len, l.footer_crc32),
-                    )
-                })()
-                .unwrap_or(false)
+                && crate::segment::recovery::trailer_on_disk(dir, l.id).is_some_and(|t| {
+                    (t.footer_offset, t.footer_len, t.footer_crc) == (l.footer_offset, l.footer_len, l.footer_crc32)
+                })
         })
     }
 

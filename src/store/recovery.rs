@@ -406,14 +406,14 @@ fn load_dir_with(
         scope.spawn(move || {
             for ms in &listed {
                 let path = crate::storage::segment_path(dir, ms.id);
-                let in_cache = cached.as_ref().and_then(|c| c.listed.iter().find(|l| l.id == ms.id));
-                let in_backlog = in_backlog.as_ref().and_then(|b| b.listed(ms.id));
-                let seg = if let Some(l) = in_cache {
-                    // What its footer says is in the cache.
-                    crate::segment::recovery::map_sealed_unread(dir, ms.id, l.footer_offset)
-                } else if let Some(l) = in_backlog {
-                    // Likewise, in the backlog index file.
-                    crate::segment::recovery::map_sealed_unread(dir, ms.id, l.footer_offset)
+                // What its footer says is in the cache or the backlog
+                // index file: where its frames end is all the open reads.
+                let unread_from = cached
+                    .as_ref()
+                    .and_then(|c| c.listed.iter().find(|l| l.id == ms.id).map(|l| l.footer_offset))
+                    .or_else(|| in_backlog.as_ref().and_then(|b| b.listed(ms.id)).map(|l| l.footer_offset));
+                let seg = if let Some(footer_offset) = unread_from {
+                    crate::segment::recovery::map_sealed_unread(dir, ms.id, footer_offset)
                 } else if path.exists() {
                     crate::segment::recovery::load_segment_in_place(
                         dir,
