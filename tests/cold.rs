@@ -268,6 +268,48 @@ fn backlog_options() -> Options {
     Options::default().backlog_index_min_calls(1)
 }
 
+/// A writer opened with `backlog_index_min_calls(1)` on an empty store
+/// takes `ops`, waiting after each one for the refresh of the backlog
+/// index file its rolls start, and taking the index the refresh built
+/// (cold layer mapped from the file) in place of its own; it then goes on
+/// appending, annotating and deleting over it (thawing cold sessions).
+/// It answers as a read-only open with the file and one without it, and
+/// as a writable reopen; `verify` finds nothing. Returns how many times
+/// it took a refreshed index.
+fn run_refresh(dir: &Path, ops: &[Op]) -> Result<usize, TestCaseError> {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let file = dir.join(BACKLOG);
+    let store = Store::open(dir, backlog_options()).expect("open");
+    let (mut adopted, mut compacted) = (0, false);
+    for o in ops {
+        apply(&store, o);
+        adopted = store.wait_backlog_refresh().expect("wait");
+        // Until a compaction (its publication rebuilds the index its own way).
+        compacted |= matches!(o, Op::Compact(_));
+        prop_assert!(compacted || adopted == 0 || store.snapshot().index_layers().backlog_segments > 0);
+    }
+    store.flush().expect("flush");
+    let want = fingerprint(&store.snapshot(), &ids);
+    let with = Store::open_read_only(dir).expect("open read-only");
+    prop_assert_eq!(&fingerprint(&with.snapshot(), &ids), &want);
+    if file.exists() {
+        std::fs::rename(&file, dir.join("aside")).expect("move aside");
+        let without = Store::open_read_only(dir).expect("open read-only");
+        prop_assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
+        prop_assert_eq!(&fingerprint(&without.snapshot(), &ids), &want);
+        std::fs::rename(dir.join("aside"), &file).expect("move back");
+    }
+    store.close().expect("close");
+    let reopened = Store::open(dir, backlog_options()).expect("reopen");
+    prop_assert_eq!(&fingerprint(&reopened.snapshot(), &ids), &want);
+    reopened.wait_backlog_refresh().expect("wait");
+    prop_assert_eq!(&fingerprint(&reopened.snapshot(), &ids), &want);
+    drop(reopened);
+    let report = trajlog::verify::verify_dir(dir).expect("verify");
+    prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
+    Ok(adopted as usize)
+}
+
 /// A writer takes `before`, closes, and reopens with
 /// `backlog_index_min_calls(1)`: the open writes the backlog index file
 /// when its survey built a cold layer. The writer then takes `after`
@@ -280,7 +322,7 @@ fn run_backlog(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCas
     let ids: Vec<String> = (0..60).map(trace).collect();
     let file = dir.join(BACKLOG);
     let aside = dir.join("backlog.aside");
-    let store = Store::open(dir, backlog_options()).expect("open");
+    let store = Store::open(dir, Options::default()).expect("open");
     before.iter().for_each(|o| apply(&store, o));
     store.close().expect("close");
     let store = Store::open(dir, backlog_options()).expect("reopen");
@@ -290,6 +332,9 @@ fn run_backlog(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCas
         apply(&store, o);
     }
     store.flush().expect("flush");
+    // The writer's own refresh of the file (its rolls start one) is done
+    // before the file is moved aside below.
+    store.wait_backlog_refresh().expect("wait");
     let with = Store::open_read_only(dir).expect("open read-only");
     let used = with.snapshot().index_layers().backlog_segments;
     let want = fingerprint(&store.snapshot(), &ids);
@@ -321,6 +366,17 @@ proptest! {
     ) {
         let dir = tempfile::tempdir().expect("tempdir");
         run_backlog(dir.path(), &before, &after)?;
+    }
+
+    /// A writer that refreshes the backlog index file as it rolls, and
+    /// takes the index mapped from it, answers as opens with and without
+    /// the file through the writes that follow.
+    #[test]
+    fn a_writer_that_refreshes_the_backlog_file_answers_as_an_open(
+        ops in prop::collection::vec(writer_op(), 1..80),
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        run_refresh(dir.path(), &ops)?;
     }
 
     /// A writer whose index a publication rebuilt with a cold layer
@@ -537,6 +593,23 @@ fn the_backlog_cases_use_the_file() {
     assert!(used * 2 >= cases, "{used} of {cases} cases used the file");
 }
 
+/// The refresh cases take a refreshed index often enough to mean
+/// something: over fixed seeds of the same generator.
+#[test]
+fn the_refresh_cases_take_the_refreshed_index() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
+    let (mut cases, mut adopted) = (0, 0);
+    for _ in 0..16 {
+        let ops = prop::collection::vec(op(), 40..80).new_tree(&mut runner).expect("case").current();
+        let dir = tempfile::tempdir().expect("tempdir");
+        cases += 1;
+        adopted += usize::from(run_refresh(dir.path(), &ops).expect("case") > 0);
+    }
+    assert!(adopted * 2 >= cases, "{adopted} of {cases} cases took a refreshed index");
+}
+
 /// Sealed sessions in sealed segments, a writer reopened with the option:
 /// the open writes the file; the next read-only open maps it (reading no
 /// footer) and answers as before.
@@ -626,7 +699,10 @@ fn a_damaged_or_stale_backlog_file_changes_no_answer() {
     assert!(!file.exists(), "the poisoned writer removed the file");
     drop(w);
     let w = Store::open(dir.path(), backlog_options()).expect("open");
-    assert_eq!(w.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&w.snapshot(), &ids), want);
+    // It takes the index mapped from the file it wrote.
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1);
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
     assert_eq!(fingerprint(&w.snapshot(), &ids), want);
     w.close().expect("close");
     assert_eq!(std::fs::read(&file).expect("read"), bytes, "the same file, written anew");
@@ -760,9 +836,12 @@ fn a_backlog_file_with_absurd_counts_is_not_used() {
 
 /// A writable open does without the file once the sealed segments it does
 /// not list are more than an eighth of those it lists, and writes it anew
-/// over them all; with fewer, it uses it (and leaves it as it is).
+/// over them all; with fewer, it uses it (and leaves it as it is). A
+/// writer whose rolls pass that eighth refreshes the file itself (in a
+/// helper thread) and takes the index mapped from it.
 #[test]
 fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
+    let ids: Vec<String> = (0..60).map(trace).collect();
     let dir = tempfile::tempdir().expect("tempdir");
     let listed = |dir: &Path| {
         let b = std::fs::read(dir.join(BACKLOG)).expect("read");
@@ -777,26 +856,54 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     Store::open(dir.path(), backlog_options()).expect("open").close().expect("close");
     let first = listed(dir.path());
     assert!(first >= 16, "{first}");
-    // One more sealed segment: an eighth of 16 or fewer, so the file is used.
-    let w = Store::open(dir.path(), backlog_options()).expect("open");
-    sealed_sessions(&w, "c", 2, 2);
-    w.roll().expect("roll");
-    w.close().expect("close");
-    let w = Store::open(dir.path(), backlog_options()).expect("open");
-    assert!(w.snapshot().index_layers().backlog_segments > 0);
-    w.close().expect("close");
-    assert_eq!(listed(dir.path()), first);
-    // Three more: past an eighth; the open surveys and writes it anew.
-    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    // Three more sealed segments, written without the option: past an
+    // eighth; the next writable open surveys and writes it anew.
+    let w = Store::open(dir.path(), Options::default()).expect("open");
     for i in 0..3 {
         sealed_sessions(&w, &format!("d{i}"), 2, 2);
         w.roll().expect("roll");
     }
     w.close().expect("close");
     let w = Store::open(dir.path(), backlog_options()).expect("open");
-    assert_eq!(w.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1, "it takes the index mapped from the file it wrote");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
     w.close().expect("close");
-    assert!(listed(dir.path()) > first + 3, "{} then {}", first, listed(dir.path()));
+    let second = listed(dir.path());
+    assert!(second > first + 2, "{first} then {second}");
+    // One more sealed segment with the option: an eighth or fewer, so
+    // the file is used, and left as it is.
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    sealed_sessions(&w, "c", 2, 2);
+    w.roll().expect("roll");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), 0, "no refresh under an eighth");
+    w.close().expect("close");
+    assert_eq!(listed(dir.path()), second);
+    // Three more rolls of the writer: past an eighth, it refreshes the
+    // file itself and takes the index built from it; its answers do not
+    // change, and the next opens use the new file.
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    for i in 0..3 {
+        sealed_sessions(&w, &format!("e{i}"), 2, 2);
+        w.roll().expect("roll");
+    }
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1, "the writer refreshed the file and took its index");
+    let want = fingerprint(&w.snapshot(), &ids);
+    // Writes after it that name cold sessions: a deletion, a session
+    // reward, a trace reward, and a new session.
+    w.delete_session("a3-1").expect("delete");
+    w.set_reward(Target::Session("a5-0".into()), 0.25).expect("reward");
+    w.set_reward(Target::Trace("a7-0-1".into()), -0.5).expect("reward");
+    sealed_sessions(&w, "f", 1, 3);
+    w.flush().expect("flush");
+    let after = fingerprint(&w.snapshot(), &ids);
+    w.close().expect("close");
+    assert!(listed(dir.path()) > second + 2, "{second} then {}", listed(dir.path()));
     let ro = Store::open_read_only(dir.path()).expect("open read-only");
     assert_eq!(ro.snapshot().index_layers().backlog_segments as u32, listed(dir.path()));
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), after);
+    std::fs::remove_file(dir.path().join(BACKLOG)).expect("remove");
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), after);
+    assert_ne!(want, after, "the writes after the refresh changed answers");
 }

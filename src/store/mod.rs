@@ -24,6 +24,7 @@
 mod admission;
 mod annotation_cache;
 mod backlog_file;
+mod backlog_refresh;
 mod cold;
 mod deletions;
 mod options;
@@ -225,7 +226,16 @@ impl Store {
                 let _ = recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_FILE_NAME));
             }
         }
-        write_backlog_file(&dir, &loaded, &options);
+        let backlog_written = write_backlog_file(&dir, &loaded, &options);
+        let sealed_ids = loaded.segments.values().filter(|s| s.sealed).map(|s| s.id);
+        let backlog = match (loaded.backlog_used, backlog_written) {
+            (true, _) => {
+                let listed = loaded.index.backlog_segments();
+                backlog_refresh::BacklogRefresh::at_open(listed, sealed_ids.skip(listed))
+            }
+            (false, true) => backlog_refresh::BacklogRefresh::at_open(sealed_ids.count(), []),
+            (false, false) => backlog_refresh::BacklogRefresh::at_open(0, sealed_ids),
+        };
         let sealed = admission::Sealed::new(loaded.index.clone());
         let mut segments = loaded.segments.clone();
         segments
@@ -279,7 +289,14 @@ impl Store {
             annotation_verdicts: Default::default(),
             unsynced_since: None,
             last_sync: Instant::now() - Duration::from_secs(3600),
+            backlog,
         };
+        let mut writer = writer;
+        if backlog_written {
+            // The open's cold layer is in its heap (~78 bytes a call): the
+            // writer takes one mapped from the file it just wrote.
+            writer.start_backlog_refresh(false);
+        }
         let handle = std::thread::Builder::new()
             .name("trajlog-writer".into())
             .spawn(move || writer.run(rx))
@@ -635,6 +652,19 @@ impl Store {
         lock(&self.inner.compacting)
     }
 
+    /// Test hook: wait for the writer's refresh of the backlog index file
+    /// under way, if any (store/backlog_refresh.rs), and have the writer
+    /// take the index it built if it still can; how many refreshed indexes
+    /// the writer has taken since the open.
+    #[cfg(any(test, feature = "internals"))]
+    #[doc(hidden)]
+    pub fn wait_backlog_refresh(&self) -> Result<u64> {
+        self.writable()?;
+        let (reply, rx) = bounded(1);
+        self.inner.send(Cmd::WaitBacklogRefresh { reply })?;
+        rx.recv().map_err(|_| Error::closed())
+    }
+
     /// Test hook: make the writer thread panic, as a bug would. Every pending
     /// and later call then fails with `ErrorKind::Poisoned` (none hangs).
     #[cfg(any(test, feature = "internals"))]
@@ -687,13 +717,23 @@ impl Drop for Store {
 /// that did not use one: written when the open's survey built a cold layer
 /// of at least [`Options::backlog_index_min_calls`] calls over the sealed
 /// segments, read cleanly, else any file there (stale, or set aside) is
-/// removed. Best
-/// effort, as for the other caches: without it an open only takes longer.
-fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) {
-    let path = dir.join(backlog_file::BACKLOG_FILE_NAME);
+/// removed. Whether it was written. Best effort, as for the other caches:
+/// without it an open only takes longer.
+fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) -> bool {
     if loaded.backlog_used {
-        return;
+        return false;
     }
+    let written = backlog_file_written(dir, loaded, options);
+    if !written {
+        let _ = recovery::remove_if_present(&dir.join(backlog_file::BACKLOG_FILE_NAME));
+    }
+    written
+}
+
+/// Write the backlog index file from `loaded` (a load that surveyed its
+/// sealed segments) if it is worth it and `loaded` is a clean replay of
+/// them; whether it was written. Nothing is removed.
+fn backlog_file_written(dir: &Path, loaded: &recovery::Loaded, options: &Options) -> bool {
     // Only from a replay of every sealed segment as its footer has it: a
     // skip-corrupted open leaves damaged records out of its layer that
     // the footers still name. And not beside the annotation cache, which
@@ -705,7 +745,7 @@ fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) 
     let any_shards = loaded.shards.files().next().is_some();
     let key = recovery::backlog_key(&loaded.shards);
     let worth = options.backlog_index_min_calls > 0 && cold.len() as u64 >= options.backlog_index_min_calls;
-    let written = match &loaded.cold_taken {
+    match &loaded.cold_taken {
         Some(taken) if clean && worth && (key.is_some() || !any_shards) => {
             // Every sealed segment, in log order (the active one is not in
             // `segments` any more).
@@ -714,8 +754,5 @@ fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) 
             backlog_file::write(dir, &w, &options.faults).is_ok_and(|n| n > 0)
         }
         _ => false,
-    };
-    if !written {
-        let _ = recovery::remove_if_present(&path);
     }
 }

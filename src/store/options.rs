@@ -164,7 +164,10 @@ pub struct Options {
     /// format-spec/backlog-index.md) at a writable open that finds at least
     /// this many calls of finished sessions in sealed segments and no file
     /// it could use: later opens then map it instead of reading every
-    /// sealed segment's footer. Default 65,536; 0 never writes one.
+    /// sealed segment's footer. A writer also writes it anew in a helper
+    /// thread once it sealed this many calls more and its sealed segments
+    /// grew by an eighth, and takes the index mapped from it instead of
+    /// its maps (a store without shards). Default 65,536; 0 never writes one.
     pub backlog_index_min_calls: u64,
     /// Fault injection for the test suite; None in use.
     pub(crate) faults: crate::storage::fault::Faults,

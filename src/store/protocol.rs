@@ -64,6 +64,16 @@ pub(super) enum Cmd {
     },
     /// The store is closing (it flushed first): commit and stop.
     Close,
+    /// The backlog index file's refresh (store/backlog_refresh.rs) is done:
+    /// take what it built, if the writer still can.
+    BacklogRefreshed,
+    /// Test hook (`Store::wait_backlog_refresh`): wait for a refresh under
+    /// way and take what it built; replies with the refreshed indexes taken
+    /// since the open.
+    #[cfg(any(test, feature = "internals"))]
+    WaitBacklogRefresh {
+        reply: Sender<u64>,
+    },
 }
 
 /// What a compaction starts from: the state the writer published when it

@@ -362,6 +362,15 @@ fn on_damage_of(recovery: RecoveryMode) -> OnDamage {
     }
 }
 
+/// The segments of `manifest` (sealed ones: the writer's refresh of the
+/// backlog index file, store/backlog_refresh.rs, lists those up to a
+/// point) loaded as a writable open without either cache loads them: every
+/// footer read and surveyed, so that the cold layer is built and
+/// [`Loaded::cold_taken`] says what it took. `None` as [`load_dir_with`].
+pub(super) fn load_surveyed(dir: &Path, manifest: Manifest) -> Result<Option<Loaded>> {
+    load_dir_with(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, Offered::Nothing, true)
+}
+
 /// What an open is offered to read the listed segments' footers from
 /// instead of the segments: at most one of the two files.
 enum Offered {
@@ -1055,6 +1064,13 @@ impl Rebuilt {
             ..RowFeed::default()
         };
         Some(Rebuilt { index, feed, shards: shards.clone() })
+    }
+
+    /// An index loaded without shards (store/backlog_refresh.rs: one whose
+    /// cold layer is mapped from the backlog index file), to replay the
+    /// records written since its last segment onto.
+    pub(super) fn of_index(index: Index, shards: &crate::snapshot::ShardSlots) -> Rebuilt {
+        Rebuilt { index, feed: RowFeed::default(), shards: shards.clone() }
     }
 
     /// Replay sealed segment `seg` from its footer, read again from disk;

@@ -42,6 +42,8 @@ pub(super) struct Writer {
     pub(super) annotation_verdicts: super::retire::AnnotationVerdicts,
     pub(super) unsynced_since: Option<Instant>,
     pub(super) last_sync: Instant,
+    /// The refresh of the backlog index file (store/backlog_refresh.rs).
+    pub(super) backlog: super::backlog_refresh::BacklogRefresh,
 }
 
 /// The trace ids whose live call the writer changed (appended, replaced,
@@ -124,8 +126,10 @@ impl Writer {
             };
             self.commit(force);
         }
-        // The store is shutting down (it flushed first).
+        // The store is shutting down (it flushed first); a refresh under
+        // way finishes its file for the next opens.
         self.commit(true);
+        self.finish_backlog_refresh(false);
         self.check_index();
         if !self.poisoned() {
             if let Some(active) = self.active.as_mut() {
@@ -214,6 +218,14 @@ impl Writer {
             }
             // Taken by `run`, which decides when to commit and when to stop.
             Cmd::SyncSoon | Cmd::Close => {}
+            Cmd::BacklogRefreshed => {
+                self.finish_backlog_refresh(true);
+            }
+            #[cfg(any(test, feature = "internals"))]
+            Cmd::WaitBacklogRefresh { reply } => {
+                self.finish_backlog_refresh(true);
+                let _ = reply.send(self.backlog.adopted);
+            }
             #[cfg(any(test, feature = "internals"))]
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
             Cmd::BeginCompaction { reply } => {
@@ -604,6 +616,7 @@ impl Writer {
         }
         let old = self.active.take().ok_or_else(|| Error::new(ErrorKind::Poisoned, "no active segment"))?;
         let old_id = old.id;
+        let calls = old.entries.iter().filter(|e| e.kind == crate::format::record::KIND_CALL).count() as u64;
         let sealed = old.seal()?;
         self.old_maps.insert(old_id, sealed.old_maps);
         let (path, map, data_end) = (sealed.path, sealed.map, sealed.data_end);
@@ -621,6 +634,7 @@ impl Writer {
         self.manifest.next_segment_id = id + 1;
         crate::storage::write_atomic(&self.dir, MANIFEST_NAME, &encode_manifest(&self.manifest), &self.options.faults)?;
         self.active = Some(new);
+        self.note_sealed(old_id, calls);
         Ok(())
     }
 }

@@ -1,0 +1,194 @@
+//! The writer's refresh of the backlog index file (store/backlog_file.rs,
+//! format-spec/backlog-index.md §6).
+//!
+//! Without it the file is written only by a writable open, from the survey
+//! that open runs anyway: a long-lived writer kept every call it wrote in
+//! its maps (~0.28 KB a call), and the first open after it closed paid the
+//! survey of the whole backlog (10M lean tiny calls: 19.9 s, 2.17 GB peak).
+//!
+//! Now, once the calls of sealed segments the file does not list pass
+//! [`Options::backlog_index_min_calls`] and those segments are more than an
+//! eighth of the ones it lists (the rule of a writable open,
+//! [`backlog_file::outgrown`]), the writer starts a helper thread that
+//!
+//! 1. loads the sealed segments up to the last one as an open surveys them
+//!    ([`recovery::load_surveyed`]) and writes the file from that load;
+//! 2. loads them again through the file just written: an index whose cold
+//!    layer is mapped, with the segments' other footer entries in its maps;
+//! 3. hands that index to the writer, which takes it instead of its own
+//!    once it has replayed what it wrote since ([`Writer::adopt_rebuilt`],
+//!    as after a publication), and gives its maps' memory back.
+//!
+//! A writable open that wrote the file itself starts step 2 at once. The
+//! helper reads only sealed segments, which nothing rewrites, and the file
+//! is replaced atomically, so the writer goes on appending meanwhile. The
+//! writer takes the index only while nothing it is built on changed: no
+//! shards (a store with shards gets its index rebuilt by each publication
+//! instead), no compaction under way, the same sealed segments; otherwise
+//! it keeps its own (the file stays written for the next opens). A close
+//! waits for a helper under way (at most its survey). Each refresh reads
+//! the whole backlog's footers; the eighth rule makes that O(1) amortized
+//! per call, as for the shard index file.
+
+use super::recovery::{load_dir, load_surveyed, Rebuilt};
+use super::*;
+
+/// What a helper thread produced.
+pub(super) struct Outcome {
+    /// The last sealed segment it loaded, and every one up to it.
+    through: u64,
+    ids: Vec<u64>,
+    /// The index loaded through the file, when the file was written (or
+    /// was there) and used.
+    index: Option<Index>,
+}
+
+struct Job {
+    handle: JoinHandle<()>,
+    outcome: Arc<Mutex<Option<Outcome>>>,
+}
+
+/// The writer's state of the refresh.
+#[derive(Default)]
+pub(super) struct BacklogRefresh {
+    /// Sealed segments the file the writer's index maps lists (0: none).
+    listed: usize,
+    /// The sealed segments after those: id and calls.
+    unlisted: Vec<(u64, u64)>,
+    /// Calls of unlisted segments below which no refresh starts (raised
+    /// after one that could not be used, so it is not tried at every roll).
+    next_at: u64,
+    job: Option<Job>,
+    /// Refreshes whose index the writer took (tests).
+    pub(super) adopted: u64,
+}
+
+impl BacklogRefresh {
+    /// The state after an open whose index maps a file listing `listed`
+    /// segments (0: none), with `unlisted` sealed segments after them.
+    pub(super) fn at_open(listed: usize, unlisted: impl IntoIterator<Item = u64>) -> Self {
+        // Their calls are not counted (the open replayed them from their
+        // footers): only the calls written from now on start a refresh.
+        let unlisted = unlisted.into_iter().map(|id| (id, 0)).collect();
+        BacklogRefresh { listed, unlisted, ..Default::default() }
+    }
+
+    fn unlisted_calls(&self) -> u64 {
+        self.unlisted.iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// The sealed segments of `manifest` up to `through`, as a manifest of
+/// their own (what the helper loads).
+fn sealed_through(manifest: &Manifest, through: u64) -> Manifest {
+    let mut m = manifest.clone();
+    m.segments.retain(|s| s.id <= through && s.state == SegmentState::Sealed);
+    m
+}
+
+/// The helper thread's body: steps 1 (if `write`) and 2 of the module's
+/// documentation over `manifest`, all of whose segments are sealed.
+fn refresh(dir: &Path, manifest: Manifest, write: bool, options: &Options) -> Option<Index> {
+    if write {
+        let loaded = load_surveyed(dir, manifest.clone()).ok()??;
+        if !super::backlog_file_written(dir, &loaded, options) {
+            return None;
+        }
+        drop(loaded);
+        crate::storage::mmap::trim_heap();
+    }
+    let loaded = load_dir(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, true).ok()?;
+    (loaded.backlog_used && loaded.damage.is_empty()).then_some(loaded.index)
+}
+
+impl Writer {
+    /// After a roll sealed segment `id`, which holds `calls` calls: note
+    /// it, and start a refresh if one is due.
+    pub(super) fn note_sealed(&mut self, id: u64, calls: u64) {
+        self.backlog.unlisted.push((id, calls));
+        let min = self.options.backlog_index_min_calls;
+        let b = &self.backlog;
+        let due = min > 0
+            && b.job.is_none()
+            && b.unlisted_calls() >= min.max(b.next_at)
+            && b.unlisted.len().saturating_mul(8) > b.listed;
+        if due {
+            self.start_backlog_refresh(true);
+        }
+    }
+
+    /// Start a helper over the sealed segments (see the module's
+    /// documentation; `write`: step 1 too), unless the writer could not
+    /// take what it builds.
+    pub(super) fn start_backlog_refresh(&mut self, write: bool) {
+        let clean = self.options.recovery != RecoveryMode::SkipCorrupted && self.damage.is_empty();
+        let Some(through) = self.sealed_segments.get_max().map(|(id, _)| *id) else { return };
+        if !clean || self.poisoned() || !self.takes_backlog_index() || self.backlog.job.is_some() {
+            return;
+        }
+        let manifest = sealed_through(&self.manifest, through);
+        let ids: Vec<u64> = manifest.segments.iter().map(|s| s.id).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let Some(tx) = self.inner.tx.clone() else { return };
+        let outcome = Arc::new(Mutex::new(None));
+        let slot = outcome.clone();
+        let (dir, options) = (self.dir.clone(), self.options.clone());
+        let spawned = std::thread::Builder::new().name("trajlog-backlog".into()).spawn(move || {
+            let index = refresh(&dir, manifest, write, &options);
+            *lock(&slot) = Some(Outcome { through, ids, index });
+            // Wakes the writer; it is gone if the store closed meanwhile.
+            let _ = tx.send(Cmd::BacklogRefreshed);
+        });
+        // A helper that cannot start leaves things as they are.
+        if let Ok(handle) = spawned {
+            self.backlog.job = Some(Job { handle, outcome });
+        }
+    }
+
+    /// Whether the writer's index could be one loaded from the files: no
+    /// shards, no compaction under way.
+    fn takes_backlog_index(&self) -> bool {
+        self.journal.is_none() && self.shards.files().next().is_none()
+    }
+
+    /// Wait for the helper under way, if any, and take its index if `adopt`
+    /// and the writer still can (module documentation). Whether it took it.
+    pub(super) fn finish_backlog_refresh(&mut self, adopt: bool) -> bool {
+        let Some(job) = self.backlog.job.take() else { return false };
+        // It has set its outcome (or panicked: then there is none).
+        let _ = job.handle.join();
+        let outcome = lock(&job.outcome).take();
+        let Some(Outcome { through, ids, index }) = outcome else { return false };
+        let Some(index) = index else {
+            // Nothing to take (a damaged segment, a survey too small to
+            // write): not again before the backlog doubles.
+            self.backlog.next_at = self.backlog.unlisted_calls().saturating_mul(2);
+            return false;
+        };
+        let same_segments = self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
+        if !adopt || self.poisoned() || !self.takes_backlog_index() || !same_segments {
+            return false;
+        }
+        // Everything written is in the active segment before the replay.
+        self.commit(true);
+        if !self.adopt_rebuilt(Rebuilt::of_index(index, &self.shards), through, &[]) {
+            return false;
+        }
+        self.backlog.listed = ids.len();
+        self.backlog.unlisted.retain(|(id, _)| *id > through);
+        self.backlog.next_at = 0;
+        self.backlog.adopted += 1;
+        self.commit(true);
+        // The admission's sealed sessions stop holding the index taken out.
+        {
+            let mut s = lock(&self.inner.send);
+            let durable_seq = self.inner.durable_seq.load(Ordering::Acquire);
+            let view = lock(&self.inner.view).clone();
+            s.sealed.rebase(view.index.clone(), durable_seq);
+        }
+        crate::storage::mmap::trim_heap();
+        true
+    }
+}
