@@ -459,7 +459,7 @@ fn verify_once(dir: &Path) -> Result<VerifyReport> {
         report.problems.push(Problem {
             path: dir.join(crate::store::BACKLOG_FILE),
             offset: 0,
-            what: format!("backlog index file: {what}; delete it (it holds nothing the segments do not) and the next writable open writes it anew"),
+            what: format!("backlog index file: {what}; delete it (it holds nothing the segments do not) and the next writable open (or the writer, as it rolls) writes it anew"),
         });
     }
     // The rewards side table (format-spec/shard.md §8), if there is one.
