@@ -94,7 +94,12 @@ fn trace(t: u8) -> String {
 /// Apply `op` through the writer; refusals (a trace id of another session,
 /// a deleted session's reward) change nothing and are skipped.
 fn apply(store: &Store, op: &Op) {
-    let _ = match op {
+    let _ = applied(store, op);
+}
+
+/// [`apply`], saying whether the writer took the operation.
+fn applied(store: &Store, op: &Op) -> bool {
+    let done = match op {
         Op::Append { s, t, uid, ts } => {
             let call = Call {
                 trace_id: trace(*t),
@@ -123,6 +128,7 @@ fn apply(store: &Store, op: &Op) {
             store.compact(&opts).map(drop).map_err(|e| panic!("compact: {e}"))
         }
     };
+    done.is_ok()
 }
 
 /// What every read answers, without log positions (two stores written by
@@ -283,7 +289,7 @@ fn run_refresh(dir: &Path, ops: &[Op]) -> Result<usize, TestCaseError> {
     let (mut adopted, mut compacted) = (0, false);
     for o in ops {
         apply(&store, o);
-        adopted = store.wait_backlog_refresh().expect("wait");
+        adopted = store.wait_backlog_refresh().expect("wait").1;
         // Until a compaction (its publication rebuilds the index its own way).
         compacted |= matches!(o, Op::Compact(_));
         prop_assert!(compacted || adopted == 0 || store.snapshot().index_layers().backlog_segments > 0);
@@ -377,6 +383,28 @@ proptest! {
     ) {
         let dir = tempfile::tempdir().expect("tempdir");
         run_refresh(dir.path(), &ops)?;
+    }
+
+    /// A writer that refreshes the file and takes its index (waiting
+    /// after each operation) and one that never writes it, given the same
+    /// operations, take and refuse the same ones and answer the same after
+    /// each (log positions included).
+    #[test]
+    fn a_refreshing_writer_answers_as_one_that_never_refreshes(
+        ops in prop::collection::vec(writer_op(), 1..80),
+    ) {
+        let ids: Vec<String> = (0..60).map(trace).collect();
+        let (da, db) = (tempfile::tempdir().expect("tempdir"), tempfile::tempdir().expect("tempdir"));
+        let a = Store::open(da.path(), backlog_options()).expect("open");
+        let b = Store::open(db.path(), Options::default().backlog_index_min_calls(0)).expect("open");
+        for o in &ops {
+            let (ra, rb) = (applied(&a, o), applied(&b, o));
+            a.wait_backlog_refresh().expect("wait");
+            prop_assert_eq!(ra, rb, "the verdict on {:?}", o);
+            a.flush().expect("flush");
+            b.flush().expect("flush");
+            prop_assert_eq!(fingerprint(&a.snapshot(), &ids), fingerprint(&b.snapshot(), &ids), "after {:?}", o);
+        }
     }
 
     /// A writer whose index a publication rebuilt with a cold layer
@@ -701,7 +729,7 @@ fn a_damaged_or_stale_backlog_file_changes_no_answer() {
     let w = Store::open(dir.path(), backlog_options()).expect("open");
     assert_eq!(fingerprint(&w.snapshot(), &ids), want);
     // It takes the index mapped from the file it wrote.
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1);
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
     assert!(w.snapshot().index_layers().backlog_segments > 0);
     assert_eq!(fingerprint(&w.snapshot(), &ids), want);
     w.close().expect("close");
@@ -865,7 +893,7 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     }
     w.close().expect("close");
     let w = Store::open(dir.path(), backlog_options()).expect("open");
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1, "it takes the index mapped from the file it wrote");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1), "it takes the index mapped from the file it wrote");
     assert!(w.snapshot().index_layers().backlog_segments > 0);
     w.close().expect("close");
     let second = listed(dir.path());
@@ -875,7 +903,7 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     let w = Store::open(dir.path(), backlog_options()).expect("open");
     sealed_sessions(&w, "c", 2, 2);
     w.roll().expect("roll");
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), 0, "no refresh under an eighth");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (0, 0), "no refresh under an eighth");
     w.close().expect("close");
     assert_eq!(listed(dir.path()), second);
     // Three more rolls of the writer: past an eighth, it refreshes the
@@ -887,7 +915,7 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
         sealed_sessions(&w, &format!("e{i}"), 2, 2);
         w.roll().expect("roll");
     }
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), 1, "the writer refreshed the file and took its index");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1), "the writer refreshed the file and took its index");
     let want = fingerprint(&w.snapshot(), &ids);
     // Writes after it that name cold sessions: a deletion, a session
     // reward, a trace reward, and a new session.
@@ -906,4 +934,60 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     let ro = Store::open_read_only(dir.path()).expect("open read-only");
     assert_eq!(fingerprint(&ro.snapshot(), &ids), after);
     assert_ne!(want, after, "the writes after the refresh changed answers");
+}
+
+/// The roll that begins a compaction starts no refresh of the file (the
+/// writer could not take its index while the compaction is under way, and
+/// the file would be stale once the publication retires what it lists); a
+/// retirement of listed segments removes the file, and nothing writes it
+/// back.
+#[test]
+fn the_roll_that_begins_a_compaction_starts_no_backlog_refresh() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listed = |dir: &Path| {
+        let b = std::fs::read(dir.join(BACKLOG)).expect("read");
+        u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
+    };
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for i in 0..16 {
+        sealed_sessions(&store, &format!("a{i}"), 2, 2);
+        store.roll().expect("roll");
+    }
+    store.close().expect("close");
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
+    let first = listed(dir.path());
+    // Rolls up to an eighth of the listed segments: no refresh.
+    for i in 0..first / 8 {
+        sealed_sessions(&w, &format!("b{i}"), 2, 2);
+        w.roll().expect("roll");
+    }
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
+    // One more sealed session in the active segment: the compaction's own
+    // roll passes the eighth.
+    sealed_sessions(&w, "c", 2, 2);
+    let r = w.compact(&CompactOptions::default()).expect("compact");
+    assert!(r.retired_segments > 0, "{r:?}");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1), "no refresh started");
+    assert!(!dir.path().join(BACKLOG).exists(), "the retirement removed the stale file");
+    w.close().expect("close");
+    assert!(!dir.path().join(BACKLOG).exists());
+}
+
+/// Sessions sealed before the writer took a refreshed index stay sealed
+/// for its admission (which rebased onto the index taken).
+#[test]
+fn a_session_sealed_before_a_refresh_stays_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let w = Store::open(dir.path(), backlog_options()).expect("open");
+    for k in 0..3 {
+        sealed_sessions(&w, &format!("x{k}"), 1, 3);
+        w.roll().expect("roll");
+        w.wait_backlog_refresh().expect("wait");
+    }
+    assert!(w.wait_backlog_refresh().expect("wait").1 > 0);
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    let call = Call { trace_id: "y".into(), session_id: "x0-0".into(), ..Default::default() };
+    let e = w.append(call).expect_err("a sealed session");
+    assert!(e.to_string().contains("sealed"), "{e}");
 }

@@ -1,5 +1,5 @@
 //! The writer's refresh of the backlog index file (store/backlog_file.rs,
-//! format-spec/backlog-index.md §6).
+//! format-spec/backlog-index.md §1).
 //!
 //! Without it the file is written only by a writable open, from the survey
 //! that open runs anyway: a long-lived writer kept every call it wrote in
@@ -26,7 +26,7 @@
 //! shards (a store with shards gets its index rebuilt by each publication
 //! instead), no compaction under way, the same sealed segments; otherwise
 //! it keeps its own (the file stays written for the next opens). A close
-//! waits for a helper under way (at most its survey). Each refresh reads
+//! waits for a helper under way to write its file (not to load it again). Each refresh reads
 //! the whole backlog's footers; the eighth rule makes that O(1) amortized
 //! per call, as for the shard index file.
 
@@ -46,6 +46,19 @@ pub(super) struct Outcome {
 struct Job {
     handle: JoinHandle<()>,
     outcome: Arc<Mutex<Option<Outcome>>>,
+    /// Set when the store closes: the helper does not load the segments
+    /// again once it wrote the file (nothing would take the index).
+    closing: Arc<AtomicBool>,
+}
+
+/// Wakes the writer when the helper ends, whether it returned or panicked
+/// (then it left no outcome); the writer is gone if the store closed.
+struct Wake(Sender<Cmd>);
+
+impl Drop for Wake {
+    fn drop(&mut self) {
+        let _ = self.0.send(Cmd::BacklogRefreshed);
+    }
 }
 
 /// The writer's state of the refresh.
@@ -59,7 +72,10 @@ pub(super) struct BacklogRefresh {
     /// after one that could not be used, so it is not tried at every roll).
     next_at: u64,
     job: Option<Job>,
-    /// Refreshes whose index the writer took (tests).
+    /// Set around the roll that begins a compaction: no refresh starts.
+    pub(super) paused: bool,
+    /// Refreshes started, and those whose index the writer took (tests).
+    pub(super) started: u64,
     pub(super) adopted: u64,
 }
 
@@ -88,7 +104,7 @@ fn sealed_through(manifest: &Manifest, through: u64) -> Manifest {
 
 /// The helper thread's body: steps 1 (if `write`) and 2 of the module's
 /// documentation over `manifest`, all of whose segments are sealed.
-fn refresh(dir: &Path, manifest: Manifest, write: bool, options: &Options) -> Option<Index> {
+fn refresh(dir: &Path, manifest: Manifest, write: bool, options: &Options, closing: &AtomicBool) -> Option<Index> {
     if write {
         let loaded = load_surveyed(dir, manifest.clone()).ok()??;
         if !super::backlog_file_written(dir, &loaded, options) {
@@ -96,6 +112,9 @@ fn refresh(dir: &Path, manifest: Manifest, write: bool, options: &Options) -> Op
         }
         drop(loaded);
         crate::storage::mmap::trim_heap();
+    }
+    if closing.load(Ordering::Acquire) {
+        return None;
     }
     let loaded = load_dir(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, true).ok()?;
     (loaded.backlog_used && loaded.damage.is_empty()).then_some(loaded.index)
@@ -109,6 +128,7 @@ impl Writer {
         let min = self.options.backlog_index_min_calls;
         let b = &self.backlog;
         let due = min > 0
+            && !b.paused
             && b.job.is_none()
             && b.unlisted_calls() >= min.max(b.next_at)
             && b.unlisted.len().saturating_mul(8) > b.listed;
@@ -133,17 +153,18 @@ impl Writer {
         }
         let Some(tx) = self.inner.tx.clone() else { return };
         let outcome = Arc::new(Mutex::new(None));
-        let slot = outcome.clone();
+        let closing = Arc::new(AtomicBool::new(false));
+        let (slot, stop) = (outcome.clone(), closing.clone());
         let (dir, options) = (self.dir.clone(), self.options.clone());
         let spawned = std::thread::Builder::new().name("trajlog-backlog".into()).spawn(move || {
-            let index = refresh(&dir, manifest, write, &options);
+            let _wake = Wake(tx);
+            let index = refresh(&dir, manifest, write, &options, &stop);
             *lock(&slot) = Some(Outcome { through, ids, index });
-            // Wakes the writer; it is gone if the store closed meanwhile.
-            let _ = tx.send(Cmd::BacklogRefreshed);
         });
         // A helper that cannot start leaves things as they are.
         if let Ok(handle) = spawned {
-            self.backlog.job = Some(Job { handle, outcome });
+            self.backlog.job = Some(Job { handle, outcome, closing });
+            self.backlog.started += 1;
         }
     }
 
@@ -157,18 +178,40 @@ impl Writer {
     /// and the writer still can (module documentation). Whether it took it.
     pub(super) fn finish_backlog_refresh(&mut self, adopt: bool) -> bool {
         let Some(job) = self.backlog.job.take() else { return false };
+        if !adopt {
+            job.closing.store(true, Ordering::Release);
+        }
         // It has set its outcome (or panicked: then there is none).
         let _ = job.handle.join();
         let outcome = lock(&job.outcome).take();
-        let Some(Outcome { through, ids, index }) = outcome else { return false };
-        let Some(index) = index else {
-            // Nothing to take (a damaged segment, a survey too small to
-            // write): not again before the backlog doubles.
-            self.backlog.next_at = self.backlog.unlisted_calls().saturating_mul(2);
-            return false;
+        let taken = match outcome {
+            Some(Outcome { through, ids, index }) => {
+                // A retirement while the helper ran removed the file it
+                // then wrote anew, listing a retired segment: stale.
+                let gone: Vec<u64> = ids.iter().copied().filter(|id| !self.sealed_segments.contains_key(id)).collect();
+                backlog_file::remove_if_listing(&self.dir, &gone, &self.options.faults);
+                let same_segments = gone.is_empty()
+                    && self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
+                match index {
+                    Some(index) if adopt && same_segments => self.adopt_backlog_index(index, through, ids.len()),
+                    _ => false,
+                }
+            }
+            None => false,
         };
-        let same_segments = self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
-        if !adopt || self.poisoned() || !self.takes_backlog_index() || !same_segments {
+        if !taken {
+            // Not again before the backlog doubles (a damaged segment, a
+            // survey too small to write, a compaction meanwhile).
+            self.backlog.next_at = self.backlog.unlisted_calls().saturating_mul(2);
+        }
+        taken
+    }
+
+    /// Take `index` (sealed segments up to `through`, `listed` of them,
+    /// loaded through the file) in place of the writer's own, if it still
+    /// can; whether it did.
+    fn adopt_backlog_index(&mut self, index: Index, through: u64, listed: usize) -> bool {
+        if self.poisoned() || !self.takes_backlog_index() {
             return false;
         }
         // Everything written is in the active segment before the replay.
@@ -176,7 +219,13 @@ impl Writer {
         if !self.adopt_rebuilt(Rebuilt::of_index(index, &self.shards), through, &[]) {
             return false;
         }
-        self.backlog.listed = ids.len();
+        // The replay's lookups read blocks of the mapped file: a failed
+        // one poisons the writer before anything is published from it.
+        self.check_index();
+        if self.poisoned() {
+            return false;
+        }
+        self.backlog.listed = listed;
         self.backlog.unlisted.retain(|(id, _)| *id > through);
         self.backlog.next_at = 0;
         self.backlog.adopted += 1;

@@ -654,11 +654,11 @@ impl Store {
 
     /// Test hook: wait for the writer's refresh of the backlog index file
     /// under way, if any (store/backlog_refresh.rs), and have the writer
-    /// take the index it built if it still can; how many refreshed indexes
-    /// the writer has taken since the open.
+    /// take the index it built if it still can; how many refreshes the
+    /// writer started since the open, and how many of their indexes it took.
     #[cfg(any(test, feature = "internals"))]
     #[doc(hidden)]
-    pub fn wait_backlog_refresh(&self) -> Result<u64> {
+    pub fn wait_backlog_refresh(&self) -> Result<(u64, u64)> {
         self.writable()?;
         let (reply, rx) = bounded(1);
         self.inner.send(Cmd::WaitBacklogRefresh { reply })?;

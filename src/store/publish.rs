@@ -478,7 +478,12 @@ impl Writer {
         if let Some(e) = self.inner.poisoned_error() {
             return Err(e);
         }
-        if let Err(e) = self.roll() {
+        // A refresh of the backlog index file started by this roll could
+        // not be taken (store/backlog_refresh.rs): none starts.
+        self.backlog.paused = true;
+        let rolled = self.roll();
+        self.backlog.paused = false;
+        if let Err(e) = rolled {
             self.fail(&e);
             return Err(e);
         }

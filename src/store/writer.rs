@@ -161,7 +161,7 @@ impl Writer {
     /// After a command's lookups: if one read a damaged block of the shard
     /// index file (a writable open checks it a block at a time) it may have
     /// missed, so nothing more is written ([`Inner::index_damaged`]).
-    fn check_index(&mut self) {
+    pub(super) fn check_index(&mut self) {
         if self.poisoned() {
             return;
         }
@@ -224,7 +224,7 @@ impl Writer {
             #[cfg(any(test, feature = "internals"))]
             Cmd::WaitBacklogRefresh { reply } => {
                 self.finish_backlog_refresh(true);
-                let _ = reply.send(self.backlog.adopted);
+                let _ = reply.send((self.backlog.started, self.backlog.adopted));
             }
             #[cfg(any(test, feature = "internals"))]
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
