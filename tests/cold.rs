@@ -862,6 +862,24 @@ fn a_backlog_file_with_absurd_counts_is_not_used() {
     }
 }
 
+/// The number of segments the backlog index file in `dir` lists (its
+/// header, format-spec/backlog-index.md §2).
+fn listed(dir: &Path) -> u32 {
+    let b = std::fs::read(dir.join(BACKLOG)).expect("read");
+    u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
+}
+
+/// A store in `dir` of 16 sealed segments of two sealed sessions each,
+/// written without the option (no backlog index file).
+fn sixteen_sealed_segments(dir: &Path) {
+    let store = Store::open(dir, Options::default()).expect("open");
+    for i in 0..16 {
+        sealed_sessions(&store, &format!("a{i}"), 2, 2);
+        store.roll().expect("roll");
+    }
+    store.close().expect("close");
+}
+
 /// A writable open does without the file once the sealed segments it does
 /// not list are more than an eighth of those it lists, and writes it anew
 /// over them all; with fewer, it uses it (and leaves it as it is). A
@@ -871,16 +889,7 @@ fn a_backlog_file_with_absurd_counts_is_not_used() {
 fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     let ids: Vec<String> = (0..60).map(trace).collect();
     let dir = tempfile::tempdir().expect("tempdir");
-    let listed = |dir: &Path| {
-        let b = std::fs::read(dir.join(BACKLOG)).expect("read");
-        u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
-    };
-    let store = Store::open(dir.path(), Options::default()).expect("open");
-    for i in 0..16 {
-        sealed_sessions(&store, &format!("a{i}"), 2, 2);
-        store.roll().expect("roll");
-    }
-    store.close().expect("close");
+    sixteen_sealed_segments(dir.path());
     Store::open(dir.path(), backlog_options()).expect("open").close().expect("close");
     let first = listed(dir.path());
     assert!(first >= 16, "{first}");
@@ -944,16 +953,7 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
 #[test]
 fn the_roll_that_begins_a_compaction_starts_no_backlog_refresh() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let listed = |dir: &Path| {
-        let b = std::fs::read(dir.join(BACKLOG)).expect("read");
-        u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
-    };
-    let store = Store::open(dir.path(), Options::default()).expect("open");
-    for i in 0..16 {
-        sealed_sessions(&store, &format!("a{i}"), 2, 2);
-        store.roll().expect("roll");
-    }
-    store.close().expect("close");
+    sixteen_sealed_segments(dir.path());
     let w = Store::open(dir.path(), backlog_options()).expect("open");
     assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
     let first = listed(dir.path());

@@ -35,8 +35,7 @@ use super::*;
 
 /// What a helper thread produced.
 pub(super) struct Outcome {
-    /// The last sealed segment it loaded, and every one up to it.
-    through: u64,
+    /// The sealed segments it loaded (never none), in log order.
     ids: Vec<u64>,
     /// The index loaded through the file, when the file was written (or
     /// was there) and used.
@@ -159,7 +158,7 @@ impl Writer {
         let spawned = std::thread::Builder::new().name("trajlog-backlog".into()).spawn(move || {
             let _wake = Wake(tx);
             let index = refresh(&dir, manifest, write, &options, &stop);
-            *lock(&slot) = Some(Outcome { through, ids, index });
+            *lock(&slot) = Some(Outcome { ids, index });
         });
         // A helper that cannot start leaves things as they are.
         if let Ok(handle) = spawned {
@@ -185,13 +184,13 @@ impl Writer {
         let _ = job.handle.join();
         let outcome = lock(&job.outcome).take();
         let taken = match outcome {
-            Some(Outcome { through, ids, index }) => {
+            Some(Outcome { ids, index }) => {
                 // A retirement while the helper ran removed the file it
                 // then wrote anew, listing a retired segment: stale.
                 let gone: Vec<u64> = ids.iter().copied().filter(|id| !self.sealed_segments.contains_key(id)).collect();
                 backlog_file::remove_if_listing(&self.dir, &gone, &self.options.faults);
-                let same_segments = gone.is_empty()
-                    && self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
+                let through = ids.last().copied().unwrap_or(0);
+                let same_segments = self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
                 match index {
                     Some(index) if adopt && same_segments => self.adopt_backlog_index(index, through, ids.len()),
                     _ => false,

@@ -265,7 +265,7 @@ impl Store {
             #[cfg(test)]
             verdicts_adopted: AtomicU64::new(0),
         });
-        let writer = Writer {
+        let mut writer = Writer {
             inner: inner.clone(),
             dir,
             options,
@@ -291,7 +291,6 @@ impl Store {
             last_sync: Instant::now() - Duration::from_secs(3600),
             backlog,
         };
-        let mut writer = writer;
         if backlog_written {
             // The open's cold layer is in its heap (~78 bytes a call): the
             // writer takes one mapped from the file it just wrote.
