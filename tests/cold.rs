@@ -655,6 +655,47 @@ fn backlog_store(dir: &Path) -> Vec<String> {
     want
 }
 
+/// Records after the file that name a cold call by its trace id alone (a
+/// trace reward; a call of another session with that trace id, which this
+/// build's writer refuses but the format allows) reach it: an open through
+/// the file looks up in its cold layer only what the records it replays
+/// name, and must find those. The writer's own index (it took the same
+/// records as they came) and an open without the file agree.
+#[test]
+fn records_after_the_backlog_file_reach_its_cold_calls_by_trace_id() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    backlog_store(dir.path());
+    let ids: Vec<String> = ["b-3-2", "b-7-0", "b-9-4", "b-39-1"].map(String::from).to_vec();
+    let w = Store::open(dir.path(), Options::default()).expect("open");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    w.set_reward(Target::Trace("b-3-2".into()), 0.75).expect("trace reward");
+    w.set_reward(Target::Trace("b-39-1".into()), -2.5).expect("trace reward");
+    // A later session reusing a cold call's trace id is refused by the
+    // writer: the read-only opens below must not see it either way.
+    let reuse = Call {
+        trace_id: "b-7-0".into(),
+        session_id: "other".into(),
+        prompt_token_ids: vec![1],
+        completion_token_ids: vec![2],
+        ..Default::default()
+    };
+    assert!(w.append(reuse).is_err());
+    w.flush().expect("flush");
+    let want = fingerprint(&w.snapshot(), &ids);
+    assert!(want.iter().any(|l| l.starts_with("b-3-2:") && l.ends_with("reward Some(0.75)")), "{want:?}");
+    assert!(want.iter().any(|l| l.starts_with("b-39-1:") && l.ends_with("reward Some(-2.5)")), "{want:?}");
+    let with = Store::open_read_only(dir.path()).expect("open read-only");
+    assert!(with.snapshot().index_layers().backlog_segments > 0);
+    assert_eq!(fingerprint(&with.snapshot(), &ids), want);
+    drop(with);
+    w.close().expect("close");
+    let file = dir.path().join(BACKLOG);
+    std::fs::rename(&file, dir.path().join("aside")).expect("move aside");
+    let without = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&without.snapshot(), &ids), want);
+}
+
 /// A stale, truncated or damaged file changes no answer: a stale or
 /// truncated one is not used; a damaged table block makes the read that
 /// meets it fail with an error naming the file (never a silent miss), a

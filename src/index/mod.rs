@@ -267,6 +267,11 @@ pub struct Index {
     /// Sealed segments whose footers the open took from the backlog index
     /// file (its cold layer is that file's).
     backlog_segments: usize,
+    /// While a replay applies records whose names it surveyed first
+    /// ([`Index::narrow_cold_lookups`]): the hashes of those names that
+    /// the cold layer holds. A lookup of any other name skips the layer's
+    /// mapped tables.
+    cold_hits: Option<Arc<FrozenHits>>,
 }
 
 /// What a count of live calls per shard file reads of an [`Index`] (its
@@ -413,9 +418,46 @@ impl Index {
         self.backlog_segments
     }
 
+    /// Until [`Index::widen_cold_lookups`], look up in the cold layer only
+    /// the names (trace ids and session names) whose hashes are among
+    /// `named` and in the layer, found by one walk forward through each of
+    /// its two hash tables (their pages given back behind it). For a
+    /// replay of records that name nothing else: an open through the
+    /// backlog index file replays the segments the file does not list
+    /// (~200k records at 10M calls), and a lookup of each record's trace
+    /// id and session in the mapped tables, at random, was half of that
+    /// open.
+    pub(crate) fn narrow_cold_lookups(&mut self, mut named: Vec<u64>) {
+        if self.cold.is_empty() {
+            return;
+        }
+        named.sort_unstable();
+        named.dedup();
+        let (mut trace_at, mut session_at) = (0, 0);
+        let mut hits = FrozenHits::default();
+        for h in named {
+            if self.cold.has_trace_hash_from(&mut trace_at, h) {
+                hits.traces.insert(h);
+            }
+            if self.cold.has_session_hash_from(&mut session_at, h) {
+                hits.sessions.insert(h);
+            }
+        }
+        self.cold_hits = Some(Arc::new(hits));
+    }
+
+    /// Look up every name in the cold layer again (after
+    /// [`Index::narrow_cold_lookups`]).
+    pub(crate) fn widen_cold_lookups(&mut self) {
+        self.cold_hits = None;
+    }
+
     /// The cold session `name`, unless thawed.
     fn cold_session(&self, name: &str) -> Option<u32> {
         if self.cold.is_empty() {
+            return None;
+        }
+        if self.cold_hits.as_ref().is_some_and(|h| !h.sessions.contains(&frozen::id_hash(name))) {
             return None;
         }
         self.cold.session(name).filter(|i| !self.cold_thawed.contains(i))
@@ -424,6 +466,9 @@ impl Index {
     /// The cold call of `trace_id`, unless its session is thawed.
     fn cold_trace(&self, trace_id: &str) -> Option<&FrozenRow> {
         if self.cold.is_empty() {
+            return None;
+        }
+        if self.cold_hits.as_ref().is_some_and(|h| !h.traces.contains(&frozen::id_hash(trace_id))) {
             return None;
         }
         self.cold.trace(trace_id).filter(|r| !self.cold_thawed.contains(&r.session))

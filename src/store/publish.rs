@@ -538,15 +538,11 @@ impl Writer {
         if self.poisoned() || !self.buf.is_empty() || !self.pending.is_empty() || diverges {
             return false;
         }
-        for (_, seg) in self.sealed_segments.range(through + 1..) {
-            if !rebuilt.extend_sealed(&self.dir, seg) {
-                return false;
-            }
-        }
         let Some(a) = self.active.as_ref() else { return false };
-        if a.id > through {
-            let seg = SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false);
-            rebuilt.extend(&seg, &a.entries);
+        let seg = SegmentRef::new(a.id, a.path.clone(), a.map.clone(), a.len, false);
+        let active = (a.id > through).then_some((&seg, a.entries.as_slice()));
+        if !rebuilt.extend_after(&self.dir, self.sealed_segments.range(through + 1..).map(|(_, s)| s), active) {
+            return false;
         }
         self.index = rebuilt.finish();
         true

@@ -545,6 +545,12 @@ fn replay(
             })
         }
     };
+    if let Some(b) = &backlog {
+        let unlisted = loaded_segments.iter().filter(|s| !b.lists(s.id)).map(|s| s.entry_refs());
+        if let Some(named) = names_of(unlisted, feed.row_hashes()) {
+            index.narrow_cold_lookups(named);
+        }
+    }
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
@@ -624,6 +630,7 @@ fn replay(
     });
     drop(loaded_segments);
     feed.apply(&mut index, |_| true);
+    index.widen_cold_lookups();
     if feed.conflict {
         return Ok(None);
     }
@@ -1027,13 +1034,41 @@ impl RowFeed {
     }
 }
 
+/// The hashes of every name (trace id, session name, session uid) the
+/// records of `segments` and the shard rows `rows` (trace id hash, session
+/// hashes) name, for [`Index::narrow_cold_lookups`]; `None` when a record
+/// names what its footer entry does not say (a reward in a footer older
+/// than segment format 4: its target is in its body).
+fn names_of<'e>(
+    segments: impl IntoIterator<Item = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>>,
+    rows: impl IntoIterator<Item = (u64, Vec<u64>)>,
+) -> Option<Vec<u64>> {
+    use crate::index::frozen::id_hash;
+    let mut named = Vec::new();
+    for e in segments.into_iter().flatten() {
+        if e.kind == crate::format::record::KIND_REWARD && !matches!(e.reward_target, 1 | 2) {
+            return None;
+        }
+        named.push(id_hash(e.id));
+        if !e.session_id.is_empty() {
+            named.push(id_hash(e.session_id));
+        }
+        named.extend(e.session_uids.iter().map(id_hash));
+    }
+    for (trace, sessions) in rows {
+        named.push(trace);
+        named.extend(sessions);
+    }
+    Some(named)
+}
+
 /// An index replayed as an open of the store would build it, over the
 /// shard index file `ix` that a publication has just written for every
 /// `steps` file of `shards` (its frozen layer mapped, the rows it keeps
 /// hot replayed at their positions), through the records of `segments`
 /// (each with its footer entries, in log order; the sealed ones surveyed
 /// first for the cold layer, [`Rebuilt::extend_base`]); then
-/// [`Rebuilt::extend`] replays later records. A writer whose compacted
+/// [`Rebuilt::extend_after`] replays later records. A writer whose compacted
 /// calls stay in its maps until it reopens (~0.4 KB a call) takes it
 /// instead of its own index after a publication (store/publish.rs): a
 /// long-lived writer's memory then does not grow with what it compacted.
@@ -1073,26 +1108,52 @@ impl Rebuilt {
         Rebuilt { index, feed: RowFeed::default(), shards: shards.clone() }
     }
 
-    /// Replay sealed segment `seg` from its footer, read again from disk;
-    /// `false` (nothing replayed) when it does not read cleanly (damage an
-    /// open confined, a footer it rebuilt): the caller then keeps its own
-    /// index.
-    pub(super) fn extend_sealed(&mut self, dir: &Path, seg: &SegmentRef) -> bool {
-        match load_clean(dir, seg) {
-            Some(l) => {
-                self.extend_refs(seg, l.entry_refs(), None);
-                true
+    /// Replay the records written after those replayed so far: sealed
+    /// segments `sealed`, each read again from disk, then the active
+    /// segment's `active` entries. `false` (nothing replayed) when a
+    /// sealed one does not read cleanly (damage an open confined, a footer
+    /// it rebuilt): the caller then keeps its own index. The cold layer is
+    /// looked up only for what these records name
+    /// ([`Index::narrow_cold_lookups`], as an open through the backlog
+    /// index file does).
+    pub(super) fn extend_after<'s>(
+        &mut self,
+        dir: &Path,
+        sealed: impl IntoIterator<Item = &'s SegmentRef>,
+        active: Option<(&SegmentRef, &[FooterEntry])>,
+    ) -> bool {
+        let mut loaded = Vec::new();
+        for seg in sealed {
+            match load_clean(dir, seg) {
+                Some(l) => loaded.push((seg, l)),
+                None => return false,
             }
-            None => false,
         }
+        let active_refs = || {
+            active.into_iter().map(|(_, e)| -> Box<dyn Iterator<Item = FooterEntryRef<'_>> + '_> {
+                Box::new(e.iter().map(FooterEntry::as_ref))
+            })
+        };
+        let segments = loaded.iter().map(|(_, l)| l.entry_refs()).chain(active_refs());
+        if let Some(named) = names_of(segments, self.feed.row_hashes()) {
+            self.index.narrow_cold_lookups(named);
+        }
+        for (seg, l) in &loaded {
+            self.extend_refs(seg, l.entry_refs(), None);
+        }
+        if let Some((seg, entries)) = active {
+            self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref), None);
+        }
+        self.index.widen_cold_lookups();
+        true
     }
 
     /// Replay the sealed segments `segs` (the first records replayed, in
     /// log order), surveyed first as an open surveys the whole log
     /// (cold.rs): the calls of sessions no other record among them names
     /// go to the cold layer instead of the maps. Records replayed later
-    /// ([`Rebuilt::extend`]) that name a cold session thaw it, as a
-    /// read-only refresh does. `false` as [`Rebuilt::extend_sealed`].
+    /// ([`Rebuilt::extend_after`]) that name a cold session thaw it, as a
+    /// read-only refresh does. `false` as [`Rebuilt::extend_after`].
     pub(super) fn extend_base<'s>(&mut self, dir: &Path, segs: impl IntoIterator<Item = &'s SegmentRef>) -> bool {
         let mut loaded = Vec::new();
         for seg in segs {
@@ -1119,11 +1180,6 @@ impl Rebuilt {
             cold.finish(&mut self.index);
         }
         true
-    }
-
-    /// Replay the records of `seg`, which follow those replayed so far.
-    pub(super) fn extend(&mut self, seg: &SegmentRef, entries: &[FooterEntry]) {
-        self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref), None);
     }
 
     fn extend_refs<'e>(
