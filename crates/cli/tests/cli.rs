@@ -597,6 +597,11 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     let store = dir.path().join("store");
     let out = trajlog(&["ingest", "--store", s(&store)], TRACES);
     assert!(out.status.success());
+    // Before any compaction: no shards, and nothing said to be decoded.
+    let out = trajlog(&["space", "--store", s(&store)], "");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("; no shards") && !text.contains("decoded"), "{text}");
     // Seal every session but task-1:0, then compact: its segment stays.
     let db = trajlog::Store::open(&store, trajlog::Options::default()).unwrap();
     db.seal_session("task-2:0").unwrap();
@@ -611,7 +616,7 @@ fn space_names_the_open_session_that_keeps_a_segment() {
     // task-2:0's compacted call is also in session "outer": a call of
     // several sessions stays in the index's maps, never frozen.
     assert!(text.contains("index: 3 live calls, 0 of them in the frozen layer"), "{text}");
-    assert!(text.contains("everything in the directory") && text.contains("shard index file"), "{text}");
+    assert!(text.contains("everything in the directory") && text.contains("shard index file "), "{text}");
     let out = trajlog(&["space", "--store", s(&store), "--json"], "");
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let segs = doc["segments"].as_array().unwrap();

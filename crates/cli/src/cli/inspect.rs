@@ -163,16 +163,17 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     }
     let total = r.total_bytes();
     println!(
-        "everything in the directory {}{}: trajectories shards {}, shard index files {}, other files {}",
+        "everything in the directory {}{}: trajectories shards {}, index files (shards/index.tsi, shards/index.tsa, backlog.tbi) {}, other files {}",
         hb(total),
         if live == 0 { String::new() } else { format!(" ({:.2}× the live data)", total as f64 / live as f64) },
         hb(r.other.trajectories_bytes),
         hb(r.other.index_file_bytes),
         hb(r.other.other_bytes)
     );
-    let file = match layers.index_file_bytes {
-        0 => "no shard index file: the open decoded the shards".to_owned(),
-        n => format!("shard index file {}, mapped", hb(n)),
+    let file = match (layers.index_file_bytes, r.shards.is_empty()) {
+        (0, true) => "no shards".to_owned(),
+        (0, false) => "no shard index file: the open decoded the shards".to_owned(),
+        (n, _) => format!("shard index file {}, mapped", hb(n)),
     };
     let file = match layers.cached_annotation_segments {
         0 => file,
