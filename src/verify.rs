@@ -97,7 +97,8 @@ pub struct DeletionsCheck {
 fn records_a_read_reaches(dir: &Path, parents: &[(Loc, Loc)]) -> Option<HashSet<Loc>> {
     let store = crate::Store::open_read_only_with(dir, crate::RecoveryMode::SkipCorrupted).ok()?;
     let snap = store.snapshot();
-    let parent_of = |loc: &Loc| parents.binary_search_by_key(loc, |(l, _)| *l).ok().and_then(|i| parents.get(i)).map(|p| p.1);
+    let parent_of =
+        |loc: &Loc| parents.binary_search_by_key(loc, |(l, _)| *l).ok().and_then(|i| parents.get(i)).map(|p| p.1);
     let mut needed = HashSet::new();
     let index = &snap.view.index;
     let calls = index.hot_calls().values().map(|m| m.loc).chain(index.cold_calls().map(|(loc, _)| loc));

@@ -655,45 +655,147 @@ fn backlog_store(dir: &Path) -> Vec<String> {
     want
 }
 
-/// Records after the file that name a cold call by its trace id alone (a
-/// trace reward; a call of another session with that trace id, which this
-/// build's writer refuses but the format allows) reach it: an open through
-/// the file looks up in its cold layer only what the records it replays
-/// name, and must find those. The writer's own index (it took the same
-/// records as they came) and an open without the file agree.
+/// Writer `w` (over the store in `dir`, opened through its backlog index
+/// file) answers as a read-only open with the file and as one without it,
+/// for the trace ids `ids` besides every session.
+fn agrees_with_and_without_the_backlog_file(dir: &Path, w: Store, ids: &[String]) {
+    w.flush().expect("flush");
+    let want = fingerprint(&w.snapshot(), ids);
+    let with = Store::open_read_only(dir).expect("open read-only");
+    assert!(with.snapshot().index_layers().backlog_segments > 0);
+    assert_eq!(fingerprint(&with.snapshot(), ids), want);
+    drop(with);
+    w.close().expect("close");
+    std::fs::rename(dir.join(BACKLOG), dir.join("aside")).expect("move aside");
+    let without = Store::open_read_only(dir).expect("open read-only");
+    assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
+    assert_eq!(fingerprint(&without.snapshot(), ids), want);
+}
+
+/// Records after the file, in a sealed segment it does not list and in
+/// the active one, that name its cold sessions: by trace id alone (trace
+/// rewards), a deletion, a session reward, a seal of a sealed session. An
+/// open through the file looks up in its cold layer only what the records
+/// it replays name (`Index::narrow_cold_lookups`) and must find those.
 #[test]
-fn records_after_the_backlog_file_reach_its_cold_calls_by_trace_id() {
+fn records_after_the_backlog_file_reach_its_cold_sessions() {
     let dir = tempfile::tempdir().expect("tempdir");
     backlog_store(dir.path());
-    let ids: Vec<String> = ["b-3-2", "b-7-0", "b-9-4", "b-39-1"].map(String::from).to_vec();
+    let ids: Vec<String> = (0..40).flat_map(|s| (0..5).map(move |n| format!("b-{s}-{n}"))).collect();
     let w = Store::open(dir.path(), Options::default()).expect("open");
     assert!(w.snapshot().index_layers().backlog_segments > 0);
     w.set_reward(Target::Trace("b-3-2".into()), 0.75).expect("trace reward");
+    assert_eq!(w.delete_session("b-1").expect("delete"), 5);
+    w.set_reward(Target::Session("b-2".into()), 4.0).expect("session reward");
+    w.roll().expect("roll");
     w.set_reward(Target::Trace("b-39-1".into()), -2.5).expect("trace reward");
-    // A later session reusing a cold call's trace id is refused by the
-    // writer: the read-only opens below must not see it either way.
-    let reuse = Call {
-        trace_id: "b-7-0".into(),
-        session_id: "other".into(),
-        prompt_token_ids: vec![1],
-        completion_token_ids: vec![2],
-        ..Default::default()
-    };
-    assert!(w.append(reuse).is_err());
-    w.flush().expect("flush");
+    let _ = w.seal_session("b-31");
     let want = fingerprint(&w.snapshot(), &ids);
     assert!(want.iter().any(|l| l.starts_with("b-3-2:") && l.ends_with("reward Some(0.75)")), "{want:?}");
     assert!(want.iter().any(|l| l.starts_with("b-39-1:") && l.ends_with("reward Some(-2.5)")), "{want:?}");
-    let with = Store::open_read_only(dir.path()).expect("open read-only");
-    assert!(with.snapshot().index_layers().backlog_segments > 0);
-    assert_eq!(fingerprint(&with.snapshot(), &ids), want);
-    drop(with);
-    w.close().expect("close");
-    let file = dir.path().join(BACKLOG);
-    std::fs::rename(&file, dir.path().join("aside")).expect("move aside");
-    let without = Store::open_read_only(dir.path()).expect("open read-only");
-    assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
-    assert_eq!(fingerprint(&without.snapshot(), &ids), want);
+    agrees_with_and_without_the_backlog_file(dir.path(), w, &ids);
+}
+
+/// A call after the file (in the active segment) naming a cold session
+/// only by an extra session uid thaws it, as without the file.
+#[test]
+fn a_session_uid_after_the_backlog_file_thaws_its_cold_session() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut ids: Vec<String> = (0..10).flat_map(|s| (0..2).map(move |n| format!("u-{s}-{n}"))).collect();
+    ids.push("x-0".into());
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    for s in 0..10u32 {
+        for n in 0..2u32 {
+            let call = Call {
+                trace_id: format!("u-{s}-{n}"),
+                session_id: format!("u-{s}"),
+                timestamp: f64::from(n),
+                prompt_token_ids: vec![s, n],
+                completion_token_ids: vec![1],
+                ..Default::default()
+            };
+            store.append(call).expect("append");
+        }
+    }
+    store.roll().expect("roll");
+    store.close().expect("close");
+    let store = Store::open(dir.path(), backlog_options()).expect("reopen");
+    assert_eq!(store.snapshot().index_layers().cold_calls, 20);
+    store.close().expect("close");
+    let w = Store::open(dir.path(), Options::default()).expect("open");
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    let call = Call {
+        trace_id: "x-0".into(),
+        session_id: "x".into(),
+        session_uids: vec!["u-3".into()],
+        timestamp: 9.0,
+        prompt_token_ids: vec![5],
+        completion_token_ids: vec![6],
+        ..Default::default()
+    };
+    w.append(call).expect("append with uid");
+    agrees_with_and_without_the_backlog_file(dir.path(), w, &ids);
+}
+
+/// Records written during a compaction whose publication hands the writer
+/// a rebuilt index (`Rebuilt::extend_after` replays them with narrowed
+/// cold lookups) that name cold sessions in every way: a trace reward, a
+/// seal, a session reward, a deletion, a call naming one by uid, a
+/// replacement of a cold call, a new call of a cold session, across a
+/// roll. The writer answers as a fresh open and a reopen.
+#[test]
+fn records_during_a_rebuilding_compaction_reach_the_cold_layer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut ids: Vec<String> = (0..8).flat_map(|s| (0..4).map(move |n| format!("c-{s}-{n}"))).collect();
+    ids.push("n-0".into());
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    sealed_sessions(&store, "big", 24, 4);
+    for s in 0..8u32 {
+        for n in 0..2u32 {
+            let call = Call {
+                trace_id: format!("c-{s}-{n}"),
+                session_id: format!("c-{s}"),
+                timestamp: f64::from(n),
+                prompt_token_ids: vec![s, n],
+                completion_token_ids: vec![1],
+                ..Default::default()
+            };
+            store.append(call).expect("append");
+        }
+    }
+    store.roll().expect("roll");
+    let call = |t: &str, s: &str, uids: &[&str]| Call {
+        trace_id: t.into(),
+        session_id: s.into(),
+        session_uids: uids.iter().map(|u| u.to_string()).collect(),
+        timestamp: 5.0,
+        prompt_token_ids: vec![3],
+        completion_token_ids: vec![4],
+        ..Default::default()
+    };
+    let opts = CompactOptions::default().copy_forward(None);
+    store
+        .compact_with_meanwhile(&opts, &mut || {
+            store.set_reward(Target::Trace("c-0-1".into()), 0.5).expect("trace reward");
+            store.seal_session("c-1").expect("seal");
+            store.set_reward(Target::Session("c-2".into()), 1.5).expect("session reward");
+            assert_eq!(store.delete_session("c-3").expect("delete"), 2);
+            store.append(call("n-0", "new", &["c-4"])).expect("uid");
+            store.roll().expect("roll");
+            store.append(call("c-5-0", "c-5", &[])).expect("replacement");
+            store.append(call("c-6-2", "c-6", &[])).expect("new call");
+            store.flush().expect("flush");
+        })
+        .expect("compact");
+    store.flush().expect("flush");
+    let layers = store.snapshot().index_layers();
+    assert_eq!((layers.frozen_calls, layers.cold_calls), (96, 2), "rebuilt; only c-7 stays cold: {layers:?}");
+    let want = fingerprint(&store.snapshot(), &ids);
+    let fresh = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(fingerprint(&fresh.snapshot(), &ids), want);
+    store.close().expect("close");
+    let reopened = Store::open(dir.path(), Options::default()).expect("reopen");
+    assert_eq!(fingerprint(&reopened.snapshot(), &ids), want);
 }
 
 /// A stale, truncated or damaged file changes no answer: a stale or

@@ -247,10 +247,6 @@ pub(crate) struct FrozenTables<'a> {
     pub by_trace: &'a [TraceEntry],
 }
 
-/// Whether `table` (sorted by `hash`) has an element hashing to `h`, or a
-/// block read for it fails its check; `at`: where the last hash asked (a
-/// smaller one) was found, moved by a gallop forward, the pages passed
-/// given back as `Table::walk_to` does.
 /// The first element of `table` (sorted by `hash`, whose values are
 /// uniform: xxh3 of ids) whose hash is at least `h`: a few steps of
 /// interpolation (each narrows n elements to about √n), then a binary
@@ -279,6 +275,10 @@ fn hash_search<T: Pod>(table: &Table<T>, h: u64, hash: impl Fn(&T) -> u64) -> Op
     table.partition_point_in(lo..hi, |e| hash(e) < h)
 }
 
+/// Whether `table` (sorted by `hash`) has an element hashing to `h`, or a
+/// block read for it fails its check; `at`: where the last hash asked (a
+/// smaller one) was found, moved by a gallop forward, the pages passed
+/// given back as `Table::walk_to` does.
 fn walk_has<T: Pod>(table: &Table<T>, at: &mut usize, h: u64, hash: impl Fn(&T) -> u64) -> bool {
     let before = *at;
     let Some(p) = table.partition_point_from(before, |e| hash(e) < h) else { return true };

@@ -550,6 +550,10 @@ fn replay(
         if let Some(named) = names_of(unlisted, feed.row_hashes()) {
             index.narrow_cold_lookups(named);
         }
+        // The replay reads each footer again, one segment at a time.
+        for seg in loaded_segments.iter().filter(|s| s.in_footer.is_some()) {
+            seg.map.release_pages();
+        }
     }
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
@@ -1138,8 +1142,13 @@ impl Rebuilt {
         if let Some(named) = names_of(segments, self.feed.row_hashes()) {
             self.index.narrow_cold_lookups(named);
         }
+        // Read again one at a time by the replay.
+        for (_, l) in &loaded {
+            l.map.release_pages();
+        }
         for (seg, l) in &loaded {
             self.extend_refs(seg, l.entry_refs(), None);
+            l.map.release_pages();
         }
         if let Some((seg, entries)) = active {
             self.extend_refs(seg, entries.iter().map(FooterEntry::as_ref), None);
