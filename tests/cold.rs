@@ -282,14 +282,14 @@ fn backlog_options() -> Options {
 /// It answers as a read-only open with the file and one without it, and
 /// as a writable reopen; `verify` finds nothing. Returns how many times
 /// it took a refreshed index.
-fn run_refresh(dir: &Path, ops: &[Op]) -> Result<usize, TestCaseError> {
+fn run_refresh(dir: &Path, ops: &[Op]) -> Result<(usize, usize), TestCaseError> {
     let ids: Vec<String> = (0..60).map(trace).collect();
     let file = dir.join(BACKLOG);
     let store = Store::open(dir, backlog_options()).expect("open");
-    let (mut adopted, mut compacted) = (0, false);
+    let (mut adopted, mut incremental, mut compacted) = (0, 0, false);
     for o in ops {
         apply(&store, o);
-        adopted = store.wait_backlog_refresh().expect("wait").1;
+        (_, adopted, incremental) = store.wait_backlog_refresh_counts().expect("wait");
         // Until a compaction (its publication rebuilds the index its own way).
         compacted |= matches!(o, Op::Compact(_));
         prop_assert!(compacted || adopted == 0 || store.snapshot().index_layers().backlog_segments > 0);
@@ -299,6 +299,10 @@ fn run_refresh(dir: &Path, ops: &[Op]) -> Result<usize, TestCaseError> {
     let with = Store::open_read_only(dir).expect("open read-only");
     prop_assert_eq!(&fingerprint(&with.snapshot(), &ids), &want);
     if file.exists() {
+        // The file the writer wrote last (from the one before, or from
+        // every footer) against every footer.
+        let report = trajlog::verify::verify_dir(dir).expect("verify");
+        prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
         std::fs::rename(&file, dir.join("aside")).expect("move aside");
         let without = Store::open_read_only(dir).expect("open read-only");
         prop_assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
@@ -313,7 +317,7 @@ fn run_refresh(dir: &Path, ops: &[Op]) -> Result<usize, TestCaseError> {
     drop(reopened);
     let report = trajlog::verify::verify_dir(dir).expect("verify");
     prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
-    Ok(adopted as usize)
+    Ok((adopted as usize, incremental as usize))
 }
 
 /// A writer takes `before`, closes, and reopens with
@@ -628,14 +632,18 @@ fn the_refresh_cases_take_the_refreshed_index() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::{Config, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
-    let (mut cases, mut adopted) = (0, 0);
+    let (mut cases, mut adopted, mut incremental) = (0, 0, 0);
     for _ in 0..16 {
         let ops = prop::collection::vec(op(), 40..80).new_tree(&mut runner).expect("case").current();
         let dir = tempfile::tempdir().expect("tempdir");
         cases += 1;
-        adopted += usize::from(run_refresh(dir.path(), &ops).expect("case") > 0);
+        let (a, i) = run_refresh(dir.path(), &ops).expect("case");
+        adopted += usize::from(a > 0);
+        incremental += usize::from(i > 0);
     }
     assert!(adopted * 2 >= cases, "{adopted} of {cases} cases took a refreshed index");
+    // And a file written from the one before, not only from every footer.
+    assert!(incremental * 4 >= cases, "{incremental} of {cases} cases wrote the file from the one before");
 }
 
 /// Sealed sessions in sealed segments, a writer reopened with the option:

@@ -575,14 +575,35 @@ impl Frozen {
         if u32::try_from(rows.len()).is_err() {
             return None;
         }
-        let mut order: Vec<(u64, u32)> = rows
+        let order: Vec<(u64, u32)> = rows
             .iter()
             .zip(cold)
             .enumerate()
             .filter(|(_, (_, c))| **c)
             .map(|(i, (r, _))| (id_hash(r.row().sessions.first()), i as u32))
             .collect();
-        let row = |i: u32| rows.get(i as usize).map(AsRow::row);
+        Self::build_ordered(rows.len(), order, |i: u32| rows.get(i as usize).map(AsRow::row), row_map)
+    }
+
+    /// [`Frozen::build`] of every one of `n` rows that `row` gives (rows of
+    /// one session alone, no two with one trace id), none kept out, with no
+    /// row map: for rows that are not in one slice (an old layer's and new
+    /// ones). `None` as [`Frozen::build`].
+    pub fn build_from<'r>(n: usize, row: impl Fn(u32) -> Option<RowRef<'r>>) -> Option<Frozen> {
+        let n32 = u32::try_from(n).ok()?;
+        let order: Vec<(u64, u32)> =
+            (0..n32).filter_map(|i| row(i).map(|r| (id_hash(r.sessions.first()), i))).collect();
+        Self::build_ordered(n, order, row, false).map(|(f, _)| f)
+    }
+
+    /// The build of [`Frozen::build_with`] over `order` (session name hash,
+    /// row number) of `n` rows read through `row`.
+    fn build_ordered<'r>(
+        n: usize,
+        mut order: Vec<(u64, u32)>,
+        row: impl Fn(u32) -> Option<RowRef<'r>>,
+        row_map: bool,
+    ) -> Option<(Frozen, Vec<Option<u32>>)> {
         order.sort_unstable_by(|a, b| {
             a.0.cmp(&b.0).then_with(|| match (row(a.1), row(b.1)) {
                 (Some(x), Some(y)) => x
@@ -599,7 +620,7 @@ impl Frozen {
         let (mut names, mut ids) = (Vec::new(), Vec::new());
         let (mut frows, mut sessions) = (Vec::with_capacity(order.len()), Vec::<FrozenSession>::new());
         let mut by_trace = Vec::with_capacity(order.len());
-        let mut frozen_row_of_input = if row_map { vec![None; rows.len()] } else { Vec::new() };
+        let mut frozen_row_of_input = if row_map { vec![None; n] } else { Vec::new() };
         let mut last_name: Option<&str> = None;
         for (hash, i) in order {
             let Some(r) = row(i) else { continue };

@@ -30,9 +30,11 @@
 //! (format-spec/record.md §6) run on the calls they ran on before.
 
 use super::*;
+use crate::format::record::Loc;
 use crate::format::record::{KIND_CALL, KIND_REWARD, KIND_SEAL};
+use crate::format::segment::Trailer;
 use crate::format::segment::{CheckedFooter, FooterEntryRef};
-use crate::index::frozen::{id_hash, CachedMarks, Frozen, FrozenRow, FrozenSession, TraceEntry};
+use crate::index::frozen::{id_hash, CachedMarks, Frozen, FrozenRow, FrozenSession, RowRef, RowSessions, TraceEntry};
 use crate::storage::mmap::Mapping;
 use crate::storage::table::{BlockCheck, Table, CHECK_BLOCK};
 use annotation_cache::IndexKey;
@@ -197,17 +199,44 @@ pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault:
     written
 }
 
+/// A listed segment of a file to write: its trailer, and its warm entries
+/// (how many, their bytes).
+struct ListedPart {
+    id: u64,
+    trailer: Trailer,
+    count: u32,
+    bytes: Vec<u8>,
+}
+
+/// The seals and session rewards the listed segments set for the layer's
+/// sessions (by name), in log order.
+type Marks<'a> = std::collections::HashMap<&'a str, (bool, Option<f64>)>;
+
+/// Take in footer entry `e`, which the layer takes: a seal or session
+/// reward sets its session's mark.
+fn mark<'a>(marks: &mut Marks<'a>, e: &FooterEntryRef<'a>) {
+    match (e.kind, e.reward_target) {
+        (KIND_SEAL, _) => marks.entry(e.id).or_default().0 = true,
+        (KIND_REWARD, 2) => marks.entry(e.id).or_default().1 = Some(e.timestamp),
+        _ => {}
+    }
+}
+
+/// A sealed segment's footer as a file may list it: read cleanly, with no
+/// gap, its rewards' targets in its entries.
+fn listable<'a>(bytes: &'a [u8]) -> Option<(Trailer, CheckedFooter<'a>)> {
+    crate::format::segment::read_trailer(bytes).and_then(|t| {
+        let f = crate::format::segment::check_footer(bytes, &t).ok()?;
+        (f.gaps.is_empty() && (f.has_reward_targets || !f.iter().any(|e| e.kind == KIND_REWARD))).then_some((t, f))
+    })
+}
+
 fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
     let dst = dir.join(BACKLOG_FILE_NAME);
     // Each listed segment's checked footer.
     let mut footers = Vec::with_capacity(w.segments.len());
     for seg in &w.segments {
-        let bytes = seg.mapped_bytes();
-        let footer = crate::format::segment::read_trailer(bytes).and_then(|t| {
-            let f = crate::format::segment::check_footer(bytes, &t).ok()?;
-            (f.gaps.is_empty() && (f.has_reward_targets || !f.iter().any(|e| e.kind == KIND_REWARD))).then_some((t, f))
-        });
-        match footer {
+        match listable(seg.mapped_bytes()) {
             Some(f) => footers.push((seg.id, f)),
             None => {
                 recovery::remove_if_present(&dst).map_err(|e| Error::io("remove a stale backlog index file", e))?;
@@ -215,38 +244,48 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
             }
         }
     }
-    crate::storage::fault::check(faults, crate::storage::fault::Op::Replace { path: &dst })
-        .map_err(|e| Error::io(format!("replace {}", dst.display()), e))?;
-    let tmp = dir.join(BACKLOG_TMP_NAME);
-    let file = File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
-    let mut out = Out { w: BufWriter::with_capacity(1 << 20, file), at: 0, path: tmp.clone() };
     // The warm entries of each segment, encoded once to learn their
     // lengths (for the listed table that precedes them), then written.
     // The seals and session rewards are what the listed segments' taken
     // entries set, in log order: not the layer's, which holds those of
     // the unlisted (active) segment too.
-    let mut warm: Vec<(u32, Vec<u8>)> = Vec::with_capacity(footers.len());
-    let mut marks: std::collections::HashMap<&str, (bool, Option<f64>)> = std::collections::HashMap::new();
-    for (seg, (_, (_, f))) in w.segments.iter().zip(&footers) {
+    let mut parts = Vec::with_capacity(footers.len());
+    let mut marks = Marks::new();
+    for (seg, (id, (trailer, f))) in w.segments.iter().zip(&footers) {
         let mut bytes = Vec::new();
         let mut count = 0u32;
         for e in f.iter() {
-            if !taken(w.taken, &e) {
+            if taken(w.taken, &e) {
+                mark(&mut marks, &e);
+            } else {
                 crate::format::segment::encode_entry(&mut bytes, &e, true);
                 count += 1;
-                continue;
-            }
-            match (e.kind, e.reward_target) {
-                (KIND_SEAL, _) => marks.entry(e.id).or_default().0 = true,
-                (KIND_REWARD, 2) => marks.entry(e.id).or_default().1 = Some(e.timestamp),
-                _ => {}
             }
         }
-        warm.push((count, bytes));
+        parts.push(ListedPart { id: *id, trailer: *trailer, count, bytes });
         // Its footer was read twice (checked, encoded): not again.
         seg.release_pages();
     }
-    let t = w.cold.tables();
+    write_parts(dir, w.cold, w.shard_key, parts, marks, faults)
+}
+
+/// Write a file of layer `cold` (with `marks`), listing `parts` in order,
+/// through a temporary file; its size.
+fn write_parts(
+    dir: &Path,
+    cold: &Frozen,
+    shard_key: Option<IndexKey>,
+    parts: Vec<ListedPart>,
+    marks: Marks<'_>,
+    faults: &crate::storage::fault::Faults,
+) -> Result<u64> {
+    let dst = dir.join(BACKLOG_FILE_NAME);
+    crate::storage::fault::check(faults, crate::storage::fault::Op::Replace { path: &dst })
+        .map_err(|e| Error::io(format!("replace {}", dst.display()), e))?;
+    let tmp = dir.join(BACKLOG_TMP_NAME);
+    let file = File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
+    let mut out = Out { w: BufWriter::with_capacity(1 << 20, file), at: 0, path: tmp.clone() };
+    let t = cold.tables();
     let sessions = t.sessions.len();
     let mut marks: Vec<_> = marks.into_iter().map(|(name, m)| (id_hash(name), name, m)).collect();
     marks.sort_unstable_by_key(|m| m.0);
@@ -254,7 +293,7 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
     let (mut sealed, mut has_reward, mut rewards) = (vec![0u64; words], vec![0u64; words], vec![0u64; sessions]);
     let mut at = 0;
     for (_, name, (seal, reward)) in marks {
-        let Some(i) = w.cold.session_from(&mut at, name) else { continue };
+        let Some(i) = cold.session_from(&mut at, name) else { continue };
         if seal {
             crate::index::frozen::set_bit(&mut sealed, i);
         }
@@ -268,23 +307,23 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
     let mut header = Vec::with_capacity(HEADER_LEN);
     header.extend_from_slice(&MAGIC);
     header.extend_from_slice(&BACKLOG_VERSION.to_le_bytes());
-    header.extend_from_slice(&u32::from(w.shard_key.is_some()).to_le_bytes());
-    header.extend_from_slice(&w.shard_key.map_or(0, |k| k.dir_crc32).to_le_bytes());
-    header.extend_from_slice(&(footers.len() as u32).to_le_bytes());
-    header.extend_from_slice(&w.shard_key.map_or(0, |k| k.len).to_le_bytes());
+    header.extend_from_slice(&u32::from(shard_key.is_some()).to_le_bytes());
+    header.extend_from_slice(&shard_key.map_or(0, |k| k.dir_crc32).to_le_bytes());
+    header.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+    header.extend_from_slice(&shard_key.map_or(0, |k| k.len).to_le_bytes());
     header.extend_from_slice(&(t.rows.len() as u64).to_le_bytes());
     header.extend_from_slice(&(t.by_trace.len() as u64).to_le_bytes());
     header.extend_from_slice(&(t.text.len() as u64).to_le_bytes());
     header.extend_from_slice(&(sessions as u32).to_le_bytes());
     header.extend_from_slice(&0u32.to_le_bytes());
-    let mut listed = Vec::with_capacity(footers.len() * LISTED_LEN);
-    for ((id, (trailer, _)), (count, bytes)) in footers.iter().zip(&warm) {
-        listed.extend_from_slice(&id.to_le_bytes());
-        listed.extend_from_slice(&trailer.footer_offset.to_le_bytes());
-        listed.extend_from_slice(&trailer.footer_len.to_le_bytes());
-        listed.extend_from_slice(&trailer.footer_crc.to_le_bytes());
-        listed.extend_from_slice(&count.to_le_bytes());
-        listed.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    let mut listed = Vec::with_capacity(parts.len() * LISTED_LEN);
+    for p in &parts {
+        listed.extend_from_slice(&p.id.to_le_bytes());
+        listed.extend_from_slice(&p.trailer.footer_offset.to_le_bytes());
+        listed.extend_from_slice(&p.trailer.footer_len.to_le_bytes());
+        listed.extend_from_slice(&p.trailer.footer_crc.to_le_bytes());
+        listed.extend_from_slice(&p.count.to_le_bytes());
+        listed.extend_from_slice(&(p.bytes.len() as u64).to_le_bytes());
     }
     let mut head = crc32fast::Hasher::new();
     head.update(&header);
@@ -292,11 +331,11 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
     out.put(&header, None)?;
     out.put(&[0u8; 8], None)?;
     out.put(&listed, Some(&mut head))?;
-    for (_, bytes) in &warm {
-        out.put(bytes, Some(&mut head))?;
+    for p in &parts {
+        out.put(&p.bytes, Some(&mut head))?;
         out.pad(Some(&mut head))?;
     }
-    drop(warm);
+    drop(parts);
     let mut crcs = Vec::new();
     let tables: [&[u8]; TABLES] = [
         bytemuck::cast_slice(t.rows),
@@ -331,6 +370,121 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
     std::fs::rename(&tmp, &dst).map_err(|e| Error::io(format!("rename over {}", dst.display()), e))?;
     crate::storage::sync_dir(dir, faults)?;
     Ok(len)
+}
+
+/// Write the file anew over the sealed segments of `manifest` (all of its
+/// segments, none of them active; no shards) from the file there now and
+/// the footers of the segments it does not list, instead of from every
+/// footer: its layer's sessions stay (with the calls, seals and session
+/// rewards of them that the new segments hold), its warm entries and the
+/// new footers' entries are surveyed against it
+/// ([`cold::survey_increment`]), and the sessions that qualify join the
+/// layer. The file written is the one a survey of every footer could
+/// have written (`verify` compares it with the footers the same way).
+/// Returns its size; `Ok(None)` (nothing written) when there is no file
+/// to start from, it does not check, a new segment's footer is not
+/// listable, or the survey needs records of the old layer back: the
+/// caller then surveys the whole log.
+pub(super) fn write_incremental(
+    dir: &Path,
+    manifest: &Manifest,
+    faults: &crate::storage::fault::Faults,
+) -> Result<Option<u64>> {
+    let Some(f) = BacklogFile::open(dir, true) else { return Ok(None) };
+    if f.shard_key.is_some() || !manifest.shards.is_empty() || !f.matches(dir, manifest) || !f.check_whole() {
+        return Ok(None);
+    }
+    // The check read the whole file: the build below reads it again in
+    // its own order.
+    f.map.release_pages();
+    let Some(old) = f.frozen() else { return Ok(None) };
+    let mut maps = Vec::new();
+    for ms in manifest.segments.iter().filter(|s| !f.lists(s.id)) {
+        if ms.state != SegmentState::Sealed {
+            return Ok(None);
+        }
+        let path = crate::storage::segment_path(dir, ms.id);
+        let map = File::open(&path).and_then(|file| {
+            let len = file.metadata()?.len();
+            Mapping::map(&file, len, &path).map_err(|e| std::io::Error::other(e.to_string()))
+        });
+        match map {
+            Ok(map) => maps.push((ms.id, map)),
+            Err(_) => return Ok(None),
+        }
+    }
+    let mut new_footers = Vec::with_capacity(maps.len());
+    for (id, map) in &maps {
+        match listable(map.bytes()) {
+            Some((trailer, footer)) => new_footers.push((*id, trailer, footer)),
+            None => return Ok(None),
+        }
+    }
+    type Entries<'e> = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>;
+    let entries = || {
+        let warm = f.listed.iter().map(|l| -> Entries<'_> { Box::new(f.warm(l.id)) });
+        warm.chain(new_footers.iter().map(|(_, _, footer)| -> Entries<'_> { Box::new(footer.iter()) }))
+    };
+    let Some(mut taken_now) = super::cold::survey_increment(entries(), &old) else { return Ok(None) };
+    taken_now.extend((0..old.session_count()).map(|i| old.session_hash(i)));
+    // The old layer's marks, then what the entries the layer takes set.
+    let mut marks = Marks::new();
+    for i in 0..old.session_count() {
+        let (sealed, reward) = (old.is_sealed(i), old.reward(i));
+        if sealed || reward.is_some() {
+            marks.insert(old.session_name(i), (sealed, reward));
+        }
+    }
+    let trailers = f
+        .listed
+        .iter()
+        .map(|l| {
+            (l.id, Trailer { footer_offset: l.footer_offset, footer_len: l.footer_len, footer_crc: l.footer_crc32 })
+        })
+        .chain(new_footers.iter().map(|(id, t, _)| (*id, *t)));
+    let mut parts = Vec::new();
+    // The new layer's calls after the old one's: (position, timestamp,
+    // trace id, session).
+    let mut calls: Vec<(Loc, f64, &str, &str)> = Vec::new();
+    for ((id, trailer), entries) in trailers.zip(entries()) {
+        let (mut bytes, mut count) = (Vec::new(), 0u32);
+        for e in entries {
+            if !taken(&taken_now, &e) {
+                crate::format::segment::encode_entry(&mut bytes, &e, true);
+                count += 1;
+            } else if e.kind == KIND_CALL {
+                calls.push((Loc { segment: id, offset: e.frame_offset }, e.timestamp, e.id, e.session_id));
+            } else {
+                mark(&mut marks, &e);
+            }
+        }
+        parts.push(ListedPart { id, trailer, count, bytes });
+    }
+    let n_old = old.len();
+    let row = |i: u32| {
+        let i = i as usize;
+        let (loc, timestamp, trace_id, session) = match i.checked_sub(n_old) {
+            None => {
+                let r = old.row(i as u32)?;
+                (r.loc(), r.timestamp, old.trace_id(r), old.session_name_checked(r.session)?)
+            }
+            Some(j) => *calls.get(j)?,
+        };
+        let pos = crate::shard::reader::ShardPos { shard: 0, row_group: 0, row: 0 };
+        Some(RowRef { loc, timestamp, pos, trace_id, sessions: RowSessions::One(session) })
+    };
+    let Some(layer) = Frozen::build_from(n_old + calls.len(), row) else { return Ok(None) };
+    if layer.len() != n_old + calls.len() {
+        // A row of the old layer did not read.
+        return Ok(None);
+    }
+    drop(calls);
+    // What the build copied need not stay resident beside the write.
+    f.map.release_pages();
+    for (_, map) in &maps {
+        map.release_pages();
+    }
+    write_parts(dir, &layer, None, parts, marks, faults).map(Some)
 }
 
 impl BacklogFile {

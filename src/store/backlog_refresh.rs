@@ -11,8 +11,13 @@
 //! eighth of the ones it lists (the rule of a writable open,
 //! [`backlog_file::outgrown`]), the writer starts a helper thread that
 //!
-//! 1. loads the sealed segments up to the last one as an open surveys them
-//!    ([`recovery::load_surveyed`]) and writes the file from that load;
+//! 1. writes the file over the sealed segments up to the last one: from
+//!    the file there and the footers of the segments it does not list
+//!    ([`backlog_file::write_incremental`]), or, when that cannot be done
+//!    (no file; a new record naming a session of its layer otherwise than
+//!    as that session's own call, seal or reward), from a load of every
+//!    segment surveyed as an open surveys them
+//!    ([`recovery::load_surveyed`]);
 //! 2. loads them again through the file just written: an index whose cold
 //!    layer is mapped, with the segments' other footer entries in its maps;
 //! 3. hands that index to the writer, which takes it instead of its own
@@ -26,9 +31,11 @@
 //! shards (a store with shards gets its index rebuilt by each publication
 //! instead), no compaction under way, the same sealed segments; otherwise
 //! it keeps its own (the file stays written for the next opens). A close
-//! waits for a helper under way to write its file (not to load it again). Each refresh reads
-//! the whole backlog's footers; the eighth rule makes that O(1) amortized
-//! per call, as for the shard index file.
+//! waits for a helper under way to write its file (not to load it again). A refresh from the
+//! file before reads the footers of the segments sealed since only, but
+//! rebuilds and rewrites the whole layer; one from a survey reads every
+//! footer. The eighth rule makes either O(1) amortized per call, as for
+//! the shard index file.
 
 use super::recovery::{load_dir, load_surveyed, Rebuilt};
 use super::*;
@@ -40,6 +47,9 @@ pub(super) struct Outcome {
     /// The index loaded through the file, when the file was written (or
     /// was there) and used.
     index: Option<Index>,
+    /// Whether the file was written from the one before, not from a
+    /// survey of every footer.
+    incremental: bool,
 }
 
 struct Job {
@@ -73,9 +83,11 @@ pub(super) struct BacklogRefresh {
     job: Option<Job>,
     /// Set around the roll that begins a compaction: no refresh starts.
     pub(super) paused: bool,
-    /// Refreshes started, and those whose index the writer took (tests).
+    /// Refreshes started, those whose index the writer took, and those
+    /// that wrote the file from the one before (tests).
     pub(super) started: u64,
     pub(super) adopted: u64,
+    pub(super) incremental: u64,
 }
 
 impl BacklogRefresh {
@@ -103,20 +115,32 @@ fn sealed_through(manifest: &Manifest, through: u64) -> Manifest {
 
 /// The helper thread's body: steps 1 (if `write`) and 2 of the module's
 /// documentation over `manifest`, all of whose segments are sealed.
-fn refresh(dir: &Path, manifest: Manifest, write: bool, options: &Options, closing: &AtomicBool) -> Option<Index> {
-    if write {
-        let loaded = load_surveyed(dir, manifest.clone()).ok()??;
+/// Returns the index loaded through the file (`None`: none to take), and
+/// whether the file was written from the one before
+/// ([`backlog_file::write_incremental`]).
+fn refresh(
+    dir: &Path,
+    manifest: Manifest,
+    write: bool,
+    options: &Options,
+    closing: &AtomicBool,
+) -> (Option<Index>, bool) {
+    let incremental =
+        write && matches!(backlog_file::write_incremental(dir, &manifest, &options.faults), Ok(Some(n)) if n > 0);
+    if write && !incremental {
+        let Some(loaded) = load_surveyed(dir, manifest.clone()).ok().flatten() else { return (None, false) };
         if !super::backlog_file_written(dir, &loaded, options) {
-            return None;
+            return (None, false);
         }
         drop(loaded);
-        crate::storage::mmap::trim_heap();
     }
+    crate::storage::mmap::trim_heap();
     if closing.load(Ordering::Acquire) {
-        return None;
+        return (None, incremental);
     }
-    let loaded = load_dir(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, true).ok()?;
-    (loaded.backlog_used && loaded.damage.is_empty()).then_some(loaded.index)
+    let loaded = load_dir(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, true).ok();
+    let index = loaded.filter(|l| l.backlog_used && l.damage.is_empty()).map(|l| l.index);
+    (index, incremental)
 }
 
 impl Writer {
@@ -157,8 +181,8 @@ impl Writer {
         let (dir, options) = (self.dir.clone(), self.options.clone());
         let spawned = std::thread::Builder::new().name("trajlog-backlog".into()).spawn(move || {
             let _wake = Wake(tx);
-            let index = refresh(&dir, manifest, write, &options, &stop);
-            *lock(&slot) = Some(Outcome { ids, index });
+            let (index, incremental) = refresh(&dir, manifest, write, &options, &stop);
+            *lock(&slot) = Some(Outcome { ids, index, incremental });
         });
         // A helper that cannot start leaves things as they are.
         if let Ok(handle) = spawned {
@@ -184,7 +208,8 @@ impl Writer {
         let _ = job.handle.join();
         let outcome = lock(&job.outcome).take();
         let taken = match outcome {
-            Some(Outcome { ids, index }) => {
+            Some(Outcome { ids, index, incremental }) => {
+                self.backlog.incremental += u64::from(incremental);
                 // A retirement while the helper ran removed the file it
                 // then wrote anew, listing a retired segment: stale.
                 let gone: Vec<u64> = ids.iter().copied().filter(|id| !self.sealed_segments.contains_key(id)).collect();

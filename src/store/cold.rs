@@ -130,6 +130,80 @@ impl Survey {
     }
 }
 
+/// The sessions (by name hash) whose records among `segments` go to the
+/// layer of a backlog index file written anew from the old one
+/// (backlog_file.rs `write_incremental`), beside every session of `old`,
+/// the old file's layer: `segments` are the old file's warm entries per
+/// listed segment, then the footers of the segments sealed since (all
+/// sealed, in log order); `old` stands for the rest of the log, which
+/// names its sessions only by their own calls, seals and session rewards.
+/// The rules are the survey's ([`ColdPlan::survey`], no shards); a session
+/// of `old` stays in the layer when the entries only continue it (calls of
+/// it alone), seal it or reward it. `None` (the caller surveys the whole
+/// log instead) when an entry names a session of `old` otherwise, when a
+/// call or trace reward has the trace id of one of its calls (its records
+/// would go back to the warm entries, which takes their footers), or when
+/// an entry cannot be judged from the footer.
+pub(super) fn survey_increment<'s>(
+    segments: impl IntoIterator<Item = Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>>,
+    old: &Frozen,
+) -> Option<HashSet<u64>> {
+    let mut s = Survey::default();
+    // The names each record gives as its own session's (a call of it
+    // alone, its seal, its session reward), and those it names otherwise.
+    let (mut own, mut other) = (Vec::new(), Vec::new());
+    for e in segments.into_iter().flatten() {
+        if !s.entry(true, &e, false) {
+            return None;
+        }
+        match (e.kind, e.reward_target) {
+            (KIND_CALL, _) if e.session_uids.is_empty() => own.push(id_hash(e.session_id)),
+            (KIND_CALL, _) => {
+                other.push(id_hash(e.session_id));
+                other.extend(e.session_uids.iter().map(id_hash));
+            }
+            (KIND_SEAL, _) | (KIND_REWARD, 2) => own.push(id_hash(e.id)),
+            (KIND_REWARD, _) => {}
+            _ => other.push(id_hash(e.id)),
+        }
+    }
+    // Each walk goes forward through one of the old layer's hash tables,
+    // the hashes in increasing order.
+    let mut traces: Vec<u64> = s.calls.iter().map(|c| c.0).chain(s.rewarded.iter().copied()).collect();
+    traces.sort_unstable();
+    traces.dedup();
+    let mut at = 0;
+    if traces.into_iter().any(|t| old.has_trace_hash_from(&mut at, t)) {
+        return None;
+    }
+    other.sort_unstable();
+    other.dedup();
+    let mut at = 0;
+    if other.into_iter().any(|h| old.has_session_hash_from(&mut at, h)) {
+        return None;
+    }
+    // A trace id with two call records, or a trace reward: its calls'
+    // sessions are not cold.
+    s.calls.sort_unstable();
+    for (i, c) in s.calls.iter().enumerate() {
+        let next_same = s.calls.get(i + 1).is_some_and(|n| n.0 == c.0);
+        let prev_same = i > 0 && s.calls.get(i.wrapping_sub(1)).is_some_and(|p| p.0 == c.0);
+        if next_same || prev_same || s.rewarded.contains(&c.0) {
+            s.spoiled.insert(c.1);
+        }
+    }
+    // An old session these records continue must stay whole in the layer.
+    own.sort_unstable();
+    own.dedup();
+    let mut at = 0;
+    for h in own {
+        if old.has_session_hash_from(&mut at, h) && s.spoiled.contains(&h) {
+            return None;
+        }
+    }
+    Some(s.candidates.into_iter().filter(|h| !s.spoiled.contains(h)).collect())
+}
+
 impl<'a> ColdPlan<'a> {
     /// Survey `segments` (each: id, sealed or not, its entries, in log
     /// order) against the shards: `index`'s frozen layer and the shard rows

@@ -658,6 +658,15 @@ impl Store {
     #[cfg(any(test, feature = "internals"))]
     #[doc(hidden)]
     pub fn wait_backlog_refresh(&self) -> Result<(u64, u64)> {
+        self.wait_backlog_refresh_counts().map(|(started, taken, _)| (started, taken))
+    }
+
+    /// Test hook: [`Store::wait_backlog_refresh`], and how many of the
+    /// refreshes wrote the file from the one before instead of from every
+    /// footer.
+    #[cfg(any(test, feature = "internals"))]
+    #[doc(hidden)]
+    pub fn wait_backlog_refresh_counts(&self) -> Result<(u64, u64, u64)> {
         self.writable()?;
         let (reply, rx) = bounded(1);
         self.inner.send(Cmd::WaitBacklogRefresh { reply })?;

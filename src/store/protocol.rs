@@ -68,11 +68,12 @@ pub(super) enum Cmd {
     /// take what it built, if the writer still can.
     BacklogRefreshed,
     /// Test hook (`Store::wait_backlog_refresh`): wait for a refresh under
-    /// way and take what it built; replies with the refreshes started and
-    /// the indexes taken since the open.
+    /// way and take what it built; replies with the refreshes started, the
+    /// indexes taken and the files written from the one before since the
+    /// open.
     #[cfg(any(test, feature = "internals"))]
     WaitBacklogRefresh {
-        reply: Sender<(u64, u64)>,
+        reply: Sender<(u64, u64, u64)>,
     },
 }
 

@@ -224,7 +224,8 @@ impl Writer {
             #[cfg(any(test, feature = "internals"))]
             Cmd::WaitBacklogRefresh { reply } => {
                 self.finish_backlog_refresh(true);
-                let _ = reply.send((self.backlog.started, self.backlog.adopted));
+                let b = &self.backlog;
+                let _ = reply.send((b.started, b.adopted, b.incremental));
             }
             #[cfg(any(test, feature = "internals"))]
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
