@@ -625,6 +625,127 @@ fn the_backlog_cases_use_the_file() {
     assert!(used * 2 >= cases, "{used} of {cases} cases used the file");
 }
 
+/// The ids of the segments the backlog index file in `dir` lists.
+fn listed_ids(dir: &Path) -> Vec<u64> {
+    let b = std::fs::read(dir.join(BACKLOG)).expect("read");
+    let id = |i: usize| b.get(72 + 40 * i..80 + 40 * i).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes")));
+    (0..listed(dir) as usize).map_while(id).collect()
+}
+
+/// Segment ids of the store in `dir`, ascending.
+fn segment_ids(dir: &Path) -> Vec<u64> {
+    let mut v: Vec<u64> = std::fs::read_dir(dir)
+        .expect("read dir")
+        .filter_map(|e| {
+            let n = e.ok()?.file_name().into_string().ok()?;
+            n.strip_prefix("seg-")?.strip_suffix(".tlog")?.parse().ok()
+        })
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// `src` copied to `dst`, without the backlog index file.
+fn copy_without_backlog(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).expect("mkdir");
+    for e in std::fs::read_dir(src).expect("read dir") {
+        let e = e.expect("entry");
+        let to = dst.join(e.file_name());
+        if e.file_type().expect("type").is_dir() {
+            copy_without_backlog(&e.path(), &to);
+        } else if e.file_name() != BACKLOG {
+            std::fs::copy(e.path(), to).expect("copy");
+        }
+    }
+}
+
+/// A writer takes `before` (no file), reopens with the option and takes
+/// `after`, refreshing the file as it rolls (from the file before when it
+/// can), then rolls and closes. An open with the file answers as the
+/// writer did and `verify` finds nothing; when the file lists every
+/// sealed segment, a writable open of a copy without it (which writes it
+/// from a survey of every footer) answers the same and writes the same
+/// bytes. Returns whether the bytes were compared, and whether the last
+/// refresh wrote the file from the one before.
+fn run_against_survey(before: &[Op], after: &[Op]) -> Result<(bool, bool), TestCaseError> {
+    let ids: Vec<String> = (0..60).map(trace).collect();
+    let da = tempfile::tempdir().expect("tempdir");
+    let a = da.path();
+    if !before.is_empty() {
+        let s = Store::open(a, Options::default()).expect("open");
+        before.iter().for_each(|o| apply(&s, o));
+        s.close().expect("close");
+    }
+    let s = Store::open(a, backlog_options()).expect("open");
+    let (mut last, mut incremental) = ((0, 0, 0), false);
+    for o in after.iter().chain(std::iter::once(&Op::Roll)) {
+        apply(&s, o);
+        let c = s.wait_backlog_refresh_counts().expect("wait");
+        if c.0 > last.0 {
+            incremental = c.2 > last.2;
+        }
+        last = c;
+    }
+    s.flush().expect("flush");
+    let want = fingerprint(&s.snapshot(), &ids);
+    s.close().expect("close");
+    if !a.join(BACKLOG).exists() {
+        return Ok((false, incremental));
+    }
+    let with = Store::open_read_only(a).expect("open read-only");
+    prop_assert_eq!(&fingerprint(&with.snapshot(), &ids), &want);
+    drop(with);
+    let report = trajlog::verify::verify_dir(a).expect("verify");
+    prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
+    let segs = segment_ids(a);
+    if listed_ids(a).as_slice() != segs.get(..segs.len().saturating_sub(1)).unwrap_or_default() {
+        return Ok((false, incremental));
+    }
+    let db = tempfile::tempdir().expect("tempdir");
+    let b = db.path();
+    copy_without_backlog(a, b);
+    let sb = Store::open(b, backlog_options()).expect("open");
+    prop_assert_eq!(&fingerprint(&sb.snapshot(), &ids), &want);
+    sb.wait_backlog_refresh().expect("wait");
+    sb.close().expect("close");
+    let surveyed = std::fs::read(b.join(BACKLOG)).ok();
+    prop_assert!(surveyed.is_some(), "the survey wrote no file");
+    prop_assert!(std::fs::read(a.join(BACKLOG)).ok() == surveyed, "the file differs from the survey's");
+    Ok((true, incremental))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// A file the writer's refresh wrote (from the file before, or from
+    /// every footer) is the file a survey of every footer writes.
+    #[test]
+    fn a_refreshed_backlog_file_is_the_one_a_survey_writes(
+        before in prop::collection::vec(op(), 0..40),
+        after in prop::collection::vec(op(), 1..100),
+    ) {
+        run_against_survey(&before, &after)?;
+    }
+}
+
+/// The cases of the test above compare the bytes of files written from
+/// the file before, over fixed seeds of the same generators.
+#[test]
+fn the_survey_cases_compare_files_written_from_the_one_before() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, TestRng, TestRunner};
+    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
+    let (mut compared, mut incremental) = (0, 0);
+    for _ in 0..16 {
+        let before = prop::collection::vec(op(), 0..40).new_tree(&mut runner).expect("case").current();
+        let after = prop::collection::vec(op(), 1..100).new_tree(&mut runner).expect("case").current();
+        let (c, i) = run_against_survey(&before, &after).expect("case");
+        compared += usize::from(c);
+        incremental += usize::from(c && i);
+    }
+    assert!(incremental >= 3, "{compared} of 16 cases compared bytes, {incremental} of a file from the one before");
+}
+
 /// The refresh cases take a refreshed index often enough to mean
 /// something: over fixed seeds of the same generator.
 #[test]

@@ -191,9 +191,13 @@ pub(super) struct ToWrite<'a> {
 /// cleanly (a damaged or gapped footer: such segments are surveyed at
 /// every open, which reports them).
 pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
-    let written = write_through_tmp(dir, w, faults);
+    tmp_removed_on_error(dir, write_through_tmp(dir, w, faults))
+}
+
+/// `written`, the temporary file a failed write left removed (the next
+/// writable open would remove it too).
+fn tmp_removed_on_error(dir: &Path, written: Result<u64>) -> Result<u64> {
     if written.is_err() {
-        // What a failed write left (the next writable open would too).
         let _ = recovery::remove_if_present(&dir.join(BACKLOG_TMP_NAME));
     }
     written
@@ -383,13 +387,10 @@ fn write_parts(
 /// have written (`verify` compares it with the footers the same way).
 /// Returns its size; `Ok(None)` (nothing written) when there is no file
 /// to start from, it does not check, a new segment's footer is not
-/// listable, or the survey needs records of the old layer back: the
+/// listable, the survey needs records of the old layer back, or the
+/// layer would hold fewer than `backlog_index_min_calls` calls: the
 /// caller then surveys the whole log.
-pub(super) fn write_incremental(
-    dir: &Path,
-    manifest: &Manifest,
-    faults: &crate::storage::fault::Faults,
-) -> Result<Option<u64>> {
+pub(super) fn write_incremental(dir: &Path, manifest: &Manifest, options: &Options) -> Result<Option<u64>> {
     let Some(f) = BacklogFile::open(dir, true) else { return Ok(None) };
     if f.shard_key.is_some() || !manifest.shards.is_empty() || !f.matches(dir, manifest) || !f.check_whole() {
         return Ok(None);
@@ -474,8 +475,10 @@ pub(super) fn write_incremental(
         Some(RowRef { loc, timestamp, pos, trace_id, sessions: RowSessions::One(session) })
     };
     let Some(layer) = Frozen::build_from(n_old + calls.len(), row) else { return Ok(None) };
-    if layer.len() != n_old + calls.len() {
-        // A row of the old layer did not read.
+    // A row of the old layer did not read; or a layer too small to write
+    // (an old file written under a lower minimum): as the survey's.
+    let min = options.backlog_index_min_calls;
+    if layer.len() != n_old + calls.len() || min == 0 || (layer.len() as u64) < min {
         return Ok(None);
     }
     drop(calls);
@@ -484,7 +487,7 @@ pub(super) fn write_incremental(
     for (_, map) in &maps {
         map.release_pages();
     }
-    write_parts(dir, &layer, None, parts, marks, faults).map(Some)
+    tmp_removed_on_error(dir, write_parts(dir, &layer, None, parts, marks, &options.faults)).map(Some)
 }
 
 impl BacklogFile {

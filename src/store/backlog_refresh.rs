@@ -125,8 +125,7 @@ fn refresh(
     options: &Options,
     closing: &AtomicBool,
 ) -> (Option<Index>, bool) {
-    let incremental =
-        write && matches!(backlog_file::write_incremental(dir, &manifest, &options.faults), Ok(Some(n)) if n > 0);
+    let incremental = write && matches!(backlog_file::write_incremental(dir, &manifest, options), Ok(Some(n)) if n > 0);
     if write && !incremental {
         let Some(loaded) = load_surveyed(dir, manifest.clone()).ok().flatten() else { return (None, false) };
         if !super::backlog_file_written(dir, &loaded, options) {
