@@ -221,18 +221,23 @@ fn run(dir: &Path, before: &[Op], after: &[Op]) -> Result<usize, TestCaseError> 
 /// seal each.
 fn sealed_sessions(store: &Store, prefix: &str, sessions: u32, calls: u32) {
     for s in 0..sessions {
-        for n in 0..calls {
-            let call = Call {
-                trace_id: format!("{prefix}-{s}-{n}"),
-                session_id: format!("{prefix}-{s}"),
-                timestamp: f64::from(n),
-                prompt_token_ids: vec![s, n],
-                completion_token_ids: vec![1],
-                ..Default::default()
-            };
-            store.append(call).expect("append");
-        }
+        session_calls(store, prefix, s, calls);
         store.seal_session(&format!("{prefix}-{s}")).expect("seal");
+    }
+}
+
+/// `calls` calls of session `{prefix}-{s}` (trace ids `{prefix}-{s}-{n}`).
+fn session_calls(store: &Store, prefix: &str, s: u32, calls: u32) {
+    for n in 0..calls {
+        let call = Call {
+            trace_id: format!("{prefix}-{s}-{n}"),
+            session_id: format!("{prefix}-{s}"),
+            timestamp: f64::from(n),
+            prompt_token_ids: vec![s, n],
+            completion_token_ids: vec![1],
+            ..Default::default()
+        };
+        store.append(call).expect("append");
     }
 }
 
@@ -834,17 +839,7 @@ fn a_session_uid_after_the_backlog_file_thaws_its_cold_session() {
     ids.push("x-0".into());
     let store = Store::open(dir.path(), Options::default()).expect("open");
     for s in 0..10u32 {
-        for n in 0..2u32 {
-            let call = Call {
-                trace_id: format!("u-{s}-{n}"),
-                session_id: format!("u-{s}"),
-                timestamp: f64::from(n),
-                prompt_token_ids: vec![s, n],
-                completion_token_ids: vec![1],
-                ..Default::default()
-            };
-            store.append(call).expect("append");
-        }
+        session_calls(&store, "u", s, 2);
     }
     store.roll().expect("roll");
     store.close().expect("close");
@@ -880,17 +875,7 @@ fn records_during_a_rebuilding_compaction_reach_the_cold_layer() {
     let store = Store::open(dir.path(), Options::default()).expect("open");
     sealed_sessions(&store, "big", 24, 4);
     for s in 0..8u32 {
-        for n in 0..2u32 {
-            let call = Call {
-                trace_id: format!("c-{s}-{n}"),
-                session_id: format!("c-{s}"),
-                timestamp: f64::from(n),
-                prompt_token_ids: vec![s, n],
-                completion_token_ids: vec![1],
-                ..Default::default()
-            };
-            store.append(call).expect("append");
-        }
+        session_calls(&store, "c", s, 2);
     }
     store.roll().expect("roll");
     let call = |t: &str, s: &str, uids: &[&str]| Call {
