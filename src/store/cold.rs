@@ -130,6 +130,16 @@ impl Survey {
     }
 }
 
+/// Whether the call at `i` of `calls` ((trace id hash, session hash),
+/// sorted) shares its trace id hash with a neighbour: a trace id with two
+/// call records.
+fn trace_repeats(calls: &[(u64, u64)], i: usize) -> bool {
+    let Some(c) = calls.get(i) else { return false };
+    let next_same = calls.get(i + 1).is_some_and(|n| n.0 == c.0);
+    let prev_same = i.checked_sub(1).and_then(|p| calls.get(p)).is_some_and(|p| p.0 == c.0);
+    next_same || prev_same
+}
+
 /// The sessions (by name hash) whose records among `segments` go to the
 /// layer of a backlog index file written anew from the old one
 /// (backlog_file.rs `write_incremental`), beside every session of `old`,
@@ -186,9 +196,7 @@ pub(super) fn survey_increment<'s>(
     // sessions are not cold.
     s.calls.sort_unstable();
     for (i, c) in s.calls.iter().enumerate() {
-        let next_same = s.calls.get(i + 1).is_some_and(|n| n.0 == c.0);
-        let prev_same = i > 0 && s.calls.get(i.wrapping_sub(1)).is_some_and(|p| p.0 == c.0);
-        if next_same || prev_same || s.rewarded.contains(&c.0) {
+        if trace_repeats(&s.calls, i) || s.rewarded.contains(&c.0) {
             s.spoiled.insert(c.1);
         }
     }
@@ -257,9 +265,7 @@ impl<'a> ColdPlan<'a> {
         };
         let calls = std::mem::take(&mut s.calls);
         for (i, c) in calls.iter().enumerate() {
-            let next_same = calls.get(i + 1).is_some_and(|n| n.0 == c.0);
-            let prev_same = i > 0 && calls.get(i - 1).is_some_and(|p| p.0 == c.0);
-            if next_same || prev_same {
+            if trace_repeats(&calls, i) {
                 s.spoiled.insert(c.1);
             }
             spoil(*c, &mut s);
