@@ -45,11 +45,12 @@ fn main() -> trajlog::Result<()> {
     let snap = store.snapshot();
     let layers = snap.index_layers();
     println!(
-        "open ({}): {open_s:.6} s; {} live calls, {} in the frozen layer, {} in the cold layer ({} segments from the backlog index file); VmRSS {} kB, RssAnon {} kB, VmHWM {} kB",
+        "open ({}): {open_s:.6} s; {} live calls, {} in the frozen layer, {} in {} cold layer(s) ({} segments from the backlog index file); VmRSS {} kB, RssAnon {} kB, VmHWM {} kB",
         if writable { "writable" } else { "read-only" },
         layers.calls,
         layers.frozen_calls,
         layers.cold_calls,
+        layers.cold_layers,
         layers.backlog_segments,
         status_kb("VmRSS"),
         status_kb("RssAnon"),

@@ -100,12 +100,16 @@ pub struct IndexLayers {
     /// The frozen layer's heap bytes (its tables are in the shard index
     /// file when the open found one: then only its seal and reward flags).
     pub frozen_bytes: usize,
-    /// Of the live calls, in the cold layer: calls in sealed segments of
-    /// sessions nothing else names, held by a read-only open in flat arrays
-    /// (ARCHITECTURE.md, "Two index layers").
+    /// Of the live calls, in the cold layers: calls in sealed segments of
+    /// sessions nothing else names, held in flat arrays (ARCHITECTURE.md,
+    /// "Two index layers").
     pub cold_calls: usize,
-    /// The cold layer's heap bytes.
+    /// The cold layers' heap bytes.
     pub cold_bytes: usize,
+    /// How many cold layers hold them: the backlog index file's, and one an
+    /// open through it built over the records the file does not hold
+    /// (format-spec/backlog-index.md §1); 0: none.
+    pub cold_layers: usize,
     /// Size of the shard index file the view reads its compacted calls'
     /// placements and frozen layer from, mapped (0: none; the open decoded
     /// the shards). format-spec/shard-index.md.
@@ -710,6 +714,7 @@ impl Snapshot {
             frozen_bytes,
             cold_calls,
             cold_bytes,
+            cold_layers: self.view.index.cold().count(),
             index_file_bytes,
             cached_annotation_segments: self.view.index.cached_segments(),
             backlog_segments: self.view.index.backlog_segments(),

@@ -830,6 +830,114 @@ fn records_after_the_backlog_file_reach_its_cold_sessions() {
     agrees_with_and_without_the_backlog_file(dir.path(), w, &ids);
 }
 
+/// A call of session `session` with trace id `trace` and the extra
+/// session uids `uids`.
+fn call_with_uids(trace: &str, session: &str, uids: &[&str], timestamp: f64) -> Call {
+    Call {
+        trace_id: trace.into(),
+        session_id: session.into(),
+        session_uids: uids.iter().map(|u| (*u).to_owned()).collect(),
+        timestamp,
+        prompt_token_ids: vec![5],
+        completion_token_ids: vec![6],
+        ..Default::default()
+    }
+}
+
+/// Sessions written after the backlog index file, in sealed segments it
+/// does not list, that nothing else names go to a second cold layer the
+/// open builds instead of to the maps; those named otherwise (by an extra
+/// session uid, a trace reward, a call in the active segment) stay in the
+/// maps, and records naming sessions of the file's layer (a session reward,
+/// a trace reward) thaw them. Read-only and writable opens through the file
+/// answer as opens without it; so does the writer over the two layers
+/// through writes that name sessions of either, and a read-only store
+/// refreshed after them.
+#[test]
+fn sessions_after_the_backlog_file_go_to_a_second_cold_layer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    sixteen_sealed_segments(dir.path());
+    let store = Store::open(dir.path(), Options::default()).expect("open");
+    session_calls(&store, "p", 0, 2);
+    session_calls(&store, "q", 0, 2);
+    store.roll().expect("roll");
+    store.close().expect("close");
+    let store = Store::open(dir.path(), backlog_options()).expect("reopen");
+    assert_eq!(store.snapshot().index_layers().cold_calls, 68);
+    store.close().expect("close");
+    assert_eq!(listed(dir.path()), 17);
+    let mut ids: Vec<String> = (0..16).flat_map(|i| (0..2).map(move |s| format!("a{i}-{s}-0"))).collect();
+    for (prefix, sessions, calls) in
+        [("c", 10, 3), ("u", 3, 2), ("d", 1, 3), ("e", 1, 2), ("g", 1, 6), ("f", 1, 1), ("p", 1, 3), ("q", 1, 2)]
+    {
+        ids.extend((0..sessions).flat_map(|s| (0..calls).map(move |n| format!("{prefix}-{s}-{n}"))));
+    }
+    ids.extend(["x-0", "x-1", "a4-1-1", "a9-0-1"].map(str::to_owned));
+    // Two sealed segments the file does not list (the writer's default
+    // options write none at this size), then the active one.
+    let w = Store::open(dir.path(), Options::default()).expect("open");
+    assert_eq!(w.snapshot().index_layers().cold_layers, 1);
+    sealed_sessions(&w, "c", 10, 3);
+    for s in 0..3 {
+        session_calls(&w, "u", s, 2);
+    }
+    session_calls(&w, "d", 0, 2);
+    session_calls(&w, "e", 0, 2);
+    session_calls(&w, "g", 0, 5);
+    // p-0 of the file's layer goes on with new trace ids; q-0 of it is
+    // deleted and its trace id taken by r-0.
+    w.append(call_with_uids("p-0-2", "p-0", &[], 2.0)).expect("p-0 goes on");
+    assert_eq!(w.delete_session("q-0").expect("delete"), 2);
+    w.append(call_with_uids("q-0-1", "r-0", &[], 3.0)).expect("a trace id of a deleted session");
+    w.append(call_with_uids("x-0", "x", &["u-0"], 1.0)).expect("a uid naming u-0");
+    w.set_reward(Target::Trace("c-2-1".into()), 0.5).expect("trace reward");
+    w.set_reward(Target::Trace("u-2-0".into()), 0.25).expect("trace reward");
+    w.set_reward(Target::Session("a3-0".into()), 1.5).expect("session reward");
+    w.set_reward(Target::Trace("a4-1-1".into()), 1.0).expect("trace reward");
+    w.roll().expect("roll");
+    sealed_sessions(&w, "h", 2, 2);
+    w.roll().expect("roll");
+    session_calls(&w, "d", 0, 3);
+    w.seal_session("e-0").expect("seal");
+    session_calls(&w, "f", 0, 1);
+    w.flush().expect("flush");
+    let want = fingerprint(&w.snapshot(), &ids);
+    w.close().expect("close");
+    // The file's 68 calls less a3-0's, a4-1's, p-0's and q-0's; c-0, c-1
+    // and c-3 to c-9 (27), u-1 (2), e-0 (2, sealed from the active
+    // segment), g-0 (5) and h-0, h-1 (4); not c-2, u-0, u-2, d-0, x, f-0,
+    // p-0 or r-0 (a trace id of the file's layer).
+    let cold = |store: &Store| {
+        let layers = store.snapshot().index_layers();
+        (layers.cold_layers, layers.cold_calls)
+    };
+    let ro = Store::open_read_only(dir.path()).expect("open read-only");
+    assert_eq!(cold(&ro), (2, 60 + 27 + 2 + 2 + 5 + 4));
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
+    // Fewer than an eighth of the listed segments are not listed: a
+    // writable open uses the file.
+    let w = Store::open(dir.path(), Options::default()).expect("open");
+    assert_eq!(cold(&w), (2, 100));
+    assert!(w.snapshot().index_layers().backlog_segments > 0);
+    assert_eq!(fingerprint(&w.snapshot(), &ids), want);
+    // Writes naming sessions of both layers thaw them.
+    w.append(call_with_uids("x-1", "x", &["u-1"], 2.0)).expect("a uid naming u-1");
+    w.set_reward(Target::Trace("c-6-0".into()), -1.0).expect("trace reward");
+    assert_eq!(w.delete_session("c-7").expect("delete"), 3);
+    w.append(call_with_uids("g-0-5", "g-0", &[], 9.0)).expect("g-0 goes on");
+    w.set_reward(Target::Session("h-1".into()), 3.0).expect("session reward");
+    w.set_reward(Target::Session("a5-1".into()), 2.0).expect("session reward");
+    w.set_reward(Target::Trace("a9-0-1".into()), 0.125).expect("trace reward");
+    assert!(w.append(call_with_uids("h-0-9", "h-0", &[], 9.0)).is_err(), "h-0 is sealed");
+    w.flush().expect("flush");
+    ro.refresh().expect("refresh");
+    assert_eq!(fingerprint(&ro.snapshot(), &ids), fingerprint(&w.snapshot(), &ids));
+    assert_eq!(cold(&ro), (2, 100 - 2 - 3 - 3 - 5 - 2 - 2 - 2), "u-1, c-6, c-7, g-0, h-1, a5-1 and a9-0 thawed");
+    assert_eq!(cold(&w), cold(&ro));
+    drop(ro);
+    agrees_with_and_without_the_backlog_file(dir.path(), w, &ids);
+}
+
 /// A call after the file (in the active segment) naming a cold session
 /// only by an extra session uid thaws it, as without the file.
 #[test]

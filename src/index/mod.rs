@@ -7,11 +7,13 @@
 //! the scanned tail) and in the writer thread, so both always agree.
 
 use crate::format::record::Loc;
+use cold::ColdLayers;
 use frozen::{Frozen, FrozenRow};
 use imbl::OrdMap;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
+pub(crate) mod cold;
 pub(crate) mod frozen;
 
 /// What the index keeps per live call (its trace id is the map's key).
@@ -253,14 +255,16 @@ pub struct Index {
     /// (session, the position of the record that thawed it), for the open
     /// to apply the session's later rows as the replay reaches them.
     thaw_log: Option<Vec<(u32, Loc)>>,
-    /// The cold layer: sessions whose every call is in a sealed segment and
-    /// that no other record names but their seals and session rewards, in
-    /// the frozen layer's flat arrays (built by an open, store/cold.rs
-    /// `ColdPlan`). A record that names one of them or one of their trace
-    /// ids (a writer's, or one a read-only refresh applies) thaws it whole
-    /// into the maps first.
-    cold: Arc<Frozen>,
-    /// Cold sessions whose calls moved into the maps.
+    /// The cold layers (cold.rs): sessions whose every call is in a sealed
+    /// segment and that no other record names but their seals and session
+    /// rewards, in the frozen layer's flat arrays (built by an open,
+    /// store/cold.rs `ColdPlan`, or mapped from the backlog index file). A
+    /// record that names one of them or one of their trace ids (a
+    /// writer's, or one a read-only refresh applies) thaws it whole into
+    /// the maps first.
+    cold: ColdLayers,
+    /// Cold sessions (numbered across the layers) whose calls moved into
+    /// the maps.
     cold_thawed: imbl::OrdSet<u32>,
     /// Their calls, in all.
     cold_thawed_rows: usize,
@@ -272,6 +276,9 @@ pub struct Index {
     /// the cold layer holds. A lookup of any other name skips the layer's
     /// mapped tables.
     cold_hits: Option<Arc<FrozenHits>>,
+    /// The cold layers `cold_hits` is of (the first ones): a layer added
+    /// since is looked up for every name.
+    cold_narrowed: usize,
 }
 
 /// What a count of live calls per shard file reads of an [`Index`] (its
@@ -281,7 +288,7 @@ pub(crate) struct LivenessKey {
     traces: OrdMap<Arc<str>, Arc<CallMeta>>,
     frozen: Arc<Frozen>,
     thawed: imbl::OrdSet<u32>,
-    cold: Arc<Frozen>,
+    cold: ColdLayers,
     cold_thawed: imbl::OrdSet<u32>,
 }
 
@@ -292,7 +299,7 @@ impl LivenessKey {
         self.traces.ptr_eq(&other.traces)
             && Arc::ptr_eq(&self.frozen, &other.frozen)
             && self.thawed.ptr_eq(&other.thawed)
-            && Arc::ptr_eq(&self.cold, &other.cold)
+            && self.cold.ptr_eq(&other.cold)
             && self.cold_thawed.ptr_eq(&other.cold_thawed)
     }
 }
@@ -338,9 +345,9 @@ impl Index {
         &self.frozen
     }
 
-    /// The cold layer (built by an open's survey, or mapped from the
+    /// The cold layers (built by an open's survey, or mapped from the
     /// backlog index file), thawed sessions included.
-    pub(crate) fn cold(&self) -> &Frozen {
+    pub(crate) fn cold(&self) -> &ColdLayers {
         &self.cold
     }
 
@@ -397,19 +404,29 @@ impl Index {
         rows.len()
     }
 
-    /// Install the cold layer (an open, before anything else reads the
-    /// index). Its sessions and trace ids must be in no other layer.
-    pub(crate) fn set_cold(&mut self, cold: Frozen) {
-        self.cold = Arc::new(cold);
-        self.cold_thawed = imbl::OrdSet::new();
-        self.cold_thawed_rows = 0;
+    /// Add a cold layer (an open, or a rebuilt index, after its replay
+    /// surveyed the records the layers before do not hold). Its sessions
+    /// and trace ids must be in no other layer, and no record applied so
+    /// far may name them. `false` (nothing added) past `u32` sessions in
+    /// all.
+    pub(crate) fn push_cold(&mut self, cold: Frozen) -> bool {
+        self.cold.push(cold)
     }
 
-    /// [`Index::set_cold`] with the backlog index file's layer, which
-    /// stands for `segments` sealed segments' footers.
+    /// [`Index::push_cold`] of the backlog index file's layer, the first,
+    /// which stands for `segments` sealed segments' footers.
     pub(crate) fn set_cold_from_backlog(&mut self, cold: Frozen, segments: usize) {
-        self.set_cold(cold);
+        self.cold = ColdLayers::default();
+        self.cold_thawed = imbl::OrdSet::new();
+        self.cold_thawed_rows = 0;
+        self.cold.push(cold);
         self.backlog_segments = segments;
+    }
+
+    /// The hashes [`Index::narrow_cold_lookups`] found in the cold layers,
+    /// while the lookups are narrowed.
+    pub(crate) fn cold_hits(&self) -> Option<&FrozenHits> {
+        self.cold_hits.as_deref()
     }
 
     /// Sealed segments whose footers the open took from the backlog index
@@ -433,17 +450,20 @@ impl Index {
         }
         named.sort_unstable();
         named.dedup();
-        let (mut trace_at, mut session_at) = (0, 0);
         let mut hits = FrozenHits::default();
-        for h in named {
-            if self.cold.has_trace_hash_from(&mut trace_at, h) {
-                hits.traces.insert(h);
-            }
-            if self.cold.has_session_hash_from(&mut session_at, h) {
-                hits.sessions.insert(h);
+        for (layer, _) in self.cold.iter() {
+            let (mut trace_at, mut session_at) = (0, 0);
+            for &h in &named {
+                if layer.has_trace_hash_from(&mut trace_at, h) {
+                    hits.traces.insert(h);
+                }
+                if layer.has_session_hash_from(&mut session_at, h) {
+                    hits.sessions.insert(h);
+                }
             }
         }
         self.cold_hits = Some(Arc::new(hits));
+        self.cold_narrowed = self.cold.count();
     }
 
     /// Look up every name in the cold layer again (after
@@ -457,21 +477,23 @@ impl Index {
         if self.cold.is_empty() {
             return None;
         }
-        if self.cold_hits.as_ref().is_some_and(|h| !h.sessions.contains(&frozen::id_hash(name))) {
-            return None;
-        }
-        self.cold.session(name).filter(|i| !self.cold_thawed.contains(i))
+        let from = match &self.cold_hits {
+            Some(h) if !h.sessions.contains(&frozen::id_hash(name)) => self.cold_narrowed,
+            _ => 0,
+        };
+        self.cold.session(name, from).filter(|i| !self.cold_thawed.contains(i))
     }
 
-    /// The cold call of `trace_id`, unless its session is thawed.
-    fn cold_trace(&self, trace_id: &str) -> Option<&FrozenRow> {
+    /// The cold call of `trace_id` with its session, unless thawed.
+    fn cold_trace(&self, trace_id: &str) -> Option<(u32, &FrozenRow)> {
         if self.cold.is_empty() {
             return None;
         }
-        if self.cold_hits.as_ref().is_some_and(|h| !h.traces.contains(&frozen::id_hash(trace_id))) {
-            return None;
-        }
-        self.cold.trace(trace_id).filter(|r| !self.cold_thawed.contains(&r.session))
+        let from = match &self.cold_hits {
+            Some(h) if !h.traces.contains(&frozen::id_hash(trace_id)) => self.cold_narrowed,
+            _ => 0,
+        };
+        self.cold.trace(trace_id, from).filter(|(s, _)| !self.cold_thawed.contains(s))
     }
 
     /// Move cold session `session`'s calls, seal and reward into the maps.
@@ -481,8 +503,8 @@ impl Index {
         if self.cold_thawed.insert(session).is_some() {
             return;
         }
-        let cold = self.cold.clone();
-        self.cold_thawed_rows += self.move_into_maps(&cold, session, Loc { segment: u64::MAX, offset: u64::MAX });
+        let Some((layer, local)) = self.cold.locate(session).map(|(l, i)| (l.clone(), i)) else { return };
+        self.cold_thawed_rows += self.move_into_maps(&layer, local, Loc { segment: u64::MAX, offset: u64::MAX });
     }
 
     /// Thaw the cold session named `name`, if there is one.
@@ -496,7 +518,7 @@ impl Index {
     /// `hits`: the survey's, when the record is one it surveyed.
     fn thaw_for(&mut self, trace_id: Option<&str>, sessions: &[Arc<str>], at: Loc, hits: Option<&FrozenHits>) {
         if !self.cold.is_empty() {
-            if let Some(s) = trace_id.and_then(|t| self.cold_trace(t)).map(|r| r.session) {
+            if let Some(s) = trace_id.and_then(|t| self.cold_trace(t)).map(|(s, _)| s) {
                 self.thaw_cold(s);
             }
             for s in sessions {
@@ -688,7 +710,7 @@ impl Index {
     /// session) takes none, so a reward never outlives its call
     /// (format-spec/record.md §6). Returns whether it was set.
     pub fn set_trace_reward(&mut self, trace: &str, value: f64, at: Loc) -> bool {
-        if let Some(s) = self.cold_trace(trace).map(|r| r.session) {
+        if let Some(s) = self.cold_trace(trace).map(|(s, _)| s) {
             self.thaw_cold(s);
         }
         let key = match self.traces.get_key_value(trace) {
@@ -720,7 +742,7 @@ impl Index {
             // The cold layer first: it is small and in memory, and no trace id
             // is in both (the open's survey kept the frozen ones out).
             None => match self.cold_trace(trace_id) {
-                Some(r) => Some(LiveCall::Frozen { loc: r.loc(), session: self.cold.session_name(r.session) }),
+                Some((s, r)) => Some(LiveCall::Frozen { loc: r.loc(), session: self.cold.session_name(s) }),
                 None => self
                     .frozen_trace(trace_id)
                     .map(|r| LiveCall::Frozen { loc: r.loc(), session: self.frozen.session_name(r.session) }),
@@ -775,11 +797,7 @@ impl Index {
     /// The live calls of the cold layer, with their session: in segments,
     /// or (a writer's) compacted since its open, as the maps' may be.
     pub(crate) fn cold_calls(&self) -> impl Iterator<Item = (Loc, &str)> + '_ {
-        self.cold
-            .rows()
-            .iter()
-            .filter(|r| !self.cold_thawed.contains(&r.session))
-            .map(|r| (r.loc(), self.cold.session_name(r.session)))
+        self.cold.calls().filter(|(s, _, _)| !self.cold_thawed.contains(s)).map(|(_, loc, session)| (loc, session))
     }
 
     /// The frozen rows of thawed sessions (their calls are in the maps
@@ -804,8 +822,8 @@ impl Index {
                 return e.calls.clone();
             }
         }
-        let (layer, i) = match self.cold_session(session) {
-            Some(i) => (&self.cold, i),
+        let (layer, i) = match self.cold_session(session).and_then(|i| self.cold.locate(i)) {
+            Some((layer, i)) => (layer, i),
             None => match self.frozen_session(session) {
                 Some(i) => (&self.frozen, i),
                 None => return CallList::default(),
@@ -830,7 +848,7 @@ impl Index {
         match entry.and_then(Self::mapped_summary) {
             Some(s) => Some(s),
             None => match self.cold_session(session) {
-                Some(i) => Self::layer_summary(&self.cold, i, None),
+                Some(i) => self.cold.locate(i).and_then(|(layer, i)| Self::layer_summary(layer, i, None)),
                 None => self.frozen_summary(self.frozen_session(session)?, entry),
             },
         }
@@ -882,9 +900,11 @@ impl Index {
     /// Every cold session (not thawed), with its summary: its calls are
     /// all in segments (or compacted since the open, as the maps' may be).
     pub fn for_each_cold_session(&self, mut f: impl FnMut(&str, SessionSummary)) {
-        for i in (0..self.cold.session_count()).filter(|i| !self.cold_thawed.contains(i)) {
-            if let Some(s) = Self::layer_summary(&self.cold, i, None) {
-                f(self.cold.session_name(i), s);
+        for (layer, first) in self.cold.iter() {
+            for i in (0..layer.session_count()).filter(|i| !self.cold_thawed.contains(&(first + i))) {
+                if let Some(s) = Self::layer_summary(layer, i, None) {
+                    f(layer.session_name(i), s);
+                }
             }
         }
     }

@@ -215,7 +215,15 @@ pub(super) fn survey_increment<'s>(
 impl<'a> ColdPlan<'a> {
     /// Survey `segments` (each: id, sealed or not, its entries, in log
     /// order) against the shards: `index`'s frozen layer and the shard rows
-    /// `rows` (trace id hash, session hashes) the replay will apply.
+    /// `rows` (trace id hash, session hashes) the replay will apply. When
+    /// `index` has cold layers (an open through the backlog index file),
+    /// they stand for the rest of the log, which names their sessions only
+    /// by their own records: `segments` are then every record they do not
+    /// hold (the file's warm entries, then the segments it does not list),
+    /// the lookups narrowed to the names of the latter
+    /// ([`Index::narrow_cold_lookups`]; the warm entries name nothing of
+    /// the file's layer), and a session or trace id of a layer is not
+    /// cold here (its records thaw it as the replay applies them).
     /// `keep`: the rewards the open keeps for the side table (their
     /// sessions are not cold). `surveyed` is called with each segment's id
     /// once its entries are read (its mapped pages can go). `None` when no
@@ -227,6 +235,12 @@ impl<'a> ColdPlan<'a> {
         keep: &dyn Fn(Loc) -> bool,
         surveyed: &mut dyn FnMut(u64),
     ) -> Option<ColdPlan<'a>> {
+        // The layers' hashes of the names the records carry.
+        let in_layers = match index.cold_hits() {
+            _ if index.cold().is_empty() => None,
+            Some(hits) => Some(hits),
+            None => return None,
+        };
         let mut s = Survey::default();
         for (id, sealed, entries) in segments {
             for e in entries {
@@ -259,7 +273,8 @@ impl<'a> ColdPlan<'a> {
             if in_frozen {
                 hits.traces.insert(trace);
             }
-            if in_frozen || s.rewarded.contains(&trace) || shard_traces.contains(&trace) {
+            let in_layer = in_layers.is_some_and(|h| h.traces.contains(&trace));
+            if in_frozen || in_layer || s.rewarded.contains(&trace) || shard_traces.contains(&trace) {
                 s.spoiled.insert(session);
             }
         };
@@ -279,8 +294,12 @@ impl<'a> ColdPlan<'a> {
         named.dedup();
         let mut at = 0;
         hits.sessions = named.into_iter().filter(|h| frozen.has_session_hash_from(&mut at, *h)).collect();
-        let cold: HashSet<u64> =
-            s.candidates.into_iter().filter(|h| !s.spoiled.contains(h) && !hits.sessions.contains(h)).collect();
+        let in_layer = |h: &u64| in_layers.is_some_and(|l| l.sessions.contains(h));
+        let cold: HashSet<u64> = s
+            .candidates
+            .into_iter()
+            .filter(|h| !s.spoiled.contains(h) && !hits.sessions.contains(h) && !in_layer(h))
+            .collect();
         if cold.is_empty() {
             return None;
         }
@@ -312,9 +331,10 @@ impl<'a> ColdPlan<'a> {
         }
     }
 
-    /// Install the layer of the calls taken, with their seals and rewards,
-    /// in `index` (after the replay). Should the layer not hold them (past
-    /// its 32-bit row numbers), they are applied to the maps instead, in
+    /// Add the layer of the calls taken, with their seals and rewards, to
+    /// `index`'s cold layers (after the replay). Should the layer not hold
+    /// them (past its 32-bit row numbers, or the layers' session numbers),
+    /// they are applied to the maps instead, in
     /// the order the replay met them: no other record names a cold session
     /// or its trace ids, so that gives the maps a replay would have built.
     /// Returns the sessions the layer holds (by name hash), `None` when
@@ -323,40 +343,41 @@ impl<'a> ColdPlan<'a> {
         if self.calls.is_empty() {
             return None;
         }
-        let all = vec![true; self.calls.len()];
-        let built = Frozen::build_with(&self.calls, &all, false);
-        drop(all);
-        let Some((mut frozen, _)) = built else {
-            for c in &self.calls {
-                let sessions = index.sessions_of::<&str>(c.session, &[]);
-                index.apply_call(Arc::from(c.trace_id), CallMeta { loc: c.loc, timestamp: c.timestamp, sessions });
-            }
-            for (name, (sealed, reward)) in self.marks {
-                if sealed {
-                    index.seal(name);
-                }
-                if let Some(r) = reward {
-                    index.set_session_reward(name, r);
-                }
-            }
-            return None;
-        };
         // In hash order: one walk forward through the layer's sessions.
         let mut marks: Vec<_> = self.marks.into_iter().map(|(name, m)| (id_hash(name), name, m)).collect();
         marks.sort_unstable_by_key(|m| m.0);
-        let mut at = 0;
-        for (_, name, (sealed, reward)) in marks {
-            // A cold session has a call (the survey saw one): it is in
-            // the layer.
-            let Some(i) = frozen.session_from(&mut at, name) else { continue };
-            if sealed {
-                frozen.seal(i);
+        let all = vec![true; self.calls.len()];
+        let built = Frozen::build_with(&self.calls, &all, false);
+        drop(all);
+        if let Some((mut frozen, _)) = built {
+            let mut at = 0;
+            for (_, name, (sealed, reward)) in &marks {
+                // A cold session has a call (the survey saw one): it is in
+                // the layer.
+                let Some(i) = frozen.session_from(&mut at, name) else { continue };
+                if *sealed {
+                    frozen.seal(i);
+                }
+                if let Some(r) = reward {
+                    frozen.set_reward(i, *r);
+                }
             }
-            if let Some(r) = reward {
-                frozen.set_reward(i, r);
+            if index.push_cold(frozen) {
+                return Some(self.cold);
             }
         }
-        index.set_cold(frozen);
-        Some(self.cold)
+        for c in &self.calls {
+            let sessions = index.sessions_of::<&str>(c.session, &[]);
+            index.apply_call(Arc::from(c.trace_id), CallMeta { loc: c.loc, timestamp: c.timestamp, sessions });
+        }
+        for (_, name, (sealed, reward)) in marks {
+            if sealed {
+                index.seal(name);
+            }
+            if let Some(r) = reward {
+                index.set_session_reward(name, r);
+            }
+        }
+        None
     }
 }

@@ -749,7 +749,11 @@ fn backlog_file_written(dir: &Path, loaded: &recovery::Loaded, options: &Options
     let clean = options.recovery != RecoveryMode::SkipCorrupted
         && loaded.report.events.iter().all(|e| e.kind == crate::segment::recovery::RecoveryEventKind::TornTailCut)
         && loaded.annotation_cache != recovery::CacheUse::Used;
-    let cold = loaded.index.cold();
+    // The open's survey built one layer at most.
+    let cold = match loaded.index.cold().first() {
+        Some(cold) if loaded.index.cold().count() == 1 => cold,
+        _ => return false,
+    };
     let any_shards = loaded.shards.files().next().is_some();
     let key = recovery::backlog_key(&loaded.shards);
     let worth = options.backlog_index_min_calls > 0 && cold.len() as u64 >= options.backlog_index_min_calls;

@@ -534,27 +534,29 @@ fn replay(
         }
         loaded_segments.push(seg);
     }
-    // With the backlog index file, the cold layer is the file's: no
-    // survey (records naming a cold session thaw it as they apply).
-    let mut cold = match backlog {
-        Some(_) => None,
-        None => {
-            let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, s.entry_refs()));
-            super::cold::ColdPlan::survey(surveyed, &index, feed.row_hashes(), &keep, &mut |id| {
-                release_footer(&loaded_segments, id, |s| s)
-            })
-        }
-    };
+    // With the backlog index file, the first cold layer is the file's: the
+    // replay looks it up only for the names the segments it does not list
+    // carry (records naming a cold session thaw it as they apply), and the
+    // survey is of the records it does not hold (its warm entries and
+    // those segments), for a second layer.
     if let Some(b) = &backlog {
         let unlisted = loaded_segments.iter().filter(|s| !b.lists(s.id)).map(|s| s.entry_refs());
         if let Some(named) = names_of(unlisted, feed.row_hashes()) {
             index.narrow_cold_lookups(named);
         }
-        // The replay reads each footer again, one segment at a time.
+        // The survey and the replay read each footer again, one segment at
+        // a time.
         for seg in loaded_segments.iter().filter(|s| s.in_footer.is_some()) {
             seg.map.release_pages();
         }
     }
+    let listed = backlog.as_deref();
+    let mut cold = {
+        let surveyed = loaded_segments.iter().map(|s| (s.id, s.sealed, entries_of(listed, s)));
+        super::cold::ColdPlan::survey(surveyed, &index, feed.row_hashes(), &keep, &mut |id| {
+            release_footer(&loaded_segments, id, |s| s)
+        })
+    };
     for seg in &loaded_segments {
         active_skipped |= seg.skipped_damage();
         for (offset, what) in &seg.applied_from_footer {
@@ -586,10 +588,7 @@ fn replay(
             ));
         }
         let r = SegmentRef::new(seg.id, seg.path.clone(), seg.map.clone(), seg.data_end, seg.sealed);
-        let entries = match backlog.as_deref().filter(|b| b.lists(seg.id)) {
-            Some(b) => Box::new(b.warm(seg.id)),
-            None => seg.entry_refs(),
-        };
+        let entries = entries_of(listed, seg);
         feed.replay_segment(&mut index, &shards, &r, entries, &mut damage, &mut rewards, &keep, cold.as_mut());
         if feed.conflict {
             return Ok(None);
@@ -667,6 +666,18 @@ fn replay(
         backlog_used: backlog.is_some(),
         cold_taken,
     }))
+}
+
+/// The footer entries an open replays for `seg`: the backlog index file's
+/// warm entries of it when `listed` lists it, else its footer's.
+fn entries_of<'a>(
+    listed: Option<&'a backlog_file::BacklogFile>,
+    seg: &'a LoadedSegment,
+) -> Box<dyn Iterator<Item = FooterEntryRef<'a>> + 'a> {
+    match listed.filter(|b| b.lists(seg.id)) {
+        Some(b) => Box::new(b.warm(seg.id)),
+        None => seg.entry_refs(),
+    }
 }
 
 /// The key a backlog index file over `shards` carries: the shard index

@@ -188,7 +188,11 @@ pub fn space(dir: &Path, json: bool) -> trajlog::Result<i32> {
     let cold = match layers.cold_calls {
         0 => String::new(),
         n => format!(
-            ", {n} in the cold layer ({} of heap; sessions in sealed segments nothing else names)",
+            ", {n} in {} ({} of heap; sessions in sealed segments nothing else names)",
+            match layers.cold_layers {
+                1 => "the cold layer".to_owned(),
+                k => format!("{k} cold layers"),
+            },
             hb(layers.cold_bytes as u64)
         ),
     };
