@@ -206,12 +206,18 @@ pub fn repair(dir: &Path, dry_run: bool) -> Result<RepairReport> {
     }
     crate::storage::write_atomic(dir, MANIFEST_NAME, &encode_manifest(&manifest), &None)?;
     report.written = true;
-    // The backlog index file describes the log of the manifest it was
-    // written under; it is a cache (format-spec/backlog-index.md), so the
+    // The backlog index file (and its delta) describes the log of the
+    // manifest it was written under; it is a cache (format-spec/backlog-index.md), so the
     // repaired store does without it until a writable open writes it anew.
-    let backlog = dir.join(crate::store::BACKLOG_FILE);
-    if backlog.exists() {
-        fs::remove_file(&backlog).map_err(|e| Error::io(format!("remove {}", backlog.display()), e))?;
+    let mut removed = false;
+    for name in [crate::store::BACKLOG_FILE, crate::store::BACKLOG_DELTA_FILE] {
+        let backlog = dir.join(name);
+        if backlog.exists() {
+            fs::remove_file(&backlog).map_err(|e| Error::io(format!("remove {}", backlog.display()), e))?;
+            removed = true;
+        }
+    }
+    if removed {
         crate::storage::sync_dir(dir, &None)?;
     }
     Ok(report)

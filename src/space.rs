@@ -93,7 +93,8 @@ pub struct OtherFiles {
     /// `shards/index.tsi`, the shard index file (a cache of the `steps`
     /// shards' index columns, format-spec/shard-index.md), and
     /// `shards/index.tsa`, its annotation cache (§7), and `backlog.tbi`,
-    /// the backlog index file (format-spec/backlog-index.md).
+    /// the backlog index file, with its delta `backlog-delta.tbi`
+    /// (format-spec/backlog-index.md).
     pub index_file_bytes: u64,
     /// Everything else: the manifest, the rewards side table, the lock,
     /// files a crash left (staged shards, temporary files), segments
@@ -319,6 +320,7 @@ fn other_files(dir: &std::path::Path, report: &SpaceReport) -> OtherFiles {
     let index_file = shards.join(crate::shard::index_file::INDEX_FILE_NAME);
     let annotation_cache = shards.join(crate::store::ANNOTATION_CACHE_FILE);
     let backlog_file = dir.join(crate::store::BACKLOG_FILE);
+    let backlog_delta = dir.join(crate::store::BACKLOG_DELTA_FILE);
     let trajectories = shards.join("trajectories");
     let mut other = OtherFiles::default();
     let mut stack = vec![dir.to_path_buf()];
@@ -330,7 +332,7 @@ fn other_files(dir: &std::path::Path, report: &SpaceReport) -> OtherFiles {
             if meta.is_dir() {
                 stack.push(path);
             } else if !counted.contains(path.as_path()) {
-                if path == index_file || path == annotation_cache || path == backlog_file {
+                if [&index_file, &annotation_cache, &backlog_file, &backlog_delta].contains(&&path) {
                     other.index_file_bytes += meta.len();
                 } else if path.starts_with(&trajectories) {
                     other.trajectories_bytes += meta.len();

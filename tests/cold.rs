@@ -274,6 +274,8 @@ fn run_rebuilt(dir: &Path, before: &[Op], after: &[Op], copy_forward: bool) -> R
 
 /// The backlog index file's name in the store directory.
 const BACKLOG: &str = "backlog.tbi";
+/// Its delta's.
+const BACKLOG_DELTA: &str = "backlog-delta.tbi";
 
 fn backlog_options() -> Options {
     Options::default().backlog_index_min_calls(1)
@@ -285,16 +287,19 @@ fn backlog_options() -> Options {
 /// (cold layer mapped from the file) in place of its own; it then goes on
 /// appending, annotating and deleting over it (thawing cold sessions).
 /// It answers as a read-only open with the file and one without it, and
-/// as a writable reopen; `verify` finds nothing. Returns how many times
-/// it took a refreshed index.
-fn run_refresh(dir: &Path, ops: &[Op]) -> Result<(usize, usize), TestCaseError> {
+/// as a writable reopen; `verify` finds nothing. So do read-only opens
+/// with the file and without the delta over it (its rolls within the
+/// eighth write one). Returns how many times it took a refreshed index,
+/// how many of those wrote the file from the one before, and how many
+/// were deltas.
+fn run_refresh(dir: &Path, ops: &[Op]) -> Result<(usize, usize, usize), TestCaseError> {
     let ids: Vec<String> = (0..60).map(trace).collect();
     let file = dir.join(BACKLOG);
     let store = Store::open(dir, backlog_options()).expect("open");
-    let (mut adopted, mut incremental, mut compacted) = (0, 0, false);
+    let (mut adopted, mut incremental, mut deltas, mut compacted) = (0, 0, 0, false);
     for o in ops {
         apply(&store, o);
-        (_, adopted, incremental) = store.wait_backlog_refresh_counts().expect("wait");
+        (_, adopted, incremental, deltas) = store.wait_backlog_refresh_counts().expect("wait");
         // Until a compaction (its publication rebuilds the index its own way).
         compacted |= matches!(o, Op::Compact(_));
         prop_assert!(compacted || adopted == 0 || store.snapshot().index_layers().backlog_segments > 0);
@@ -303,11 +308,24 @@ fn run_refresh(dir: &Path, ops: &[Op]) -> Result<(usize, usize), TestCaseError> 
     let want = fingerprint(&store.snapshot(), &ids);
     let with = Store::open_read_only(dir).expect("open read-only");
     prop_assert_eq!(&fingerprint(&with.snapshot(), &ids), &want);
+    // With shards the files are not used (the publications rebuild the
+    // index); they may stay until a retirement makes them stale.
+    let used = with.snapshot().index_layers().backlog_segments > 0;
     if file.exists() {
         // The file the writer wrote last (from the one before, or from
         // every footer) against every footer.
         let report = trajlog::verify::verify_dir(dir).expect("verify");
         prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
+        let delta = dir.join(BACKLOG_DELTA);
+        if delta.exists() {
+            std::fs::rename(&delta, dir.join("delta-aside")).expect("move aside");
+            let base_only = Store::open_read_only(dir).expect("open read-only");
+            if used {
+                prop_assert_eq!(base_only.snapshot().index_layers().backlog_segments as u32, listed(dir));
+            }
+            prop_assert_eq!(&fingerprint(&base_only.snapshot(), &ids), &want);
+            std::fs::rename(dir.join("delta-aside"), &delta).expect("move back");
+        }
         std::fs::rename(&file, dir.join("aside")).expect("move aside");
         let without = Store::open_read_only(dir).expect("open read-only");
         prop_assert_eq!(without.snapshot().index_layers().backlog_segments, 0);
@@ -322,7 +340,7 @@ fn run_refresh(dir: &Path, ops: &[Op]) -> Result<(usize, usize), TestCaseError> 
     drop(reopened);
     let report = trajlog::verify::verify_dir(dir).expect("verify");
     prop_assert!(report.problems.is_empty(), "{:?}", report.problems);
-    Ok((adopted as usize, incremental as usize))
+    Ok((adopted as usize, incremental as usize, deltas as usize))
 }
 
 /// A writer takes `before`, closes, and reopens with
@@ -650,7 +668,7 @@ fn segment_ids(dir: &Path) -> Vec<u64> {
     v
 }
 
-/// `src` copied to `dst`, without the backlog index file.
+/// `src` copied to `dst`, without the backlog index file and its delta.
 fn copy_without_backlog(src: &Path, dst: &Path) {
     std::fs::create_dir_all(dst).expect("mkdir");
     for e in std::fs::read_dir(src).expect("read dir") {
@@ -658,7 +676,7 @@ fn copy_without_backlog(src: &Path, dst: &Path) {
         let to = dst.join(e.file_name());
         if e.file_type().expect("type").is_dir() {
             copy_without_backlog(&e.path(), &to);
-        } else if e.file_name() != BACKLOG {
+        } else if !e.file_name().to_string_lossy().starts_with("backlog") {
             std::fs::copy(e.path(), to).expect("copy");
         }
     }
@@ -682,7 +700,7 @@ fn run_against_survey(before: &[Op], after: &[Op]) -> Result<(bool, bool), TestC
         s.close().expect("close");
     }
     let s = Store::open(a, backlog_options()).expect("open");
-    let (mut last, mut incremental) = ((0, 0, 0), false);
+    let (mut last, mut incremental) = ((0, 0, 0, 0), false);
     for o in after.iter().chain(std::iter::once(&Op::Roll)) {
         apply(&s, o);
         let c = s.wait_backlog_refresh_counts().expect("wait");
@@ -758,15 +776,18 @@ fn the_refresh_cases_take_the_refreshed_index() {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::{Config, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
-    let (mut cases, mut adopted, mut incremental) = (0, 0, 0);
+    let (mut cases, mut adopted, mut incremental, mut deltas) = (0, 0, 0, 0);
     for _ in 0..16 {
         let ops = prop::collection::vec(op(), 40..80).new_tree(&mut runner).expect("case").current();
         let dir = tempfile::tempdir().expect("tempdir");
         cases += 1;
-        let (a, i) = run_refresh(dir.path(), &ops).expect("case");
+        let (a, i, d) = run_refresh(dir.path(), &ops).expect("case");
         adopted += usize::from(a > 0);
         incremental += usize::from(i > 0);
+        deltas += usize::from(d > 0);
     }
+    // And deltas over it, taken by the writer.
+    assert!(deltas * 4 >= cases, "{deltas} of {cases} cases took a delta");
     assert!(adopted * 2 >= cases, "{adopted} of {cases} cases took a refreshed index");
     // And a file written from the one before, not only from every footer.
     assert!(incremental * 4 >= cases, "{incremental} of {cases} cases wrote the file from the one before");
@@ -873,9 +894,10 @@ fn sessions_after_the_backlog_file_go_to_a_second_cold_layer() {
         ids.extend((0..sessions).flat_map(|s| (0..calls).map(move |n| format!("{prefix}-{s}-{n}"))));
     }
     ids.extend(["x-0", "x-1", "a4-1-1", "a9-0-1"].map(str::to_owned));
-    // Two sealed segments the file does not list (the writer's default
-    // options write none at this size), then the active one.
-    let w = Store::open(dir.path(), Options::default()).expect("open");
+    // Two sealed segments the file does not list (a writer that writes no
+    // file, so no delta over it either), then the active one.
+    let no_refresh = || Options::default().backlog_index_min_calls(0);
+    let w = Store::open(dir.path(), no_refresh()).expect("open");
     assert_eq!(w.snapshot().index_layers().cold_layers, 1);
     sealed_sessions(&w, "c", 10, 3);
     for s in 0..3 {
@@ -916,7 +938,7 @@ fn sessions_after_the_backlog_file_go_to_a_second_cold_layer() {
     assert_eq!(fingerprint(&ro.snapshot(), &ids), want);
     // Fewer than an eighth of the listed segments are not listed: a
     // writable open uses the file.
-    let w = Store::open(dir.path(), Options::default()).expect("open");
+    let w = Store::open(dir.path(), no_refresh()).expect("open");
     assert_eq!(cold(&w), (2, 100));
     assert!(w.snapshot().index_layers().backlog_segments > 0);
     assert_eq!(fingerprint(&w.snapshot(), &ids), want);
@@ -1234,6 +1256,12 @@ fn listed(dir: &Path) -> u32 {
     u32::from_le_bytes(b[20..24].try_into().expect("4 bytes"))
 }
 
+/// How many segments the delta over the backlog index file in `dir` lists
+/// (0 without one).
+fn delta_listed(dir: &Path) -> u32 {
+    std::fs::read(dir.join(BACKLOG_DELTA)).map_or(0, |b| u32::from_le_bytes(b[20..24].try_into().expect("4 bytes")))
+}
+
 /// A store in `dir` of 16 sealed segments of two sealed sessions each,
 /// written without the option (no backlog index file).
 fn sixteen_sealed_segments(dir: &Path) {
@@ -1273,13 +1301,16 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     let second = listed(dir.path());
     assert!(second > first + 2, "{first} then {second}");
     // One more sealed segment with the option: an eighth or fewer, so
-    // the file is used, and left as it is.
+    // the file is used, and left as it is; the writer writes a delta over
+    // it listing that segment, and takes the index mapped from both.
     let w = Store::open(dir.path(), backlog_options()).expect("open");
     sealed_sessions(&w, "c", 2, 2);
     w.roll().expect("roll");
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), (0, 0), "no refresh under an eighth");
+    assert_eq!(w.wait_backlog_refresh_counts().expect("wait"), (1, 1, 0, 1), "a delta under an eighth");
+    assert_eq!(w.snapshot().index_layers().cold_layers, 2, "the file's layer and the delta's");
     w.close().expect("close");
     assert_eq!(listed(dir.path()), second);
+    assert_eq!(delta_listed(dir.path()), 1);
     // Three more rolls of the writer: past an eighth, it refreshes the
     // file itself and takes the index built from it; its answers do not
     // change, and the next opens use the new file.
@@ -1289,7 +1320,13 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
         sealed_sessions(&w, &format!("e{i}"), 2, 2);
         w.roll().expect("roll");
     }
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1), "the writer refreshed the file and took its index");
+    // Deltas as it rolls, and the whole file once past the eighth (how
+    // many deltas depends on how fast each helper ends).
+    let (started, taken, _, deltas) = w.wait_backlog_refresh_counts().expect("wait");
+    assert!(
+        started == taken && started > deltas,
+        "({started}, {taken}, {deltas}): the writer refreshed the file and took its index"
+    );
     let want = fingerprint(&w.snapshot(), &ids);
     // Writes after it that name cold sessions: a deletion, a session
     // reward, a trace reward, and a new session.
@@ -1302,7 +1339,7 @@ fn a_writable_open_writes_the_backlog_file_anew_as_the_log_grows() {
     w.close().expect("close");
     assert!(listed(dir.path()) > second + 2, "{second} then {}", listed(dir.path()));
     let ro = Store::open_read_only(dir.path()).expect("open read-only");
-    assert_eq!(ro.snapshot().index_layers().backlog_segments as u32, listed(dir.path()));
+    assert_eq!(ro.snapshot().index_layers().backlog_segments as u32, listed(dir.path()) + delta_listed(dir.path()));
     assert_eq!(fingerprint(&ro.snapshot(), &ids), after);
     std::fs::remove_file(dir.path().join(BACKLOG)).expect("remove");
     let ro = Store::open_read_only(dir.path()).expect("open read-only");
@@ -1322,19 +1359,22 @@ fn the_roll_that_begins_a_compaction_starts_no_backlog_refresh() {
     let w = Store::open(dir.path(), backlog_options()).expect("open");
     assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
     let first = listed(dir.path());
-    // Rolls up to an eighth of the listed segments: no refresh.
+    // Rolls up to an eighth of the listed segments: deltas only.
     for i in 0..first / 8 {
         sealed_sessions(&w, &format!("b{i}"), 2, 2);
         w.roll().expect("roll");
     }
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1));
+    let (started, taken, _, deltas) = w.wait_backlog_refresh_counts().expect("wait");
+    assert!(started == taken && started == deltas + 1 && deltas > 0, "({started}, {taken}, {deltas})");
+    assert!(dir.path().join(BACKLOG_DELTA).exists());
     // One more sealed session in the active segment: the compaction's own
     // roll passes the eighth.
     sealed_sessions(&w, "c", 2, 2);
     let r = w.compact(&CompactOptions::default()).expect("compact");
     assert!(r.retired_segments > 0, "{r:?}");
-    assert_eq!(w.wait_backlog_refresh().expect("wait"), (1, 1), "no refresh started");
+    assert_eq!(w.wait_backlog_refresh().expect("wait"), (started, taken), "no refresh started");
     assert!(!dir.path().join(BACKLOG).exists(), "the retirement removed the stale file");
+    assert!(!dir.path().join(BACKLOG_DELTA).exists(), "and its delta");
     w.close().expect("close");
     assert!(!dir.path().join(BACKLOG).exists());
 }

@@ -1906,3 +1906,152 @@ fn reads_the_v19_fixture_through_its_backlog_index_file() {
     let found: Vec<&str> = report.problems.iter().map(|p| p.what.as_str()).collect();
     assert!(found.iter().any(|p| p.contains("backlog") && p.contains("\"c:1\"")), "{found:?}");
 }
+
+fn fixture_v20_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/store-v20")
+}
+
+/// The v20 fixture's calls: sessions `d:0` … `d:9` and `e:0`, `e:1` of
+/// two calls each.
+fn fixture_v20_calls() -> Vec<Call> {
+    let sessions = (0..10u32).map(|s| format!("d:{s}")).chain(["e:0".to_owned(), "e:1".to_owned()]);
+    let mut calls = Vec::new();
+    for (n, session) in sessions.enumerate() {
+        let n = n as u32;
+        for step in 0..2u32 {
+            calls.push(Call {
+                trace_id: format!("{}/{step}", session.replace(':', "")),
+                session_id: session.clone(),
+                timestamp: 500.0 + f64::from(n * 2 + step),
+                prompt_token_ids: (0..6 + step * 3).map(|i| n * 100 + i).collect(),
+                completion_token_ids: vec![700 + n, 701],
+                logprobs: Some(vec![-0.25 * n as f32, -0.0]),
+                ..Default::default()
+            });
+        }
+    }
+    calls
+}
+
+/// Store format 20: `d:0` … `d:9` each sealed in a segment of its own (ten
+/// rolls); a writable open with `backlog_index_min_calls(1)` wrote
+/// `backlog.tbi` over those ten (every session cold); then `e:0` (sealed,
+/// session reward 0.5) and `e:1` (a trace reward on `e1/0`), a session
+/// reward 1.25 on `d:3`, and a roll, after which the writer wrote the
+/// delta `backlog-delta.tbi` over the eleventh segment (format-spec/
+/// backlog-index.md §4): its layer holds `e:0`; `e:1`'s records and
+/// `d:3`'s reward are its warm entries.
+fn write_fixture_v20() {
+    let dir = fixture_v20_dir();
+    assert!(!dir.exists(), "fixtures are never rewritten: {} exists", dir.display());
+    let calls = fixture_v20_calls();
+    let store = Store::open(&dir, Options::default()).unwrap();
+    for pair in calls[..20].chunks(2) {
+        for c in pair {
+            store.append(c.clone()).unwrap();
+        }
+        store.seal_session(&pair[0].session_id).unwrap();
+        store.roll().unwrap();
+    }
+    store.close().unwrap();
+    let store = Store::open(&dir, Options::default().backlog_index_min_calls(1)).unwrap();
+    store.wait_backlog_refresh().unwrap();
+    for c in &calls[20..] {
+        store.append(c.clone()).unwrap();
+    }
+    store.seal_session("e:0").unwrap();
+    store.set_reward(Target::Session("e:0".into()), 0.5).unwrap();
+    store.set_reward(Target::Trace("e1/0".into()), -1.5).unwrap();
+    store.set_reward(Target::Session("d:3".into()), 1.25).unwrap();
+    store.roll().unwrap();
+    let (_, taken, _, deltas) = store.wait_backlog_refresh_counts().unwrap();
+    assert!(taken >= 2 && deltas == 1, "({taken}, {deltas})");
+    store.close().unwrap();
+    std::fs::remove_file(dir.join("LOCK")).unwrap();
+    assert!(dir.join("backlog.tbi").exists() && dir.join("backlog-delta.tbi").exists());
+}
+
+/// What the v20 fixture reads as, with or without its backlog files.
+fn check_fixture_v20(dir: &std::path::Path) -> trajlog::Snapshot {
+    let snap = Store::open_read_only(dir).expect("fixture opens").snapshot();
+    let calls = fixture_v20_calls();
+    assert_eq!(snap.call_count(), calls.len());
+    for c in &calls {
+        assert_exact(&snap.get(&c.trace_id).unwrap().unwrap(), c);
+    }
+    for s in (0..10).map(|s| format!("d:{s}")).chain(["e:0".to_owned(), "e:1".to_owned()]) {
+        assert_eq!(snap.is_sealed(&s), s != "e:1", "{s}");
+        let want: Vec<Call> = calls.iter().filter(|c| c.session_id == s).cloned().collect();
+        assert_eq!(snap.session_calls(&s, None, None).unwrap(), want, "{s}");
+    }
+    assert_eq!(snap.session_reward("e:0"), Some(0.5));
+    assert_eq!(snap.session_reward("d:3"), Some(1.25));
+    assert_eq!(snap.session_reward("d:4"), None);
+    assert_eq!(snap.trace_reward("e1/0").map(f64::to_bits), Some((-1.5f64).to_bits()));
+    snap
+}
+
+/// Store format 20: an open maps the backlog index file and its delta
+/// (two cold layers, reading none of the eleven listed footers) and
+/// answers as an open with the file alone and as one without either; a
+/// delta that fails its checks, or whose base is not the file there, is
+/// not used (and `verify` names a damaged one).
+#[test]
+fn reads_the_v20_fixture_through_the_delta_over_its_backlog_file() {
+    if std::env::var_os("TRAJLOG_WRITE_FIXTURE").is_some() && !fixture_v20_dir().exists() {
+        write_fixture_v20();
+    }
+    let dir = fixture_v20_dir();
+    let delta = std::fs::read(dir.join("backlog-delta.tbi")).expect("the fixture has a delta");
+    assert_eq!(&delta[..8], b"TRJLBLX1");
+    assert_eq!(delta[12..16], 2u32.to_le_bytes(), "flag bit 1: a delta");
+    let snap = check_fixture_v20(&dir);
+    let layers = snap.index_layers();
+    assert_eq!((layers.backlog_segments, layers.cold_layers), (11, 2), "{layers:?}");
+    // d:3 thawed by its reward; e:0 in the delta's layer.
+    assert_eq!(layers.cold_calls, 20, "{layers:?}");
+    drop(snap);
+    let report = trajlog::verify::verify_dir(&dir).unwrap();
+    assert!(report.problems.is_empty() && report.leftovers.is_empty(), "{report:?}");
+
+    // Without the delta, then without either: the same answers.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let path = copy.path().join("backlog-delta.tbi");
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(check_fixture_v20(copy.path()).index_layers().backlog_segments, 10);
+    std::fs::remove_file(copy.path().join("backlog.tbi")).unwrap();
+    assert_eq!(check_fixture_v20(copy.path()).index_layers().backlog_segments, 0);
+
+    // A delta with a flipped bit in its head: not used, named by verify.
+    let copy = tempfile::tempdir().unwrap();
+    copy_dir(&dir, copy.path());
+    let path = copy.path().join("backlog-delta.tbi");
+    let mut bad = delta.clone();
+    bad[80] ^= 0x01;
+    std::fs::write(&path, &bad).unwrap();
+    assert_eq!(check_fixture_v20(copy.path()).index_layers().backlog_segments, 10);
+    let report = trajlog::verify::verify_dir(copy.path()).unwrap();
+    assert!(report.problems.iter().any(|p| p.what.contains("its delta")), "{report:?}");
+
+    // A delta over another base (its key names the file it was written
+    // over): not used.
+    // The head crc32 (§2: header bytes 0..64, the listed table, the warm
+    // entries) recomputed, so that only the key differs.
+    let head_crc = |b: &[u8]| {
+        let listed = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
+        let warm_len = |i: usize| u64::from_le_bytes(b[72 + 40 * i + 32..72 + 40 * i + 40].try_into().unwrap());
+        let warm: usize = (0..listed).map(|i| (warm_len(i) as usize).div_ceil(8) * 8).sum();
+        let mut h = crc32fast::Hasher::new();
+        h.update(&b[..64]);
+        h.update(&b[72..72 + 40 * listed + warm]);
+        h.finalize().to_le_bytes()
+    };
+    assert_eq!(head_crc(&delta), delta[64..68], "the recomputation is the file's");
+    let mut other = delta.clone();
+    other[16] ^= 0x01;
+    let crc = head_crc(&other);
+    other[64..68].copy_from_slice(&crc);
+    std::fs::write(&path, &other).unwrap();
+    assert_eq!(check_fixture_v20(copy.path()).index_layers().backlog_segments, 10);
+}

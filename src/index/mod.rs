@@ -429,8 +429,14 @@ impl Index {
         self.cold_hits.as_deref()
     }
 
+    /// Note that the open took `segments` sealed segments' footers from the
+    /// backlog index file and its delta.
+    pub(crate) fn set_backlog_segments(&mut self, segments: usize) {
+        self.backlog_segments = segments;
+    }
+
     /// Sealed segments whose footers the open took from the backlog index
-    /// file.
+    /// file (and its delta).
     pub(crate) fn backlog_segments(&self) -> usize {
         self.backlog_segments
     }

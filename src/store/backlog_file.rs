@@ -46,6 +46,14 @@ use std::sync::Arc;
 pub(crate) const BACKLOG_FILE_NAME: &str = "backlog.tbi";
 /// What a crash during its replacement may leave behind.
 pub(crate) const BACKLOG_TMP_NAME: &str = "backlog.tbi.tmp";
+/// The delta over it (format-spec/backlog-index.md §4): the same layout,
+/// listing the sealed segments after the ones it lists, keyed to it.
+pub(crate) const DELTA_FILE_NAME: &str = "backlog-delta.tbi";
+/// What a crash during the delta's replacement may leave behind.
+pub(crate) const DELTA_TMP_NAME: &str = "backlog-delta.tbi.tmp";
+/// Header flag: the file is a delta (bytes 16..20 and 24..32 then hold
+/// its base's key).
+const FLAG_DELTA: u32 = 2;
 const MAGIC: [u8; 8] = *b"TRJLBLX1";
 /// The version written and read.
 pub(crate) const BACKLOG_VERSION: u32 = 1;
@@ -74,13 +82,26 @@ pub(crate) struct Listed {
     pub warm_len: u64,
 }
 
+/// What names a base file to its delta: the base's head crc32 (its bytes
+/// 64..68) and its length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BaseKey {
+    head_crc32: u32,
+    len: u64,
+}
+
 /// An open, checked backlog index file.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct BacklogFile {
     map: Arc<Mapping>,
     /// The shard index file it was built against; `None`: a store without
     /// shards.
     pub shard_key: Option<IndexKey>,
+    /// For a delta: the key of the base file it extends.
+    base_key: Option<BaseKey>,
+    /// For a base file an open uses: its delta, when one extends it and
+    /// matches the manifest ([`usable`]).
+    delta: Option<Arc<BacklogFile>>,
     pub listed: Vec<Listed>,
     /// Byte offset of each listed segment's warm entries.
     warm_at: Vec<usize>,
@@ -191,14 +212,14 @@ pub(super) struct ToWrite<'a> {
 /// cleanly (a damaged or gapped footer: such segments are surveyed at
 /// every open, which reports them).
 pub(super) fn write(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault::Faults) -> Result<u64> {
-    tmp_removed_on_error(dir, write_through_tmp(dir, w, faults))
+    tmp_removed_on_error(dir, BACKLOG_TMP_NAME, write_through_tmp(dir, w, faults))
 }
 
 /// `written`, the temporary file a failed write left removed (the next
 /// writable open would remove it too).
-fn tmp_removed_on_error(dir: &Path, written: Result<u64>) -> Result<u64> {
+fn tmp_removed_on_error(dir: &Path, tmp: &str, written: Result<u64>) -> Result<u64> {
     if written.is_err() {
-        let _ = recovery::remove_if_present(&dir.join(BACKLOG_TMP_NAME));
+        let _ = recovery::remove_if_present(&dir.join(tmp));
     }
     written
 }
@@ -270,23 +291,37 @@ fn write_through_tmp(dir: &Path, w: &ToWrite<'_>, faults: &crate::storage::fault
         // Its footer was read twice (checked, encoded): not again.
         seg.release_pages();
     }
-    write_parts(dir, w.cold, w.shard_key, parts, marks, faults)
+    write_parts(dir, Target::Base, w.cold, w.shard_key, parts, marks, faults)
+}
+
+/// Which file [`write_parts`] writes.
+#[derive(Clone, Copy)]
+enum Target {
+    /// `backlog.tbi` (its delta, if any, is removed once it is replaced).
+    Base,
+    /// `backlog-delta.tbi`, over the base file of this key.
+    Delta(BaseKey),
 }
 
 /// Write a file of layer `cold` (with `marks`), listing `parts` in order,
 /// through a temporary file; its size.
 fn write_parts(
     dir: &Path,
+    target: Target,
     cold: &Frozen,
     shard_key: Option<IndexKey>,
     parts: Vec<ListedPart>,
     marks: Marks<'_>,
     faults: &crate::storage::fault::Faults,
 ) -> Result<u64> {
-    let dst = dir.join(BACKLOG_FILE_NAME);
+    let (name, tmp_name) = match target {
+        Target::Base => (BACKLOG_FILE_NAME, BACKLOG_TMP_NAME),
+        Target::Delta(_) => (DELTA_FILE_NAME, DELTA_TMP_NAME),
+    };
+    let dst = dir.join(name);
     crate::storage::fault::check(faults, crate::storage::fault::Op::Replace { path: &dst })
         .map_err(|e| Error::io(format!("replace {}", dst.display()), e))?;
-    let tmp = dir.join(BACKLOG_TMP_NAME);
+    let tmp = dir.join(tmp_name);
     let file = File::create(&tmp).map_err(|e| Error::io(format!("create {}", tmp.display()), e))?;
     let mut out = Out { w: BufWriter::with_capacity(1 << 20, file), at: 0, path: tmp.clone() };
     let t = cold.tables();
@@ -311,10 +346,16 @@ fn write_parts(
     let mut header = Vec::with_capacity(HEADER_LEN);
     header.extend_from_slice(&MAGIC);
     header.extend_from_slice(&BACKLOG_VERSION.to_le_bytes());
-    header.extend_from_slice(&u32::from(shard_key.is_some()).to_le_bytes());
-    header.extend_from_slice(&shard_key.map_or(0, |k| k.dir_crc32).to_le_bytes());
+    // A delta is written for a store without shards only.
+    let (flags, key_crc, key_len) = match (target, shard_key) {
+        (Target::Delta(base), _) => (FLAG_DELTA, base.head_crc32, base.len),
+        (Target::Base, Some(k)) => (1, k.dir_crc32, k.len),
+        (Target::Base, None) => (0, 0, 0),
+    };
+    header.extend_from_slice(&flags.to_le_bytes());
+    header.extend_from_slice(&key_crc.to_le_bytes());
     header.extend_from_slice(&(parts.len() as u32).to_le_bytes());
-    header.extend_from_slice(&shard_key.map_or(0, |k| k.len).to_le_bytes());
+    header.extend_from_slice(&key_len.to_le_bytes());
     header.extend_from_slice(&(t.rows.len() as u64).to_le_bytes());
     header.extend_from_slice(&(t.by_trace.len() as u64).to_le_bytes());
     header.extend_from_slice(&(t.text.len() as u64).to_le_bytes());
@@ -372,6 +413,10 @@ fn write_parts(
     written.map_err(|e| Error::io(format!("write {}", tmp.display()), e))?;
     drop(file);
     std::fs::rename(&tmp, &dst).map_err(|e| Error::io(format!("rename over {}", dst.display()), e))?;
+    if matches!(target, Target::Base) {
+        // A delta over the file replaced extends it no more.
+        let _ = recovery::remove_if_present(&dir.join(DELTA_FILE_NAME));
+    }
     crate::storage::sync_dir(dir, faults)?;
     Ok(len)
 }
@@ -399,28 +444,8 @@ pub(super) fn write_incremental(dir: &Path, manifest: &Manifest, options: &Optio
     // its own order.
     f.map.release_pages();
     let Some(old) = f.frozen() else { return Ok(None) };
-    let mut maps = Vec::new();
-    for ms in manifest.segments.iter().filter(|s| !f.lists(s.id)) {
-        if ms.state != SegmentState::Sealed {
-            return Ok(None);
-        }
-        let path = crate::storage::segment_path(dir, ms.id);
-        let map = File::open(&path).and_then(|file| {
-            let len = file.metadata()?.len();
-            Mapping::map(&file, len, &path).map_err(|e| std::io::Error::other(e.to_string()))
-        });
-        match map {
-            Ok(map) => maps.push((ms.id, map)),
-            Err(_) => return Ok(None),
-        }
-    }
-    let mut new_footers = Vec::with_capacity(maps.len());
-    for (id, map) in &maps {
-        match listable(map.bytes()) {
-            Some((trailer, footer)) => new_footers.push((*id, trailer, footer)),
-            None => return Ok(None),
-        }
-    }
+    let Some(maps) = map_unlisted(dir, manifest, &f) else { return Ok(None) };
+    let Some(new_footers) = listable_footers(&maps) else { return Ok(None) };
     type Entries<'e> = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>;
     let entries = || {
         let warm = f.listed.iter().map(|l| -> Entries<'_> { Box::new(f.warm(l.id)) });
@@ -487,7 +512,101 @@ pub(super) fn write_incremental(dir: &Path, manifest: &Manifest, options: &Optio
     for (_, map) in &maps {
         map.release_pages();
     }
-    tmp_removed_on_error(dir, write_parts(dir, &layer, None, parts, marks, &options.faults)).map(Some)
+    tmp_removed_on_error(
+        dir,
+        BACKLOG_TMP_NAME,
+        write_parts(dir, Target::Base, &layer, None, parts, marks, &options.faults),
+    )
+    .map(Some)
+}
+
+/// The segments of `manifest` that `f` does not list, mapped; `None` when
+/// one is not sealed or does not map.
+fn map_unlisted(dir: &Path, manifest: &Manifest, f: &BacklogFile) -> Option<Vec<(u64, Mapping)>> {
+    let mut maps = Vec::new();
+    for ms in manifest.segments.iter().filter(|s| !f.lists(s.id)) {
+        if ms.state != SegmentState::Sealed {
+            return None;
+        }
+        let path = crate::storage::segment_path(dir, ms.id);
+        let file = File::open(&path).ok()?;
+        let len = file.metadata().ok()?.len();
+        maps.push((ms.id, Mapping::map(&file, len, &path).ok()?));
+    }
+    Some(maps)
+}
+
+/// Each segment's footer as a file may list it ([`listable`]); `None` when
+/// one is not.
+fn listable_footers(maps: &[(u64, Mapping)]) -> Option<Vec<(u64, Trailer, CheckedFooter<'_>)>> {
+    maps.iter().map(|(id, map)| listable(map.bytes()).map(|(t, f)| (*id, t, f))).collect()
+}
+
+/// Write the delta over the file there (format-spec/backlog-index.md §4)
+/// listing the sealed segments of `manifest` after the ones the file lists
+/// (all of `manifest`'s segments are sealed; no shards): their footers
+/// surveyed with the file standing for the log before them
+/// ([`cold::survey_delta`]), the sessions that qualify in its layer, their
+/// other entries as its warm entries. It replaces any delta there.
+/// Returns its size; `Ok(None)` (nothing written) when there is no usable
+/// file, no segment after it, or a footer that is not listable.
+pub(super) fn write_delta(dir: &Path, manifest: &Manifest, options: &Options) -> Result<Option<u64>> {
+    let Some(base) = BacklogFile::open(dir, true) else { return Ok(None) };
+    if base.shard_key.is_some() || !manifest.shards.is_empty() || !base.matches(dir, manifest) {
+        return Ok(None);
+    }
+    let (Some(key), Some(layer)) = (base.key(), base.frozen()) else { return Ok(None) };
+    let Some(maps) = map_unlisted(dir, manifest, &base) else { return Ok(None) };
+    let Some(footers) = listable_footers(&maps) else { return Ok(None) };
+    if footers.is_empty() {
+        return Ok(None);
+    }
+    let mut warm_names = HashSet::new();
+    for l in &base.listed {
+        for e in base.own_warm(l.id) {
+            warm_names.insert(id_hash(e.id));
+            if !e.session_id.is_empty() {
+                warm_names.insert(id_hash(e.session_id));
+            }
+            warm_names.extend(e.session_uids.iter().map(id_hash));
+        }
+    }
+    type Entries<'e> = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>;
+    let entries = || footers.iter().map(|(_, _, f)| -> Entries<'_> { Box::new(f.iter()) });
+    let Some(taken_now) = super::cold::survey_delta(entries(), &warm_names, &layer) else { return Ok(None) };
+    drop(warm_names);
+    let (mut parts, mut marks) = (Vec::with_capacity(footers.len()), Marks::new());
+    let mut calls: Vec<(Loc, f64, &str, &str)> = Vec::new();
+    for (id, trailer, footer) in &footers {
+        let (mut bytes, mut count) = (Vec::new(), 0u32);
+        for e in footer.iter() {
+            if !taken(&taken_now, &e) {
+                crate::format::segment::encode_entry(&mut bytes, &e, true);
+                count += 1;
+            } else if e.kind == KIND_CALL {
+                calls.push((Loc { segment: *id, offset: e.frame_offset }, e.timestamp, e.id, e.session_id));
+            } else {
+                mark(&mut marks, &e);
+            }
+        }
+        parts.push(ListedPart { id: *id, trailer: *trailer, count, bytes });
+    }
+    let row = |i: u32| {
+        let (loc, timestamp, trace_id, session) = *calls.get(i as usize)?;
+        let pos = crate::shard::reader::ShardPos { shard: 0, row_group: 0, row: 0 };
+        Some(RowRef { loc, timestamp, pos, trace_id, sessions: RowSessions::One(session) })
+    };
+    let delta = match calls.is_empty() {
+        true => Frozen::default(),
+        false => match Frozen::build_from(calls.len(), row) {
+            Some(d) if d.len() == calls.len() => d,
+            _ => return Ok(None),
+        },
+    };
+    drop(calls);
+    base.map.release_pages();
+    let written = write_parts(dir, Target::Delta(key), &delta, None, parts, marks, &options.faults);
+    tmp_removed_on_error(dir, DELTA_TMP_NAME, written).map(Some)
 }
 
 impl BacklogFile {
@@ -496,7 +615,16 @@ impl BacklogFile {
     /// lookups read them (`lazy`) or whole now. `None` when there is none
     /// or it does not pass (an open then surveys the log).
     pub(crate) fn open(dir: &Path, lazy: bool) -> Option<BacklogFile> {
-        let path = dir.join(BACKLOG_FILE_NAME);
+        Self::open_named(dir, BACKLOG_FILE_NAME, lazy).filter(|f| f.base_key.is_none())
+    }
+
+    /// The delta file in `dir` ([`BacklogFile::open`]'s checks).
+    fn open_delta(dir: &Path, lazy: bool) -> Option<BacklogFile> {
+        Self::open_named(dir, DELTA_FILE_NAME, lazy).filter(|f| f.base_key.is_some())
+    }
+
+    fn open_named(dir: &Path, name: &str, lazy: bool) -> Option<BacklogFile> {
+        let path = dir.join(name);
         let file = File::open(&path).ok()?;
         let len = file.metadata().ok()?.len();
         let map = Arc::new(Mapping::map(&file, len, &path).ok()?);
@@ -514,14 +642,12 @@ impl BacklogFile {
             return None;
         }
         let flags = le_u32(b, 12)?;
-        if flags & !1 != 0 || le_u32(b, 60)? != 0 {
+        if !matches!(flags, 0 | 1 | FLAG_DELTA) || le_u32(b, 60)? != 0 {
             return None;
         }
-        let shard_key = (flags & 1 == 1).then(|| Some(IndexKey { dir_crc32: le_u32(b, 16)?, len: le_u64(b, 24)? }));
-        let shard_key = match shard_key {
-            Some(k) => Some(k?),
-            None => None,
-        };
+        let (key_crc, key_len) = (le_u32(b, 16)?, le_u64(b, 24)?);
+        let shard_key = (flags == 1).then_some(IndexKey { dir_crc32: key_crc, len: key_len });
+        let base_key = (flags == FLAG_DELTA).then_some(BaseKey { head_crc32: key_crc, len: key_len });
         let n_listed = le_u32(b, 20)? as usize;
         let rows = usize::try_from(le_u64(b, 32)?).ok()?;
         let by_trace = usize::try_from(le_u64(b, 40)?).ok()?;
@@ -587,6 +713,8 @@ impl BacklogFile {
         Some(BacklogFile {
             map,
             shard_key,
+            base_key,
+            delta: None,
             listed,
             warm_at,
             tables,
@@ -597,18 +725,60 @@ impl BacklogFile {
         })
     }
 
-    /// Whether it lists segment `id`.
+    /// Whether it (or its delta) lists segment `id`.
     pub(crate) fn lists(&self, id: u64) -> bool {
         self.listed(id).is_some()
     }
 
-    /// The listed segment `id`.
+    /// The listed segment `id`, its own or its delta's.
     pub(crate) fn listed(&self, id: u64) -> Option<&Listed> {
-        self.listed.binary_search_by_key(&id, |l| l.id).ok().and_then(|i| self.listed.get(i))
+        match self.listed.binary_search_by_key(&id, |l| l.id).ok().and_then(|i| self.listed.get(i)) {
+            Some(l) => Some(l),
+            None => self.delta.as_ref().and_then(|d| d.listed(id)),
+        }
     }
 
-    /// The warm entries of listed segment `id`, in log order.
-    pub(crate) fn warm(&self, id: u64) -> impl Iterator<Item = FooterEntryRef<'_>> + '_ {
+    /// Whether its delta lists segment `id`.
+    pub(crate) fn delta_lists(&self, id: u64) -> bool {
+        self.delta.as_ref().is_some_and(|d| d.lists(id))
+    }
+
+    /// The segments it and its delta list.
+    pub(crate) fn listed_count(&self) -> usize {
+        self.listed.len() + self.delta.as_ref().map_or(0, |d| d.listed.len())
+    }
+
+    /// The last segment its delta lists, if it has one.
+    pub(crate) fn delta_through(&self) -> Option<u64> {
+        self.delta.as_ref().and_then(|d| d.listed.last()).map(|l| l.id)
+    }
+
+    /// Its delta's cold layer ([`BacklogFile::frozen`]), if it has one.
+    pub(crate) fn delta_frozen(&self) -> Option<Frozen> {
+        self.delta.as_ref().and_then(|d| d.frozen())
+    }
+
+    /// The file without its delta.
+    pub(crate) fn without_delta(&self) -> BacklogFile {
+        BacklogFile { delta: None, ..self.clone() }
+    }
+
+    /// Its key, as a delta over it names it.
+    fn key(&self) -> Option<BaseKey> {
+        Some(BaseKey { head_crc32: le_u32(self.map.bytes(), 64)?, len: self.map.bytes().len() as u64 })
+    }
+
+    /// The warm entries of listed segment `id` (its own or its delta's), in
+    /// log order.
+    pub(crate) fn warm(&self, id: u64) -> Box<dyn Iterator<Item = FooterEntryRef<'_>> + '_> {
+        match &self.delta {
+            Some(d) if self.listed.binary_search_by_key(&id, |l| l.id).is_err() && d.lists(id) => d.warm(id),
+            _ => Box::new(self.own_warm(id)),
+        }
+    }
+
+    /// The warm entries of its own listed segment `id`, in log order.
+    fn own_warm(&self, id: u64) -> impl Iterator<Item = FooterEntryRef<'_>> + '_ {
         let i = self.listed.binary_search_by_key(&id, |l| l.id).ok();
         let f = i.and_then(|i| {
             let (l, at) = (self.listed.get(i)?, *self.warm_at.get(i)?);
@@ -647,8 +817,6 @@ impl BacklogFile {
     /// trailer the file names (read from the file's last bytes), and they
     /// are the manifest's first segments.
     pub(crate) fn matches(&self, dir: &Path, manifest: &Manifest) -> bool {
-        let sealed: HashSet<u64> =
-            manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).map(|s| s.id).collect();
         // The listed segments come first in the log, none between them
         // unlisted: an open replays the others after the file's layer
         // (a record there thaws what it names, as a later record would).
@@ -656,6 +824,14 @@ impl BacklogFile {
         if manifest.segments.iter().filter(|s| s.id <= last).count() != self.listed.len() {
             return false;
         }
+        self.trailers_match(dir, manifest)
+    }
+
+    /// Whether every listed segment is sealed in `manifest` with the
+    /// trailer the file names (read from the file's last bytes).
+    fn trailers_match(&self, dir: &Path, manifest: &Manifest) -> bool {
+        let sealed: HashSet<u64> =
+            manifest.segments.iter().filter(|s| s.state == SegmentState::Sealed).map(|s| s.id).collect();
         self.listed.iter().all(|l| {
             sealed.contains(&l.id)
                 && crate::segment::recovery::trailer_on_disk(dir, l.id).is_some_and(|t| {
@@ -672,24 +848,45 @@ impl BacklogFile {
 
 /// The file in `dir` when an open of `manifest` may use it: it passes its
 /// checks and every listed segment is sealed there with the same trailer
-/// (the shard key is checked by the open, once the shards are loaded).
+/// (the shard key is checked by the open, once the shards are loaded);
+/// with its delta when that one passes the same and extends it.
 pub(crate) fn usable(dir: &Path, manifest: &Manifest, lazy: bool) -> Option<BacklogFile> {
-    let f = BacklogFile::open(dir, lazy)?;
-    f.matches(dir, manifest).then_some(f)
+    let mut f = BacklogFile::open(dir, lazy)?;
+    if !f.matches(dir, manifest) {
+        return None;
+    }
+    f.delta = usable_delta(dir, manifest, &f, lazy).map(Arc::new);
+    Some(f)
 }
 
-/// Remove the file in `dir` if it lists one of `ids` (segments retired:
-/// it is stale then), reading only its header and listed table. Best
-/// effort: a file left is one no open uses, removed by the next writable
-/// open.
+/// The delta in `dir` over `base` (a usable base file) when an open of
+/// `manifest` may use it: it passes its checks, names `base`'s key, and
+/// lists sealed segments of `manifest`, with the same trailers, that are
+/// the ones right after `base`'s (none between unlisted); `base` is over
+/// a store without shards.
+fn usable_delta(dir: &Path, manifest: &Manifest, base: &BacklogFile, lazy: bool) -> Option<BacklogFile> {
+    if base.shard_key.is_some() || !manifest.shards.is_empty() {
+        return None;
+    }
+    let d = BacklogFile::open_delta(dir, lazy)?;
+    let after = base.listed.last()?.id;
+    let (first, last) = (d.listed.first()?.id, d.listed.last()?.id);
+    let between = manifest.segments.iter().filter(|s| s.id > after && s.id <= last).count();
+    let ok = d.base_key == base.key() && first > after && between == d.listed.len() && d.trailers_match(dir, manifest);
+    ok.then_some(d)
+}
+
+/// Remove the file in `dir` (and its delta) if it lists one of `ids`
+/// (segments retired: it is stale then), and the delta if it does,
+/// reading only their headers and listed tables. Best effort: a file left
+/// is one no open uses, removed by the next writable open.
 pub(super) fn remove_if_listing(dir: &Path, ids: &[u64], faults: &crate::storage::fault::Faults) {
     use std::os::unix::fs::FileExt;
     if ids.is_empty() {
         return;
     }
-    let path = dir.join(BACKLOG_FILE_NAME);
-    let lists = (|| {
-        let f = File::open(&path).ok()?;
+    let lists = |path: &Path| {
+        let f = File::open(path).ok()?;
         let mut header = [0u8; HEADER_LEN];
         f.read_exact_at(&mut header, 0).ok()?;
         let n = le_u32(&header, 20)? as u64;
@@ -698,9 +895,12 @@ pub(super) fn remove_if_listing(dir: &Path, ids: &[u64], faults: &crate::storage
         let mut listed = vec![0u8; usize::try_from(table).ok()?];
         f.read_exact_at(&mut listed, HEADER_LEN as u64).ok()?;
         Some(listed.chunks_exact(LISTED_LEN).any(|l| le_u64(l, 0).is_some_and(|id| ids.contains(&id))))
-    })();
+    };
+    let (base, delta) = (dir.join(BACKLOG_FILE_NAME), dir.join(DELTA_FILE_NAME));
     // One that does not read is left to the next writable open.
-    if lists == Some(true) && recovery::remove_if_present(&path).is_ok() {
+    let base_gone = lists(&base) == Some(true) && recovery::remove_if_present(&base).is_ok();
+    let delta_gone = (base_gone || lists(&delta) == Some(true)) && recovery::remove_if_present(&delta).is_ok();
+    if base_gone || delta_gone {
         let _ = crate::storage::sync_dir(dir, faults);
     }
 }
@@ -720,19 +920,29 @@ pub(crate) fn check(dir: &Path, manifest: &Manifest) -> Option<String> {
     if !dir.join(BACKLOG_FILE_NAME).exists() {
         return None;
     }
-    let Some(f) = BacklogFile::open(dir, true) else {
-        return Some("it fails its checks (header, listed segments, warm entries or block checksums)".into());
-    };
+    let fails = "fails its checks (header, listed segments, warm entries or block checksums)";
+    let Some(f) = BacklogFile::open(dir, true) else { return Some(format!("it {fails}")) };
     if !f.matches(dir, manifest) {
         return None;
     }
-    if !f.check_whole() {
-        return Some("a block of its tables fails its crc32".into());
+    let delta = match (dir.join(DELTA_FILE_NAME).exists(), BacklogFile::open_delta(dir, true)) {
+        (false, _) => None,
+        (true, None) => return Some(format!("its delta ({DELTA_FILE_NAME}) {fails}")),
+        (true, Some(d)) => usable_delta(dir, manifest, &f, true).map(|_| d),
+    };
+    for (what, file) in [("", Some(&f)), ("its delta: ", delta.as_ref())] {
+        let Some(file) = file else { continue };
+        if !file.check_whole() {
+            return Some(format!("{what}a block of its tables fails its crc32"));
+        }
+        // The check read the whole file (761 MB at 10M calls): its pages
+        // need not stay resident beside what the comparison holds.
+        file.map.release_pages();
+        if let Some(problem) = file.content_problem(dir) {
+            return Some(format!("{what}{problem}"));
+        }
     }
-    // The check read the whole file (761 MB at 10M calls): its pages need
-    // not stay resident beside what the comparison holds.
-    f.map.release_pages();
-    f.content_problem(dir)
+    None
 }
 
 impl BacklogFile {

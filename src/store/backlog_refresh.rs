@@ -40,8 +40,17 @@
 use super::recovery::{load_dir, load_surveyed, Rebuilt};
 use super::*;
 
+/// What a helper writes: the file over every sealed segment, or the delta
+/// over the segments after the file's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Whole,
+    Delta,
+}
+
 /// What a helper thread produced.
 pub(super) struct Outcome {
+    kind: Kind,
     /// The sealed segments it loaded (never none), in log order.
     ids: Vec<u64>,
     /// The index loaded through the file, when the file was written (or
@@ -75,7 +84,11 @@ impl Drop for Wake {
 pub(super) struct BacklogRefresh {
     /// Sealed segments the file the writer's index maps lists (0: none).
     listed: usize,
-    /// The sealed segments after those: id and calls.
+    /// The last segment the delta over that file lists (0: none).
+    delta_through: u64,
+    /// No delta is written until the next whole file (one could not be).
+    delta_off: bool,
+    /// The sealed segments after the file's: id and calls.
     unlisted: Vec<(u64, u64)>,
     /// Calls of unlisted segments below which no refresh starts (raised
     /// after one that could not be used, so it is not tried at every roll).
@@ -88,16 +101,19 @@ pub(super) struct BacklogRefresh {
     pub(super) started: u64,
     pub(super) adopted: u64,
     pub(super) incremental: u64,
+    /// Deltas written and taken (tests).
+    pub(super) deltas: u64,
 }
 
 impl BacklogRefresh {
     /// The state after an open whose index maps a file listing `listed`
-    /// segments (0: none), with `unlisted` sealed segments after them.
-    pub(super) fn at_open(listed: usize, unlisted: impl IntoIterator<Item = u64>) -> Self {
+    /// segments (0: none) and a delta over it listing those up to
+    /// `delta_through`, with `unlisted` sealed segments after the file's.
+    pub(super) fn at_open(listed: usize, delta_through: Option<u64>, unlisted: impl IntoIterator<Item = u64>) -> Self {
         // Their calls are not counted (the open replayed them from their
         // footers): only the calls written from now on start a refresh.
         let unlisted = unlisted.into_iter().map(|id| (id, 0)).collect();
-        BacklogRefresh { listed, unlisted, ..Default::default() }
+        BacklogRefresh { listed, delta_through: delta_through.unwrap_or(0), unlisted, ..Default::default() }
     }
 
     fn unlisted_calls(&self) -> u64 {
@@ -121,10 +137,22 @@ fn sealed_through(manifest: &Manifest, through: u64) -> Manifest {
 fn refresh(
     dir: &Path,
     manifest: Manifest,
+    kind: Kind,
     write: bool,
     options: &Options,
     closing: &AtomicBool,
 ) -> (Option<Index>, bool) {
+    if kind == Kind::Delta {
+        let through = manifest.segments.last().map(|s| s.id);
+        if !matches!(backlog_file::write_delta(dir, &manifest, options), Ok(Some(n)) if n > 0)
+            || closing.load(Ordering::Acquire)
+        {
+            return (None, false);
+        }
+        let loaded = load_dir(dir, manifest, RecoveryMode::TolerateTornTail, false, &|_| false, true).ok();
+        let used = |l: &recovery::Loaded| l.backlog_used && l.backlog_listed.1 == through && l.damage.is_empty();
+        return (loaded.filter(used).map(|l| l.index), false);
+    }
     let incremental = write && matches!(backlog_file::write_incremental(dir, &manifest, options), Ok(Some(n)) if n > 0);
     if write && !incremental {
         let Some(loaded) = load_surveyed(dir, manifest.clone()).ok().flatten() else { return (None, false) };
@@ -147,15 +175,24 @@ impl Writer {
     /// it, and start a refresh if one is due.
     pub(super) fn note_sealed(&mut self, id: u64, calls: u64) {
         self.backlog.unlisted.push((id, calls));
+        self.start_due_refresh();
+    }
+
+    /// Start the refresh that is due, if any and none is under way: the
+    /// whole file once the sealed segments it does not list pass an eighth
+    /// of those it lists (and the minimum of calls), else the delta over
+    /// it once a sealed segment is in neither.
+    fn start_due_refresh(&mut self) {
         let min = self.options.backlog_index_min_calls;
         let b = &self.backlog;
-        let due = min > 0
-            && !b.paused
-            && b.job.is_none()
-            && b.unlisted_calls() >= min.max(b.next_at)
-            && b.unlisted.len().saturating_mul(8) > b.listed;
-        if due {
+        let idle = min > 0 && !b.paused && b.job.is_none();
+        let whole = idle && b.unlisted_calls() >= min.max(b.next_at) && b.unlisted.len().saturating_mul(8) > b.listed;
+        // Within the eighth, the delta follows every roll.
+        let delta = idle && b.listed > 0 && !b.delta_off && b.unlisted.iter().any(|(id, _)| *id > b.delta_through);
+        if whole {
             self.start_backlog_refresh(true);
+        } else if delta {
+            self.start_refresh(Kind::Delta, true);
         }
     }
 
@@ -163,6 +200,11 @@ impl Writer {
     /// documentation; `write`: step 1 too), unless the writer could not
     /// take what it builds.
     pub(super) fn start_backlog_refresh(&mut self, write: bool) {
+        self.start_refresh(Kind::Whole, write);
+    }
+
+    /// [`Writer::start_backlog_refresh`] of a `kind` file.
+    fn start_refresh(&mut self, kind: Kind, write: bool) {
         let clean = self.options.recovery != RecoveryMode::SkipCorrupted && self.damage.is_empty();
         let Some(through) = self.sealed_segments.get_max().map(|(id, _)| *id) else { return };
         if !clean || self.poisoned() || !self.takes_backlog_index() || self.backlog.job.is_some() {
@@ -180,8 +222,8 @@ impl Writer {
         let (dir, options) = (self.dir.clone(), self.options.clone());
         let spawned = std::thread::Builder::new().name("trajlog-backlog".into()).spawn(move || {
             let _wake = Wake(tx);
-            let (index, incremental) = refresh(&dir, manifest, write, &options, &stop);
-            *lock(&slot) = Some(Outcome { ids, index, incremental });
+            let (index, incremental) = refresh(&dir, manifest, kind, write, &options, &stop);
+            *lock(&slot) = Some(Outcome { kind, ids, index, incremental });
         });
         // A helper that cannot start leaves things as they are.
         if let Ok(handle) = spawned {
@@ -206,8 +248,8 @@ impl Writer {
         // It has set its outcome (or panicked: then there is none).
         let _ = job.handle.join();
         let outcome = lock(&job.outcome).take();
-        let taken = match outcome {
-            Some(Outcome { ids, index, incremental }) => {
+        let (kind, taken) = match outcome {
+            Some(Outcome { kind, ids, index, incremental }) => {
                 self.backlog.incremental += u64::from(incremental);
                 // A retirement while the helper ran removed the file it
                 // then wrote anew, listing a retired segment: stale.
@@ -215,25 +257,42 @@ impl Writer {
                 backlog_file::remove_if_listing(&self.dir, &gone, &self.options.faults);
                 let through = ids.last().copied().unwrap_or(0);
                 let same_segments = self.sealed_segments.range(..=through).map(|(id, _)| *id).eq(ids.iter().copied());
-                match index {
-                    Some(index) if adopt && same_segments => self.adopt_backlog_index(index, through, ids.len()),
+                let taken = match index {
+                    Some(index) if adopt && same_segments => self.adopt_backlog_index(index, kind, through, ids.len()),
                     _ => false,
+                };
+                if kind == Kind::Delta {
+                    // Not again before the next whole file.
+                    self.backlog.delta_off |= !taken;
                 }
+                (kind, taken)
             }
-            None => false,
+            None => (Kind::Whole, false),
         };
-        if !taken {
+        if !taken && kind == Kind::Whole {
             // Not again before the backlog doubles (a damaged segment, a
             // survey too small to write, a compaction meanwhile).
             self.backlog.next_at = self.backlog.unlisted_calls().saturating_mul(2);
         }
+        if adopt {
+            // What rolled while it ran may be due now.
+            self.start_due_refresh();
+        }
         taken
+    }
+
+    /// Test hook: finish every refresh under way and those they make due.
+    #[cfg(any(test, feature = "internals"))]
+    pub(super) fn settle_backlog_refresh(&mut self) {
+        while self.backlog.job.is_some() {
+            self.finish_backlog_refresh(true);
+        }
     }
 
     /// Take `index` (sealed segments up to `through`, `listed` of them,
     /// loaded through the file) in place of the writer's own, if it still
     /// can; whether it did.
-    fn adopt_backlog_index(&mut self, index: Index, through: u64, listed: usize) -> bool {
+    fn adopt_backlog_index(&mut self, index: Index, kind: Kind, through: u64, listed: usize) -> bool {
         if self.poisoned() || !self.takes_backlog_index() {
             return false;
         }
@@ -248,9 +307,19 @@ impl Writer {
         if self.poisoned() {
             return false;
         }
-        self.backlog.listed = listed;
-        self.backlog.unlisted.retain(|(id, _)| *id > through);
-        self.backlog.next_at = 0;
+        match kind {
+            Kind::Whole => {
+                self.backlog.listed = listed;
+                self.backlog.unlisted.retain(|(id, _)| *id > through);
+                self.backlog.delta_through = 0;
+                self.backlog.delta_off = false;
+                self.backlog.next_at = 0;
+            }
+            Kind::Delta => {
+                self.backlog.delta_through = through;
+                self.backlog.deltas += 1;
+            }
+        }
         self.backlog.adopted += 1;
         self.commit(true);
         // The admission's sealed sessions stop holding the index taken out.

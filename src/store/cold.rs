@@ -212,6 +212,44 @@ pub(super) fn survey_increment<'s>(
     Some(s.candidates.into_iter().filter(|h| !s.spoiled.contains(h)).collect())
 }
 
+/// The sessions (by name hash) whose records among `segments` go to the
+/// layer of a delta over a backlog index file (backlog_file.rs
+/// `write_delta`): `segments` are the footers of the sealed segments right
+/// after the ones the file lists, in log order, surveyed with the rules of
+/// [`ColdPlan::survey`] (no shards), the file standing for the log before
+/// them. A session of its layer (`base`), a name its warm entries carry
+/// (`warm_names`: hashes of every trace id, session name and uid there),
+/// or a call whose trace id is one of those or a call of its layer, is not
+/// cold here: the delta never takes records the file holds. `None` when an
+/// entry cannot be judged from the footer.
+pub(super) fn survey_delta<'s>(
+    segments: impl IntoIterator<Item = Box<dyn Iterator<Item = FooterEntryRef<'s>> + 's>>,
+    warm_names: &HashSet<u64>,
+    base: &Frozen,
+) -> Option<HashSet<u64>> {
+    let mut s = Survey::default();
+    for e in segments.into_iter().flatten() {
+        if !s.entry(true, &e, false) {
+            return None;
+        }
+    }
+    // In trace hash order: one walk forward through the base layer's
+    // trace table.
+    s.calls.sort_unstable();
+    let mut at = 0;
+    for (i, c) in s.calls.iter().enumerate() {
+        let in_base = base.has_trace_hash_from(&mut at, c.0);
+        if in_base || trace_repeats(&s.calls, i) || s.rewarded.contains(&c.0) || warm_names.contains(&c.0) {
+            s.spoiled.insert(c.1);
+        }
+    }
+    let mut cold: Vec<u64> =
+        s.candidates.into_iter().filter(|h| !s.spoiled.contains(h) && !warm_names.contains(h)).collect();
+    cold.sort_unstable();
+    let mut at = 0;
+    Some(cold.into_iter().filter(|h| !base.has_session_hash_from(&mut at, *h)).collect())
+}
+
 impl<'a> ColdPlan<'a> {
     /// Survey `segments` (each: id, sealed or not, its entries, in log
     /// order) against the shards: `index`'s frozen layer and the shard rows

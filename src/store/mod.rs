@@ -42,7 +42,9 @@ mod tests;
 mod writer;
 
 pub(crate) use annotation_cache::{check as check_annotation_cache, CACHE_FILE_NAME as ANNOTATION_CACHE_FILE};
-pub(crate) use backlog_file::{check as check_backlog_file, BACKLOG_FILE_NAME as BACKLOG_FILE};
+pub(crate) use backlog_file::{
+    check as check_backlog_file, BACKLOG_FILE_NAME as BACKLOG_FILE, DELTA_FILE_NAME as BACKLOG_DELTA_FILE,
+};
 pub(crate) use deletions::{check as check_deletions, DELETIONS_FILE};
 
 pub use options::{Durability, Options, RecoveryMode};
@@ -181,8 +183,10 @@ impl Store {
             .map_err(|e| Error::io("remove a half-written shard index file", e))?;
         recovery::remove_if_present(&dir.join(SHARDS_DIR).join(annotation_cache::CACHE_TMP_NAME))
             .map_err(|e| Error::io("remove a half-written annotation cache", e))?;
-        recovery::remove_if_present(&dir.join(backlog_file::BACKLOG_TMP_NAME))
-            .map_err(|e| Error::io("remove a half-written backlog index file", e))?;
+        for tmp in [backlog_file::BACKLOG_TMP_NAME, backlog_file::DELTA_TMP_NAME] {
+            recovery::remove_if_present(&dir.join(tmp))
+                .map_err(|e| Error::io("remove a half-written backlog index file", e))?;
+        }
         // A segment found sealed on disk but listed as active (a crash between
         // a seal and the manifest update) is written back as sealed first, so
         // that no manifest ever lists two active segments.
@@ -230,11 +234,11 @@ impl Store {
         let sealed_ids = loaded.segments.values().filter(|s| s.sealed).map(|s| s.id);
         let backlog = match (loaded.backlog_used, backlog_written) {
             (true, _) => {
-                let listed = loaded.index.backlog_segments();
-                backlog_refresh::BacklogRefresh::at_open(listed, sealed_ids.skip(listed))
+                let (listed, delta) = loaded.backlog_listed;
+                backlog_refresh::BacklogRefresh::at_open(listed, delta, sealed_ids.skip(listed))
             }
-            (false, true) => backlog_refresh::BacklogRefresh::at_open(sealed_ids.count(), []),
-            (false, false) => backlog_refresh::BacklogRefresh::at_open(0, sealed_ids),
+            (false, true) => backlog_refresh::BacklogRefresh::at_open(sealed_ids.count(), None, []),
+            (false, false) => backlog_refresh::BacklogRefresh::at_open(0, None, sealed_ids),
         };
         let sealed = admission::Sealed::new(loaded.index.clone());
         let mut segments = loaded.segments.clone();
@@ -658,15 +662,16 @@ impl Store {
     #[cfg(any(test, feature = "internals"))]
     #[doc(hidden)]
     pub fn wait_backlog_refresh(&self) -> Result<(u64, u64)> {
-        self.wait_backlog_refresh_counts().map(|(started, taken, _)| (started, taken))
+        self.wait_backlog_refresh_counts().map(|(started, taken, _, _)| (started, taken))
     }
 
-    /// Test hook: [`Store::wait_backlog_refresh`], and how many of the
+    /// Test hook: [`Store::wait_backlog_refresh`], how many of the
     /// refreshes wrote the file from the one before instead of from every
-    /// footer.
+    /// footer, and how many wrote a delta over it whose index the writer
+    /// took.
     #[cfg(any(test, feature = "internals"))]
     #[doc(hidden)]
-    pub fn wait_backlog_refresh_counts(&self) -> Result<(u64, u64, u64)> {
+    pub fn wait_backlog_refresh_counts(&self) -> Result<(u64, u64, u64, u64)> {
         self.writable()?;
         let (reply, rx) = bounded(1);
         self.inner.send(Cmd::WaitBacklogRefresh { reply })?;
@@ -734,6 +739,7 @@ fn write_backlog_file(dir: &Path, loaded: &recovery::Loaded, options: &Options) 
     let written = backlog_file_written(dir, loaded, options);
     if !written {
         let _ = recovery::remove_if_present(&dir.join(backlog_file::BACKLOG_FILE_NAME));
+        let _ = recovery::remove_if_present(&dir.join(backlog_file::DELTA_FILE_NAME));
     }
     written
 }

@@ -69,11 +69,11 @@ pub(super) enum Cmd {
     BacklogRefreshed,
     /// Test hook (`Store::wait_backlog_refresh`): wait for a refresh under
     /// way and take what it built; replies with the refreshes started, the
-    /// indexes taken and the files written from the one before since the
-    /// open.
+    /// indexes taken, the files written from the one before and the
+    /// deltas taken since the open.
     #[cfg(any(test, feature = "internals"))]
     WaitBacklogRefresh {
-        reply: Sender<(u64, u64, u64)>,
+        reply: Sender<(u64, u64, u64, u64)>,
     },
 }
 

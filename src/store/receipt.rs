@@ -118,10 +118,13 @@ impl Inner {
                     let _ = crate::storage::sync_dir(&shards_dir, &self.options.faults);
                 }
             }
-            if name == Some(super::backlog_file::BACKLOG_FILE_NAME)
-                && recovery::remove_if_present(&self.dir.join(super::backlog_file::BACKLOG_FILE_NAME)).is_ok()
-            {
-                let _ = crate::storage::sync_dir(&self.dir, &self.options.faults);
+            // The file or its delta: both go (a delta extends the file).
+            let backlog = [super::backlog_file::BACKLOG_FILE_NAME, super::backlog_file::DELTA_FILE_NAME];
+            if backlog.iter().any(|b| Some(*b) == name) {
+                let removed = backlog.iter().map(|b| recovery::remove_if_present(&self.dir.join(b)).is_ok());
+                if removed.fold(false, |any, r| any | r) {
+                    let _ = crate::storage::sync_dir(&self.dir, &self.options.faults);
+                }
             }
         }
         self.poison(cause);

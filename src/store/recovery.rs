@@ -52,6 +52,9 @@ pub(crate) struct Loaded {
     pub(super) annotation_cache: CacheUse,
     /// Whether the open took its cold layer from the backlog index file.
     pub(super) backlog_used: bool,
+    /// The segments that file lists, and the last one its delta lists (if
+    /// the open used one).
+    pub(super) backlog_listed: (usize, Option<u64>),
     /// The sessions (by name hash) of the cold layer a survey built (not
     /// one the backlog index file held), for the file a writer writes.
     pub(super) cold_taken: Option<std::collections::HashSet<u64>>,
@@ -499,10 +502,18 @@ fn replay(
             && (b.shard_key.is_some() || !any_shards)
             && index.cold().is_empty()
     });
-    let backlog = match backlog.as_ref().and_then(|b| b.frozen()) {
-        Some(frozen) => {
-            index.set_cold_from_backlog(frozen, backlog.as_ref().map_or(0, |b| b.listed.len()));
-            backlog
+    let backlog = match backlog.as_ref().and_then(|b| b.frozen().map(|f| (b, f))) {
+        Some((b, frozen)) => {
+            index.set_cold_from_backlog(frozen, b.listed.len());
+            // Its delta's layer next; without it, the delta's segments are
+            // read from their footers.
+            let pushed = b.delta_frozen().is_some_and(|delta| index.push_cold(delta));
+            let b = match pushed || b.delta_through().is_none() {
+                true => b.clone(),
+                false => Arc::new(b.without_delta()),
+            };
+            index.set_backlog_segments(b.listed_count());
+            Some(b)
         }
         None => None,
     };
@@ -523,7 +534,8 @@ fn replay(
             .map_err(|_| Error::new(ErrorKind::Io, "internal: the segment reader stopped early"))??;
         // Mapped unread for a file this open does not use after all.
         let unread_by_cache = annotation_cache != CacheUse::Used && unread.as_ref().is_some_and(|c| c.lists(ms.id));
-        let unread_by_backlog = backlog.is_none() && offered.as_ref().is_some_and(|b| b.lists(ms.id));
+        let unread_by_backlog =
+            offered.as_ref().is_some_and(|b| b.lists(ms.id)) && !backlog.as_ref().is_some_and(|b| b.lists(ms.id));
         if unread_by_cache || unread_by_backlog {
             seg = crate::segment::recovery::load_segment_in_place(dir, ms.id, true, on_damage_of(recovery))?;
         }
@@ -534,13 +546,16 @@ fn replay(
         }
         loaded_segments.push(seg);
     }
-    // With the backlog index file, the first cold layer is the file's: the
-    // replay looks it up only for the names the segments it does not list
-    // carry (records naming a cold session thaw it as they apply), and the
-    // survey is of the records it does not hold (its warm entries and
-    // those segments), for a second layer.
+    // With the backlog index file, the first cold layer is the file's (and
+    // the second its delta's): the replay looks them up only for the names
+    // the records they do not hold carry (records naming a cold session
+    // thaw it as they apply), and the survey is of those records (the warm
+    // entries and the segments not listed), for one more layer.
     if let Some(b) = &backlog {
-        let unlisted = loaded_segments.iter().filter(|s| !b.lists(s.id)).map(|s| s.entry_refs());
+        // The delta's warm entries may name sessions of the file's layer
+        // (they continue, seal or reward them); the file's own name none.
+        let unlisted =
+            loaded_segments.iter().filter(|s| !b.lists(s.id) || b.delta_lists(s.id)).map(|s| entries_of(Some(b), s));
         if let Some(named) = names_of(unlisted, feed.row_hashes()) {
             index.narrow_cold_lookups(named);
         }
@@ -664,6 +679,7 @@ fn replay(
         index_to_write: to_write,
         annotation_cache,
         backlog_used: backlog.is_some(),
+        backlog_listed: backlog.as_ref().map_or((0, None), |b| (b.listed.len(), b.delta_through())),
         cold_taken,
     }))
 }

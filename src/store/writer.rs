@@ -223,9 +223,9 @@ impl Writer {
             }
             #[cfg(any(test, feature = "internals"))]
             Cmd::WaitBacklogRefresh { reply } => {
-                self.finish_backlog_refresh(true);
+                self.settle_backlog_refresh();
                 let b = &self.backlog;
-                let _ = reply.send((b.started, b.adopted, b.incremental));
+                let _ = reply.send((b.started, b.adopted, b.incremental, b.deltas));
             }
             #[cfg(any(test, feature = "internals"))]
             Cmd::Panic => panic!("writer thread panic injected by Store::inject_writer_panic (a test hook)"),
