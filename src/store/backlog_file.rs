@@ -28,6 +28,13 @@
 //! does not list) that name a cold session thaw it into the maps before
 //! they apply, as a read-only refresh does, so the replay rules
 //! (format-spec/record.md §6) run on the calls they ran on before.
+//!
+//! The writer also keeps a *delta* over it, `DIR/backlog-delta.tbi`
+//! ([`write_delta`], backlog-index.md §4): the same layout over the sealed
+//! segments after the file's, keyed to the file, whose layer an open maps
+//! as a second cold layer. It never takes a record the file holds or names
+//! (the file's layer and its warm entries' names stand for the log before
+//! it), so the file's warm entries stay valid beside it.
 
 use super::*;
 use crate::format::record::Loc;

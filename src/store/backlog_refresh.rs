@@ -36,6 +36,15 @@
 //! rebuilds and rewrites the whole layer; one from a survey reads every
 //! footer. The eighth rule makes either O(1) amortized per call, as for
 //! the shard index file.
+//!
+//! Within the eighth, each roll has the helper write the *delta* over the
+//! file instead (`backlog-delta.tbi`, [`backlog_file::write_delta`],
+//! format-spec/backlog-index.md §4): the sealed segments after the file's,
+//! from their footers alone, then steps 2 and 3 through both files. So an
+//! open maps the file's layer and the delta's and reads the active
+//! segment's entries beside them, and the writer's maps hold what it wrote
+//! since its last roll. A refresh that ends after more segments sealed
+//! starts the one due then.
 
 use super::recovery::{load_dir, load_surveyed, Rebuilt};
 use super::*;
