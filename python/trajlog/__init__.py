@@ -664,7 +664,7 @@ class Store:
         `disk_over_live` (segments and `steps` shards over the live data);
         `other`: the directory's other files (`trajectories_bytes`,
         `index_file_bytes`: the shard index file, its annotation cache and
-        the backlog index file,
+        the backlog index file with its delta,
         `other_bytes`), and `total_bytes` /
         `total_over_live` for everything in the directory; `index`:
         `live_calls`, and how many of them the index holds in its frozen
@@ -675,7 +675,9 @@ class Store:
         segments whose seals and rewards the open took from the annotation
         cache (shard-index.md §7), and `backlog_segments`, the sealed
         segments whose footers and cold layer the open took from the
-        backlog index file (format-spec/backlog-index.md)."""
+        backlog index file and its delta (format-spec/backlog-index.md),
+        `cold_calls` and `cold_layers`: the calls in the cold layers and
+        how many layers hold them."""
         return json.loads(self._native.space_json())
 
     def close(self) -> None:
