@@ -478,15 +478,22 @@ impl Index {
         self.cold_hits = None;
     }
 
+    /// The first cold layer a lookup of `name` reads: past the narrowed
+    /// ones when the lookups are narrowed and `hashes` (the hits' sessions
+    /// or traces) does not hold it.
+    fn cold_lookup_from(&self, hashes: impl Fn(&FrozenHits) -> &std::collections::HashSet<u64>, name: &str) -> usize {
+        match &self.cold_hits {
+            Some(h) if !hashes(h).contains(&frozen::id_hash(name)) => self.cold_narrowed,
+            _ => 0,
+        }
+    }
+
     /// The cold session `name`, unless thawed.
     fn cold_session(&self, name: &str) -> Option<u32> {
         if self.cold.is_empty() {
             return None;
         }
-        let from = match &self.cold_hits {
-            Some(h) if !h.sessions.contains(&frozen::id_hash(name)) => self.cold_narrowed,
-            _ => 0,
-        };
+        let from = self.cold_lookup_from(|h| &h.sessions, name);
         self.cold.session(name, from).filter(|i| !self.cold_thawed.contains(i))
     }
 
@@ -495,10 +502,7 @@ impl Index {
         if self.cold.is_empty() {
             return None;
         }
-        let from = match &self.cold_hits {
-            Some(h) if !h.traces.contains(&frozen::id_hash(trace_id)) => self.cold_narrowed,
-            _ => 0,
-        };
+        let from = self.cold_lookup_from(|h| &h.traces, trace_id);
         self.cold.trace(trace_id, from).filter(|(s, _)| !self.cold_thawed.contains(s))
     }
 

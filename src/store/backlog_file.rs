@@ -254,6 +254,36 @@ fn mark<'a>(marks: &mut Marks<'a>, e: &FooterEntryRef<'a>) {
     }
 }
 
+/// The calls a layer being written takes: (position, timestamp, trace id,
+/// session).
+type TakenCalls<'a> = Vec<(Loc, f64, &'a str, &'a str)>;
+
+/// Listed segment `id` (with `trailer`) of a file to write, from its
+/// entries: those of the sessions in `cold` go to the layer (calls to
+/// `calls`, seals and session rewards to `marks`), the others are its warm
+/// entries.
+fn split_entries<'a>(
+    id: u64,
+    trailer: Trailer,
+    entries: impl IntoIterator<Item = FooterEntryRef<'a>>,
+    cold: &HashSet<u64>,
+    calls: &mut TakenCalls<'a>,
+    marks: &mut Marks<'a>,
+) -> ListedPart {
+    let (mut bytes, mut count) = (Vec::new(), 0u32);
+    for e in entries {
+        if !taken(cold, &e) {
+            crate::format::segment::encode_entry(&mut bytes, &e, true);
+            count += 1;
+        } else if e.kind == KIND_CALL {
+            calls.push((Loc { segment: id, offset: e.frame_offset }, e.timestamp, e.id, e.session_id));
+        } else {
+            mark(marks, &e);
+        }
+    }
+    ListedPart { id, trailer, count, bytes }
+}
+
 /// A sealed segment's footer as a file may list it: read cleanly, with no
 /// gap, its rewards' targets in its entries.
 fn listable<'a>(bytes: &'a [u8]) -> Option<(Trailer, CheckedFooter<'a>)> {
@@ -476,22 +506,10 @@ pub(super) fn write_incremental(dir: &Path, manifest: &Manifest, options: &Optio
         })
         .chain(new_footers.iter().map(|(id, t, _)| (*id, *t)));
     let mut parts = Vec::new();
-    // The new layer's calls after the old one's: (position, timestamp,
-    // trace id, session).
-    let mut calls: Vec<(Loc, f64, &str, &str)> = Vec::new();
+    // The new layer's calls after the old one's.
+    let mut calls = TakenCalls::new();
     for ((id, trailer), entries) in trailers.zip(entries()) {
-        let (mut bytes, mut count) = (Vec::new(), 0u32);
-        for e in entries {
-            if !taken(&taken_now, &e) {
-                crate::format::segment::encode_entry(&mut bytes, &e, true);
-                count += 1;
-            } else if e.kind == KIND_CALL {
-                calls.push((Loc { segment: id, offset: e.frame_offset }, e.timestamp, e.id, e.session_id));
-            } else {
-                mark(&mut marks, &e);
-            }
-        }
-        parts.push(ListedPart { id, trailer, count, bytes });
+        parts.push(split_entries(id, trailer, entries, &taken_now, &mut calls, &mut marks));
     }
     let n_old = old.len();
     let row = |i: u32| {
@@ -568,35 +586,16 @@ pub(super) fn write_delta(dir: &Path, manifest: &Manifest, options: &Options) ->
     if footers.is_empty() {
         return Ok(None);
     }
-    let mut warm_names = HashSet::new();
-    for l in &base.listed {
-        for e in base.own_warm(l.id) {
-            warm_names.insert(id_hash(e.id));
-            if !e.session_id.is_empty() {
-                warm_names.insert(id_hash(e.session_id));
-            }
-            warm_names.extend(e.session_uids.iter().map(id_hash));
-        }
-    }
     type Entries<'e> = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>;
+    let warm = base.listed.iter().map(|l| -> Entries<'_> { Box::new(base.own_warm(l.id)) });
+    let Some(warm_names) = recovery::names_of(warm, std::iter::empty()) else { return Ok(None) };
+    let warm_names: HashSet<u64> = warm_names.into_iter().collect();
     let entries = || footers.iter().map(|(_, _, f)| -> Entries<'_> { Box::new(f.iter()) });
     let Some(taken_now) = super::cold::survey_delta(entries(), &warm_names, &layer) else { return Ok(None) };
     drop(warm_names);
-    let (mut parts, mut marks) = (Vec::with_capacity(footers.len()), Marks::new());
-    let mut calls: Vec<(Loc, f64, &str, &str)> = Vec::new();
+    let (mut parts, mut marks, mut calls) = (Vec::with_capacity(footers.len()), Marks::new(), TakenCalls::new());
     for (id, trailer, footer) in &footers {
-        let (mut bytes, mut count) = (Vec::new(), 0u32);
-        for e in footer.iter() {
-            if !taken(&taken_now, &e) {
-                crate::format::segment::encode_entry(&mut bytes, &e, true);
-                count += 1;
-            } else if e.kind == KIND_CALL {
-                calls.push((Loc { segment: *id, offset: e.frame_offset }, e.timestamp, e.id, e.session_id));
-            } else {
-                mark(&mut marks, &e);
-            }
-        }
-        parts.push(ListedPart { id: *id, trailer: *trailer, count, bytes });
+        parts.push(split_entries(*id, *trailer, footer.iter(), &taken_now, &mut calls, &mut marks));
     }
     let row = |i: u32| {
         let (loc, timestamp, trace_id, session) = *calls.get(i as usize)?;
@@ -883,9 +882,9 @@ fn usable_delta(dir: &Path, manifest: &Manifest, base: &BacklogFile, lazy: bool)
     ok.then_some(d)
 }
 
-/// Remove the file in `dir` (and its delta) if it lists one of `ids`
-/// (segments retired: it is stale then), and the delta if it does,
-/// reading only their headers and listed tables. Best effort: a file left
+/// Remove the file in `dir` (and its delta with it) if it lists one of
+/// `ids` (segments retired: it is stale then), else the delta alone if it
+/// does, reading only their headers and listed tables. Best effort: a file left
 /// is one no open uses, removed by the next writable open.
 pub(super) fn remove_if_listing(dir: &Path, ids: &[u64], faults: &crate::storage::fault::Faults) {
     use std::os::unix::fs::FileExt;

@@ -1070,7 +1070,7 @@ impl RowFeed {
 /// hashes) name, for [`Index::narrow_cold_lookups`]; `None` when a record
 /// names what its footer entry does not say (a reward in a footer older
 /// than segment format 4: its target is in its body).
-fn names_of<'e>(
+pub(super) fn names_of<'e>(
     segments: impl IntoIterator<Item = Box<dyn Iterator<Item = FooterEntryRef<'e>> + 'e>>,
     rows: impl IntoIterator<Item = (u64, Vec<u64>)>,
 ) -> Option<Vec<u64>> {
